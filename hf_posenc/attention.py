@@ -1,0 +1,189 @@
+"""The attention function of patched models, and its registration with transformers.
+
+``posenc_attention`` follows transformers' attention-function contract: it is called as
+``fn(module, q, k, v, attention_mask, dropout=, scaling=, **kwargs)`` with q (B, H, Lq, D) and k, v
+(B, Hkv, Lk, D) (grouped-query heads not expanded) and returns ``(out (B, Lq, H, D), weights | None)``.
+The encoding's terms reach it through ``kwargs["posenc_ctx"]`` (a :class:`PosContext`).
+
+Backends: ``torch`` (the reference, built on ``scaled_dot_product_attention``) is the only one in this
+release. ``HF_POSENC_BACKEND=torch|flex|triton`` forces one; naming one that is not available raises.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.nn import functional as F
+
+from .encodings.base import PosContext
+
+__all__ = ["ATTN_IMPLEMENTATION", "posenc_attention", "register_with_transformers", "resolve_backend", "BACKENDS"]
+
+#: The name under which hf_posenc registers with transformers' AttentionInterface and AttentionMaskInterface.
+ATTN_IMPLEMENTATION = "hf_posenc"
+BACKENDS = ("torch", "flex", "triton")
+_AVAILABLE = ("torch",)
+
+
+def resolve_backend(device: torch.device | None = None) -> str:
+    """The backend to use: ``HF_POSENC_BACKEND`` if set (validated), else ``torch``."""
+    forced = os.environ.get("HF_POSENC_BACKEND", "").strip().lower()
+    if not forced:
+        return "torch"
+    if forced not in BACKENDS:
+        raise ValueError(f"HF_POSENC_BACKEND={forced!r} is not a backend; allowed: {', '.join(BACKENDS)}")
+    if forced not in _AVAILABLE:
+        raise ValueError(
+            f"HF_POSENC_BACKEND={forced!r} is not available in this release of hf_posenc; available: "
+            f"{', '.join(_AVAILABLE)}"
+        )
+    return forced
+
+
+def _as_bool_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """transformers hands us a bool mask (True = attend) or None; a user's 4D float mask is converted."""
+    if attention_mask is None or attention_mask.dtype == torch.bool:
+        return attention_mask
+    return attention_mask > torch.finfo(attention_mask.dtype).min / 2
+
+
+def _causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+    """Bottom-right aligned causal mask (Lq, Lk): the queries are the last Lq keys."""
+    q_idx = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)
+    return q_idx >= torch.arange(k_len, device=device)[None, :]
+
+
+def _full_mask(
+    attention_mask: torch.Tensor | None, causal: bool, q_len: int, k_len: int, device: torch.device
+) -> torch.Tensor | None:
+    """A bool mask (B|1, 1, Lq, Lk), or None when every query sees every key."""
+    mask = _as_bool_mask(attention_mask)
+    if mask is None and causal and q_len > 1:
+        mask = _causal_mask(q_len, k_len, device)[None, None]
+    return mask
+
+
+def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return x
+    b, h, n, d = x.shape
+    return x[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
+
+
+def _eager(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    scaling: float,
+    dropout: float,
+    training: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with explicit probabilities (for ``output_attentions``), softmax in float32."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = _expand_kv(key, groups), _expand_kv(value, groups)
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scaling
+    if bias is not None:
+        scores = scores + bias
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.nan_to_num(probs, nan=0.0)  # rows with every key masked (left padding) give zeros
+    probs = F.dropout(probs, p=dropout, training=training).to(query.dtype)
+    return torch.matmul(probs, value), probs
+
+
+def _bias_mask(
+    ctx: PosContext, mask: torch.Tensor | None, bias: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """bias + mask as one additive float mask in ``dtype``, built once per forward (shared by all layers)."""
+    key = ("bias_mask", tuple(bias.shape), None if mask is None else (tuple(mask.shape), mask.data_ptr()), dtype)
+    cached = ctx.memo.get(key)
+    if cached is not None:
+        return cached
+    out = bias.to(dtype)
+    if mask is not None:
+        out = out.masked_fill(~mask, float("-inf"))
+    ctx.memo[key] = out
+    return out
+
+
+def posenc_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    posenc_ctx: PosContext | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention with the position terms of ``posenc_ctx`` (none when it is None).
+
+    Args:
+        module: the attention module; ``module.is_causal`` tells causal from bidirectional.
+        query: (B, H, Lq, D); key, value: (B, Hkv, Lk, D) with H a multiple of Hkv.
+        attention_mask: None, or (B|1, 1, Lq, Lk) bool (True = attend) or additive float.
+        dropout: attention dropout probability (already 0 in eval).
+        scaling: logit scale (default 1/sqrt(D)).
+        posenc_ctx: the per-forward context built by the patched model.
+
+    Returns:
+        out (B, Lq, H, D), and the probabilities (B, H, Lq, Lk) when ``posenc_ctx.need_weights`` else None.
+    """
+    resolve_backend(query.device)
+    b, h, q_len, d = query.shape
+    k_len = key.shape[2]
+    if h % key.shape[1]:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({key.shape[1]})")
+    scaling = d**-0.5 if scaling is None else scaling
+    causal = bool(getattr(module, "is_causal", False))
+    training = module.training
+    bias = posenc_ctx.score_bias(q_len, k_len, query.device) if posenc_ctx is not None else None
+    need_weights = bool(posenc_ctx is not None and posenc_ctx.need_weights)
+
+    if need_weights:
+        mask = _full_mask(attention_mask, causal, q_len, k_len, query.device)
+        out, probs = _eager(query, key, value, mask, bias, scaling, dropout, training)
+        return out.transpose(1, 2).contiguous(), probs
+
+    gqa = key.shape[1] != h
+    if bias is None:
+        mask = _as_bool_mask(attention_mask)
+        is_causal = mask is None and causal and q_len > 1
+        if is_causal and q_len != k_len:
+            mask, is_causal = _causal_mask(q_len, k_len, query.device)[None, None], False
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, scale=scaling, enable_gqa=gqa
+        )
+        return out.transpose(1, 2).contiguous(), None
+
+    mask = _full_mask(attention_mask, causal, q_len, k_len, query.device)
+    float_mask = _bias_mask(posenc_ctx, mask, bias, query.dtype)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=float_mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+_registered = False
+
+
+def register_with_transformers() -> None:
+    """Register ``hf_posenc`` in transformers' AttentionInterface and AttentionMaskInterface (idempotent).
+
+    The mask function is transformers' own ``sdpa_mask``: a bool mask, or None when plain causal (or full)
+    attention needs none. Registering only adds a new name; no existing entry is changed.
+    """
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, posenc_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    _registered = True

@@ -1,0 +1,205 @@
+"""Absolute encodings added to the token embeddings: ``nope``, ``sinusoidal``, ``learned``.
+
+* NoPE: "Length Generalization of Causal Transformers without Position Encoding", Wang et al. 2024,
+  https://arxiv.org/abs/2404.12224 -- no position signal at all; a causal mask alone lets a decoder
+  infer order. On ViT there is no such cue: the model becomes permutation-invariant over patches.
+* Sinusoidal: "Attention Is All You Need", Vaswani et al. 2017, https://arxiv.org/abs/1706.03762 --
+  PE(pos, 2i) = sin(pos / base^(2i/d)),  PE(pos, 2i+1) = cos(pos / base^(2i/d)), interleaved as in the
+  paper, added to the token embeddings. On ViT: the 2D form (MAE, https://arxiv.org/abs/2111.06377):
+  the first d/2 channels encode the patch row, the last d/2 the column, each with the 1D formula at
+  dimension d/2; the CLS token gets no positional term.
+* Learned: a trained table added to the embeddings (GPT-2's and ViT's native kind, e.g.
+  "Improving Language Understanding by Generative Pre-Training", Radford et al. 2018, and
+  "An Image is Worth 16x16 Words", https://arxiv.org/abs/2010.11929). On GPT-2 and ViT the model's
+  own table is adopted, so the patched model reproduces the unpatched one. On ViT the table has a
+  CLS slot (as in the paper) and is interpolated bicubically for other image sizes exactly as
+  transformers does when ``interpolate_pos_encoding=True``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..config import PosEncConfig
+from ..registry import param, register_encoding
+from .base import ModelInfo, PosContext, PositionEncoding
+
+__all__ = ["NoPE", "Sinusoidal", "Learned", "sinusoidal_table"]
+
+
+@dataclass
+class NoPEParams:
+    pass
+
+
+@register_encoding(
+    "nope",
+    params=NoPEParams,
+    kind="absolute",
+    summary="no position signal: removes the model's own encoding",
+    paper="https://arxiv.org/abs/2404.12224",
+)
+class NoPE(PositionEncoding):
+    """No position encoding: the patch removes the model's own and adds nothing."""
+
+
+def sinusoidal_table(positions: torch.Tensor, dim: int, base: float) -> torch.Tensor:
+    """Interleaved sin/cos of Vaswani et al. for integer ``positions`` (...,) -> (..., dim) float32.
+
+    out[..., 2i] = sin(pos * base^(-2i/dim)), out[..., 2i+1] = cos(pos * base^(-2i/dim)).
+    """
+    half = torch.arange(0, dim, 2, device=positions.device, dtype=torch.float64)
+    inv_freq = torch.exp(-math.log(base) * half / dim).to(torch.float32)
+    angles = positions.to(torch.float32)[..., None] * inv_freq
+    out = torch.stack([angles.sin(), angles.cos()], dim=-1)
+    return out.flatten(-2)
+
+
+@dataclass
+class SinusoidalParams:
+    base: float = param(10000.0, "wavelength base of the sinusoids (10000 in the paper)", type=float, gt=1.0)
+
+
+@register_encoding(
+    "sinusoidal",
+    params=SinusoidalParams,
+    kind="absolute",
+    summary="fixed interleaved sin/cos added to the embeddings; 2D over the patch grid on ViT",
+    paper="https://arxiv.org/abs/1706.03762",
+)
+class Sinusoidal(PositionEncoding):
+    """Fixed sinusoids added to the embeddings; see the module docstring for the formula."""
+
+    adds_embeddings = True
+
+    def check_model(self, info: ModelInfo) -> None:
+        mult = 4 if info.family == "vit" else 2
+        if info.hidden_size % mult:
+            raise ValueError(
+                f"sinusoidal needs hidden_size divisible by {mult} on {info.family}, got {info.hidden_size}"
+            )
+
+    def embed(self, ctx: PosContext, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Text: (B or 1, Lq, D) at ``ctx.position_ids``; ViT: (1, 1 + rows*cols, D), zero for CLS."""
+        base = self.posenc_config.params["base"]
+        dim = self.info.hidden_size
+        if ctx.grid is None:
+            return sinusoidal_table(ctx.position_ids.to(device), dim, base).to(dtype)
+        rows, cols = ctx.grid
+        r = torch.arange(rows, device=device).repeat_interleave(cols)
+        c = torch.arange(cols, device=device).repeat(rows)
+        pe = torch.cat([sinusoidal_table(r, dim // 2, base), sinusoidal_table(c, dim // 2, base)], dim=-1)
+        pe = torch.cat([pe.new_zeros(1, dim), pe], dim=0)
+        return pe[None].to(dtype)
+
+
+@dataclass
+class LearnedParams:
+    max_positions: int | None = param(
+        None,
+        "rows of the table on text models (default: the model's own maximum, e.g. n_positions); "
+        "not used on ViT, whose table follows the patch grid",
+        type=int,
+        optional=True,
+        ge=1,
+    )
+    init_std: float | None = param(
+        None,
+        "standard deviation of the initial table (default: the model's initializer_range)",
+        type=float,
+        optional=True,
+        gt=0.0,
+    )
+
+
+@register_encoding(
+    "learned",
+    params=LearnedParams,
+    kind="absolute",
+    summary="learned table added to the embeddings (GPT-2's and ViT's native kind)",
+    paper="https://arxiv.org/abs/2010.11929",
+)
+class Learned(PositionEncoding):
+    """A learned table ``weight`` added to the embeddings; see the module docstring."""
+
+    adds_embeddings = True
+
+    @classmethod
+    def resolve(cls, config: PosEncConfig, info: ModelInfo) -> PosEncConfig:
+        p = dict(config.params)
+        if info.family == "vit":
+            if p["max_positions"] is not None:
+                raise ValueError(
+                    "learned on ViT takes no max_positions: its table has one row per patch of the config's "
+                    "image grid plus the CLS token"
+                )
+        elif p["max_positions"] is None:
+            if info.max_positions is None:
+                raise ValueError(f"learned needs max_positions: the {info.family} config has no maximum position")
+            p["max_positions"] = info.max_positions
+        if p["init_std"] is None:
+            p["init_std"] = float(info.initializer_range)
+        return PosEncConfig(config.name, p)
+
+    def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:
+        super().__init__(config, info)
+        p = config.params
+        if info.family == "vit":
+            rows, cols = info.grid
+            shape = (1, rows * cols + 1, info.hidden_size)
+        else:
+            shape = (p["max_positions"], info.hidden_size)
+        self.weight = nn.Parameter(torch.empty(shape))
+        with torch.no_grad():
+            nn.init.trunc_normal_(self.weight, std=p["init_std"], a=-2 * p["init_std"], b=2 * p["init_std"])
+
+    def adopt_native(self, native: dict[str, torch.Tensor]) -> bool:
+        table = native.get("table")
+        if table is None or table.shape != self.weight.shape:
+            return False
+        with torch.no_grad():
+            self.weight.copy_(table)
+        return True
+
+    def embed(self, ctx: PosContext, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Text: rows ``ctx.position_ids`` of the table (B or 1, Lq, D); ViT: (1, 1 + rows*cols, D)."""
+        if ctx.grid is None:
+            pos = ctx.position_ids
+            n = self.weight.shape[0]
+            top = int(pos.max()) if pos.numel() else 0
+            if top >= n or (pos.numel() and int(pos.min()) < 0):
+                raise ValueError(
+                    f"position {top} is outside the learned table of {n} positions (max_positions={n}); "
+                    f"use shorter inputs, patch with a larger max_positions, or use a relative encoding"
+                )
+            return nn.functional.embedding(pos, self.weight).to(dtype)
+        return self._vit_table(ctx).to(dtype)
+
+    def _vit_table(self, ctx: PosContext) -> torch.Tensor:
+        rows, cols = ctx.grid
+        trows, tcols = self.info.grid
+        num_patches = rows * cols
+        num_positions = self.weight.shape[1] - 1
+        # Same rule as transformers' ViTEmbeddings.interpolate_pos_encoding.
+        if (rows, cols) == (trows, tcols) and not ctx.interpolate:
+            return self.weight
+        if not ctx.interpolate:
+            ph, pw = self.info.patch_size
+            raise ValueError(
+                f"Input image size ({rows * ph}*{cols * pw}) doesn't match model ({trows * ph}*{tcols * pw}); "
+                "the learned table is interpolated only with interpolate_pos_encoding=True"
+            )
+        if not torch.jit.is_tracing() and num_patches == num_positions and rows == cols:
+            return self.weight
+        cls_pos = self.weight[:, :1]
+        patch_pos = self.weight[:, 1:]
+        dim = self.weight.shape[-1]
+        side = int(num_positions**0.5)
+        patch_pos = patch_pos.reshape(1, side, side, dim).permute(0, 3, 1, 2)
+        patch_pos = nn.functional.interpolate(patch_pos, size=(rows, cols), mode="bicubic", align_corners=False)
+        patch_pos = patch_pos.permute(0, 2, 3, 1).view(1, -1, dim)
+        return torch.cat((cls_pos, patch_pos), dim=1)

@@ -1,0 +1,81 @@
+"""``alibi``: attention with linear biases.
+
+"Train Short, Test Long: Attention with Linear Biases Enables Input Length Extrapolation", Press et al.
+2022, https://arxiv.org/abs/2108.12409. The logit of query i and key j gets
+
+    B_h(i, j) = -m_h * |i - j|
+
+with fixed per-head slopes: for n heads a power of two, m_h = 2^(-8h/n), h = 1..n. For other n (the
+paper's code): the slopes of the closest power of two 2^k < n, followed by every other slope of 2^(k+1)
+(indices 0, 2, 4, ...) until n slopes. Under a causal mask only j <= i remains, where the bias is
+-m_h * (i - j) as in the paper. Distances are built in float32 from the key index in the cache, so the
+bias of a decode step spans the whole key length; left padding only adds masked keys on the left, so
+the distances between real tokens are unchanged.
+
+On ViT (bidirectional, no order): |i - j| becomes the Euclidean distance between the two patches on the
+2D patch grid, sqrt((r_i - r_j)^2 + (c_i - c_j)^2); every pair involving the CLS token gets no bias.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..registry import register_encoding
+from .base import PosContext, PositionEncoding, vit_token_coords
+
+__all__ = ["Alibi", "alibi_slopes"]
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The per-head slopes m_h (num_heads,) float32, following the paper's rule for any head count."""
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        slopes = power_of_two(num_heads)
+    else:
+        closest = 2 ** math.floor(math.log2(num_heads))
+        slopes = power_of_two(closest) + power_of_two(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+@dataclass
+class AlibiParams:
+    pass
+
+
+@register_encoding(
+    "alibi",
+    params=AlibiParams,
+    kind="score bias",
+    summary="-m_h * distance with fixed per-head slopes; Euclidean patch distance on ViT",
+    paper="https://arxiv.org/abs/2108.12409",
+)
+class Alibi(PositionEncoding):
+    """ALiBi; see the module docstring for the formula."""
+
+    has_score_bias = True
+
+    def distances(self, ctx: PosContext, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+        """|i - j| (text) or patch-grid distance (ViT, 0 for CLS pairs): (Lq, Lk) float32."""
+        if ctx.grid is None:
+            q_idx = torch.arange(q_len, device=device, dtype=torch.float32) + ctx.q_offset
+            k_idx = torch.arange(k_len, device=device, dtype=torch.float32)
+            return (q_idx[:, None] - k_idx[None, :]).abs()
+        coords = vit_token_coords(ctx.grid, device)
+        dist = (coords[:, None, :] - coords[None, :, :]).pow(2).sum(-1).sqrt()
+        dist[0, :] = 0.0
+        dist[:, 0] = 0.0
+        return dist[-q_len:, -k_len:]
+
+    def score_bias(self, ctx: PosContext, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+        """(1, H, Lq, Lk) float32 bias -m_h * distance."""
+        slopes = alibi_slopes(self.info.num_heads).to(device)
+        return -(slopes[:, None, None] * self.distances(ctx, q_len, k_len, device))[None]

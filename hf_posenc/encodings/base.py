@@ -1,0 +1,150 @@
+"""The base class of every encoding, the model description it is built from, and the per-forward context.
+
+An encoding is an ``nn.Module`` with up to three kinds of contribution, each a method:
+
+* ``embed(ctx, dtype, device)`` -> a term added to the token embeddings (absolute encodings),
+* ``rotate(ctx, q, k)``         -> transformed queries and keys, before they enter the KV cache,
+* ``score_bias(ctx, q_len, k_len, device)`` -> an additive float32 bias of shape (1, H, Lq, Lk).
+
+The model calls the module itself (``encoding("bias", ...)``), never its methods, so that wrappers such
+as PEFT's ``ModulesToSaveWrapper`` route to the copy that is being trained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..config import PosEncConfig
+
+__all__ = ["ModelInfo", "PosContext", "PositionEncoding", "vit_token_coords"]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What an encoding needs to know about the model it is attached to."""
+
+    family: str
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+    causal: bool
+    #: text: the model's own maximum position count (None if it has none); ViT: patches + 1.
+    max_positions: int | None
+    #: ViT only: the patch grid (rows, cols) at the config's image size, and the patch size.
+    grid: tuple[int, int] | None = None
+    patch_size: int | None = None
+    rope_theta: float | None = None
+    rope_type: str | None = None
+    initializer_range: float = 0.02
+
+
+@dataclass
+class PosContext:
+    """Everything about one forward pass that the encoding needs, built once by the patched base model.
+
+    Attributes:
+        encoding: the (possibly wrapped) encoding module; called, never bypassed.
+        info: the model description.
+        position_ids: text: (B or 1, Lq) logical positions of the new tokens; ViT: None.
+        q_offset: index of the first query among the keys (the cache length before this forward);
+            an int, or a 0-d tensor for a StaticCache.
+        grid: ViT only: the patch grid (rows, cols) of this forward's images.
+        interpolate: ViT only: the ``interpolate_pos_encoding`` flag of this forward.
+        need_weights: whether attention probabilities are requested (``output_attentions``).
+        memo: per-forward cache, e.g. the score bias shared by every layer.
+    """
+
+    encoding: Any
+    info: ModelInfo
+    position_ids: torch.Tensor | None = None
+    q_offset: int | torch.Tensor = 0
+    grid: tuple[int, int] | None = None
+    interpolate: bool = False
+    need_weights: bool = False
+    memo: dict = field(default_factory=dict)
+
+    # -- helpers used by the patched attention modules ------------------------------------------
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Apply the encoding's q/k transform to the new queries and keys (B, H, Lq, D)."""
+        if not getattr(_unwrap(self.encoding), "rotates_qk", False):
+            return q, k
+        return self.encoding("rotate", self, q, k)
+
+    def score_bias(self, q_len: int, k_len: int, device: torch.device) -> torch.Tensor | None:
+        """The float32 additive bias (1, H, Lq, Lk), built once per forward and shared by all layers."""
+        if not getattr(_unwrap(self.encoding), "has_score_bias", False):
+            return None
+        key = ("bias", q_len, k_len, device)
+        if key not in self.memo:
+            self.memo[key] = self.encoding("bias", self, q_len, k_len, device)
+        return self.memo[key]
+
+
+def _unwrap(module: Any) -> Any:
+    """The encoding behind a wrapper (PEFT's ModulesToSaveWrapper keeps it as ``original_module``)."""
+    return getattr(module, "original_module", module)
+
+
+def vit_token_coords(grid: tuple[int, int], device: torch.device | None = None) -> torch.Tensor:
+    """(1 + rows*cols, 2) float32 (row, col) of the CLS token (row 0, unused) and the patches in raster order."""
+    rows, cols = grid
+    r = torch.arange(rows, device=device, dtype=torch.float32).repeat_interleave(cols)
+    c = torch.arange(cols, device=device, dtype=torch.float32).repeat(rows)
+    coords = torch.stack([r, c], dim=-1)
+    return torch.cat([coords.new_zeros(1, 2), coords], dim=0)
+
+
+class PositionEncoding(nn.Module):
+    """Base class. Subclasses set the capability flags and implement the matching methods."""
+
+    name: ClassVar[str] = "?"
+    adds_embeddings: ClassVar[bool] = False
+    rotates_qk: ClassVar[bool] = False
+    has_score_bias: ClassVar[bool] = False
+
+    def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:
+        super().__init__()
+        self.posenc_config = config
+        self.info = info
+        self.check_model(info)
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def resolve(cls, config: PosEncConfig, info: ModelInfo) -> PosEncConfig:
+        """Fill parameters left as ``None`` from the model; raise ``ValueError`` where the model cannot take it."""
+        return config
+
+    def check_model(self, info: ModelInfo) -> None:
+        """Raise ``ValueError`` if this encoding cannot work on a model of this shape."""
+
+    def adopt_native(self, native: dict[str, torch.Tensor]) -> bool:
+        """Take over the model's own position weights (e.g. GPT-2's ``wpe``) if they fit; True if adopted."""
+        return False
+
+    # -- the call interface -----------------------------------------------------------------------
+    def forward(self, op: str, *args: Any, **kwargs: Any) -> Any:
+        if op == "embed":
+            return self.embed(*args, **kwargs)
+        if op == "rotate":
+            return self.rotate(*args, **kwargs)
+        if op == "bias":
+            return self.score_bias(*args, **kwargs)
+        raise ValueError(f"unknown operation {op!r} for encoding {self.name!r}; allowed: embed, rotate, bias")
+
+    def embed(self, ctx: PosContext, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rotate(self, ctx: PosContext, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def score_bias(self, ctx: PosContext, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.posenc_config.params.items())

@@ -1,0 +1,114 @@
+"""What every family patch shares: the family interface, class swaps, context building, config un-sharing."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..encodings.base import ModelInfo, PosContext
+
+__all__ = ["FamilyPatch", "swap_class", "unshare_config", "require_ctx", "text_positions", "make_context"]
+
+
+def swap_class(module: nn.Module, new_cls: type) -> None:
+    """Give one module instance a subclass of its class (instance-level; the class itself is untouched)."""
+    if type(module) is new_cls:
+        return
+    native = new_cls.__bases__[0]
+    if type(module) is not native:
+        raise ValueError(
+            f"cannot patch {type(module).__name__}: hf_posenc expects {native.__name__} here "
+            f"(subclasses with their own forward are not supported)"
+        )
+    module.__class__ = new_cls
+
+
+def unshare_config(model: nn.Module) -> None:
+    """Give ``model`` its own copy of its config, so that patching it cannot change another model built from
+    the same config object (``Model(cfg)`` keeps a reference to ``cfg``)."""
+    old = model.config
+    if getattr(model, "_hf_posenc_own_config", False):
+        return
+    new = copy.deepcopy(old)
+    for m in model.modules():
+        if getattr(m, "config", None) is old:
+            m.config = new
+    model._hf_posenc_own_config = True
+
+
+def require_ctx(kwargs: dict[str, Any], where: str) -> PosContext:
+    ctx = kwargs.pop("posenc_ctx", None)
+    if ctx is None:
+        raise RuntimeError(
+            f"{where} was patched by hf_posenc but called without its position context; call the whole model "
+            "(or its base model), not the layer alone"
+        )
+    return ctx
+
+
+def text_positions(
+    length: int, device: torch.device, position_ids: torch.Tensor | None, past_key_values: Any
+) -> tuple[torch.Tensor, int | torch.Tensor]:
+    """Logical positions of the new tokens (B|1, L) and the cache length before them (the query offset).
+
+    As in transformers: ``position_ids`` when given (``generate`` derives them from the attention mask, so
+    left padding shifts them), else ``arange(L) + past``.
+    """
+    past: int | torch.Tensor = 0
+    if past_key_values is not None:
+        past = past_key_values.get_seq_length()
+        if isinstance(past, torch.Tensor):  # a StaticCache returns a tensor that it later mutates in place
+            past = past.clone()
+    if position_ids is None:
+        position_ids = (torch.arange(length, device=device) + past).unsqueeze(0)
+    return position_ids, past
+
+
+def make_context(base: nn.Module, *, need_weights: bool | None, **fields: Any) -> PosContext:
+    if need_weights is None:
+        need_weights = bool(getattr(base.config, "output_attentions", False))
+    return PosContext(encoding=base.posenc, info=base.posenc_info, need_weights=bool(need_weights), **fields)
+
+
+def add_embeddings(ctx: PosContext, embeds: torch.Tensor) -> torch.Tensor:
+    """embeds + the encoding's absolute term, if it has one."""
+    if not getattr(getattr(ctx.encoding, "original_module", ctx.encoding), "adds_embeddings", False):
+        return embeds
+    return embeds + ctx.encoding("embed", ctx, embeds.dtype, embeds.device)
+
+
+class FamilyPatch:
+    """One model family. Subclasses implement the four hooks below."""
+
+    family: ClassVar[str]
+    #: attribute that holds the base model on the head classes (``model`` for Llama, ...).
+    base_attr: ClassVar[str]
+    base_class: ClassVar[type]
+    #: keys of the native position weights that a patched checkpoint does not carry (suffixes).
+    native_keys: ClassVar[tuple[str, ...]] = ()
+
+    def base_model(self, model: nn.Module) -> nn.Module:
+        if isinstance(model, self.base_class):
+            return model
+        base = getattr(model, self.base_attr, None)
+        if not isinstance(base, self.base_class):
+            raise ValueError(
+                f"{type(model).__name__} has model_type {self.family!r} but no {self.base_class.__name__} at "
+                f".{self.base_attr}; hf_posenc supports {self.base_class.__name__} and the transformers head "
+                "classes built on it"
+            )
+        return base
+
+    def info(self, config: Any) -> ModelInfo:
+        raise NotImplementedError
+
+    def native_weights(self, base: nn.Module) -> dict[str, torch.Tensor]:
+        """The model's own position weights, for encodings that can adopt them (before the first patch)."""
+        return {}
+
+    def install(self, base: nn.Module) -> list[str]:
+        """Neutralise the native encoding and swap in the patched classes; returns the patched layer names."""
+        raise NotImplementedError

@@ -1,0 +1,146 @@
+"""GPT-2: ``GPT2Model`` and every head built on it.
+
+The native ``wpe`` table is removed (its slot returns a zero, so no position can overflow it); absolute
+terms are added to ``inputs_embeds`` before GPT-2's own embedding dropout, as ``wpe`` was; each
+self-attention module is swapped (per instance) for a subclass that applies the encoding. Cross-attention
+modules (``add_cross_attention``) are left alone: they have no positions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.cache_utils import EncoderDecoderCache
+from transformers.models.gpt2.modeling_gpt2 import GPT2Attention, GPT2Model
+
+from ..attention import posenc_attention
+from ..encodings.base import ModelInfo
+from .base import FamilyPatch, add_embeddings, make_context, require_ctx, swap_class, text_positions
+
+
+class NoPositionTable(nn.Module):
+    """Stands in for GPT-2's ``wpe``: contributes a zero, whatever the position."""
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((), device=position_ids.device)
+
+
+class PosEncGPT2Model(GPT2Model):
+    """``GPT2Model`` whose forward builds the hf_posenc context and adds absolute terms."""
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values: Any = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Any,
+    ):
+        if input_ids is not None and inputs_embeds is None:
+            self.warn_if_padding_and_no_attention_mask(input_ids, attention_mask)
+            input_ids = input_ids.view(-1, input_ids.shape[-1])
+            inputs_embeds = self.wte(input_ids)
+            input_ids = None
+        if inputs_embeds is None:
+            raise ValueError("You have to specify either input_ids or inputs_embeds")
+        if position_ids is not None:
+            position_ids = position_ids.view(-1, position_ids.shape[-1])
+        position_ids, past = text_positions(inputs_embeds.shape[1], inputs_embeds.device, position_ids, past_key_values)
+        ctx = make_context(self, need_weights=kwargs.get("output_attentions"), position_ids=position_ids, q_offset=past)
+        inputs_embeds = add_embeddings(ctx, inputs_embeds)
+        return super().forward(
+            input_ids=input_ids,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_attention_mask,
+            use_cache=use_cache,
+            posenc_ctx=ctx,
+            **kwargs,
+        )
+
+
+class PosEncGPT2Attention(GPT2Attention):
+    """GPT-2 self-attention that applies the encoding."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        past_key_values: Any = None,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        output_attentions: bool | None = False,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ctx = require_ctx(kwargs, "GPT2Attention")
+        if encoder_hidden_states is not None:
+            raise ValueError("a patched GPT-2 self-attention module got encoder_hidden_states")
+        query, key, value = self.c_attn(hidden_states).split(self.split_size, dim=2)
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query = query.view(shape).transpose(1, 2)
+        key = key.view(shape).transpose(1, 2)
+        value = value.view(shape).transpose(1, 2)
+        query, key = ctx.rotate(query, key)
+        if past_key_values is not None:
+            cache = past_key_values
+            if isinstance(cache, EncoderDecoderCache):
+                cache = cache.self_attention_cache
+            key, value = cache.update(key, value, self.layer_idx)
+        out, weights = posenc_attention(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.attn_dropout.p if self.training else 0.0,
+            scaling=self.scaling,
+            posenc_ctx=ctx,
+        )
+        out = self.c_proj(out.reshape(*out.shape[:-2], -1).contiguous())
+        out = self.resid_dropout(out)
+        return out, weights
+
+
+class GPT2Patch(FamilyPatch):
+    family = "gpt2"
+    base_attr = "transformer"
+    base_class = GPT2Model
+    native_keys = ("wpe.weight",)
+
+    def info(self, config: Any) -> ModelInfo:
+        return ModelInfo(
+            family=self.family,
+            hidden_size=config.n_embd,
+            num_heads=config.n_head,
+            num_kv_heads=config.n_head,
+            head_dim=config.n_embd // config.n_head,
+            num_layers=config.n_layer,
+            causal=True,
+            max_positions=config.n_positions,
+            initializer_range=getattr(config, "initializer_range", 0.02),
+        )
+
+    def native_weights(self, base: nn.Module) -> dict[str, torch.Tensor]:
+        wpe = base.wpe
+        return {"table": wpe.weight.detach()} if isinstance(wpe, nn.Embedding) else {}
+
+    def install(self, base: nn.Module) -> list[str]:
+        swap_class(base, PosEncGPT2Model)
+        if not isinstance(base.wpe, NoPositionTable):
+            base.wpe = NoPositionTable()
+        names = []
+        for i, block in enumerate(base.h):
+            swap_class(block.attn, PosEncGPT2Attention)
+            names.append(f"h.{i}.attn")
+        return names

@@ -24,6 +24,8 @@ __all__ = ["ATTN_IMPLEMENTATION", "posenc_attention", "register_with_transformer
 ATTN_IMPLEMENTATION = "hf_posenc"
 BACKENDS = ("torch", "flex", "triton")
 _AVAILABLE = ("torch",)
+#: query block of the causal bias path (see posenc_attention).
+_QUERY_BLOCK = 128
 
 
 def resolve_backend(device: torch.device | None = None) -> str:
@@ -163,10 +165,29 @@ def posenc_attention(
 
     mask = _full_mask(attention_mask, causal, q_len, k_len, query.device)
     float_mask = _bias_mask(posenc_ctx, mask, bias, query.dtype)
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=float_mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa
-    )
-    return out.transpose(1, 2).contiguous(), None
+    if not (causal and q_len >= 2 * _QUERY_BLOCK):
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=float_mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa
+        )
+        return out.transpose(1, 2).contiguous(), None
+    # Causal with a bias: split the queries into blocks and give each block only the keys it can see
+    # (the queries are the last Lq keys), so the fused kernel skips the masked upper triangle.
+    outs = []
+    for start in range(0, q_len, _QUERY_BLOCK):
+        stop = min(start + _QUERY_BLOCK, q_len)
+        k_stop = k_len - q_len + stop
+        outs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, start:stop],
+                key[:, :, :k_stop],
+                value[:, :, :k_stop],
+                attn_mask=float_mask[..., start:stop, :k_stop],
+                dropout_p=dropout,
+                scale=scaling,
+                enable_gqa=gqa,
+            )
+        )
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
 _registered = False

@@ -1,0 +1,41 @@
+"""The ``hf-posenc`` command: ``hf-posenc list`` and ``hf-posenc matrix``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from . import list_encodings, support_matrix
+from .registry import get_encoding
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    for name in list_encodings():
+        spec = get_encoding(name)
+        print(f"{name:12s} {spec.kind:14s} {spec.summary}")
+        if args.verbose:
+            for f in dataclasses.fields(spec.params):
+                print(f"    {f.name} = {f.default!r}: {f.metadata['help']}")
+    return 0
+
+
+def _cmd_matrix(args: argparse.Namespace) -> int:
+    print(support_matrix())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hf-posenc", description="Position encodings for Hugging Face models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("list", help="list the registered encodings")
+    p.add_argument("-v", "--verbose", action="store_true", help="show every parameter with its help text")
+    p.set_defaults(func=_cmd_list)
+    p = sub.add_parser("matrix", help="print the support matrix (markdown)")
+    p.set_defaults(func=_cmd_matrix)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,327 @@
+"""The public API: config key, registry, bad input, isolation between models, describe, README matrix."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers import (
+    BertConfig,
+    BertModel,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    ViTConfig,
+    ViTModel,
+)
+from transformers.models.gpt2 import modeling_gpt2
+from transformers.models.llama import modeling_llama
+from transformers.models.vit import modeling_vit
+
+import hf_posenc
+from hf_posenc import PosEncConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _llama_config(**kw):
+    cfg = dict(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg.update(kw)
+    return LlamaConfig(**cfg)
+
+
+def _llama(**kw):
+    torch.manual_seed(0)
+    return LlamaForCausalLM(_llama_config(**kw)).eval()
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=61, n_embd=32, n_layer=2, n_head=4, n_positions=16,
+                                      bos_token_id=1, eos_token_id=2)).eval()
+
+
+IDS = torch.tensor([[3, 4, 5, 6, 7, 8]])
+
+
+def test_list_encodings_has_the_foundation_five():
+    assert {"nope", "sinusoidal", "learned", "rope", "alibi"} <= set(hf_posenc.list_encodings())
+
+
+def test_config_is_written_with_defaults_filled_in():
+    m = hf_posenc.patch_model(_gpt2(), "learned")
+    assert m.config.position_encoding == {"name": "learned", "max_positions": 16, "init_std": 0.02}
+    assert m.config._attn_implementation == "hf_posenc"
+
+
+@pytest.mark.parametrize("form", ["str", "dict", "config"])
+def test_name_forms(form):
+    enc = {"str": "rope", "dict": {"name": "rope", "layout": "interleaved"}, "config": PosEncConfig("rope")}[form]
+    m = hf_posenc.patch_model(_llama(), enc)
+    assert m.config.position_encoding["name"] == "rope"
+
+
+def test_config_key_drives_the_swap():
+    cfg = _llama_config()
+    cfg.position_encoding = {"name": "alibi"}
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(cfg).eval()
+    hf_posenc.patch_model(m)
+    assert hf_posenc.describe(m)["encoding"] == "alibi"
+    reference = hf_posenc.patch_model(_llama(), "alibi")
+    with torch.no_grad():
+        assert torch.equal(m(IDS).logits, reference(IDS).logits)
+
+
+def test_describe():
+    m = hf_posenc.patch_model(_gpt2(), "learned")
+    d = hf_posenc.describe(m)
+    assert d["encoding"] == "learned" and d["family"] == "gpt2" and d["kind"] == "absolute"
+    assert d["layers"] == ["h.0.attn", "h.1.attn"]
+    assert d["backend"] == "torch"
+    assert d["parameters"] == 16 * 32
+
+
+def test_describe_unpatched_model_is_an_error():
+    with pytest.raises(ValueError, match="not patched"):
+        hf_posenc.describe(_gpt2())
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+
+def test_unknown_encoding_lists_known_names():
+    with pytest.raises(ValueError, match=r"unknown position encoding 'ropee'.*alibi.*rope"):
+        hf_posenc.patch_model(_llama(), "ropee")
+
+
+def test_unknown_parameter_names_allowed_ones():
+    with pytest.raises(ValueError, match=r"unknown parameter\(s\) 'thetaa'.*allowed: theta, layout"):
+        hf_posenc.patch_model(_llama(), "rope", thetaa=3.0)
+
+
+@pytest.mark.parametrize(
+    "name, params, err, pattern",
+    [
+        ("rope", {"layout": "zigzag"}, ValueError, r"'layout'.*one of \['half', 'interleaved'\]"),
+        ("rope", {"theta": -1.0}, ValueError, r"'theta'.*must be > 1.0"),
+        ("rope", {"theta": "big"}, TypeError, r"'theta'.*must be of type float"),
+        ("sinusoidal", {"base": float("nan")}, ValueError, r"'base'.*finite"),
+        ("learned", {"max_positions": 0}, ValueError, r"'max_positions'.*>= 1"),
+        ("learned", {"max_positions": 3.5}, TypeError, r"'max_positions'.*int"),
+        ("learned", {"max_positions": True}, TypeError, r"'max_positions'.*bool"),
+    ],
+)
+def test_out_of_range_parameters(name, params, err, pattern):
+    with pytest.raises(err, match=pattern):
+        hf_posenc.patch_model(_llama(), name, **params)
+
+
+def test_bad_name_type():
+    with pytest.raises(TypeError, match="name"):
+        hf_posenc.patch_model(_llama(), 3)
+
+
+def test_unsupported_model_type_names_families():
+    bert = BertModel(BertConfig(vocab_size=30, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                intermediate_size=64))
+    with pytest.raises(ValueError, match=r"unsupported model type 'bert'.*llama, gpt2, vit"):
+        hf_posenc.patch_model(bert, "alibi")
+
+
+def test_not_a_model():
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        hf_posenc.patch_model(torch.nn.Linear(2, 2), "alibi")
+
+
+def test_no_name_and_no_config_key():
+    with pytest.raises(ValueError, match="position_encoding is not set"):
+        hf_posenc.patch_model(_llama())
+
+
+def test_sequence_longer_than_learned_table_is_a_clear_error():
+    m = hf_posenc.patch_model(_gpt2(), "learned")
+    with pytest.raises(ValueError, match=r"position 16 is outside the learned table of 16 positions"):
+        m(torch.randint(3, 61, (1, 17)))
+
+
+def test_gpt2_runs_past_n_positions_with_relative_encodings():
+    m = hf_posenc.patch_model(_gpt2(), "alibi")
+    out = m(torch.randint(3, 61, (1, 40))).logits
+    assert out.shape == (1, 40, 61) and torch.isfinite(out).all()
+
+
+def test_rope_scaling_type_not_implemented_is_an_error():
+    m = _llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(ValueError, match="rope_type='linear'"):
+        hf_posenc.patch_model(m, "rope")
+
+
+def test_learned_on_vit_takes_no_max_positions():
+    vit = ViTModel(ViTConfig(image_size=16, patch_size=8, hidden_size=32, num_hidden_layers=1,
+                             num_attention_heads=4, intermediate_size=64))
+    with pytest.raises(ValueError, match="no max_positions"):
+        hf_posenc.patch_model(vit, "learned", max_positions=5)
+
+
+def test_vit_image_not_multiple_of_patch():
+    vit = hf_posenc.patch_model(ViTModel(ViTConfig(image_size=16, patch_size=8, hidden_size=32, num_hidden_layers=1,
+                                                   num_attention_heads=4, intermediate_size=64)), "alibi")
+    with pytest.raises(ValueError, match="multiple of the patch size"):
+        vit(torch.randn(1, 3, 20, 16))
+
+
+def test_backend_override_is_validated(monkeypatch):
+    m = hf_posenc.patch_model(_llama(), "alibi")
+    monkeypatch.setenv("HF_POSENC_BACKEND", "cuda-magic")
+    with pytest.raises(ValueError, match="allowed: torch, flex, triton"):
+        m(IDS)
+    monkeypatch.setenv("HF_POSENC_BACKEND", "triton")
+    with pytest.raises(ValueError, match="not available"):
+        m(IDS)
+    monkeypatch.setenv("HF_POSENC_BACKEND", "torch")
+    m(IDS)
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+
+
+def _save(tmp_path, name="alibi"):
+    m = hf_posenc.patch_model(_llama(), name)
+    m.save_pretrained(tmp_path)
+    return m
+
+
+def _edit_config(path, fn):
+    f = Path(path) / "config.json"
+    data = json.loads(f.read_text())
+    fn(data)
+    f.write_text(json.dumps(data))
+
+
+def test_checkpoint_with_unknown_encoding_is_a_clear_error(tmp_path):
+    _save(tmp_path)
+    _edit_config(tmp_path, lambda d: d.__setitem__("position_encoding", {"name": "from_the_future"}))
+    with pytest.raises(ValueError, match=r"cannot be used by this hf_posenc.*unknown position encoding 'from_the_future'"):
+        hf_posenc.from_pretrained(tmp_path)
+
+
+def test_checkpoint_with_unknown_parameter_is_a_clear_error(tmp_path):
+    _save(tmp_path, "rope")
+    _edit_config(tmp_path, lambda d: d["position_encoding"].__setitem__("warp", 2))
+    with pytest.raises(ValueError, match=r"unknown parameter\(s\) 'warp'"):
+        hf_posenc.from_pretrained(tmp_path)
+
+
+def test_checkpoint_without_encoding_is_a_clear_error(tmp_path):
+    _llama().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="not saved from a model patched by hf_posenc"):
+        hf_posenc.from_pretrained(tmp_path)
+
+
+def test_checkpoint_missing_encoding_weights_fails_loudly(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _save(tmp_path, "learned")
+    f = tmp_path / "model.safetensors"
+    state = load_file(f)
+    state = {k: v for k, v in state.items() if "posenc" not in k}
+    save_file(state, f, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing \['weight'\]"):
+        hf_posenc.from_pretrained(tmp_path)
+
+
+def test_round_trip_learned_llama(tmp_path):
+    m = _save(tmp_path, "learned")
+    with torch.no_grad():
+        torch.nn.init.normal_(hf_posenc.encoding_module(m).weight)  # not the init: must come from disk
+    m.save_pretrained(tmp_path)
+    r, info = hf_posenc.from_pretrained(tmp_path, output_loading_info=True)
+    assert all(not v for v in info.values())
+    with torch.no_grad():
+        assert torch.equal(r(IDS).logits, m(IDS).logits)
+
+
+# -- isolation ------------------------------------------------------------------------------------
+
+
+def test_two_models_patched_differently_do_not_interfere():
+    a, b = _llama(), _llama()
+    ref_a = hf_posenc.patch_model(_llama(), "alibi")(IDS).logits
+    ref_b = hf_posenc.patch_model(_llama(), "sinusoidal")(IDS).logits
+    hf_posenc.patch_model(a, "alibi")
+    hf_posenc.patch_model(b, "sinusoidal")
+    assert torch.equal(a(IDS).logits, ref_a) and torch.equal(b(IDS).logits, ref_b)
+    assert a.config.position_encoding["name"] == "alibi" and b.config.position_encoding["name"] == "sinusoidal"
+
+
+def test_shared_config_object_is_not_changed_by_patching():
+    cfg = _llama_config()
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    a = LlamaForCausalLM(cfg).eval()
+    torch.manual_seed(0)
+    b = LlamaForCausalLM(cfg).eval()
+    ref = b(IDS).logits
+    hf_posenc.patch_model(a, "alibi")
+    assert getattr(cfg, "position_encoding", None) is None and cfg._attn_implementation == "sdpa"
+    assert b.config._attn_implementation == "sdpa"
+    assert torch.equal(b(IDS).logits, ref)
+
+
+def test_transformers_globals_untouched():
+    before = {
+        "llama": (modeling_llama.LlamaAttention.forward, modeling_llama.LlamaModel.forward,
+                  modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRotaryEmbedding.forward),
+        "gpt2": (modeling_gpt2.GPT2Attention.forward, modeling_gpt2.GPT2Model.forward),
+        "vit": (modeling_vit.ViTAttention.forward, modeling_vit.ViTEmbeddings.forward, modeling_vit.ViTModel.forward),
+        "sdpa": transformers.AttentionInterface._global_mapping["sdpa"],
+    }
+    m = hf_posenc.patch_model(_llama(), "rope")
+    g = hf_posenc.patch_model(_gpt2(), "alibi")
+    m(IDS), g(IDS)
+    after = {
+        "llama": (modeling_llama.LlamaAttention.forward, modeling_llama.LlamaModel.forward,
+                  modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRotaryEmbedding.forward),
+        "gpt2": (modeling_gpt2.GPT2Attention.forward, modeling_gpt2.GPT2Model.forward),
+        "vit": (modeling_vit.ViTAttention.forward, modeling_vit.ViTEmbeddings.forward, modeling_vit.ViTModel.forward),
+        "sdpa": transformers.AttentionInterface._global_mapping["sdpa"],
+    }
+    assert before == after
+    # An unpatched model built afterwards is plain transformers.
+    fresh = _llama()
+    assert type(fresh.model) is modeling_llama.LlamaModel
+    assert type(fresh.model.layers[0].self_attn) is modeling_llama.LlamaAttention
+
+
+def test_patching_again_switches_encoding():
+    m = hf_posenc.patch_model(_llama(), "alibi")
+    hf_posenc.patch_model(m, "rope")
+    assert hf_posenc.describe(m)["encoding"] == "rope"
+    ref = _llama()
+    with torch.no_grad():
+        assert torch.equal(m(IDS).logits, ref(IDS).logits)  # rope == the unpatched Llama
+
+
+# -- README ----------------------------------------------------------------------------------------
+
+
+def test_readme_support_matrix_matches_registry():
+    text = (ROOT / "README.md").read_text()
+    found = re.search(r"<!-- support-matrix:start -->\n(.*?)\n<!-- support-matrix:end -->", text, re.S)
+    assert found, "README.md lacks the support-matrix markers"
+    assert found.group(1).strip() == hf_posenc.support_matrix().strip()
+
+
+def test_cli_lists_encodings(capsys):
+    from hf_posenc.cli import main
+
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in hf_posenc.list_encodings())

@@ -50,19 +50,27 @@ def _as_bool_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     return attention_mask > torch.finfo(attention_mask.dtype).min / 2
 
 
-def _causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
-    """Bottom-right aligned causal mask (Lq, Lk): the queries are the last Lq keys."""
-    q_idx = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)
+def _causal_mask(q_len: int, k_len: int, q_offset: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Causal mask (Lq, Lk): query i is key ``q_offset + i`` (a StaticCache has empty slots after it)."""
+    q_idx = torch.arange(q_len, device=device)[:, None] + q_offset
     return q_idx >= torch.arange(k_len, device=device)[None, :]
 
 
 def _full_mask(
-    attention_mask: torch.Tensor | None, causal: bool, q_len: int, k_len: int, device: torch.device
+    attention_mask: torch.Tensor | None,
+    causal: bool,
+    q_len: int,
+    k_len: int,
+    q_offset: int | torch.Tensor,
+    device: torch.device,
 ) -> torch.Tensor | None:
-    """A bool mask (B|1, 1, Lq, Lk), or None when every query sees every key."""
+    """A bool mask (B|1, 1, Lq, Lk), or None when every query sees every key.
+
+    transformers hands over no mask when plain causal attention is enough (an empty cache, no padding).
+    """
     mask = _as_bool_mask(attention_mask)
     if mask is None and causal and q_len > 1:
-        mask = _causal_mask(q_len, k_len, device)[None, None]
+        mask = _causal_mask(q_len, k_len, q_offset, device)[None, None]
     return mask
 
 
@@ -143,12 +151,14 @@ def posenc_attention(
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({key.shape[1]})")
     scaling = d**-0.5 if scaling is None else scaling
     causal = bool(getattr(module, "is_causal", False))
+    # Index of the first query among the keys: the cache length before this forward.
+    q_offset = posenc_ctx.q_offset if posenc_ctx is not None else k_len - q_len
     training = module.training
     bias = posenc_ctx.score_bias(q_len, k_len, query.device) if posenc_ctx is not None else None
     need_weights = bool(posenc_ctx is not None and posenc_ctx.need_weights)
 
     if need_weights:
-        mask = _full_mask(attention_mask, causal, q_len, k_len, query.device)
+        mask = _full_mask(attention_mask, causal, q_len, k_len, q_offset, query.device)
         out, probs = _eager(query, key, value, mask, bias, scaling, dropout, training)
         return out.transpose(1, 2).contiguous(), probs
 
@@ -156,14 +166,14 @@ def posenc_attention(
     if bias is None:
         mask = _as_bool_mask(attention_mask)
         is_causal = mask is None and causal and q_len > 1
-        if is_causal and q_len != k_len:
-            mask, is_causal = _causal_mask(q_len, k_len, query.device)[None, None], False
+        if is_causal and not (q_len == k_len and isinstance(q_offset, int) and q_offset == 0):
+            mask, is_causal = _causal_mask(q_len, k_len, q_offset, query.device)[None, None], False
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, scale=scaling, enable_gqa=gqa
         )
         return out.transpose(1, 2).contiguous(), None
 
-    mask = _full_mask(attention_mask, causal, q_len, k_len, query.device)
+    mask = _full_mask(attention_mask, causal, q_len, k_len, q_offset, query.device)
     float_mask = _bias_mask(posenc_ctx, mask, bias, query.dtype)
     if not (causal and q_len >= 2 * _QUERY_BLOCK):
         out = F.scaled_dot_product_attention(
@@ -171,11 +181,12 @@ def posenc_attention(
         )
         return out.transpose(1, 2).contiguous(), None
     # Causal with a bias: split the queries into blocks and give each block only the keys it can see
-    # (the queries are the last Lq keys), so the fused kernel skips the masked upper triangle.
+    # (query i is key q_offset + i), so the fused kernel skips the masked upper triangle.
+    first = int(q_offset)
     outs = []
     for start in range(0, q_len, _QUERY_BLOCK):
         stop = min(start + _QUERY_BLOCK, q_len)
-        k_stop = k_len - q_len + stop
+        k_stop = min(first + stop, k_len)
         outs.append(
             F.scaled_dot_product_attention(
                 query[:, :, start:stop],

@@ -50,11 +50,11 @@ def _reference(q, k, v, mask, bias, causal, scale):
     return (p @ v).transpose(1, 2), p
 
 
-def _ctx(bias, need_weights=False):
+def _ctx(bias, need_weights=False, q_offset=0):
     if bias is None:
         return None
     info = ModelInfo("llama", 64, 4, 2, 16, 1, True, None)
-    return PosContext(encoding=_Bias(bias), info=info, need_weights=need_weights)
+    return PosContext(encoding=_Bias(bias), info=info, need_weights=need_weights, q_offset=q_offset)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -74,7 +74,7 @@ def test_against_reference(causal, with_bias, lq, lk, padding):
         if causal:
             mask = mask & (torch.arange(lq)[:, None] + (lk - lq) >= torch.arange(lk)[None])
     scale = d**-0.5
-    out, w = posenc_attention(_Attn(causal), q, k, v, mask, scaling=scale, posenc_ctx=_ctx(bias))
+    out, w = posenc_attention(_Attn(causal), q, k, v, mask, scaling=scale, posenc_ctx=_ctx(bias, q_offset=lk - lq))
     ref, _ = _reference(q, k, v, mask, bias, causal, scale)
     assert w is None
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)

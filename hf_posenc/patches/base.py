@@ -24,6 +24,14 @@ def swap_class(module: nn.Module, new_cls: type) -> None:
             f"(subclasses with their own forward are not supported)"
         )
     module.__class__ = new_cls
+    # transformers (5.2x) keys its output-capturing registry (output_attentions / output_hidden_states) on the
+    # class name: give the swapped class the native class's entry. Older releases read the class attribute.
+    if getattr(module, "_can_record_outputs", None) is not None:
+        try:
+            from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+        except ImportError:
+            return
+        _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
 
 
 def unshare_config(model: nn.Module) -> None:

@@ -13,6 +13,7 @@ from torch import nn
 
 from .attention import ATTN_IMPLEMENTATION, register_with_transformers, resolve_backend
 from .config import CONFIG_KEY, PosEncConfig
+from .encodings.base import unwrap
 from .patches import get_family
 from .patches.base import unshare_config
 from .registry import FAMILIES, get_encoding, list_encodings
@@ -103,7 +104,7 @@ def describe(model: nn.Module) -> dict[str, Any]:
     """
     base = _patched_base(model)
     enc = base.posenc
-    inner = getattr(enc, "original_module", enc)
+    inner = unwrap(enc)
     spec = get_encoding(inner.name)
     device = next((p.device for p in base.parameters()), torch.device("cpu"))
     return {

@@ -16,7 +16,8 @@ import os
 import torch
 from torch.nn import functional as F
 
-from .encodings.base import PosContext
+from .encodings.base import PosContext, unwrap
+from .ops import expand_kv, masked_softmax
 
 __all__ = ["ATTN_IMPLEMENTATION", "posenc_attention", "register_with_transformers", "resolve_backend", "BACKENDS"]
 
@@ -74,13 +75,6 @@ def _full_mask(
     return mask
 
 
-def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    if groups == 1:
-        return x
-    b, h, n, d = x.shape
-    return x[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
-
-
 def _eager(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -93,14 +87,11 @@ def _eager(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with explicit probabilities (for ``output_attentions``), softmax in float32."""
     groups = query.shape[1] // key.shape[1]
-    key, value = _expand_kv(key, groups), _expand_kv(value, groups)
+    key, value = expand_kv(key, groups), expand_kv(value, groups)
     scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scaling
     if bias is not None:
         scores = scores + bias
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    probs = torch.nan_to_num(probs, nan=0.0)  # rows with every key masked (left padding) give zeros
+    probs = masked_softmax(scores, mask)  # rows with every key masked (left padding) give zeros
     probs = F.dropout(probs, p=dropout, training=training).to(query.dtype)
     return torch.matmul(probs, value), probs
 
@@ -151,11 +142,16 @@ def posenc_attention(
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({key.shape[1]})")
     scaling = d**-0.5 if scaling is None else scaling
     causal = bool(getattr(module, "is_causal", False))
+    layer = getattr(module, "posenc_layer", 0)
     # Index of the first query among the keys: the cache length before this forward.
     q_offset = posenc_ctx.q_offset if posenc_ctx is not None else k_len - q_len
     training = module.training
-    bias = posenc_ctx.score_bias(q_len, k_len, query.device) if posenc_ctx is not None else None
     need_weights = bool(posenc_ctx is not None and posenc_ctx.need_weights)
+    if posenc_ctx is not None and getattr(unwrap(posenc_ctx.encoding), "custom_attention", False):
+        mask = _full_mask(attention_mask, causal, q_len, k_len, q_offset, query.device)
+        out, probs = posenc_ctx.encoding("attend", posenc_ctx, layer, query, key, value, mask, scaling, dropout, training)
+        return out.transpose(1, 2).contiguous(), (probs.to(query.dtype) if need_weights else None)
+    bias = posenc_ctx.score_bias(q_len, k_len, query.device, layer) if posenc_ctx is not None else None
 
     if need_weights:
         mask = _full_mask(attention_mask, causal, q_len, k_len, q_offset, query.device)

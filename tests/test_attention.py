@@ -20,7 +20,7 @@ class _Bias(nn.Module):
         super().__init__()
         self.bias = bias
 
-    def forward(self, op, ctx, q_len, k_len, device):
+    def forward(self, op, ctx, q_len, k_len, device, layer=0):
         assert op == "bias"
         return self.bias[..., -q_len:, -k_len:]
 

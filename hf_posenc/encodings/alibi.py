@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..registry import register_encoding
-from .base import PosContext, PositionEncoding, vit_token_coords
+from .base import PosContext, PositionEncoding, relative_positions
 
 __all__ = ["Alibi", "alibi_slopes"]
 
@@ -63,19 +63,10 @@ class Alibi(PositionEncoding):
 
     has_score_bias = True
 
-    def distances(self, ctx: PosContext, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
-        """|i - j| (text) or patch-grid distance (ViT, 0 for CLS pairs): (Lq, Lk) float32."""
-        if ctx.grid is None:
-            q_idx = torch.arange(q_len, device=device, dtype=torch.float32) + ctx.q_offset
-            k_idx = torch.arange(k_len, device=device, dtype=torch.float32)
-            return (q_idx[:, None] - k_idx[None, :]).abs()
-        coords = vit_token_coords(ctx.grid, device)
-        dist = (coords[:, None, :] - coords[None, :, :]).pow(2).sum(-1).sqrt()
-        dist[0, :] = 0.0
-        dist[:, 0] = 0.0
-        return dist[-q_len:, -k_len:]
-
-    def score_bias(self, ctx: PosContext, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+    def score_bias(
+        self, ctx: PosContext, q_len: int, k_len: int, device: torch.device, layer: int = 0
+    ) -> torch.Tensor:
         """(1, H, Lq, Lk) float32 bias -m_h * distance."""
         slopes = alibi_slopes(self.info.num_heads).to(device)
-        return -(slopes[:, None, None] * self.distances(ctx, q_len, k_len, device))[None]
+        distance = relative_positions(ctx, q_len, k_len, device).distance()
+        return -(slopes[:, None, None] * distance)[None]

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..config import PosEncConfig
 
-__all__ = ["ModelInfo", "PosContext", "PositionEncoding", "vit_token_coords"]
+__all__ = ["ModelInfo", "PosContext", "PositionEncoding", "RelativePositions", "relative_positions", "unwrap", "vit_token_coords"]
 
 
 @dataclass(frozen=True)
@@ -72,21 +72,24 @@ class PosContext:
     # -- helpers used by the patched attention modules ------------------------------------------
     def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Apply the encoding's q/k transform to the new queries and keys (B, H, Lq, D)."""
-        if not getattr(_unwrap(self.encoding), "rotates_qk", False):
+        if not getattr(unwrap(self.encoding), "rotates_qk", False):
             return q, k
         return self.encoding("rotate", self, q, k)
 
-    def score_bias(self, q_len: int, k_len: int, device: torch.device) -> torch.Tensor | None:
-        """The float32 additive bias (1, H, Lq, Lk), built once per forward and shared by all layers."""
-        if not getattr(_unwrap(self.encoding), "has_score_bias", False):
+    def score_bias(self, q_len: int, k_len: int, device: torch.device, layer: int = 0) -> torch.Tensor | None:
+        """The float32 additive bias (B or 1, H, Lq, Lk) of ``layer``, built once per forward when the
+        encoding shares it across layers, once per layer and forward otherwise."""
+        enc = unwrap(self.encoding)
+        if not getattr(enc, "has_score_bias", False):
             return None
-        key = ("bias", q_len, k_len, device)
+        layer = layer if getattr(enc, "bias_per_layer", False) else 0
+        key = ("bias", q_len, k_len, device, layer)
         if key not in self.memo:
-            self.memo[key] = self.encoding("bias", self, q_len, k_len, device)
+            self.memo[key] = self.encoding("bias", self, q_len, k_len, device, layer)
         return self.memo[key]
 
 
-def _unwrap(module: Any) -> Any:
+def unwrap(module: Any) -> Any:
     """The encoding behind a wrapper (PEFT's ModulesToSaveWrapper keeps it as ``original_module``)."""
     return getattr(module, "original_module", module)
 
@@ -100,6 +103,47 @@ def vit_token_coords(grid: tuple[int, int], device: torch.device | None = None) 
     return torch.cat([coords.new_zeros(1, 2), coords], dim=0)
 
 
+@dataclass
+class RelativePositions:
+    """Where each key sits relative to each query, for biases built from distances.
+
+    Text: ``rel`` = key index - query index (Lq, Lk) float32, where query i is key ``q_offset + i``.
+    ViT: ``rows``/``cols`` = key - query offsets on the patch grid (Lq, Lk) float32, and ``cls`` (Lq, Lk)
+    bool, True on every pair that involves the CLS token (which takes no positional term).
+    """
+
+    rel: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    cols: torch.Tensor | None = None
+    cls: torch.Tensor | None = None
+
+    @property
+    def is_grid(self) -> bool:
+        return self.rows is not None
+
+    def distance(self) -> torch.Tensor:
+        """Non-negative distance (Lq, Lk): |rel| on text, Euclidean on the grid (0 on CLS pairs)."""
+        if not self.is_grid:
+            return self.rel.abs()
+        return torch.sqrt(self.rows.square() + self.cols.square()).masked_fill(self.cls, 0.0)
+
+
+def relative_positions(ctx: "PosContext", q_len: int, k_len: int, device: torch.device) -> RelativePositions:
+    """The :class:`RelativePositions` of the last ``q_len`` queries against ``k_len`` keys (float32)."""
+    if ctx.grid is None:
+        q_idx = torch.arange(q_len, device=device, dtype=torch.float32) + ctx.q_offset
+        k_idx = torch.arange(k_len, device=device, dtype=torch.float32)
+        return RelativePositions(rel=k_idx[None, :] - q_idx[:, None])
+    coords = vit_token_coords(ctx.grid, device)
+    q, k = coords[-q_len:], coords[-k_len:]
+    is_cls = torch.zeros(coords.shape[0], dtype=torch.bool, device=device)
+    is_cls[0] = True
+    cls = is_cls[-q_len:, None] | is_cls[None, -k_len:]
+    rows = (k[None, :, 0] - q[:, None, 0]).masked_fill(cls, 0.0)
+    cols = (k[None, :, 1] - q[:, None, 1]).masked_fill(cls, 0.0)
+    return RelativePositions(rows=rows, cols=cols, cls=cls)
+
+
 class PositionEncoding(nn.Module):
     """Base class. Subclasses set the capability flags and implement the matching methods."""
 
@@ -107,6 +151,10 @@ class PositionEncoding(nn.Module):
     adds_embeddings: ClassVar[bool] = False
     rotates_qk: ClassVar[bool] = False
     has_score_bias: ClassVar[bool] = False
+    #: computes the whole attention itself (``attend``), e.g. for a value term or a logit MLP.
+    custom_attention: ClassVar[bool] = False
+    #: whether ``score_bias`` differs per layer (else it is built once per forward and shared).
+    bias_per_layer: bool = False
 
     def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:
         super().__init__()
@@ -135,7 +183,9 @@ class PositionEncoding(nn.Module):
             return self.rotate(*args, **kwargs)
         if op == "bias":
             return self.score_bias(*args, **kwargs)
-        raise ValueError(f"unknown operation {op!r} for encoding {self.name!r}; allowed: embed, rotate, bias")
+        if op == "attend":
+            return self.attend(*args, **kwargs)
+        raise ValueError(f"unknown operation {op!r} for encoding {self.name!r}; allowed: embed, rotate, bias, attend")
 
     def embed(self, ctx: PosContext, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         raise NotImplementedError
@@ -143,7 +193,25 @@ class PositionEncoding(nn.Module):
     def rotate(self, ctx: PosContext, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def score_bias(self, ctx: PosContext, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+    def score_bias(
+        self, ctx: PosContext, q_len: int, k_len: int, device: torch.device, layer: int = 0
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def attend(
+        self,
+        ctx: PosContext,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+        scaling: float,
+        dropout: float,
+        training: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The whole attention: q (B, H, Lq, D), k/v (B, Hkv, Lk, D), mask (B|1, 1, Lq, Lk) bool or None.
+        Returns out (B, H, Lq, D) and the probabilities (B, H, Lq, Lk) or None."""
         raise NotImplementedError
 
     def extra_repr(self) -> str:

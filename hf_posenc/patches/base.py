@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..encodings.base import ModelInfo, PosContext
+from ..encodings.base import ModelInfo, PosContext, unwrap
 
 __all__ = ["FamilyPatch", "swap_class", "unshare_config", "require_ctx", "text_positions", "make_context"]
 
@@ -83,7 +83,7 @@ def make_context(base: nn.Module, *, need_weights: bool | None, **fields: Any) -
 
 def add_embeddings(ctx: PosContext, embeds: torch.Tensor) -> torch.Tensor:
     """embeds + the encoding's absolute term, if it has one."""
-    if not getattr(getattr(ctx.encoding, "original_module", ctx.encoding), "adds_embeddings", False):
+    if not getattr(unwrap(ctx.encoding), "adds_embeddings", False):
         return embeds
     return embeds + ctx.encoding("embed", ctx, embeds.dtype, embeds.device)
 

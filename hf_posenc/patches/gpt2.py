@@ -142,5 +142,6 @@ class GPT2Patch(FamilyPatch):
         names = []
         for i, block in enumerate(base.h):
             swap_class(block.attn, PosEncGPT2Attention)
+            block.attn.posenc_layer = i
             names.append(f"h.{i}.attn")
         return names

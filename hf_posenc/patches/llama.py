@@ -122,5 +122,6 @@ class LlamaPatch(FamilyPatch):
         names = []
         for i, layer in enumerate(base.layers):
             swap_class(layer.self_attn, PosEncLlamaAttention)
+            layer.self_attn.posenc_layer = i
             names.append(f"layers.{i}.self_attn")
         return names

@@ -156,5 +156,6 @@ class ViTPatch(FamilyPatch):
         names = []
         for i, layer in enumerate(base.layers):
             swap_class(layer.attention, PosEncViTAttention)
+            layer.attention.posenc_layer = i
             names.append(f"layers.{i}.attention")
         return names

@@ -1,0 +1,23 @@
+"""Small tensor helpers shared by the attention function and the encodings that compute attention themselves."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["expand_kv", "masked_softmax"]
+
+
+def expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, Hkv, L, D) -> (B, Hkv * groups, L, D): each key/value head serves ``groups`` query heads."""
+    if groups == 1:
+        return x
+    b, h, n, d = x.shape
+    return x[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
+
+
+def masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim in float32 with ``mask`` (True = attend); fully masked rows give zeros."""
+    scores = scores.float()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)

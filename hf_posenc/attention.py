@@ -100,7 +100,10 @@ def _bias_mask(
     ctx: PosContext, mask: torch.Tensor | None, bias: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """bias + mask as one additive float mask in ``dtype``, built once per forward (shared by all layers)."""
-    key = ("bias_mask", tuple(bias.shape), None if mask is None else (tuple(mask.shape), mask.data_ptr()), dtype)
+    if not ctx.is_shared(bias):  # a per-layer (or trained) bias: combine it afresh, see PosContext.score_bias
+        out = bias.to(dtype)
+        return out if mask is None else out.masked_fill(~mask, float("-inf"))
+    key = ("bias_mask", bias.data_ptr(), tuple(bias.shape), None if mask is None else (tuple(mask.shape), mask.data_ptr()), dtype)
     cached = ctx.memo.get(key)
     if cached is not None:
         return cached

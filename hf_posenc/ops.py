@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["expand_kv", "masked_softmax"]
+__all__ = ["expand_kv", "masked_softmax", "upcast"]
 
 
 def expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -21,3 +21,8 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Ten
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+
+
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """At least float32: half/bfloat16 parameters are computed in float32, float64 stays float64 (gradcheck)."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()

@@ -77,16 +77,27 @@ class PosContext:
         return self.encoding("rotate", self, q, k)
 
     def score_bias(self, q_len: int, k_len: int, device: torch.device, layer: int = 0) -> torch.Tensor | None:
-        """The float32 additive bias (B or 1, H, Lq, Lk) of ``layer``, built once per forward when the
-        encoding shares it across layers, once per layer and forward otherwise."""
+        """The float32 additive bias (B or 1, H, Lq, Lk) of ``layer``: built once per forward and shared
+        by the layers when the encoding shares it across layers and it needs no gradient, once per layer
+        otherwise."""
         enc = unwrap(self.encoding)
         if not getattr(enc, "has_score_bias", False):
             return None
         layer = layer if getattr(enc, "bias_per_layer", False) else 0
         key = ("bias", q_len, k_len, device, layer)
-        if key not in self.memo:
-            self.memo[key] = self.encoding("bias", self, q_len, k_len, device, layer)
-        return self.memo[key]
+        if key in self.memo:
+            return self.memo[key]
+        bias = self.encoding("bias", self, q_len, k_len, device, layer)
+        # While training an encoding with trainable parameters, its bias is rebuilt in each layer rather than
+        # shared: under gradient checkpointing a layer's recomputation must build (and save) exactly what
+        # its first pass did, and reentrant checkpointing runs that first pass without autograd.
+        if not (enc.training and any(p.requires_grad for p in enc.parameters())):
+            self.memo[key] = bias
+        return bias
+
+    def is_shared(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a bias held in the per-forward memo (so derived tensors may be memoised too)."""
+        return any(v is tensor for v in self.memo.values())
 
 
 def unwrap(module: Any) -> Any:

@@ -1,0 +1,100 @@
+"""``kerple``: kernelized relative positional embedding.
+
+"KERPLE: Kernelized Relative Positional Embedding for Length Extrapolation", Chi et al. 2022,
+https://arxiv.org/abs/2205.09921. Each head h of each layer adds a conditionally positive definite
+kernel of the distance to its logits:
+
+    log variant:    B_h(i, j) = -r1_h * log(1 + r2_h * |i - j|),    r1_h, r2_h > 0
+    power variant:  B_h(i, j) = -r1_h * |i - j| ** r2_h,            r1_h > 0, 0 < r2_h <= 2
+
+The constraints are kept by a reparametrisation, never by clamping in place (the authors' code clamps
+``.data`` to [1e-2, ...] before each use, which stops gradients at the bound):
+r1 = 1e-2 + softplus(a1), r2 = 1e-2 + softplus(a2) (log) and r2 = 2 * sigmoid(a2) (power), so that
+r1, r2 >= 1e-2 as in that code. Initial values follow the authors' code: r1 ~ U(0, 2), r2 ~ U(0, 1)
+per head (drawn from torch's generator at patch time; values below 1e-2 are raised to 0.011).
+Distances are built in float32 (bfloat16 cannot tell 256 from 257). Each layer has its own kernel by
+default (``per_layer``), as in the paper's GPT-NeoX code.
+
+On ViT (bidirectional): |i - j| is the Euclidean distance between the two patches on the 2D patch
+grid; every pair involving the CLS token gets no bias.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..config import PosEncConfig
+from ..ops import upcast
+from ..registry import param, register_encoding
+from .base import ModelInfo, PosContext, PositionEncoding, relative_positions
+
+__all__ = ["Kerple"]
+
+_EPS = 1e-2
+
+
+def _inv_softplus(y: torch.Tensor) -> torch.Tensor:
+    return y + torch.log(-torch.expm1(-y))
+
+
+@dataclass
+class KerpleParams:
+    variant: str = param("log", "kernel: 'log' (-r1 log(1 + r2 d)) or 'power' (-r1 d^r2)", type=str,
+                         choices=("log", "power"))
+    per_layer: bool = param(True, "a kernel per layer (paper) or one shared by all layers", type=bool)
+
+
+@register_encoding(
+    "kerple",
+    params=KerpleParams,
+    kind="score bias",
+    summary="learned log or power kernel of the distance per head; Euclidean patch distance on ViT",
+    paper="https://arxiv.org/abs/2205.09921",
+)
+class Kerple(PositionEncoding):
+    """KERPLE; see the module docstring for the formula and the reparametrisation."""
+
+    has_score_bias = True
+
+    def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:
+        super().__init__(config, info)
+        self.variant = config.params["variant"]
+        self.bias_per_layer = config.params["per_layer"]
+        n = info.num_layers if self.bias_per_layer else 1
+        r1 = (torch.rand(n, info.num_heads) * 2).clamp_min(_EPS * 1.1)
+        r2 = torch.rand(n, info.num_heads).clamp_min(_EPS * 1.1)
+        self.r1_raw = nn.Parameter(_inv_softplus(r1 - _EPS))
+        if self.variant == "log":
+            self.r2_raw = nn.Parameter(_inv_softplus(r2 - _EPS))
+        else:
+            self.r2_raw = nn.Parameter(torch.logit(r2 / 2))
+
+    def kernel_params(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(r1, r2), each (layers or 1, H) float32, inside their constraints."""
+        r1 = _EPS + F.softplus(upcast(self.r1_raw))
+        if self.variant == "log":
+            r2 = _EPS + F.softplus(upcast(self.r2_raw))
+        else:
+            r2 = 2 * torch.sigmoid(upcast(self.r2_raw))
+        return r1, r2
+
+    def score_bias(
+        self, ctx: PosContext, q_len: int, k_len: int, device: torch.device, layer: int = 0
+    ) -> torch.Tensor:
+        """(1, H, Lq, Lk) float32 kernel bias of ``layer``."""
+        r1, r2 = self.kernel_params()
+        idx = layer if self.bias_per_layer else 0
+        r1, r2 = r1[idx][:, None, None], r2[idx][:, None, None]
+        d = relative_positions(ctx, q_len, k_len, device).distance()
+        if self.variant == "log":
+            bias = -r1 * torch.log1p(r2 * d)
+        else:
+            # d ** r2 has an infinite derivative in r2 at d = 0; 0 ** r2 = 0 for r2 > 0 with a zero gradient.
+            safe = torch.where(d > 0, d, torch.ones_like(d))
+            bias = torch.where(d > 0, -r1 * safe.pow(r2), torch.zeros_like(r1 * d))
+        return bias[None]
+

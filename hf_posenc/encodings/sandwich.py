@@ -1,0 +1,84 @@
+"""``sandwich``: the cosine-sum bias of Sandwich.
+
+"Dissecting Transformer Length Extrapolation via the Lens of Receptive Field Analysis", Chi et al.
+2023, https://arxiv.org/abs/2212.10356. The bias is the inner product of two sinusoidal position
+embeddings of dimension d (the paper's d-bar), shifted so that it is 0 at distance 0, and divided by a
+per-head scale as in ALiBi's slopes (head h = 1..H):
+
+    B_h(i, j) = ( sum_{k=1}^{d/2} cos( (i - j) / 10000^(2k/d) ) - d/2 ) / (8h / H)
+
+The sum is indexed from k = 1 (the authors' implementation), so the highest frequency 1 is not part of
+it. The bias has no learned parameters; it is built once per forward, in float32, and shared by every
+layer. Under a causal mask only j <= i matters.
+
+On ViT (bidirectional): i - j becomes the Euclidean distance between the two patches on the 2D patch
+grid (the cosine is even, so the sign plays no part on text either); pairs involving the CLS token get
+no bias.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import PosEncConfig
+from ..registry import param, register_encoding
+from .base import ModelInfo, PosContext, PositionEncoding, relative_positions
+
+__all__ = ["Sandwich"]
+
+
+@dataclass
+class SandwichParams:
+    dim: int | None = param(
+        None,
+        "d-bar, the dimension of the sinusoids whose inner product forms the bias (default: head_dim)",
+        type=int,
+        optional=True,
+        ge=2,
+    )
+
+
+@register_encoding(
+    "sandwich",
+    params=SandwichParams,
+    kind="score bias",
+    summary="fixed cosine-sum bias with per-head scaling; Euclidean patch distance on ViT",
+    paper="https://arxiv.org/abs/2212.10356",
+)
+class Sandwich(PositionEncoding):
+    """Sandwich; see the module docstring for the formula."""
+
+    has_score_bias = True
+
+    @classmethod
+    def resolve(cls, config: PosEncConfig, info: ModelInfo) -> PosEncConfig:
+        p = dict(config.params)
+        if p["dim"] is None:
+            p["dim"] = info.head_dim
+        if p["dim"] % 2:
+            raise ValueError(f"sandwich needs an even dim (d-bar), got {p['dim']}")
+        return PosEncConfig(config.name, p)
+
+    def score_bias(
+        self, ctx: PosContext, q_len: int, k_len: int, device: torch.device, layer: int = 0
+    ) -> torch.Tensor:
+        """(1, H, Lq, Lk) float32."""
+        dim = self.posenc_config.params["dim"]
+        heads = self.info.num_heads
+        k = torch.arange(1, dim // 2 + 1, device=device, dtype=torch.float64)
+        inv_freq = (10000.0 ** (-2.0 * k / dim)).to(torch.float32)
+        rel = relative_positions(ctx, q_len, k_len, device)
+        d = rel.distance()
+        # The sum depends on the distance alone: evaluate it once per distinct distance, then gather
+        # (O(L^2) memory instead of O(L^2 * d)).
+        if rel.is_grid:
+            values, index = torch.unique(d, return_inverse=True)
+        else:
+            values = torch.arange(int(d.max()) + 1 if d.numel() else 1, device=device, dtype=torch.float32)
+            index = d.long()
+        table = torch.cos(values[:, None] * inv_freq).sum(-1) - dim / 2
+        cos_sum = table[index]
+        scale = torch.arange(1, heads + 1, device=device, dtype=torch.float32) * 8.0 / heads
+        return (cos_sum[None] / scale[:, None, None])[None]

@@ -1,0 +1,51 @@
+"""Shared machinery of the q/k-transform encodings that rotate by block-diagonal matrices.
+
+A subclass builds, for the positions of this forward, one rotation per position (and optionally per
+key/value head) as a block-diagonal matrix with blocks of size ``s``; the base class applies it to the
+new queries and keys (before they enter the KV cache) through ``hf_posenc.kernels.rotary``.
+With grouped-query attention, query head h uses the rotation of its key/value head h // (H / Hkv), so
+that q_h^T k_{g(h)} keeps the relative property.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.rotary import apply_block_rotation
+from .base import PosContext, PositionEncoding
+
+__all__ = ["BlockRotationEncoding", "token_coordinates"]
+
+
+def token_coordinates(ctx: PosContext, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Coordinates of the ``length`` new tokens: (B|1, L, 2) float32 and a CLS mask (L,) bool or None.
+
+    Text: (position, 0) with the logical ``position_ids``. ViT: (row, col) of each patch on the grid in
+    raster order, the CLS token (index 0) flagged in the mask (it is not rotated).
+    """
+    if ctx.grid is None:
+        pos = ctx.position_ids.to(device=device, dtype=torch.float32)
+        return torch.stack([pos, torch.zeros_like(pos)], dim=-1), None
+    rows, cols = ctx.grid
+    r = torch.arange(rows, device=device, dtype=torch.float32).repeat_interleave(cols)
+    c = torch.arange(cols, device=device, dtype=torch.float32).repeat(rows)
+    coords = torch.cat([torch.zeros(1, 2, device=device), torch.stack([r, c], dim=-1)])[-length:]
+    cls = torch.zeros(rows * cols + 1, dtype=torch.bool, device=device)
+    cls[0] = True
+    return coords[None], cls[-length:]
+
+
+class BlockRotationEncoding(PositionEncoding):
+    """Base of rotary encodings: subclasses implement ``rotation``."""
+
+    rotates_qk = True
+
+    def rotation(self, ctx: PosContext, length: int, device: torch.device) -> torch.Tensor:
+        """(B|1, Hkv|1, L, D/s, s, s) float32 rotations of the ``length`` new tokens."""
+        raise NotImplementedError
+
+    def rotate(self, ctx: PosContext, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rot = self.rotation(ctx, q.shape[2], q.device)
+        groups = q.shape[1] // k.shape[1]
+        rot_q = rot if rot.shape[1] == 1 or groups == 1 else rot.repeat_interleave(groups, dim=1)
+        return apply_block_rotation(q, rot_q), apply_block_rotation(k, rot)

@@ -70,11 +70,24 @@ class PosContext:
     memo: dict = field(default_factory=dict)
 
     # -- helpers used by the patched attention modules ------------------------------------------
-    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Apply the encoding's q/k transform to the new queries and keys (B, H, Lq, D)."""
-        if not getattr(unwrap(self.encoding), "rotates_qk", False):
-            return q, k
-        return self.encoding("rotate", self, q, k)
+    def prepare(
+        self, layer: int, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Transform the new queries (B, H, Lq, D), keys and values (B, Hkv, Lq, D) before they enter the
+        KV cache; ``hidden`` (B, Lq, C) is the attention input. Rotary encodings rotate q and k here;
+        data-dependent ones may also append per-token state to k or v, so the cache carries it."""
+        enc = unwrap(self.encoding)
+        if getattr(enc, "prepares_qkv", False):
+            return self.encoding("prepare", self, layer, hidden, q, k, v)
+        if getattr(enc, "rotates_qk", False):
+            q, k = self.encoding("rotate", self, q, k)
+        return q, k, v
+
+    def finish(self, layer: int, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Post-process the attention output (B, Lq, H, D) before the output projection (e.g. an output gate)."""
+        if getattr(unwrap(self.encoding), "finishes_output", False):
+            return self.encoding("finish", self, layer, hidden, out)
+        return out
 
     def score_bias(self, q_len: int, k_len: int, device: torch.device, layer: int = 0) -> torch.Tensor | None:
         """The float32 additive bias (B or 1, H, Lq, Lk) of ``layer``: built once per forward and shared
@@ -164,6 +177,10 @@ class PositionEncoding(nn.Module):
     has_score_bias: ClassVar[bool] = False
     #: computes the whole attention itself (``attend``), e.g. for a value term or a logit MLP.
     custom_attention: ClassVar[bool] = False
+    #: transforms q, k, v (with the attention input at hand) before the KV cache (``prepare``).
+    prepares_qkv: ClassVar[bool] = False
+    #: post-processes the attention output before the output projection (``finish``).
+    finishes_output: ClassVar[bool] = False
     #: whether ``score_bias`` differs per layer (else it is built once per forward and shared).
     bias_per_layer: bool = False
 
@@ -196,7 +213,13 @@ class PositionEncoding(nn.Module):
             return self.score_bias(*args, **kwargs)
         if op == "attend":
             return self.attend(*args, **kwargs)
-        raise ValueError(f"unknown operation {op!r} for encoding {self.name!r}; allowed: embed, rotate, bias, attend")
+        if op == "prepare":
+            return self.prepare(*args, **kwargs)
+        if op == "finish":
+            return self.finish(*args, **kwargs)
+        raise ValueError(
+            f"unknown operation {op!r} for encoding {self.name!r}; allowed: embed, rotate, bias, attend, prepare, finish"
+        )
 
     def embed(self, ctx: PosContext, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         raise NotImplementedError
@@ -207,6 +230,18 @@ class PositionEncoding(nn.Module):
     def score_bias(
         self, ctx: PosContext, q_len: int, k_len: int, device: torch.device, layer: int = 0
     ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def prepare(
+        self, ctx: PosContext, layer: int, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, H, Lq, D), k/v (B, Hkv, Lq, D), hidden (B, Lq, C) -> q, k, v as they enter the cache.
+        Whatever is appended to k or v along the last dim is cached with them (and follows ``crop``,
+        beam-search reordering and StaticCache); ``attend`` receives it back for all keys."""
+        raise NotImplementedError
+
+    def finish(self, ctx: PosContext, layer: int, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out (B, Lq, H, D) -> out, before the output projection; hidden (B, Lq, C) is the attention input."""
         raise NotImplementedError
 
     def attend(

@@ -91,7 +91,7 @@ class PosEncGPT2Attention(GPT2Attention):
         query = query.view(shape).transpose(1, 2)
         key = key.view(shape).transpose(1, 2)
         value = value.view(shape).transpose(1, 2)
-        query, key = ctx.rotate(query, key)
+        query, key, value = ctx.prepare(self.posenc_layer, hidden_states, query, key, value)
         if past_key_values is not None:
             cache = past_key_values
             if isinstance(cache, EncoderDecoderCache):
@@ -107,6 +107,7 @@ class PosEncGPT2Attention(GPT2Attention):
             scaling=self.scaling,
             posenc_ctx=ctx,
         )
+        out = ctx.finish(self.posenc_layer, hidden_states, out)
         out = self.c_proj(out.reshape(*out.shape[:-2], -1).contiguous())
         out = self.resid_dropout(out)
         return out, weights

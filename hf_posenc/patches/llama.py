@@ -76,7 +76,7 @@ class PosEncLlamaAttention(LlamaAttention):
         query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        query, key = ctx.rotate(query, key)
+        query, key, value = ctx.prepare(self.posenc_layer, hidden_states, query, key, value)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
         out, weights = posenc_attention(
@@ -89,6 +89,7 @@ class PosEncLlamaAttention(LlamaAttention):
             scaling=self.scaling,
             posenc_ctx=ctx,
         )
+        out = ctx.finish(self.posenc_layer, hidden_states, out)
         out = self.o_proj(out.reshape(*input_shape, -1).contiguous())
         return out, weights
 

@@ -103,7 +103,7 @@ class PosEncViTAttention(ViTAttention):
         query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        query, key = ctx.rotate(query, key)
+        query, key, value = ctx.prepare(self.posenc_layer, hidden_states, query, key, value)
         out, weights = posenc_attention(
             self,
             query,
@@ -114,6 +114,7 @@ class PosEncViTAttention(ViTAttention):
             scaling=self.scaling,
             posenc_ctx=ctx,
         )
+        out = ctx.finish(self.posenc_layer, hidden_states, out)
         out = self.o_proj(out.reshape(*input_shape, -1).contiguous())
         return out, weights
 

@@ -16,8 +16,8 @@ def expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Softmax over the last dim in float32 with ``mask`` (True = attend); fully masked rows give zeros."""
-    scores = scores.float()
+    """Softmax over the last dim in float32 (float64 stays float64) with ``mask`` (True = attend); fully masked rows give zeros."""
+    scores = upcast(scores)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)

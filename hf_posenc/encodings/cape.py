@@ -1,0 +1,168 @@
+"""``cape``: context-adaptive positional encoding.
+
+"CAPE: Context-Adaptive Positional Encoding for Length Extrapolation", Zheng et al. (first titled
+"DAPE: Data-Adaptive Positional Encoding for Length Extrapolation", NeurIPS 2024),
+https://arxiv.org/abs/2405.14722. Each layer's pre-softmax scores are
+
+    A = Q K^T * scaling + B + f(Q K^T * scaling, B),
+
+where B (H, Lq, Lk) is a base positional bias (ALiBi, Kerple or FIRE) and f is a two-layer MLP with a
+LeakyReLU (negative slope 0.01, PyTorch's default) applied at every (i, j) across the heads: its input
+is the concatenation [logits_1..H, B_1..H] (2H values: the scaled logits first, then the bias, the
+order of the authors' code), its hidden width is ``mlp_hidden`` and its output has H values, one per
+head. f sees the scaled logits before the mask; the (causal / padding) mask is applied afterwards,
+then the softmax (in float32). As f is applied entry by entry, row i of A depends only on q_i, the keys
+and B(i, .): the KV cache, causality and left padding are kept.
+
+Choices, following the paper and the authors' code (github.com/chuanyang-Zheng/DAPE,
+``megatron/model/positional_embeddings.py``, classes ``AliBi_C``, ``ParallelKerpleLog_C``, ``FIRE_C``):
+
+* every layer has its own MLP (the authors build one per attention layer);
+* ``mlp_hidden`` defaults to 32 (the paper's D_DAPE; ``mlp_width: 32`` in every config of the authors;
+  the paper ablates the width);
+* initialisation: PyTorch's default ``nn.Linear`` initialisation, U(-1/sqrt(fan_in), 1/sqrt(fan_in)),
+  as in the authors' code (the paper states no other). f starts as a random but bounded correction:
+  O(1), like the logits, near the diagonal, growing with |B| but well below |B| far from it (ALiBi,
+  4 heads, 512 tokens: mean |f| 2.3 where B reaches -128), so attention at initialisation is still
+  dominated by the base bias and stays finite. A zero initialisation is not used: it would also leave
+  f's first layer without gradient at the start;
+* the base bias ``base`` ("alibi", "kerple" or "fire", default "alibi") is the registered encoding of
+  that name with its default parameters, built as the child module ``base``: its learned parameters
+  (Kerple's r1, r2; FIRE's MLP, c, L) are trained and saved with the model, and it keeps its own
+  per-layer semantics (``bias_per_layer``: per-layer Kerple kernels and FIRE functions by default, as in
+  the authors' code; ALiBi has no parameters and is shared). Kerple is its default ``log`` variant, the
+  one the authors use. For ``base="fire"`` the base is this package's FIRE, exact to the FIRE paper
+  (ReLU, L initialised to 512); the authors' ``FIRE_C`` differs slightly (a LeakyReLU inside FIRE's MLP
+  and L initialised to half their training length).
+
+With f's last layer at zero, CAPE is exactly attention with the base bias.
+
+ViT (bidirectional): the base bias is the base encoding's own ViT form (distances on the 2D patch grid,
+no term on pairs involving the CLS token); there is no mask, and f runs on every pair, CLS pairs
+included, where its positional input B is 0 (it then adapts the logits only, with no position signal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..config import PosEncConfig
+from ..ops import expand_kv, masked_softmax
+from ..registry import get_encoding, param, register_encoding
+from . import alibi as _alibi  # noqa: F401  (registers the base biases this module builds by name)
+from . import fire as _fire  # noqa: F401
+from .base import ModelInfo, PosContext, PositionEncoding
+
+__all__ = ["Cape", "CapeMLP", "CAPE_BASES"]
+
+#: the base biases CAPE can adapt (score-bias encodings of the registry).
+CAPE_BASES = ("alibi", "kerple", "fire")
+
+
+def _up(t: torch.Tensor) -> torch.Tensor:
+    """At least float32 (half and bfloat16 are computed in float32; float64 stays)."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+@dataclass
+class CapeParams:
+    base: str = param("alibi", "the base positional bias B that the MLP adapts", type=str, choices=CAPE_BASES)
+    mlp_hidden: int = param(32, "hidden width of the per-layer MLP f (paper: D_DAPE = 32)", type=int, ge=1)
+
+
+class CapeMLP(nn.Module):
+    """f: 2H -> hidden -> H with a LeakyReLU, applied on the last dimension."""
+
+    def __init__(self, num_heads: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(2 * num_heads, hidden)
+        self.fc2 = nn.Linear(hidden, num_heads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., 2H) -> (..., H), computed in the dtype of ``x`` (float32 or float64)."""
+        w1, b1, w2, b2 = (t.to(x.dtype) for t in (self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias))
+        return F.linear(F.leaky_relu(F.linear(x, w1, b1), negative_slope=0.01), w2, b2)
+
+
+@register_encoding(
+    "cape",
+    params=CapeParams,
+    kind="score mix",
+    summary="per-layer MLP over (scaled logits, base bias) across heads, added to both; base alibi/kerple/fire",
+    paper="https://arxiv.org/abs/2405.14722",
+)
+class Cape(PositionEncoding):
+    """CAPE (DAPE); see the module docstring for the formula and the choices."""
+
+    custom_attention = True
+
+    def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:
+        super().__init__(config, info)
+        p = config.params
+        spec = get_encoding(p["base"])
+        if not getattr(spec.cls, "has_score_bias", False):
+            raise ValueError(f"cape needs a score-bias encoding as its base, got {p['base']!r}")
+        if info.family not in spec.families:
+            raise ValueError(f"cape's base {p['base']!r} does not support {info.family}")
+        base_config = spec.cls.resolve(PosEncConfig(p["base"]), info)
+        self.base = spec.cls(base_config, info)
+        self.mlps = nn.ModuleList(CapeMLP(info.num_heads, p["mlp_hidden"]) for _ in range(info.num_layers))
+
+    # -- the terms ---------------------------------------------------------------------------------
+    def base_bias(self, ctx: PosContext, q_len: int, k_len: int, device: torch.device, layer: int) -> torch.Tensor:
+        """The base bias B (B|1, H, Lq, Lk) of ``layer``, float32.
+
+        Built once per forward and shared by the layers when the base shares it across layers and it needs
+        no gradient; rebuilt in each layer while a base with trainable parameters is training (as
+        ``PosContext.score_bias`` does), so that a layer recomputed under gradient checkpointing builds,
+        with autograd, what its first pass built (reentrant checkpointing runs that first pass without)."""
+        idx = layer if getattr(self.base, "bias_per_layer", False) else 0
+        key = ("cape_base", q_len, k_len, device, idx)
+        if key in ctx.memo:
+            return ctx.memo[key]
+        bias = self.base("bias", ctx, q_len, k_len, device, idx)
+        if not (self.base.training and any(p.requires_grad for p in self.base.parameters())):
+            ctx.memo[key] = bias
+        return bias
+
+    def scores(
+        self, ctx: PosContext, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        """Pre-mask scores A = L + B + f(L, B), L = Q K^T * scaling: (B, H, Lq, Lk) in float32 (float64 inputs
+        stay float64). query (B, H, Lq, D), key (B, Hkv, Lk, D)."""
+        b, h, q_len, _ = query.shape
+        k_len = key.shape[2]
+        if h % key.shape[1]:
+            raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({key.shape[1]})")
+        key = expand_kv(key, h // key.shape[1])
+        logits = torch.matmul(_up(query), _up(key).transpose(-1, -2)) * scaling
+        bias = self.base_bias(ctx, q_len, k_len, query.device, layer)
+        dt = torch.promote_types(logits.dtype, bias.dtype)
+        logits, bias = logits.to(dt), bias.to(dt).expand(b, -1, -1, -1)
+        feats = torch.cat([logits, bias], dim=1).permute(0, 2, 3, 1)  # (B, Lq, Lk, 2H)
+        f = self.mlps[layer](feats).permute(0, 3, 1, 2)  # (B, H, Lq, Lk)
+        return logits + bias + f
+
+    def attend(
+        self,
+        ctx: PosContext,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+        scaling: float,
+        dropout: float,
+        training: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """CAPE attention: q (B, H, Lq, D), k/v (B, Hkv, Lk, D), mask (B|1, 1, Lq, Lk) bool (True = attend)
+        or None. Returns out (B, H, Lq, D) in the dtype of ``value`` and the probabilities (B, H, Lq, Lk)."""
+        scores = self.scores(ctx, layer, query, key, scaling)
+        probs = masked_softmax(scores, mask)  # float32; rows with every key masked give zeros
+        probs = F.dropout(probs, p=dropout, training=training).to(query.dtype)
+        value = expand_kv(value, query.shape[1] // value.shape[1])
+        return torch.matmul(probs, value), probs

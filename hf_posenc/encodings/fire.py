@@ -1,0 +1,174 @@
+"""``fire``: functional interpolation for relative positions.
+
+"Functional Interpolation for Relative Positions Improves Long Context Transformers", Li et al. 2023,
+https://arxiv.org/abs/2310.04418. The logit of query i and key j (j <= i, causal) gets, per head h,
+
+    B_h(i, j) = f_theta( psi(i - j) / psi(max(L, i)) )_h,        psi(x) = log(c * x + 1)
+
+with f_theta an MLP 1 -> ``mlp_hidden`` -> H with a ReLU (paper: hidden width 32, ReLU), c > 0 and the
+threshold L > 0 learned. Dividing by psi(max(L, i)) is the paper's "progressive interpolation": the
+input of f_theta stays in [0, 1] whatever the length, and the threshold L keeps short sequences from
+being over-normalised. i is the query's absolute (0-based) position.
+
+Details, following the PyTorch listing of FIRE in the paper's appendix (class ``FIRE``, defaults
+``mlp_width=32, init_c=0.1, init_L=512., eps=1e-6``; it learns L as ``|L_multiplier * init_L|`` with
+``L_multiplier`` initialised to 1, and uses ``|c * x|``):
+
+* initialisation: c = ``init_c`` (default 0.1, the listing's value), L = ``init_threshold`` (default
+  512, the listing's value); the MLP takes PyTorch's default ``nn.Linear`` initialisation, as in the
+  listing: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weights and biases;
+* positivity: c = exp(c_hat) and L = exp(L_hat), a reparametrisation (never a clamp in place); at
+  initialisation a step on L_hat moves L as a step on the listing's ``L_multiplier`` does (both scale
+  with L); any real c_hat, L_hat is valid;
+* the listing's eps = 1e-6 is added to the normaliser: psi(i - j) / (psi(max(L, i)) + 1e-6);
+* ``per_layer`` (default True): every layer has its own FIRE (its own MLP, c and L), as in the paper's
+  experiments (the DAPE/CAPE authors' reimplementation also builds one FIRE per attention layer);
+  False shares one FIRE across all layers (its bias is then built once per forward when not training).
+  The per-layer parameters are stored stacked, one row per layer (``fc1_weight`` (layers, hidden),
+  ``fc1_bias``, ``fc2_weight`` (layers, H, hidden), ``fc2_bias``, ``log_c`` (layers,), ``log_threshold``).
+
+Text: i is the query's logical position ``ctx.position_ids`` (B|1, Lq), so the normaliser follows the
+KV cache (a decode step's query sits at a large i) and left padding (position_ids are shifted by the
+padding). i - j is the key/query index distance, equal to the logical distance between real tokens
+under left padding. Only j <= i matters under the causal mask; future keys use max(i - j, 0) = 0 so
+that the masked entries stay finite.
+
+ViT (bidirectional, 2D; a documented generalisation): i - j becomes the Euclidean distance d_ij between
+the two patches on the patch grid, and the query position in the normaliser becomes the largest such
+distance on the current grid, r = sqrt((rows - 1)^2 + (cols - 1)^2):
+
+    B_h(i, j) = f_theta( psi(d_ij) / psi(max(L, r)) )_h,
+
+so the MLP input again lies in [0, 1] on any grid. Pairs involving the CLS token get no positional term
+(bias 0). Everything is computed in float32 (float64 stays float64), whatever the parameters' dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..config import PosEncConfig
+from ..registry import param, register_encoding
+from .base import ModelInfo, PosContext, PositionEncoding, relative_positions
+
+__all__ = ["Fire", "FireFunction"]
+
+#: added to the normaliser, as in the paper's listing.
+FIRE_EPS = 1e-6
+
+
+def _up(t: torch.Tensor) -> torch.Tensor:
+    """At least float32 (half and bfloat16 parameters are computed in float32; float64 stays)."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+@dataclass
+class FireParams:
+    mlp_hidden: int = param(32, "hidden width of the MLP f_theta (paper: 32)", type=int, ge=1)
+    init_c: float = param(0.1, "initial value of c in psi(x) = log(c x + 1) (paper's listing: 0.1)", type=float, gt=0)
+    init_threshold: float = param(512.0, "initial value of the threshold L in psi(max(L, i)) (paper: 512)",
+                                  type=float, gt=0)
+    per_layer: bool = param(True, "a FIRE per layer (paper) or one shared by all layers", type=bool)
+
+
+class FireFunction:
+    """One FIRE (the MLP f_theta, c and L) read from row ``idx`` of the stacked parameters of :class:`Fire`,
+    in at least float32."""
+
+    def __init__(self, enc: "Fire", idx: int) -> None:
+        self.w1, self.b1 = _up(enc.fc1_weight[idx]), _up(enc.fc1_bias[idx])  # (hidden,), (hidden,)
+        self.w2, self.b2 = _up(enc.fc2_weight[idx]), _up(enc.fc2_bias[idx])  # (H, hidden), (H,)
+        self.c = torch.exp(_up(enc.log_c[idx]))  # c > 0
+        self.threshold = torch.exp(_up(enc.log_threshold[idx]))  # L > 0
+
+    def psi(self, x: torch.Tensor) -> torch.Tensor:
+        """psi(x) = log(c x + 1), elementwise, in the wider of the two dtypes (a 0-d float64 c would not
+        widen a float32 x by type promotion)."""
+        return torch.log1p(self.c * x.to(torch.promote_types(x.dtype, self.c.dtype)))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """f_theta on (...) inputs -> (..., H): fc2(relu(x * w1 + b1))."""
+        dt = torch.promote_types(x.dtype, self.w1.dtype)
+        hidden = F.relu(x.to(dt)[..., None] * self.w1.to(dt) + self.b1.to(dt))
+        return F.linear(hidden, self.w2.to(dt), self.b2.to(dt))
+
+    def bias(self, distance: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """f_theta(psi(distance) / (psi(max(L, position)) + eps)) moved to (..., H, Lq, Lk).
+
+        Args:
+            distance: (Lq, Lk) non-negative distances.
+            position: the normaliser's position, broadcastable to (..., Lq, 1): (B|1, Lq, 1) on text,
+                a 0-d tensor on ViT.
+        """
+        normaliser = self.psi(torch.maximum(self.threshold, position.to(self.threshold.dtype))) + FIRE_EPS
+        x = self.psi(distance) / normaliser  # (..., Lq, Lk)
+        return self.mlp(x).movedim(-1, -3)
+
+
+@register_encoding(
+    "fire",
+    params=FireParams,
+    kind="score bias",
+    summary="MLP of the log-distance over the log of max(L, query position); Euclidean patch distance on ViT",
+    paper="https://arxiv.org/abs/2310.04418",
+)
+class Fire(PositionEncoding):
+    """FIRE; see the module docstring for the formula, the initialisation and the ViT generalisation."""
+
+    has_score_bias = True
+
+    def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:
+        super().__init__(config, info)
+        p = config.params
+        self.bias_per_layer = bool(p["per_layer"])
+        n, heads, hidden = info.num_layers if self.bias_per_layer else 1, info.num_heads, p["mlp_hidden"]
+        # One row per layer. The MLP gets nn.Linear's default initialisation, U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+        # for weights and biases (fan_in 1, then hidden), as in the paper's listing.
+        self.fc1_weight = nn.Parameter(torch.empty(n, hidden).uniform_(-1.0, 1.0))
+        self.fc1_bias = nn.Parameter(torch.empty(n, hidden).uniform_(-1.0, 1.0))
+        bound = hidden**-0.5
+        self.fc2_weight = nn.Parameter(torch.empty(n, heads, hidden).uniform_(-bound, bound))
+        self.fc2_bias = nn.Parameter(torch.empty(n, heads).uniform_(-bound, bound))
+        self.log_c = nn.Parameter(torch.full((n,), math.log(p["init_c"])))
+        self.log_threshold = nn.Parameter(torch.full((n,), math.log(p["init_threshold"])))
+
+    def function(self, layer: int = 0) -> FireFunction:
+        """The FIRE of ``layer`` (the shared one when ``per_layer`` is False)."""
+        return FireFunction(self, layer if self.bias_per_layer else 0)
+
+    def score_bias(
+        self, ctx: PosContext, q_len: int, k_len: int, device: torch.device, layer: int = 0
+    ) -> torch.Tensor:
+        """(B|1, H, Lq, Lk) float32 FIRE bias of ``layer``: B|1 follows ``ctx.position_ids`` on text, 1 on ViT."""
+        fn = self.function(layer)
+        rel = relative_positions(ctx, q_len, k_len, device)
+        if rel.is_grid:
+            rows, cols = ctx.grid
+            r = torch.tensor(math.hypot(rows - 1, cols - 1), device=device, dtype=torch.float32)
+            bias = fn.bias(rel.distance(), r)[None]  # (1, H, Lq, Lk)
+            return bias.masked_fill(rel.cls, 0.0)
+        distance = (-rel.rel).clamp_min(0.0)  # i - j for j <= i; 0 on (masked) future keys
+        position = self._query_positions(ctx, q_len, device)
+        return fn.bias(distance, position[:, :, None])
+
+    @staticmethod
+    def _query_positions(ctx: PosContext, q_len: int, device: torch.device) -> torch.Tensor:
+        """(B|1, Lq) float32 absolute positions i of the queries; one row when every row is the same."""
+        pos = ctx.position_ids
+        if pos is None:
+            return (torch.arange(q_len, device=device, dtype=torch.float32) + ctx.q_offset)[None]
+        pos = pos.to(device=device, dtype=torch.float32)
+        if pos.dim() == 1:
+            pos = pos[None]
+        if pos.dim() != 2 or pos.shape[-1] != q_len:
+            raise ValueError(
+                f"fire expects position_ids of shape (batch, {q_len}) for {q_len} queries, got {tuple(pos.shape)}"
+            )
+        if pos.shape[0] > 1 and bool((pos == pos[:1]).all()):
+            pos = pos[:1]  # the usual unpadded batch: one bias for every row
+        return pos

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .attention import ATTN_IMPLEMENTATION, register_with_transformers, resolve_backend
+from .attention import ATTN_IMPLEMENTATION, attention_backend, register_with_transformers
 from .config import CONFIG_KEY, PosEncConfig
 from .encodings.base import unwrap
 from .patches import get_family
@@ -113,9 +113,22 @@ def describe(model: nn.Module) -> dict[str, Any]:
         "kind": spec.kind,
         "family": base.posenc_info.family,
         "layers": list(base.posenc_layers),
-        "backend": resolve_backend(device),
+        "backend": _backend_summary(inner, device),
         "parameters": sum(p.numel() for p in enc.parameters()),
     }
+
+
+def _backend_summary(encoding: nn.Module, device: torch.device) -> str:
+    """``torch`` when every op runs its PyTorch reference, else which ops run which kernel."""
+    attention = attention_backend(encoding)
+    if not getattr(encoding, "rotates_qk", False) or device.type != "cuda":
+        return attention
+    from .backend import forced_backend
+    from .kernels.rotary import _triton_import_error
+
+    if forced_backend() in ("torch", "flex") or _triton_import_error() is not None:
+        return attention
+    return f"{attention} (attention), triton (rotation)"
 
 
 def support_matrix() -> str:

@@ -5,43 +5,46 @@
 (B, Hkv, Lk, D) (grouped-query heads not expanded) and returns ``(out (B, Lq, H, D), weights | None)``.
 The encoding's terms reach it through ``kwargs["posenc_ctx"]`` (a :class:`PosContext`).
 
-Backends: ``torch`` (the reference, built on ``scaled_dot_product_attention``) is the only one in this
-release. ``HF_POSENC_BACKEND=torch|flex|triton`` forces one; naming one that is not available raises.
+Backends: the attention itself runs on ``torch`` (``scaled_dot_product_attention``, or the encoding's own
+reference); see :func:`attention_backend` and :mod:`hf_posenc.backend` for ``HF_POSENC_BACKEND``.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch.nn import functional as F
 
+from .backend import forced_backend
 from .encodings.base import PosContext, unwrap
 from .ops import expand_kv, masked_softmax
 
-__all__ = ["ATTN_IMPLEMENTATION", "posenc_attention", "register_with_transformers", "resolve_backend", "BACKENDS"]
+__all__ = ["ATTN_IMPLEMENTATION", "attention_backend", "posenc_attention", "register_with_transformers"]
 
 #: The name under which hf_posenc registers with transformers' AttentionInterface and AttentionMaskInterface.
 ATTN_IMPLEMENTATION = "hf_posenc"
-BACKENDS = ("torch", "flex", "triton")
-_AVAILABLE = ("torch",)
 #: query block of the causal bias path (see posenc_attention).
 _QUERY_BLOCK = 128
 
 
-def resolve_backend(device: torch.device | None = None) -> str:
-    """The backend to use: ``HF_POSENC_BACKEND`` if set (validated), else ``torch``."""
-    forced = os.environ.get("HF_POSENC_BACKEND", "").strip().lower()
-    if not forced:
-        return "torch"
-    if forced not in BACKENDS:
-        raise ValueError(f"HF_POSENC_BACKEND={forced!r} is not a backend; allowed: {', '.join(BACKENDS)}")
-    if forced not in _AVAILABLE:
+def attention_backend(encoding: object | None) -> str:
+    """The backend of the attention itself for ``encoding``: ``torch`` (SDPA or the encoding's reference).
+
+    This release has no Triton or FlexAttention attention kernels. Forcing ``triton`` or ``flex`` is fine
+    for encodings whose attention is plain SDPA (absolute and rotary encodings: their own ops may have
+    kernels); for encodings with position terms inside the attention it raises, rather than silently
+    running the reference.
+    """
+    forced = forced_backend()
+    enc = unwrap(encoding) if encoding is not None else None
+    in_attention = enc is not None and (
+        getattr(enc, "has_score_bias", False) or getattr(enc, "custom_attention", False)
+    )
+    if forced in ("triton", "flex") and in_attention:
         raise ValueError(
-            f"HF_POSENC_BACKEND={forced!r} is not available in this release of hf_posenc; available: "
-            f"{', '.join(_AVAILABLE)}"
+            f"HF_POSENC_BACKEND={forced!r}: hf_posenc has no {forced} attention kernel for {enc.name!r} in this "
+            "release; unset HF_POSENC_BACKEND or set it to 'torch'"
         )
-    return forced
+    return "torch"
 
 
 def _as_bool_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -70,9 +73,17 @@ def _full_mask(
     transformers hands over no mask when plain causal attention is enough (an empty cache, no padding).
     """
     mask = _as_bool_mask(attention_mask)
-    if mask is None and causal and q_len > 1:
+    if mask is None and causal and _needs_causal_mask(q_len, k_len, q_offset):
         mask = _causal_mask(q_len, k_len, q_offset, device)[None, None]
     return mask
+
+
+def _needs_causal_mask(q_len: int, k_len: int, q_offset: int | torch.Tensor) -> bool:
+    """Whether causality must be enforced by a mask: several queries, or keys past the last query (the
+    empty slots of a StaticCache, whose offset is a tensor)."""
+    if isinstance(q_offset, torch.Tensor):
+        return True
+    return q_len > 1 or k_len > q_offset + q_len
 
 
 def _eager(
@@ -138,7 +149,7 @@ def posenc_attention(
     Returns:
         out (B, Lq, H, D), and the probabilities (B, H, Lq, Lk) when ``posenc_ctx.need_weights`` else None.
     """
-    resolve_backend(query.device)
+    attention_backend(posenc_ctx.encoding if posenc_ctx is not None else None)
     b, h, q_len, d = query.shape
     k_len = key.shape[2]
     if h % key.shape[1]:
@@ -164,7 +175,7 @@ def posenc_attention(
     gqa = key.shape[1] != h
     if bias is None:
         mask = _as_bool_mask(attention_mask)
-        is_causal = mask is None and causal and q_len > 1
+        is_causal = mask is None and causal and _needs_causal_mask(q_len, k_len, q_offset)
         if is_causal and not (q_len == k_len and isinstance(q_offset, int) and q_offset == 0):
             mask, is_causal = _causal_mask(q_len, k_len, q_offset, query.device)[None, None], False
         out = F.scaled_dot_product_attention(

@@ -158,8 +158,10 @@ def test_gpt2_runs_past_n_positions_with_relative_encodings():
 
 
 def test_rope_scaling_type_not_implemented_is_an_error():
-    m = _llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
-    with pytest.raises(ValueError, match="rope_type='linear'"):
+    """linear, llama3, yarn, longrope and proportional are reproduced (tests/test_rope2d_comrope.py);
+    dynamic NTK scaling is not, and says which types are."""
+    m = _llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(ValueError, match="rope_type='dynamic'.*supported: 'default', 'linear'"):
         hf_posenc.patch_model(m, "rope")
 
 
@@ -183,7 +185,10 @@ def test_backend_override_is_validated(monkeypatch):
     with pytest.raises(ValueError, match="allowed: torch, flex, triton"):
         m(IDS)
     monkeypatch.setenv("HF_POSENC_BACKEND", "triton")
-    with pytest.raises(ValueError, match="not available"):
+    with pytest.raises(ValueError, match="no triton attention kernel for 'alibi'"):
+        m(IDS)
+    monkeypatch.setenv("HF_POSENC_BACKEND", "flex")
+    with pytest.raises(ValueError, match="no flex attention kernel"):
         m(IDS)
     monkeypatch.setenv("HF_POSENC_BACKEND", "torch")
     m(IDS)

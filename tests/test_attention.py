@@ -104,3 +104,19 @@ def test_block_path_gradients_match_reference():
     ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v, bias))
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("offset", [2, torch.tensor(2)])
+def test_no_mask_never_attends_to_empty_cache_slots(with_bias, offset):
+    """A StaticCache holds empty slots after the last query: without a mask they must stay unseen."""
+    torch.manual_seed(3)
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 8)
+    bias = torch.randn(1, 4, 1, 8) if with_bias else torch.zeros(1, 4, 1, 8)
+    info = ModelInfo("llama", 32, 4, 2, 8, 1, True, None)
+    ctx = PosContext(encoding=_Bias(bias) if with_bias else _Bias(bias), info=info, q_offset=offset)
+    if not with_bias:
+        ctx.encoding.has_score_bias = False
+    out, _ = posenc_attention(_Attn(True), q, k, v, None, scaling=0.3, posenc_ctx=ctx)
+    ref, _ = _reference(q, k[:, :, :3], v[:, :, :3], None, bias[..., :3], True, 0.3)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)

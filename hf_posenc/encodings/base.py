@@ -42,6 +42,8 @@ class ModelInfo:
     rope_theta: float | None = None
     rope_type: str | None = None
     initializer_range: float = 0.02
+    #: Llama: the config's ``rope_parameters`` (theta, scaling type and its factors), read by ``rope``.
+    rope_parameters: dict | None = None
 
 
 @dataclass

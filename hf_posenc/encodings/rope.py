@@ -14,10 +14,30 @@ logical ``position_ids`` (left padding shifts them as transformers does).
 
 On ViT the patches are rotated by their index in raster order (row * cols + col); the CLS token is not
 rotated (it takes no positional term).
+
+The model's own scaling types (Llama's ``rope_parameters``). With ``theta`` left to None on a Llama whose
+``rope_type`` is not ``default``, rope takes the model's rotary as it is: the frequencies theta_i and the
+factor ``attention_scaling`` (s) are computed by transformers' own ``ROPE_INIT_FUNCTIONS`` from the model's
+``rope_parameters``, and the rotation uses cos(m theta_i) * s and sin(m theta_i) * s, exactly as
+``LlamaRotaryEmbedding`` does, so the patched model reproduces the unpatched one bit for bit. Supported:
+
+* ``linear``, ``llama3``, ``yarn``, ``proportional``: static frequencies (they do not depend on the
+  sequence length), valid at any position, past ``max_position_embeddings`` too;
+* ``longrope``: two static sets; as transformers does, a forward whose largest position id + 1 exceeds
+  ``original_max_position_embeddings`` uses the long factors, any other the short ones (so, as in
+  transformers, keys cached before the switch keep the short-factor rotation).
+
+``dynamic`` (NTK scaling recomputed from the longest sequence seen so far, a state that a KV cache and a
+batch do not share) is not implemented and raises ``ValueError``, as does any other type; an explicit
+``theta`` gives plain rotary at that base on any model, ignoring the model's scaling. In the resolved
+config ``theta`` stays None for scaled types: the scaling's factors live in the model's config, which is
+saved with it, and are read again whenever the model is patched.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -26,12 +46,47 @@ from ..config import PosEncConfig
 from ..registry import param, register_encoding
 from .base import ModelInfo, PosContext, PositionEncoding
 
-__all__ = ["Rope", "rope_inv_freq", "apply_rotary"]
+__all__ = ["Rope", "rope_inv_freq", "apply_rotary", "SCALED_ROPE_TYPES", "model_rope_frequencies"]
 
 
 def rope_inv_freq(dim: int, base: float) -> torch.Tensor:
     """theta_i = base^(-2i/dim) for i < dim/2, float32, computed on the CPU as transformers does."""
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+
+
+#: the model's ``rope_type`` values that rope reproduces (besides ``default``).
+SCALED_ROPE_TYPES = ("linear", "llama3", "yarn", "longrope", "proportional")
+
+
+def model_rope_frequencies(info: ModelInfo, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq (D/2,) float32 on the CPU, attention_scaling) of the model's ``rope_parameters``, computed
+    by transformers' ``ROPE_INIT_FUNCTIONS`` as ``LlamaRotaryEmbedding`` computes them (``seq_len``: the
+    length passed to the function, for longrope's long factors)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = info.rope_parameters["rope_type"]
+    hf_logger = logging.getLogger("transformers")
+    level = hf_logger.level
+    hf_logger.setLevel(logging.ERROR)  # the model's config already warned about its rope_parameters
+    try:
+        config = LlamaConfig(
+            hidden_size=info.hidden_size,
+            num_attention_heads=info.num_heads,
+            num_key_value_heads=info.num_kv_heads,
+            head_dim=info.head_dim,
+            max_position_embeddings=info.max_positions,
+            rope_parameters=copy.deepcopy(info.rope_parameters),
+        )
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, seq_len=seq_len)
+    finally:
+        hf_logger.setLevel(level)
+    if inv_freq.shape != (info.head_dim // 2,):
+        raise ValueError(
+            f"the model's rope_parameters ({rope_type!r}) give {inv_freq.numel()} frequencies for head_dim="
+            f"{info.head_dim}; rope needs head_dim/2 (partial rotary is not supported)"
+        )
+    return inv_freq.float(), float(scaling)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
@@ -51,7 +106,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: 
 class RopeParams:
     theta: float | None = param(
         None,
-        "rotary base (default: the model's rope_theta on Llama, else 10000)",
+        "rotary base (default: the model's rope_theta on Llama, with its rope_parameters scaling, else 10000); "
+        "an explicit value gives plain rotary at that base",
         type=float,
         optional=True,
         gt=1.0,
@@ -81,21 +137,50 @@ class Rope(PositionEncoding):
     def resolve(cls, config: PosEncConfig, info: ModelInfo) -> PosEncConfig:
         p = dict(config.params)
         if p["theta"] is None:
+            if info.rope_type in SCALED_ROPE_TYPES and info.rope_parameters is not None:
+                return PosEncConfig(config.name, p)  # theta stays None: the model's scaled rotary
             if info.rope_type not in (None, "default"):
                 raise ValueError(
                     f"the model's rope_parameters use rope_type={info.rope_type!r}, which hf_posenc's rope does not "
-                    "implement yet; pass an explicit theta to use plain rotary embedding"
+                    f"implement; supported: 'default', {', '.join(repr(t) for t in SCALED_ROPE_TYPES)}. Pass an "
+                    "explicit theta to use plain rotary embedding"
                 )
             p["theta"] = float(info.rope_theta) if info.rope_theta is not None else 10000.0
         return PosEncConfig(config.name, p)
+
+    def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:
+        super().__init__(config, info)
+        #: the model's scaled rotary (theta None): short and long frequencies, attention scaling, longrope's
+        #: switch length. Plain attributes, not buffers: they stay float32 on the CPU under ``model.to``.
+        self._scaled: tuple[torch.Tensor, torch.Tensor | None, float, int | None] | None = None
+        if config.params["theta"] is None and info.rope_type in SCALED_ROPE_TYPES:
+            inv_freq, scaling = model_rope_frequencies(info)
+            long_freq, switch = None, None
+            if info.rope_type == "longrope":
+                switch = int(info.rope_parameters["original_max_position_embeddings"])
+                long_freq, _ = model_rope_frequencies(info, seq_len=switch + 1)
+            self._scaled = (inv_freq, long_freq, scaling, switch)
 
     def check_model(self, info: ModelInfo) -> None:
         if info.head_dim % 2:
             raise ValueError(f"rope needs an even head_dim, got {info.head_dim}")
 
-    def _angles(self, positions: torch.Tensor, device: torch.device) -> torch.Tensor:
-        inv_freq = rope_inv_freq(self.info.head_dim, self.posenc_config.params["theta"]).to(device)
-        return positions.to(device=device, dtype=torch.float32)[..., None] * inv_freq
+    def _frequencies(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, float]:
+        """(inv_freq (D/2,) float32 on ``device``, attention scaling) for a forward at ``positions``."""
+        if self._scaled is None:
+            theta = self.posenc_config.params["theta"]
+            if theta is None:  # constructed without resolve
+                theta = float(self.info.rope_theta) if self.info.rope_theta is not None else 10000.0
+            return rope_inv_freq(self.info.head_dim, theta).to(device), 1.0
+        inv_freq, long_freq, scaling, switch = self._scaled
+        inv_freq = inv_freq.to(device)
+        if long_freq is not None:  # longrope: the long factors once the largest position id + 1 > switch
+            inv_freq = torch.where(positions.max().to(device) + 1 > switch, long_freq.to(device), inv_freq)
+        return inv_freq, scaling
+
+    def _angles(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, float]:
+        inv_freq, scaling = self._frequencies(positions, device)
+        return positions.to(device=device, dtype=torch.float32)[..., None] * inv_freq, scaling
 
     def rotate(self, ctx: PosContext, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q (B, H, L, D) and k (B, Hkv, L, D) of the new tokens."""
@@ -104,8 +189,11 @@ class Rope(PositionEncoding):
         else:
             rows, cols = ctx.grid
             positions = torch.arange(rows * cols + 1, device=q.device)[None] - 1
-        angles = self._angles(positions, q.device)[:, None]  # (B|1, 1, L, D/2)
+        angles, scaling = self._angles(positions, q.device)
+        angles = angles[:, None]  # (B|1, 1, L, D/2)
         cos, sin = angles.cos(), angles.sin()
+        if scaling != 1.0:  # as LlamaRotaryEmbedding: cos * attention_scaling, sin * attention_scaling
+            cos, sin = cos * scaling, sin * scaling
         if ctx.grid is not None:  # CLS (index 0, position -1) stays unrotated
             cos = cos.clone()
             sin = sin.clone()

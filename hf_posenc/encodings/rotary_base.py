@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.rotary import apply_block_rotation
+from ..kernels.rotary import apply_qk_rotation
 from .base import PosContext, PositionEncoding
 
 __all__ = ["BlockRotationEncoding", "token_coordinates"]
@@ -36,16 +36,39 @@ def token_coordinates(ctx: PosContext, length: int, device: torch.device) -> tup
 
 
 class BlockRotationEncoding(PositionEncoding):
-    """Base of rotary encodings: subclasses implement ``rotation``."""
+    """Base of rotary encodings: subclasses implement ``rotation`` (the same in every layer), or
+    ``layer_rotation`` when the rotation has parameters per layer (the layer index reaches it through
+    ``prepare``, which the patched attention modules call with it)."""
 
     rotates_qk = True
+    prepares_qkv = True  # so that the layer index reaches ``layer_rotation``; v passes through unchanged
 
     def rotation(self, ctx: PosContext, length: int, device: torch.device) -> torch.Tensor:
         """(B|1, Hkv|1, L, D/s, s, s) float32 rotations of the ``length`` new tokens."""
         raise NotImplementedError
 
-    def rotate(self, ctx: PosContext, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rot = self.rotation(ctx, q.shape[2], q.device)
-        groups = q.shape[1] // k.shape[1]
-        rot_q = rot if rot.shape[1] == 1 or groups == 1 else rot.repeat_interleave(groups, dim=1)
-        return apply_block_rotation(q, rot_q), apply_block_rotation(k, rot)
+    def layer_rotation(self, ctx: PosContext, layer: int, length: int, device: torch.device) -> torch.Tensor:
+        """The rotations (B|1, Hkv|1, L, D/s, s, s) used in ``layer``. Default: ``rotation``, built once per
+        forward and shared by every layer, unless it is being trained (under gradient checkpointing a
+        layer's recomputation must build exactly what its first pass built, as for score biases)."""
+        key = ("rotation", length, device)
+        if key in ctx.memo:
+            return ctx.memo[key]
+        rot = self.rotation(ctx, length, device)
+        if not (self.training and any(p.requires_grad for p in self.parameters())):
+            ctx.memo[key] = rot
+        return rot
+
+    def prepare(
+        self, ctx: PosContext, layer: int, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k = self.rotate(ctx, q, k, layer)
+        return q, k, v
+
+    def rotate(
+        self, ctx: PosContext, q: torch.Tensor, k: torch.Tensor, layer: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q (B, H, L, D) and k (B, Hkv, L, D) of the new tokens with ``layer``'s rotations."""
+        rot = self.layer_rotation(ctx, layer, q.shape[2], q.device)
+        # q and k in one pass (the Triton kernel on CUDA); query head h uses the rotation of kv head h // (H / Hkv)
+        return apply_qk_rotation(q, k, rot)

@@ -114,6 +114,7 @@ class LlamaPatch(FamilyPatch):
             rope_theta=rope.get("rope_theta"),
             rope_type=rope.get("rope_type"),
             initializer_range=getattr(config, "initializer_range", 0.02),
+            rope_parameters=dict(rope) or None,
         )
 
     def install(self, base: nn.Module) -> list[str]:

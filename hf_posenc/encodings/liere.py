@@ -1,0 +1,192 @@
+"""``liere``: Lie rotational position encodings.
+
+"LieRE: Lie Rotational Positional Encodings", Ostmeier et al. 2024 (ICML 2025),
+https://arxiv.org/abs/2406.10322 (official code: https://github.com/StanfordMIMI/LieRE). A token at
+position p = (p_1 .. p_n) (n = 1 on text, 2 on ViT) rotates its query and key by
+
+    A_i  = P_i - P_i^T                        learned skew-symmetric generator of axis i (P_i unconstrained)
+    R(p) = exp(p_1 A_1 + ... + p_n A_n)       matrix exponential, computed in float32
+    q' = R(p_q) q,   k' = R(p_k) k,           so   q'^T k' = q^T R(p_q)^T R(p_k) k
+
+The generators are block-diagonal with blocks of ``block_size`` s (exp acts block by block, so R(p) is
+block-diagonal too and the rotary kernel applies it); each block of each generator is learned. By
+default one set of generators serves every head and layer (the official ``ModelArgs`` defaults and
+ImageNet config, ``rotary_embedding_per_head/per_layer: False``); ``per_head`` and ``per_layer`` (both
+True in the official CIFAR-100 config) give each key/value head and each layer its own. Under
+grouped-query attention query head h uses the rotation of its key/value head, so q_h^T k_g(h) sees
+R(p_q)^T R(p_k) with one set of generators.
+
+Relative or not: R(p_q)^T R(p_k) = exp(-G(p_q)) exp(G(p_k)) equals exp(G(p_k - p_q)) when G(p_q) and
+G(p_k) commute. On text there is one axis, G(p) = p A_1, so liere is exactly relative there. With two
+axes (ViT) A_1 and A_2 do not commute in general and liere is NOT relative: shifting every patch by the
+same offset changes the attention. (ComRoPE's commuting constraint is what restores it.)
+
+Choices, from the official code (``models/rope_vit.py``, ``LierePositionEncoder``):
+
+* Initialisation: generator entries above the diagonal ~ U[0, 2π) (``torch.rand(...) * 2 * math.pi``,
+  "RoPE-Mixed drew random angles from zero to 2 pi"); here P_i = that upper triangle, so that
+  A_i = P_i - P_i^T has exactly the official initial values (the official code learns only the upper
+  triangle; learning the whole P_i is the same family of generators).
+* Positions are normalised as in the official code: on ViT each axis of an n-patch grid spans
+  [0, n / n_train] (``torch.linspace(0, n / n_train, n)``, n_train the patch count along that axis at the
+  config's image size), so the training grid spans [0, 1] and another resolution extends or shrinks it,
+  without interpolating anything. The paper covers images only; on text the same normalisation is
+  p = position / (L_train - 1), L_train the model's maximum position count, so the training context
+  spans [0, 1]; queries and keys use their logical ``position_ids`` (left padding, the KV cache).
+  ``position_scale`` replaces this by p = index * position_scale on every axis.
+* Block size: the official default ``generator_dim`` is 64, one dense block over a 64-dimensional head.
+  The fused rotary kernel applies blocks of at most 8, so ``block_size`` is at most 8; its default is the
+  largest of 8, 4, 2 that divides head_dim.
+
+The CLS token of ViT is not rotated (identity, as the official code's zero generator for it).
+Rotations are computed once per forward for the positions present (one matrix exponential per distinct
+``position_ids`` value of the batch, or per patch) and shared by every layer; with ``per_layer`` each
+layer computes its own once; while training shared generators they are recomputed in each layer (as
+score biases are), so that gradient checkpointing recomputes a layer exactly as its first pass ran it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..config import PosEncConfig
+from ..ops import upcast
+from ..registry import param, register_encoding
+from .base import ModelInfo, PosContext
+from .rotary_base import BlockRotationEncoding, token_coordinates
+
+__all__ = ["Liere"]
+
+
+@dataclass
+class LiereParams:
+    block_size: int | None = param(
+        None,
+        "size s of the diagonal blocks of the generators (2..8, dividing head_dim; default: the largest of "
+        "8, 4, 2 that divides head_dim)",
+        type=int,
+        optional=True,
+        ge=2,
+        le=8,
+    )
+    per_head: bool = param(
+        False, "generators per key/value head (the official CIFAR-100 config) or shared by all heads (its default)",
+        type=bool,
+    )
+    per_layer: bool = param(
+        False, "generators per layer (the official CIFAR-100 config) or shared by all layers (its default)", type=bool
+    )
+    position_scale: float | None = param(
+        None,
+        "multiplier of the integer positions (default: the official normalisation, the training grid or "
+        "context spanning [0, 1])",
+        type=float,
+        optional=True,
+        gt=0.0,
+    )
+
+
+@register_encoding(
+    "liere",
+    params=LiereParams,
+    kind="q/k transform",
+    summary="rotation exp(sum_i p_i A_i) of learned block-diagonal skew-symmetric generators; 2D grid on ViT",
+    paper="https://arxiv.org/abs/2406.10322",
+)
+class Liere(BlockRotationEncoding):
+    """LieRE; see the module docstring for the formula and the choices."""
+
+    @classmethod
+    def resolve(cls, config: PosEncConfig, info: ModelInfo) -> PosEncConfig:
+        p = dict(config.params)
+        if p["block_size"] is None:
+            fits = [s for s in (8, 4, 2) if info.head_dim % s == 0]
+            if not fits:
+                raise ValueError(f"liere needs an even head_dim (blocks of size 2 to 8), got {info.head_dim}")
+            p["block_size"] = fits[0]
+        if p["position_scale"] is None and info.family != "vit":
+            if info.max_positions is None or info.max_positions < 2:
+                raise ValueError(
+                    "liere normalises text positions by the model's maximum position count, which this model "
+                    f"does not define (max_positions={info.max_positions}); pass position_scale"
+                )
+        return PosEncConfig(config.name, p)
+
+    def check_model(self, info: ModelInfo) -> None:
+        s = self.posenc_config.params["block_size"]
+        if s is not None and info.head_dim % s:
+            raise ValueError(
+                f"liere's block_size must divide head_dim: block_size={s}, head_dim={info.head_dim}; "
+                f"allowed here: {[b for b in range(2, 9) if info.head_dim % b == 0]}"
+            )
+
+    def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:
+        super().__init__(config, info)
+        s = config.params["block_size"]
+        self.block_size = s
+        self.num_axes = 2 if info.family == "vit" else 1
+        self.per_layer = config.params["per_layer"]
+        layers = info.num_layers if self.per_layer else 1
+        heads = info.num_kv_heads if config.params["per_head"] else 1
+        shape = (layers, self.num_axes, heads, info.head_dim // s, s, s)
+        #: (layers|1, axes, Hkv|1, D/s, s, s), unconstrained; the generators are P - P^T.
+        self.generator_raw = nn.Parameter(torch.triu(torch.rand(shape) * (2 * math.pi), diagonal=1))
+
+    # -- the math ----------------------------------------------------------------------------------
+    def generators(self) -> torch.Tensor:
+        """A_i = P_i - P_i^T: (layers|1, axes, Hkv|1, D/s, s, s), at least float32."""
+        p = upcast(self.generator_raw)
+        return p - p.transpose(-1, -2)
+
+    def rotations_at(self, coords: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        """R(p) = exp(sum_i p_i A_i) with ``layer``'s generators for N positions ``coords`` (N, axes), already
+        scaled. Returns (Hkv|1, N, D/s, s, s) in the generators' compute dtype (float32; float64 for gradcheck)."""
+        gens = self.generators()[layer if self.per_layer else 0]
+        coords = coords.to(device=gens.device, dtype=gens.dtype)
+        # (N, axes) x (axes, H, K, s, s) -> (H, N, K, s, s)
+        algebra = torch.einsum("na,ahkij->hnkij", coords, gens).contiguous()
+        return torch.linalg.matrix_exp(algebra)
+
+    def positions(self, ctx: PosContext, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Scaled coordinates of the new tokens (B|1, L, axes) float32 and the ViT CLS mask (L,) or None."""
+        coords, cls = token_coordinates(ctx, length, device)
+        coords = coords[..., : self.num_axes]
+        scale = self.posenc_config.params["position_scale"]
+        if scale is not None:
+            return coords * scale, cls
+        if ctx.grid is None:
+            return coords / (self.info.max_positions - 1), cls
+        # official: each axis of n patches is linspace(0, n / n_train, n), n_train at the config's image size
+        train = self.info.grid
+        factors = []
+        for n, n_train in zip(ctx.grid, train):
+            factors.append((n / n_train) / (n - 1) if n > 1 else 0.0)
+        return coords * torch.tensor(factors, device=device, dtype=coords.dtype), cls
+
+    def _rotations(self, ctx: PosContext, layer: int, length: int, device: torch.device) -> torch.Tensor:
+        """(B|1, Hkv|1, L, D/s, s, s) float32 rotations of ``layer``'s generators for the ``length`` new tokens:
+        one matrix exponential per distinct position, gathered to the tokens."""
+        coords, cls = self.positions(ctx, length, device)
+        b, n, axes = coords.shape
+        unique, inverse = torch.unique(coords.reshape(b * n, axes), dim=0, return_inverse=True)
+        rot = self.rotations_at(unique, layer)  # (H, U, K, s, s)
+        rot = rot[:, inverse].reshape(rot.shape[0], b, n, *rot.shape[2:]).transpose(0, 1)  # (B, H, L, K, s, s)
+        if cls is not None and bool(cls.any()):
+            eye = torch.eye(self.block_size, device=rot.device, dtype=rot.dtype)
+            rot = torch.where(cls.to(rot.device)[None, None, :, None, None, None], eye, rot)
+        return rot.float()
+
+    def rotation(self, ctx: PosContext, length: int, device: torch.device) -> torch.Tensor:
+        """(B|1, Hkv|1, L, D/s, s, s) float32 rotations of the ``length`` new tokens (layer 0's with ``per_layer``)."""
+        return self._rotations(ctx, 0, length, device)
+
+    def layer_rotation(self, ctx: PosContext, layer: int, length: int, device: torch.device) -> torch.Tensor:
+        """``layer``'s rotations. Shared generators: built once per forward and memoised for every layer (unless
+        they are being trained); per-layer generators: each layer builds its own, once per forward."""
+        if self.per_layer:
+            return self._rotations(ctx, layer, length, device)
+        return super().layer_rotation(ctx, 0, length, device)

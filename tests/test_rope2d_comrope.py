@@ -1,0 +1,574 @@
+"""rope2d (axial, mixed), comrope (ap, ld) and rope with the model's own rope_parameters scaling.
+
+Hand-computed rotations, the relative property (shift invariance of the attention probabilities, with a
+control showing the check is not vacuous), ComRoPE's commuting angle matrices, gradients against finite
+differences in float64, the non-default variants through the model-level properties, and rope
+reproducing transformers' Llama for every supported rope_type.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import hf_posenc
+from hf_posenc.encodings.base import ModelInfo, PosContext
+from hf_posenc.encodings.comrope import ComRope
+from hf_posenc.encodings.rope import Rope
+from hf_posenc.encodings.rope2d import Rope2d, axial_frequencies
+from conftest import forward_and_loss, make_ids, make_model, model_inputs
+
+GRID = (2, 2)
+
+
+def text_info(head_dim: int = 8, heads: int = 1, kv_heads: int = 1, layers: int = 1) -> ModelInfo:
+    return ModelInfo("llama", heads * head_dim, heads, kv_heads, head_dim, layers, True, 64)
+
+
+def vit_info(head_dim: int = 8, heads: int = 1, layers: int = 1, grid: tuple[int, int] = GRID) -> ModelInfo:
+    return ModelInfo(
+        "vit", heads * head_dim, heads, heads, head_dim, layers, False, grid[0] * grid[1] + 1,
+        grid=grid, patch_size=(8, 8),
+    )
+
+
+def build(cls, name: str, info: ModelInfo, **params):
+    return cls(cls.resolve(hf_posenc.PosEncConfig(name, params), info), info)
+
+
+def rot2(x0: float, x1: float, a: float) -> list[float]:
+    """The pair (x0, x1) rotated by angle a: [[cos, -sin], [sin, cos]] @ (x0, x1)."""
+    return [x0 * math.cos(a) - x1 * math.sin(a), x0 * math.sin(a) + x1 * math.cos(a)]
+
+
+def probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    return torch.softmax((q @ k.transpose(-1, -2)).double(), dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# rope2d: by hand
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_rope2d_axial_2x2_grid_by_hand():
+    """head_dim 8 on a 2x2 grid, base 100: theta_0 = 1, theta_1 = 100^(-1/2) = 0.1; pair 0 turns by
+    theta_0 * col, pair 1 by theta_0 * row, pair 2 by theta_1 * col, pair 3 by theta_1 * row; CLS stays."""
+    info = vit_info()
+    enc = build(Rope2d, "rope2d", info)
+    assert enc.posenc_config.params == {"variant": "axial", "base": 100.0}
+    ctx = PosContext(encoding=enc, info=info, grid=GRID)
+    x = torch.arange(1.0, 9.0)
+    tokens = x.expand(1, 1, 5, 8).contiguous()  # CLS, (0,0), (0,1), (1,0), (1,1)
+    q, k = enc.rotate(ctx, tokens, tokens)
+    assert torch.equal(q, k)
+    assert q[0, 0, 0].tolist() == x.tolist()  # CLS: not rotated
+    assert q[0, 0, 1].tolist() == pytest.approx(x.tolist(), abs=1e-6)  # patch (0, 0): angle 0
+    # patch (row 0, col 1): pairs 0 and 2 turn by 1 and 0.1, pairs 1 and 3 stay
+    want = rot2(1, 2, 1.0) + [3, 4] + rot2(5, 6, 0.1) + [7, 8]
+    assert q[0, 0, 2].tolist() == pytest.approx(want, abs=1e-6)
+    # patch (row 1, col 0): pairs 1 and 3 turn
+    want = [1, 2] + rot2(3, 4, 1.0) + [5, 6] + rot2(7, 8, 0.1)
+    assert q[0, 0, 3].tolist() == pytest.approx(want, abs=1e-6)
+    # patch (row 1, col 1): every pair turns
+    want = rot2(1, 2, 1.0) + rot2(3, 4, 1.0) + rot2(5, 6, 0.1) + rot2(7, 8, 0.1)
+    assert q[0, 0, 4].tolist() == pytest.approx(want, abs=1e-6)
+    # numbers, for the record: (1 cos 1 - 2 sin 1, 1 sin 1 + 2 cos 1) = (-1.14264, 1.92207)
+    assert q[0, 0, 4, :2].tolist() == pytest.approx([-1.142639, 1.922075], abs=1e-5)
+
+
+def test_rope2d_axial_on_text_is_interleaved_rope():
+    """On text (one axis) axial rotates every pair by position * base^(-2k/d): rope, interleaved layout."""
+    info = text_info(head_dim=16, heads=4, kv_heads=2)
+    enc = build(Rope2d, "rope2d", info, base=500.0)
+    ref = build(Rope, "rope", info, theta=500.0, layout="interleaved")
+    pos = torch.tensor([[0, 1, 5, 17, 40], [3, 4, 5, 6, 7]])
+    ctx = PosContext(encoding=enc, info=info, position_ids=pos)
+    q, k = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 5, 16)
+    got, want = enc.rotate(ctx, q, k), ref.rotate(PosContext(encoding=ref, info=info, position_ids=pos), q, k)
+    assert torch.allclose(got[0], want[0], atol=1e-5) and torch.allclose(got[1], want[1], atol=1e-5)
+
+
+def test_rope2d_frequencies_follow_the_paper():
+    """ViT: theta_t = 100^(-t/(d/4)), even pairs on x (column), odd pairs on y (row); text: base^(-2k/d)."""
+    f = axial_frequencies(16, 2, 100.0)
+    theta = [100 ** (-t / 4) for t in range(4)]
+    assert f[0::2, 0].tolist() == pytest.approx(theta) and f[1::2, 1].tolist() == pytest.approx(theta)
+    assert f[0::2, 1].abs().sum() == 0 and f[1::2, 0].abs().sum() == 0
+    assert axial_frequencies(8, 1, 100.0)[:, 0].tolist() == pytest.approx([100 ** (-2 * k / 8) for k in range(4)])
+
+
+def test_rope2d_mixed_initialisation():
+    """Per layer and kv head: magnitudes are the axial ones (base 10), pair 2t+1 is pair 2t's direction
+    turned by pi/2; the angle differs between heads; with angle 0 mixed is axial."""
+    info = vit_info(head_dim=16, heads=3, layers=2)
+    enc = build(Rope2d, "rope2d", info, variant="mixed")
+    assert enc.base == 10.0 and enc.freqs.shape == (2, 3, 8, 2)
+    axial = axial_frequencies(16, 2, 10.0)
+    f = enc.freqs.detach()
+    assert torch.allclose(f.norm(dim=-1), axial.norm(dim=-1).expand(2, 3, 8), atol=1e-6)
+    even, odd = f[:, :, 0::2], f[:, :, 1::2]
+    turned = torch.stack([-even[..., 1], even[..., 0]], dim=-1)  # even turned by +pi/2
+    assert torch.allclose(odd / odd.norm(dim=-1, keepdim=True), turned / turned.norm(dim=-1, keepdim=True), atol=1e-5)
+    angle = torch.atan2(f[:, :, 0, 1], f[:, :, 0, 0])
+    assert angle.flatten().unique().numel() == 6
+    with torch.no_grad():
+        enc.freqs.copy_(axial.expand_as(enc.freqs))
+    coords = torch.tensor([[[0.0, 0.0], [1.0, 0.0], [3.0, 2.0]]])
+    axial_enc = build(Rope2d, "rope2d", info, base=10.0)
+    want = axial_enc.rotation_at(coords, None).expand(1, 3, 3, 8, 2, 2)
+    assert torch.allclose(enc.rotation_at(coords, None, layer=1), want)
+
+
+def test_rope2d_mixed_on_text_starts_as_rope():
+    info = text_info(head_dim=8, heads=2, kv_heads=2, layers=2)
+    enc = build(Rope2d, "rope2d", info, variant="mixed", base=100.0)
+    assert enc.freqs.shape == (2, 2, 4, 1)
+    assert torch.allclose(enc.freqs[..., 0], axial_frequencies(8, 1, 100.0)[:, 0].expand(2, 2, 4))
+
+
+def test_rope2d_mixed_gqa_query_heads_use_their_kv_head():
+    """4 query heads, 2 kv heads: query head h is rotated with kv head h // 2's frequencies."""
+    info = text_info(head_dim=8, heads=4, kv_heads=2, layers=2)
+    enc = build(Rope2d, "rope2d", info, variant="mixed")
+    with torch.no_grad():
+        enc.freqs.normal_()
+    pos = torch.tensor([[2, 7, 9]])
+    ctx = PosContext(encoding=enc, info=info, position_ids=pos)
+    x = torch.randn(1, 1, 3, 8)
+    q, k = enc.rotate(ctx, x.expand(1, 4, 3, 8), x.expand(1, 2, 3, 8), layer=1)
+    assert torch.equal(q[:, 0], k[:, 0]) and torch.equal(q[:, 1], k[:, 0])
+    assert torch.equal(q[:, 2], k[:, 1]) and torch.equal(q[:, 3], k[:, 1])
+    assert not torch.allclose(k[:, 0], k[:, 1])
+    q0, _ = enc.rotate(ctx, x.expand(1, 4, 3, 8), x.expand(1, 2, 3, 8), layer=0)
+    assert not torch.allclose(q0, q), "layers share their frequencies"
+
+
+# ---------------------------------------------------------------------------------------------------
+# comrope: by hand, commuting, defaults, errors
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_comrope_block2_by_hand():
+    """b = 2 on text: P_j = [[0, a_j], [0, 0]] gives S_j = [[0, a_j], [-a_j, 0]] and
+    exp(x S_j) = [[cos a_j x, sin a_j x], [-sin a_j x, cos a_j x]]: a rotation by -a_j x."""
+    info = text_info(head_dim=4)
+    enc = build(ComRope, "comrope", info, variant="ap", block_size=2)
+    with torch.no_grad():
+        enc.P.zero_()
+        enc.P[0, 0, 0, 0, 1] = 0.5
+        enc.P[0, 0, 1, 0, 1] = -2.0
+    ctx = PosContext(encoding=enc, info=info, position_ids=torch.tensor([[3]]))
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0]).view(1, 1, 1, 4)
+    q, _ = enc.rotate(ctx, x, x)
+    want = rot2(1, 2, -1.5) + rot2(3, 4, 6.0)
+    assert q.flatten().tolist() == pytest.approx(want, abs=1e-5)
+
+
+def test_comrope_ap_block3_rodrigues_on_the_grid():
+    """b = 3, head_dim 6 on ViT: block 0 turns with the row, block 1 with the column. S = w K (K the unit
+    cross-product matrix of axis u) gives Rodrigues' exp(t S) = I + sin(w t) K + (1 - cos(w t)) K^2."""
+    info = vit_info(head_dim=6, grid=(3, 3))
+    enc = build(ComRope, "comrope", info, variant="ap", block_size=3, position_scale=1.0)
+    u = torch.tensor([1.0, 2.0, 2.0]) / 3
+    K = torch.tensor([[0.0, -u[2], u[1]], [u[2], 0.0, -u[0]], [-u[1], u[0], 0.0]])
+    w0, w1 = 0.7, -0.3
+    with torch.no_grad():
+        enc.P.zero_()
+        enc.P[0, 0, 0] = torch.triu(w0 * K)  # P - P^T = w0 K
+        enc.P[0, 0, 1] = torch.triu(w1 * K)
+    coords = torch.tensor([[[2.0, 1.0]]])  # row 2, column 1
+    rot = enc.rotation_at(coords)[0, 0, 0]  # (m=2, 3, 3)
+
+    def rodrigues(t: float) -> torch.Tensor:
+        return torch.eye(3) + math.sin(t) * K + (1 - math.cos(t)) * (K @ K)
+
+    assert torch.allclose(rot[0], rodrigues(w0 * 2.0), atol=1e-5)
+    assert torch.allclose(rot[1], rodrigues(w1 * 1.0), atol=1e-5)
+
+
+def test_comrope_ld_by_hand():
+    """LD, b = 2 on ViT: block j turns by -a_j (theta_0j row + theta_1j col)."""
+    info = vit_info(head_dim=4, grid=(4, 4))
+    enc = build(ComRope, "comrope", info, variant="ld", block_size=2)
+    assert enc.axis_scale == (0.25, 0.25)  # the official code's normalisation by the training grid
+    with torch.no_grad():
+        enc.P.zero_()
+        enc.P[0, 0, 0, 0, 1] = 1.5
+        enc.P[0, 0, 1, 0, 1] = 0.5
+        enc.theta.copy_(torch.tensor([[[2.0, -1.0], [0.5, 3.0]]]))  # (layer, axis, block)
+    rot = enc.rotation_at(torch.tensor([[[1.0, 3.0]]]))[0, 0, 0]  # row 1, col 3 -> (0.25, 0.75)
+    c0 = 2.0 * 0.25 + 0.5 * 0.75
+    c1 = -1.0 * 0.25 + 3.0 * 0.75
+    for j, (a, c) in enumerate([(1.5, c0), (0.5, c1)]):
+        want = torch.tensor([[math.cos(a * c), math.sin(a * c)], [-math.sin(a * c), math.cos(a * c)]])
+        assert torch.allclose(rot[j], want, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["ap", "ld"])
+def test_comrope_angle_matrices_commute(variant):
+    """A_i = blockdiag_j B_ij: A_row A_col = A_col A_row, both non-zero, skew-symmetric; and
+    R(x)^T R(y) = R(y - x)."""
+    info = vit_info(head_dim=16, heads=2, grid=(4, 4))
+    enc = build(ComRope, "comrope", info, variant=variant, block_size=4)
+    blocks = enc.angle_matrices()  # (N, Hkv, m, b, b)
+    for h in range(2):
+        A = [torch.block_diag(*blocks[i, h]) for i in range(2)]
+        assert A[0].abs().sum() > 0 and A[1].abs().sum() > 0
+        assert torch.allclose(A[0], -A[0].T) and torch.allclose(A[1], -A[1].T)
+        assert torch.allclose(A[0] @ A[1], A[1] @ A[0], atol=1e-5)
+        assert not torch.allclose(A[0] @ A[0], torch.zeros_like(A[0]))  # a real product, not zeros
+    coords = torch.tensor([[[1.0, 2.0], [3.0, -1.0], [2.0, -3.0]]])
+    R = enc.rotation_at(coords)[0, :, :]  # (Hkv, 3, m, b, b)
+    lhs = R[:, 0].transpose(-1, -2) @ R[:, 1]
+    assert torch.allclose(lhs, R[:, 2], atol=1e-5)
+
+
+def test_comrope_ap_blocks_alternate_between_axes():
+    enc = build(ComRope, "comrope", vit_info(head_dim=16, grid=(4, 4)), variant="ap", block_size=2)
+    assert enc.coefficients().tolist() == [[1, 0] * 4, [0, 1] * 4]
+
+
+def test_comrope_defaults_and_initialisation():
+    torch.manual_seed(0)
+    llama = build(ComRope, "comrope", text_info(head_dim=16, heads=4, kv_heads=2, layers=3))
+    assert llama.posenc_config.params == {"variant": "ap", "block_size": 8, "init_std": 1.0, "position_scale": None}
+    assert llama.P.shape == (3, 2, 2, 8, 8) and llama.axis_scale == (1.0,)
+    assert 0.9 < llama.P.std().item() < 1.1
+    vit = build(ComRope, "comrope", vit_info(head_dim=8))
+    assert vit.block_size == 4  # 8 would leave the column axis without a block
+    ld = build(ComRope, "comrope", vit_info(head_dim=8), variant="ld", init_std=0.1)
+    assert ld.block_size == 8 and ld.theta.shape == (1, 2, 1) and ld.P.std().item() < 0.2
+
+
+@pytest.mark.parametrize(
+    "name,info,params,error,match",
+    [
+        ("comrope", vit_info(head_dim=8), {"block_size": 8}, ValueError, r"divisible by 2 \* block_size"),
+        ("comrope", text_info(head_dim=8), {"block_size": 3}, ValueError, "not divisible by block_size=3"),
+        ("comrope", text_info(head_dim=8), {"block_size": 16}, ValueError, "'block_size'.*<= 8"),
+        ("comrope", text_info(head_dim=8), {"variant": "xy"}, ValueError, r"'variant'.*\['ap', 'ld'\]"),
+        ("comrope", text_info(head_dim=8), {"init_std": 0.0}, ValueError, "'init_std'.*> 0.0"),
+        ("comrope", text_info(head_dim=7), {}, ValueError, "no block size"),
+        ("rope2d", vit_info(head_dim=6), {}, ValueError, "divisible by 4"),
+        ("rope2d", text_info(head_dim=8), {"variant": "diagonal"}, ValueError, r"'variant'.*\['axial', 'mixed'\]"),
+        ("rope2d", text_info(head_dim=8), {"base": 1.0}, ValueError, "'base'.*> 1.0"),
+        ("rope2d", text_info(head_dim=8), {"base": "big"}, TypeError, "'base'.*float"),
+    ],
+)
+def test_errors(name, info, params, error, match):
+    cls = {"comrope": ComRope, "rope2d": Rope2d}[name]
+    with pytest.raises(error, match=match):
+        build(cls, name, info, **params)
+
+
+def test_errors_through_patch_model():
+    with pytest.raises(ValueError, match=r"comrope-ap.*divisible by 2 \* block_size = 16"):
+        make_model("vit", encoding="comrope", block_size=8)
+    with pytest.raises(ValueError, match="rope2d needs head_dim divisible by 4"):
+        make_model("vit", encoding="rope2d", config_overrides={"hidden_size": 24})  # head_dim 6
+
+
+# ---------------------------------------------------------------------------------------------------
+# the relative property
+# ---------------------------------------------------------------------------------------------------
+
+ROTARY = [("rope2d", {"variant": "axial"}), ("rope2d", {"variant": "mixed"}), ("comrope", {"variant": "ap"}),
+          ("comrope", {"variant": "ld"})]
+ROTARY_IDS = ["rope2d-axial", "rope2d-mixed", "comrope-ap", "comrope-ld"]
+
+
+def _randomise(enc) -> None:
+    """Move learned parameters away from their initialisation (all of them matter)."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in enc.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+
+
+@pytest.mark.parametrize("name,params", ROTARY, ids=ROTARY_IDS)
+def test_relative_on_text(name, params):
+    """A Llama (GQA, 2 layers): position_ids shifted by 11 give the same attention probabilities in every
+    layer and the same logits; stretched positions do not (the check is not vacuous)."""
+    model = make_model("llama", encoding=name, **params)
+    _randomise(hf_posenc.encoding_module(model))
+    ids = make_ids(2, 9)
+    pos = torch.arange(9).expand(2, -1)
+    with torch.no_grad():
+        runs = [model(ids, position_ids=p, output_attentions=True, use_cache=False) for p in (pos, pos + 11, pos * 2)]
+    base, shifted, stretched = runs
+    for a, b in zip(base.attentions, shifted.attentions):
+        assert (a - b).abs().max() < 2e-5
+    assert (base.logits - shifted.logits).abs().max() < 1e-4
+    assert max((a - b).abs().max() for a, b in zip(base.attentions, stretched.attentions)) > 1e-3
+
+
+@pytest.mark.parametrize("name,params", ROTARY, ids=ROTARY_IDS)
+def test_relative_on_the_grid(name, params):
+    """On a 3x4 patch grid (no CLS): shifting every patch by (2, 5) leaves softmax(q k^T) unchanged for every
+    head of every layer; scaling the coordinates changes it."""
+    info = vit_info(head_dim=8, heads=2, layers=2, grid=(3, 4))
+    cls = {"rope2d": Rope2d, "comrope": ComRope}[name]
+    enc = build(cls, name, info, **params)
+    _randomise(enc)
+    r = torch.arange(3.0).repeat_interleave(4)
+    c = torch.arange(4.0).repeat(3)
+    rc = torch.stack([r, c], dim=-1)[None]  # (1, 12, 2) (row, col)
+    # rope2d takes (x, y) = (col, row), comrope (row, col)
+    coords = rc.flip(-1) if name == "rope2d" else rc
+    q, k = torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
+    from hf_posenc.kernels.rotary import apply_block_rotation
+
+    def attention(xy: torch.Tensor, layer: int) -> torch.Tensor:
+        rot = enc.rotation_at(xy, None, layer)
+        return probs(apply_block_rotation(q, rot), apply_block_rotation(k, rot))
+
+    for layer in range(2):
+        p0 = attention(coords, layer)
+        assert (p0 - attention(coords + torch.tensor([2.0, 5.0]), layer)).abs().max() < 1e-5
+        assert (p0 - attention(coords * 1.5, layer)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name,params", ROTARY, ids=ROTARY_IDS)
+def test_cls_is_not_rotated(name, params):
+    model = make_model("vit", encoding=name, **params)
+    enc = hf_posenc.encoding_module(model)
+    _randomise(enc)
+    ctx = PosContext(encoding=enc, info=enc.info, grid=(4, 4))
+    rot = enc.layer_rotation(ctx, 1, 17, torch.device("cpu"))
+    eye = torch.eye(rot.shape[-1]).expand_as(rot[:, :, 0])
+    assert torch.allclose(rot[:, :, 0], eye)
+    assert not torch.allclose(rot[:, :, 5], eye)
+
+
+def test_comrope_other_resolution_keeps_the_step():
+    """The coordinates are scaled by the config's grid, not this image's: at 48x64 a patch has the rotation
+    it has at the training 32x32 (no interpolation), so relative offsets mean the same at every size."""
+    model = make_model("vit", encoding="comrope", variant="ld")
+    enc = hf_posenc.encoding_module(model)
+    small = enc.layer_rotation(PosContext(encoding=enc, info=enc.info, grid=(4, 4)), 0, 17, torch.device("cpu"))
+    large = enc.layer_rotation(PosContext(encoding=enc, info=enc.info, grid=(6, 8)), 0, 49, torch.device("cpu"))
+    for r in range(4):
+        for c in range(4):
+            assert torch.allclose(small[:, :, 1 + r * 4 + c], large[:, :, 1 + r * 8 + c])
+
+
+# ---------------------------------------------------------------------------------------------------
+# dtype, gradients against finite differences
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,params", ROTARY, ids=ROTARY_IDS)
+def test_bf16_parameters_float32_rotations(name, params):
+    model = make_model("llama", encoding=name, dtype=torch.bfloat16, **params)
+    enc = hf_posenc.encoding_module(model)
+    assert all(p.dtype == torch.bfloat16 for p in enc.parameters())
+    ctx = PosContext(encoding=enc, info=enc.info, position_ids=torch.arange(5)[None])
+    assert enc.layer_rotation(ctx, 1, 5, torch.device("cpu")).dtype == torch.float32
+
+
+def test_gradcheck_rope2d_mixed():
+    info = vit_info(head_dim=4, heads=2, layers=2, grid=(2, 3))
+    enc = build(Rope2d, "rope2d", info, variant="mixed").double()
+    coords = torch.tensor([[[0.0, 0.0], [1.0, 0.0], [2.0, 1.0], [0.5, 1.0]]])
+    cls = torch.tensor([True, False, False, False])
+    freqs = enc.freqs.detach().clone().requires_grad_(True)
+    del enc.freqs
+    assert torch.autograd.gradcheck(lambda f: _with(enc, "freqs", f, lambda: enc.rotation_at(coords, cls, 1)), (freqs,))
+
+
+def _with(module, name: str, value: torch.Tensor, fn):
+    """Call ``fn`` with ``module.<name>`` set to the tensor ``value`` (so gradcheck can differentiate it)."""
+    setattr(module, name, value)
+    return fn()
+
+
+@pytest.mark.parametrize(
+    "variant,info",
+    [("ap", text_info(head_dim=4)), ("ld", vit_info(head_dim=4, grid=(3, 3)))],
+    ids=["ap-text", "ld-grid"],
+)
+def test_gradcheck_comrope(variant, info):
+    block = 2 if variant == "ap" else 4
+    enc = build(ComRope, "comrope", info, variant=variant, block_size=block, init_std=0.5).double()
+    coords = torch.tensor([[[0.0, 1.0], [2.0, 1.0], [1.0, 3.0]]])[..., : enc.num_axes]
+    P = enc.P.detach().clone().requires_grad_(True)
+    del enc.P
+    if variant == "ap":
+        fn = lambda p: _with(enc, "P", p, lambda: enc.rotation_at(coords))  # noqa: E731
+        assert torch.autograd.gradcheck(fn, (P,))
+        return
+    theta = enc.theta.detach().clone().requires_grad_(True)
+    del enc.theta
+
+    def fn(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        enc.P, enc.theta = p, t
+        return enc.rotation_at(coords)
+
+    assert torch.autograd.gradcheck(fn, (P, theta))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the non-default variants through the model-level properties (test_common covers the defaults)
+# ---------------------------------------------------------------------------------------------------
+
+VARIANTS = [("rope2d", {"variant": "mixed"}), ("comrope", {"variant": "ld"})]
+VARIANT_IDS = ["rope2d-mixed", "comrope-ld"]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "vit"])
+@pytest.mark.parametrize("name,params", VARIANTS, ids=VARIANT_IDS)
+def test_variant_forward_backward(family, name, params):
+    model = make_model(family, encoding=name, train=True, **params)
+    out, loss = forward_and_loss(family, model, model_inputs(family))
+    loss.backward()
+    assert torch.isfinite(out).all()
+    for pname, p in hf_posenc.encoding_module(model).named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, pname
+        # every layer's own slice gets a gradient
+        assert (p.grad.flatten(1).abs().sum(1) > 0).all(), f"{pname}: a layer without gradient"
+
+
+@pytest.mark.parametrize("name,params", VARIANTS, ids=VARIANT_IDS)
+def test_variant_cache_matches_full_forward(name, params):
+    model = make_model("llama", encoding=name, **params)
+    ids = make_ids(2, 10)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        past = DynamicCache(config=model.config)
+        pieces = [model(ids[:, :6], past_key_values=past).logits]
+        pieces += [model(ids[:, i : i + 1], past_key_values=past).logits for i in range(6, 10)]
+    assert (torch.cat(pieces, dim=1) - full).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["llama", "vit"])
+@pytest.mark.parametrize("name,params", VARIANTS, ids=VARIANT_IDS)
+def test_variant_save_and_reload(family, name, params, tmp_path):
+    model = make_model(family, encoding=name, **params)
+    _randomise(hf_posenc.encoding_module(model))
+    inputs = model_inputs(family)
+    with torch.no_grad():
+        before = model(**inputs).logits
+    model.save_pretrained(tmp_path)
+    loaded = hf_posenc.from_pretrained(tmp_path)
+    assert loaded.config.position_encoding == model.config.position_encoding
+    with torch.no_grad():
+        assert torch.equal(loaded(**inputs).logits, before)
+
+
+@pytest.mark.parametrize("name,params", VARIANTS, ids=VARIANT_IDS)
+def test_variant_gradient_checkpointing(name, params):
+    inputs = model_inputs("llama")
+    grads = []
+    for ckpt in (False, True):
+        model = make_model("llama", encoding=name, train=True, **params)
+        if ckpt:  # 5.x name; the old one is a deprecated alias
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable()
+            else:
+                model.gradient_checkpointing_enable()
+            assert model.model.gradient_checkpointing
+        _, loss = forward_and_loss("llama", model, inputs)
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in hf_posenc.encoding_module(model).named_parameters()})
+    for n in grads[0]:
+        assert torch.allclose(grads[0][n], grads[1][n], atol=1e-6, rtol=1e-5), n
+
+
+def test_axial_rotation_is_built_once_per_forward():
+    """rope2d-axial (no parameters) builds its rotation once and shares it across layers; mixed builds one
+    per layer."""
+    for variant, want in (("axial", 1), ("mixed", 2)):
+        model = make_model("vit", encoding="rope2d", variant=variant)
+        enc = hf_posenc.encoding_module(model)
+        calls = []
+        inner = enc.rotation_at
+        enc.rotation_at = lambda *a, **k: calls.append(1) or inner(*a, **k)
+        with torch.no_grad():
+            model(**model_inputs("vit"))
+        assert len(calls) == want, variant
+
+
+# ---------------------------------------------------------------------------------------------------
+# rope with the model's own rope_parameters scaling
+# ---------------------------------------------------------------------------------------------------
+
+MAX_POS = 16
+SCALED = {
+    "linear": {"factor": 2.0},
+    "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8},
+    "yarn": {"factor": 2.0, "original_max_position_embeddings": 8},
+    "longrope": {"long_factor": [1.0, 2.0, 3.0, 4.0], "short_factor": [1.0, 1.1, 1.2, 1.3],
+                 "original_max_position_embeddings": 8},
+    "proportional": {"partial_rotary_factor": 0.5},
+}
+
+
+def scaled_llama(rope_type: str, seed: int = 0) -> LlamaForCausalLM:
+    cfg = LlamaConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=MAX_POS, initializer_range=0.2,
+        rope_parameters={"rope_type": rope_type, "rope_theta": 10000.0, **SCALED[rope_type]},
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("rope_type", list(SCALED))
+@pytest.mark.parametrize("length", [6, 12, 24], ids=["short", "within-max", "past-max"])
+def test_rope_reproduces_scaled_llama(rope_type, length):
+    """rope on a Llama with rope_parameters of each supported type gives exactly the unpatched logits,
+    within and past max_position_embeddings (16) and, for longrope, on both sides of the switch (8)."""
+    native, patched = scaled_llama(rope_type), hf_posenc.patch_model(scaled_llama(rope_type), "rope")
+    assert patched.config.position_encoding == {"name": "rope", "theta": None, "layout": "half"}
+    ids = torch.randint(3, 61, (2, length), generator=torch.Generator().manual_seed(length))
+    with torch.no_grad():
+        assert torch.equal(patched(ids).logits, native(ids).logits)
+
+
+@pytest.mark.parametrize("rope_type", ["linear", "yarn", "longrope"])
+def test_rope_scaled_llama_decode_matches_unpatched(rope_type):
+    """With a cache, step by step past max_position_embeddings: the same logits as the unpatched model
+    (for longrope including its switch to the long factors at position 8, as transformers does)."""
+    native, patched = scaled_llama(rope_type), hf_posenc.patch_model(scaled_llama(rope_type), "rope")
+    ids = torch.randint(3, 61, (1, 20), generator=torch.Generator().manual_seed(5))
+    outs = []
+    for model in (native, patched):
+        past = DynamicCache(config=model.config)
+        with torch.no_grad():
+            steps = [model(ids[:, :5], past_key_values=past).logits]
+            steps += [model(ids[:, i : i + 1], past_key_values=past).logits for i in range(5, 20)]
+        outs.append(torch.cat(steps, dim=1))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_rope_scaled_llama_save_and_reload(tmp_path):
+    native = scaled_llama("yarn")
+    model = hf_posenc.patch_model(scaled_llama("yarn"), "rope")
+    model.save_pretrained(tmp_path)
+    loaded = hf_posenc.from_pretrained(tmp_path)
+    ids = torch.randint(3, 61, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, native(ids).logits)
+
+
+def test_rope_explicit_theta_ignores_the_scaling():
+    """An explicit theta is plain rotary at that base: it differs from the scaled model."""
+    native = scaled_llama("linear")
+    plain = hf_posenc.patch_model(scaled_llama("linear"), "rope", theta=10000.0)
+    assert plain.config.position_encoding["theta"] == 10000.0
+    ids = torch.randint(3, 61, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (plain(ids).logits - native(ids).logits).abs().max() > 1e-3
+
+
+def test_rope_dynamic_is_a_clear_error():
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      rope_parameters=rope)
+    m = LlamaForCausalLM(cfg)
+    match = r"rope_type='dynamic'.*'linear', 'llama3', 'yarn', 'longrope'.*explicit theta"
+    with pytest.raises(ValueError, match=match):
+        hf_posenc.patch_model(m, "rope")

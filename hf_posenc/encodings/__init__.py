@@ -5,14 +5,18 @@ from .alibi import Alibi
 from .base import ModelInfo, PosContext, PositionEncoding
 from .cape import Cape
 from .comrope import ComRope
+from .cope import Cope
 from .fire import Fire
 from .fope import Fope
+from .fox import Fox, FoxPro
 from .kerple import Kerple
 from .liere import Liere
 from .rope import Rope
 from .rope2d import Rope2d
 from .sandwich import Sandwich
+from .sba import StickBreaking
 from .shaw import Shaw
 from .t5 import T5Bias
+from .tape import Tape
 
-__all__ = ["Alibi", "Cape", "ComRope", "Fire", "Fope", "Kerple", "Learned", "Liere", "ModelInfo", "NoPE", "PosContext", "PositionEncoding", "Rope", "Rope2d", "Sandwich", "Shaw", "Sinusoidal", "T5Bias"]
+__all__ = ["Alibi", "Cape", "ComRope", "Cope", "Fire", "Fope", "Fox", "FoxPro", "Kerple", "Learned", "Liere", "ModelInfo", "NoPE", "PosContext", "PositionEncoding", "Rope", "Rope2d", "Sandwich", "Shaw", "Sinusoidal", "StickBreaking", "T5Bias", "Tape"]

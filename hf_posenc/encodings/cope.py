@@ -1,0 +1,278 @@
+"""``cope``: contextual position encoding.
+
+"Contextual Position Encoding: Learning to Count What's Important", Golovneva, Wang, Weston and Sukhbaatar
+2024, https://arxiv.org/abs/2405.18719. "The code" below is the authors' reference listing in the paper's
+appendix (classes ``CoPE`` and ``SelfAttn``) and their repository, github.com/facebookresearch/RAM,
+``projects/cope/src/cope/context_position.py``.
+
+For query i and key j of one head, with s the model's logit scale (1/sqrt(head_dim)):
+
+    g_ij = σ(s · q_i·k_j)                       gates; masked (padding, future, empty cache slots) -> 0
+    p_ij = Σ_{k=j..i} g_ik                       contextual position, j included (masked gates count 0)
+    p_ij ← min(p_ij, npos_max − 1)
+    z_i[p] = q_i·e[p]                            p = 0 .. npos_max − 1 (the "optimised" form, eq. 7)
+    z_i[p_ij] = (p_ij − ⌊p_ij⌋) z_i[⌈p_ij⌉] + (1 − p_ij + ⌊p_ij⌋) z_i[⌊p_ij⌋]
+    a_ij = softmax_j(s · q_i·k_j + z_i[p_ij])    over the keys the mask allows
+
+Scaling, as in the code: the listing computes ``attn_logits = q·k / sqrt(d)``, adds ``mask.log()`` (so a
+masked gate is σ(−inf) = 0, i.e. masked *before* the cumulative sum), takes ``gates = sigmoid(attn_logits)``
+and then adds ``z_i[p_ij] = q_i·e[p_ij]`` unscaled. So the gates see the scaled logits and the position
+term is not scaled. (The repository's training code, with its default ``--cope-nodiv`` off, divides
+q·k + q·e[p] by sqrt(d) instead: the same function up to a factor sqrt(d) in the learned table e.)
+
+Position embeddings: one table e ∈ R^{head_dim × npos_max} per layer, shared by the heads of the layer
+(the code folds the heads into the batch and broadcasts one ``pos_emb`` of shape (1, head_dim, npos)),
+not shared across layers (the code's ``--cope-shared`` default is off). Grouped-query models: the gates and
+z use each query head's own q against its key/value head's keys (``expand_kv``).
+
+Initialisation: the code starts the table at zeros (CoPE is then NoPE at the first step; the table's
+gradient, Σ_i q_i ∂L/∂z_i, is non-zero from the first step). ``init_std`` = None (the default) draws it
+from N(0, initializer_range) instead, as the other learned tables of hf_posenc do, so that the position
+term, and every test of it, matters from the first forward; ``init_std=0.0`` gives the code's zeros.
+
+Computation: everything in float32 (float64 for float64 inputs). The reference never forms the
+(B, H, Lq, Lk, head_dim) tensor of interpolated embeddings: it computes z = q @ e (B, H, Lq, npos) and
+gathers it at ⌊p⌋ and ⌈p⌉, so its memory is O(B·H·Lq·Lk) (logits, gates, positions, the two int64
+indices, ...) plus O(B·H·Lq·npos), whatever head_dim is: ``benchmarks/bench_cope_memory.py`` measures a
+peak of about 17 float32 (B, H, L, L) tensors in a forward (27 with the backward) at L = 1024, the same at
+head_dim 16 and 256, where one (B, H, L, L, head_dim) tensor alone would be 16 to 256 of them.
+⌊p⌋ and ⌈p⌉ carry no gradient; the weight p − ⌊p⌋ does (so the gates are trained through it).
+
+KV cache: the gates of query i only involve q_i and the keys, which the cache already holds; nothing else
+is stored. Left padding: padded keys are masked, so their gates are 0 before the sum and they are not
+counted; the positions between real tokens are those of the row alone.
+
+ViT (bidirectional, no order) -- a documented generalisation
+------------------------------------------------------------
+The paper counts over the keys between j and the query i in causal order. On ViT the patches are taken
+in raster order (row-major) and the count runs over the patches between i and j in that order, in either
+direction, with one table per direction (e⁻ for keys at or before the query, e⁺ for keys after it):
+
+    p_ij = Σ_{k=j..i} g_ik   with e⁻    if j <= i      (the paper's formula)
+    p_ij = Σ_{k=i..j} g_ik   with e⁺    if j >  i      (its mirror image)
+
+Every pair that involves the CLS token gets no position term, and the CLS key's gate is not counted (the
+CLS token takes no positional term). Restricted to j <= i this is exactly the paper's CoPE; like any 1D
+scan of an image it is anisotropic (vertical neighbours are ``cols`` raster steps apart).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..config import PosEncConfig
+from ..ops import expand_kv
+from ..registry import param, register_encoding
+from .base import ModelInfo, PosContext, PositionEncoding
+
+__all__ = ["Cope", "allowed_keys", "cope_positions", "interpolate_logits", "cope_attention"]
+
+
+@dataclass
+class CopeParams:
+    npos_max: int = param(
+        64, "number of learned positions: contextual positions are clipped to npos_max - 1", type=int, ge=1
+    )
+    init_std: float | None = param(
+        None,
+        "standard deviation of the initial position table (default: the model's initializer_range; "
+        "0.0 gives the paper code's zeros)",
+        type=float,
+        optional=True,
+        ge=0.0,
+    )
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32, or float64 for float64 inputs (gradient checks)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def allowed_keys(
+    mask: torch.Tensor | None,
+    q_len: int,
+    k_len: int,
+    q_offset: int | torch.Tensor,
+    causal: bool,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """(B|1, 1, Lq, Lk) bool: the keys each query may see -- the attention mask, and on causal models also
+    key index <= query index (query i is key ``q_offset + i``), so an absent mask never exposes future or
+    empty cache slots. None when every query sees every key."""
+    if causal:
+        q_idx = torch.arange(q_len, device=device)[:, None] + (
+            q_offset.to(device) if isinstance(q_offset, torch.Tensor) else q_offset
+        )
+        causal_mask = (q_idx >= torch.arange(k_len, device=device)[None, :])[None, None]
+        return causal_mask if mask is None else (mask & causal_mask)
+    return mask
+
+
+def cope_positions(gates: torch.Tensor, direction: str = "before") -> torch.Tensor:
+    """Contextual positions from masked gates (..., Lq, Lk).
+
+    ``before``: p_ij = Σ_{k >= j} g_ik (with the gates after the query zeroed, = Σ_{k=j..i} g_ik; the
+    paper's flip-cumsum-flip). ``after``: p_ij = Σ_{k <= j} g_ik (with the gates before the query zeroed,
+    = Σ_{k=i..j} g_ik)."""
+    if direction == "before":
+        return gates.flip(-1).cumsum(-1).flip(-1)
+    return gates.cumsum(-1)
+
+
+def interpolate_logits(z: torch.Tensor, positions: torch.Tensor, npos_max: int) -> torch.Tensor:
+    """z_i[p_ij] interpolated between ⌊p⌋ and ⌈p⌉.
+
+    Args:
+        z: (B, H, Lq, npos_max) = q_i · e[p] for the integer positions.
+        positions: (B, H, Lq, Lk) non-negative contextual positions (clipped here to npos_max - 1).
+
+    Returns:
+        (B, H, Lq, Lk): (p − ⌊p⌋) z[⌈p⌉] + (1 − p + ⌊p⌋) z[⌊p⌋].
+    """
+    positions = positions.clamp(max=npos_max - 1)
+    floor = positions.floor()
+    w = positions - floor  # differentiable, as in the code
+    idx_floor = floor.long()
+    idx_ceil = positions.ceil().long()
+    z_floor = z.gather(-1, idx_floor)
+    z_ceil = z.gather(-1, idx_ceil)
+    return z_ceil * w + z_floor * (1 - w)
+
+
+def cope_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scaling: float,
+    table: torch.Tensor,
+    table_after: torch.Tensor | None = None,
+    q_index: torch.Tensor | None = None,
+    no_position: torch.Tensor | None = None,
+    uncounted: torch.Tensor | None = None,
+    dropout: float = 0.0,
+    training: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CoPE attention (the reference), everything in the dtype of ``q``.
+
+    Args:
+        q: (B, H, Lq, D); k, v: (B, H, Lk, D) (key/value heads already expanded).
+        allowed: (B|1, 1, Lq, Lk) bool (True = attend), or None (every key).
+        scaling: logit scale s (gates σ(s q·k), logits s q·k + z).
+        table: (D, npos_max) position embeddings e (keys at or before the query).
+        table_after: (D, npos_max) for keys after the query (bidirectional models) or None (causal).
+        q_index: (Lq,) key index of each query; needed with ``table_after``.
+        no_position: (Lq, Lk) bool, pairs that take no position term (those involving CLS), or None.
+        uncounted: (Lk,) bool, keys whose gates are never counted (CLS), or None.
+
+    Returns:
+        out (B, H, Lq, D) and the probabilities (B, H, Lq, Lk).
+    """
+    npos = table.shape[-1]
+    logits = (q @ k.transpose(-1, -2)) * scaling
+    gates = torch.sigmoid(logits)
+    if allowed is not None:
+        gates = gates.masked_fill(~allowed, 0.0)
+    if uncounted is not None:
+        gates = gates.masked_fill(uncounted, 0.0)
+    if table_after is None:
+        position_logits = interpolate_logits(q @ table, cope_positions(gates, "before"), npos)
+    else:
+        k_idx = torch.arange(k.shape[2], device=q.device)
+        before = k_idx[None, :] <= q_index[:, None]  # (Lq, Lk)
+        p_before = cope_positions(gates.masked_fill(~before, 0.0), "before")
+        p_after = cope_positions(gates.masked_fill(before & (k_idx[None, :] != q_index[:, None]), 0.0), "after")
+        position_logits = torch.where(
+            before,
+            interpolate_logits(q @ table, p_before, npos),
+            interpolate_logits(q @ table_after, p_after, npos),
+        )
+    if no_position is not None:
+        position_logits = position_logits.masked_fill(no_position, 0.0)
+    scores = logits + position_logits
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)  # fully masked rows (left padding) -> 0
+    dropped = F.dropout(probs, p=dropout, training=training)
+    return dropped @ v, probs
+
+
+@register_encoding(
+    "cope",
+    params=CopeParams,
+    kind="data-dependent",
+    summary="contextual counts p_ij = Σ σ(q_i·k) over keys j..i, interpolated learned position logits q·e[p]; "
+    "raster-order counts in both directions on ViT",
+    paper="https://arxiv.org/abs/2405.18719",
+)
+class Cope(PositionEncoding):
+    """CoPE; see the module docstring for the formula.
+
+    Parameters: ``pos_emb`` (num_layers, head_dim, npos_max); on ViT also ``pos_emb_after`` (keys after
+    the query in raster order).
+    """
+
+    custom_attention = True
+
+    def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:
+        super().__init__(config, info)
+        self.npos_max = config.params["npos_max"]
+        std = config.params["init_std"]
+        std = float(info.initializer_range) if std is None else std
+        names = ("pos_emb", "pos_emb_after") if info.family == "vit" else ("pos_emb",)
+        for name in names:
+            weight = nn.Parameter(torch.zeros(info.num_layers, info.head_dim, self.npos_max))
+            if std > 0:
+                with torch.no_grad():
+                    nn.init.normal_(weight, mean=0.0, std=std)
+            self.register_parameter(name, weight)
+
+    def attend(
+        self,
+        ctx: PosContext,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+        scaling: float,
+        dropout: float,
+        training: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """CoPE attention.
+
+        Args:
+            query: (B, H, Lq, D); key, value: (B, Hkv, Lk, D), H a multiple of Hkv.
+            mask: (B|1, 1, Lq, Lk) bool (True = attend; causality included) or None.
+            scaling: the model's logit scale.
+
+        Returns:
+            out (B, H, Lq, D) in the query's dtype, and the probabilities (B, H, Lq, Lk) (float32).
+        """
+        b, h, q_len, _ = query.shape
+        k_len = key.shape[2]
+        groups = h // key.shape[1]
+        dtype = _compute_dtype(query.dtype)
+        q = query.to(dtype)
+        k = expand_kv(key, groups).to(dtype)
+        v = expand_kv(value, groups).to(dtype)
+        allowed = allowed_keys(mask, q_len, k_len, ctx.q_offset, self.info.causal, query.device)
+        table = self.pos_emb[layer].to(dtype)
+        if self.info.family != "vit":
+            out, probs = cope_attention(q, k, v, allowed, scaling, table, dropout=dropout, training=training)
+            return out.to(query.dtype), probs
+        # ViT: raster order, both directions; CLS (token 0) takes no position term and is not counted.
+        n = k_len
+        q_index = torch.arange(n - q_len, n, device=query.device)
+        is_cls = torch.zeros(n, dtype=torch.bool, device=query.device)
+        is_cls[0] = True
+        no_position = is_cls[-q_len:, None] | is_cls[None, :]
+        out, probs = cope_attention(
+            q, k, v, allowed, scaling, table, self.pos_emb_after[layer].to(dtype), q_index, no_position, is_cls,
+            dropout=dropout, training=training,
+        )
+        return out.to(query.dtype), probs

@@ -1,0 +1,211 @@
+"""``sba``: stick-breaking attention (replaces the softmax; no other position term).
+
+"Scaling Stick-Breaking Attention: An Efficient Implementation and In-depth Study", Tan, Yang, Courville,
+Panda and Shen 2024 (ICLR 2025), https://arxiv.org/abs/2410.17980. "The code" below is the authors'
+implementation, github.com/shawntan/stickbreaking-attention (``stickbreaking_attention/sb_ref.py``, the
+Triton kernels ``sb_varlen`` with ``attend_current=False`` by default, and the softplus with its linear
+branch above 15 in ``sb_varlen/softplus.py``), and their Dolomite Engine model (``SBAttention``,
+``decoding_stickbreaking``).
+
+For query i (a token at key index i) and keys j < i, with z_ij = s · q_i·k_j (s = the model's logit
+scale, 1/sqrt(head_dim), the code's ``inv_temp``), each key, from the nearest backwards, breaks off a
+fraction β_ij = σ(z_ij) of what is left of the stick:
+
+    A_ij = β_ij Π_{j<k<i} (1 − β_ik)
+         = exp( z_ij − Σ_{k=j}^{i−1} softplus(z_ik) )          (the log-space form that is computed)
+    o_i  = Σ_{j<i} A_ij v_j
+
+using log β = z − softplus(z) and log(1 − β) = −softplus(z), with the stabilised softplus of the code,
+softplus(x) = x if x > 15 else log(1 + exp(x)) (``F.softplus(x, threshold=15)``). Everything is computed
+in float32 (float64 for float64 inputs): the softplus terms are masked (to 0) where the key is masked
+(padding, future, empty cache slots), summed from the right with a reversed cumulative sum, and
+exponentiated with masked entries at −inf, so extreme logits (±1e4) stay finite (a key with z = +1e4
+takes the whole stick, one with z = −1e4 none of it).
+
+``attend_current`` (default False, the paper's and the code's default): whether the query's own key is a
+breakpoint too; with True the products and sums run up to k = i and o_i includes A_ii v_i.
+
+``remainder`` -- what becomes of the stick left after every key, r_i = 1 − Σ_j A_ij = Π_j (1 − β_ij)
+= exp(−Σ_j softplus(z_ij)) (computed in that exact, non-negative form):
+
+* ``"discard"`` (default; the paper's formula, and the code's ``sb_attn``, which returns it separately as
+  ``rem``): o_i = Σ_j A_ij v_j, the weights of a row sum to less than 1 (the first token of a sequence, which
+  has no earlier key, gets o = 0).
+* ``"current"``: the remaining stick goes to the query's own value, o_i += r_i v_i (the
+  ``o = o + rem[..., None] * v`` of the code's tests, ``tests/test_varlen.py``); the returned
+  probabilities then carry r_i on the diagonal and every row sums to 1.
+* ``"bias"``: o_i += r_i b_h with a learned vector b_h per head and layer, initialised to zero -- the
+  ``head_bias`` of the authors' trained Dolomite model (which also applies a GroupNorm over heads to the
+  attention output; that norm is an architecture change outside the position encoding and is not added).
+
+Grouped-query models: each query head uses its own q against its key/value head's keys (``expand_kv``).
+Padding: masked keys are no breakpoints (their softplus terms are 0) and get no weight, so a left-padded
+row gives the weights of the row alone. KV cache: A_ij involves q_i and the keys only, so the cache holds
+all it needs; nothing else is stored.
+
+ViT: not supported (``NotImplementedError``; the registry lists only llama and gpt2). The stick is broken
+in the order of the keys from the query backwards; an image has no such order -- raster order is an
+artefact of flattening and ordering by distance on the grid has ties -- and the paper defines none, so a
+ViT variant would be a new method rather than this one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..config import PosEncConfig
+from ..ops import expand_kv
+from ..registry import param, register_encoding
+from .base import ModelInfo, PosContext, PositionEncoding
+from .cope import allowed_keys
+
+__all__ = ["StickBreaking", "stick_breaking_attention", "SOFTPLUS_THRESHOLD"]
+
+#: above this the softplus is linear (the code's threshold, also in its Triton kernel's inline assembly).
+SOFTPLUS_THRESHOLD = 15.0
+
+
+@dataclass
+class SbaParams:
+    attend_current: bool = param(
+        False,
+        "whether the query's own key is a breakpoint too (the paper and its code exclude the diagonal)",
+        type=bool,
+    )
+    remainder: str = param(
+        "discard",
+        "what becomes of the stick left after every key: 'discard' (the paper: weights sum to < 1), "
+        "'current' (added to the query's own value) or 'bias' (times a learned per-head vector, the authors' "
+        "trained model)",
+        type=str,
+        choices=("discard", "current", "bias"),
+    )
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def stick_breaking_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scaling: float,
+    q_index: torch.Tensor,
+    attend_current: bool = False,
+    remainder: str = "discard",
+    bias: torch.Tensor | None = None,
+    dropout: float = 0.0,
+    training: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stick-breaking attention in log space (the reference), in the dtype of ``q``.
+
+    Args:
+        q: (B, H, Lq, D); k, v: (B, H, Lk, D) (key/value heads already expanded).
+        allowed: (B|1, 1, Lq, Lk) bool, the keys each query may see (causality included), or None.
+        scaling: logit scale s.
+        q_index: (Lq,) key index of each query (its own key, the diagonal).
+        attend_current: whether the diagonal is a breakpoint.
+        remainder: "discard", "current" or "bias" (see the module docstring).
+        bias: (H, D) the per-head vector of ``remainder="bias"``.
+
+    Returns:
+        out (B, H, Lq, D) and the attention weights (B, H, Lq, Lk) (with the remainder on the diagonal
+        for ``remainder="current"``).
+    """
+    z = (q @ k.transpose(-1, -2)) * scaling
+    k_idx = torch.arange(k.shape[2], device=q.device)
+    breaks = (k_idx[None, :] < q_index[:, None]) if not attend_current else (k_idx[None, :] <= q_index[:, None])
+    breaks = breaks[None, None]
+    if allowed is not None:
+        breaks = breaks & allowed
+    softplus = F.softplus(z, beta=1.0, threshold=SOFTPLUS_THRESHOLD).masked_fill(~breaks, 0.0)
+    # Σ_{k >= j} softplus(z_ik) over the breakpoints = Σ_{k=j}^{i-1} (or ^{i}) softplus(z_ik)
+    suffix = softplus.flip(-1).cumsum(-1).flip(-1)
+    log_a = (z - suffix).masked_fill(~breaks, float("-inf"))
+    weights = torch.exp(log_a)
+    out = F.dropout(weights, p=dropout, training=training) @ v
+    if remainder == "discard":
+        return out, weights
+    rest = torch.exp(-softplus.sum(-1, keepdim=True))  # 1 - Σ_j A_ij = Π_j (1 - β_ij), >= 0 exactly
+    if remainder == "bias":
+        return out + rest * bias[None, :, None, :], weights
+    # "current": the query's own value takes the rest of the stick
+    own = v.index_select(2, q_index)
+    diag = (k_idx[None, :] == q_index[:, None])[None, None]
+    return out + rest * own, weights + rest * diag
+
+
+@register_encoding(
+    "sba",
+    params=SbaParams,
+    kind="replaces softmax",
+    summary="stick-breaking attention in log space (no other position term); weights sum to <= 1",
+    paper="https://arxiv.org/abs/2410.17980",
+    families=("llama", "gpt2"),
+)
+class StickBreaking(PositionEncoding):
+    """Stick-breaking attention; see the module docstring for the formula.
+
+    Parameters: none, or ``remainder_bias`` (num_layers, num_heads, head_dim) with ``remainder="bias"``.
+    """
+
+    custom_attention = True
+
+    def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:
+        super().__init__(config, info)
+        self.attend_current = config.params["attend_current"]
+        self.remainder = config.params["remainder"]
+        if self.remainder == "bias":
+            self.remainder_bias = nn.Parameter(torch.zeros(info.num_layers, info.num_heads, info.head_dim))
+
+    def check_model(self, info: ModelInfo) -> None:
+        if not info.causal:
+            raise NotImplementedError(
+                "sba (stick-breaking attention) breaks the stick over the keys in order from the query backwards; "
+                f"{info.family} is bidirectional with no such order (the paper defines none), so it is not "
+                "supported; use it on llama or gpt2"
+            )
+
+    def attend(
+        self,
+        ctx: PosContext,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+        scaling: float,
+        dropout: float,
+        training: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stick-breaking attention.
+
+        Args:
+            query: (B, H, Lq, D); key, value: (B, Hkv, Lk, D), H a multiple of Hkv.
+            mask: (B|1, 1, Lq, Lk) bool (True = attend; causality included) or None.
+            scaling: the model's logit scale.
+
+        Returns:
+            out (B, H, Lq, D) in the query's dtype, and the weights (B, H, Lq, Lk) (float32).
+        """
+        b, h, q_len, _ = query.shape
+        k_len = key.shape[2]
+        groups = h // key.shape[1]
+        dtype = _compute_dtype(query.dtype)
+        q = query.to(dtype)
+        k = expand_kv(key, groups).to(dtype)
+        v = expand_kv(value, groups).to(dtype)
+        allowed = allowed_keys(mask, q_len, k_len, ctx.q_offset, True, query.device)
+        offset = ctx.q_offset.to(query.device) if isinstance(ctx.q_offset, torch.Tensor) else ctx.q_offset
+        q_index = torch.arange(q_len, device=query.device) + offset
+        bias = self.remainder_bias[layer].to(dtype) if self.remainder == "bias" else None
+        out, weights = stick_breaking_attention(
+            q, k, v, allowed, scaling, q_index, self.attend_current, self.remainder, bias, dropout, training
+        )
+        return out.to(query.dtype), weights

@@ -1,0 +1,601 @@
+"""Values and cache behaviour of the data-dependent encodings ``cope``, ``sba`` and ``tape``.
+
+* cope and sba: the attention equals explicit float64 loops over (i, j, k) of the papers' formulas (cope's
+  raw form with interpolated embedding *vectors* e[p], sba's product form Π(1 − β)), with grouped-query
+  heads, left padding, decode offsets, and on ViT cope's bidirectional generalisation.
+* tape: with the code's exact identity init it is RoPE (== the unpatched Llama, == ``rope`` on ViT); its
+  outputs are invariant to a common shift of all positions (the paper's equivariance); one layer's state
+  updates equal the formulas written out by hand.
+* For all three, with non-trivial parameters: KV cache (dynamic, static, left padding, decode chunks) ==
+  full forward; greedy and beam search with a cache == recomputing the whole sequence; gradient
+  checkpointing (reentrant too) gives the gradients computed without it; bf16 at L = 2048 gives finite
+  outputs and gradients; gradients of every learned parameter match finite differences (float64).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from torch.func import functional_call
+from transformers import DynamicCache, StaticCache
+
+import hf_posenc
+from hf_posenc.encodings.base import ModelInfo, PosContext
+from hf_posenc.encodings.cope import Cope
+from hf_posenc.encodings.sba import StickBreaking
+from hf_posenc.encodings.tape import Tape, pack_state, unpack_state
+from conftest import PAD_ID, left_pad, make_ids, make_model, make_pixels, positions_from_mask
+
+CPU = torch.device("cpu")
+SAME_ATOL = 1e-5
+CACHE_ATOL = 1e-4
+
+
+def text_info(heads=4, kv_heads=2, head_dim=4, layers=2, hidden=None) -> ModelInfo:
+    return ModelInfo("llama", hidden or heads * head_dim, heads, kv_heads, head_dim, layers, True, 64)
+
+
+def vit_info(heads=2, head_dim=4, layers=2) -> ModelInfo:
+    return ModelInfo("vit", heads * head_dim, heads, heads, head_dim, layers, False, 7, grid=(2, 3), patch_size=(8, 8))
+
+
+def build(cls, name: str, info: ModelInfo, **params):
+    torch.manual_seed(0)
+    config = hf_posenc.PosEncConfig(name, params)
+    return cls(config.spec.cls.resolve(config, info), info)
+
+
+def double_inputs(b, h, hkv, q_len, k_len, d, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, q_len, d, generator=g, dtype=torch.float64) * scale
+    k = torch.randn(b, hkv, k_len, d, generator=g, dtype=torch.float64) * scale
+    v = torch.randn(b, hkv, k_len, d, generator=g, dtype=torch.float64)
+    return q, k, v
+
+
+def text_mask(b, q_len, k_len, q_offset, pad=(0, 2)):
+    """(B, 1, Lq, Lk) causal mask (query i is key q_offset + i) with ``pad[b]`` left-padded keys per row."""
+    causal = (torch.arange(q_len)[:, None] + q_offset) >= torch.arange(k_len)[None]
+    mask = causal[None, None].repeat(b, 1, 1, 1)
+    for row, n in enumerate(pad[:b]):
+        mask[row, ..., :n] = False
+    return mask
+
+
+def sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def perturb(model, scale: float, seed: int = 3) -> None:
+    """Add N(0, scale) noise to every parameter of the encoding (so zero-initialised ones matter)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in hf_posenc.encoding_module(model).parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g).to(p.dtype))
+
+
+# ===================================================================================================
+# cope
+# ===================================================================================================
+
+
+def cope_loop(q, k, v, mask, scaling, table, q_offset):
+    """CoPE by the paper's raw formulas: gates, p_ij = Σ_{k=j..i} g_ik over allowed keys, clip, interpolated
+    embedding *vector* e[p], logits s q·k + q·e[p], softmax over allowed keys."""
+    b, h, q_len, d = q.shape
+    hkv, k_len = k.shape[1], k.shape[2]
+    npos = table.shape[1]
+    out = torch.zeros_like(q)
+    probs = torch.zeros(b, h, q_len, k_len, dtype=q.dtype)
+    for bb, hh, i in itertools.product(range(b), range(h), range(q_len)):
+        kh = hh // (h // hkv)
+        qi, row = q[bb, hh, i], q_offset + i
+        allowed = [bool(mask[bb, 0, i, j]) for j in range(k_len)]
+        logits = {}
+        for j in range(k_len):
+            if not allowed[j]:
+                continue
+            p = sum(sigmoid(scaling * float(qi @ k[bb, kh, kk])) for kk in range(j, row + 1) if allowed[kk])
+            p = min(p, npos - 1)
+            lo, hi = math.floor(p), math.ceil(p)
+            e = (p - lo) * table[:, hi] + (1 - p + lo) * table[:, lo]
+            logits[j] = scaling * float(qi @ k[bb, kh, j]) + float(qi @ e)
+        if not logits:
+            continue
+        m = max(logits.values())
+        z = sum(math.exp(x - m) for x in logits.values())
+        for j, x in logits.items():
+            probs[bb, hh, i, j] = math.exp(x - m) / z
+            out[bb, hh, i] += probs[bb, hh, i, j] * v[bb, kh, j]
+    return out, probs
+
+
+@pytest.mark.parametrize(
+    "q_len,k_len,npos",
+    [(6, 6, 64), (6, 6, 3), (2, 7, 4), (1, 7, 2)],
+    ids=["prefill", "prefill-clipped", "chunk-after-cache", "decode-clipped"],
+)
+def test_cope_matches_loop(q_len, k_len, npos):
+    info = text_info(heads=4, kv_heads=2, head_dim=4)
+    enc = build(Cope, "cope", info, npos_max=npos, init_std=0.7).double()
+    q_offset = k_len - q_len
+    q, k, v = double_inputs(2, 4, 2, q_len, k_len, 4, scale=1.5)
+    mask = text_mask(2, q_len, k_len, q_offset)
+    ctx = PosContext(encoding=enc, info=info, q_offset=q_offset)
+    out, probs = enc.attend(ctx, 1, q, k, v, mask, 0.5, 0.0, False)
+    want_out, want_probs = cope_loop(q, k, v, mask, 0.5, enc.pos_emb[1].detach(), q_offset)
+    assert out.dtype == torch.float64
+    assert (out - want_out).abs().max() < 1e-12
+    assert (probs - want_probs).abs().max() < 1e-12
+
+
+def test_cope_masked_keys_are_not_counted():
+    """A padded key with a huge logit (gate 1 if counted) changes nothing: gates are masked before the sum."""
+    info = text_info(heads=2, kv_heads=2, head_dim=4)
+    enc = build(Cope, "cope", info, npos_max=8, init_std=1.0).double()
+    q, k, v = double_inputs(1, 2, 2, 5, 5, 4)
+    mask = text_mask(1, 5, 5, 0, pad=(1,))
+    ctx = PosContext(encoding=enc, info=info)
+    out, _ = enc.attend(ctx, 0, q, k, v, mask, 0.5, 0.0, False)
+    k2 = k.clone()
+    k2[..., 0, :] = 50 * q[:, :, -1].sum(1, keepdim=True)  # padded key: σ(q·k) ≈ 1 for the last query
+    out2, _ = enc.attend(ctx, 0, q, k2, v, mask, 0.5, 0.0, False)
+    assert (out - out2)[..., 1:, :].abs().max() < 1e-12
+    alone, _ = enc.attend(ctx, 0, q[..., 1:, :], k[..., 1:, :], v[..., 1:, :], None, 0.5, 0.0, False)
+    assert (out[..., 1:, :] - alone).abs().max() < 1e-12
+
+
+def cope_vit_loop(q, k, v, scaling, before, after):
+    """Bidirectional CoPE on [CLS, patches in raster order]: j <= i counts k = j..i with e⁻, j > i counts
+    k = i..j with e⁺; pairs with CLS (index 0) take no position term and CLS's gate is never counted."""
+    b, h, n, d = q.shape
+    npos = before.shape[1]
+    out = torch.zeros_like(q)
+    for bb, hh, i in itertools.product(range(b), range(h), range(n)):
+        qi = q[bb, hh, i]
+        logits = []
+        for j in range(n):
+            x = scaling * float(qi @ k[bb, hh, j])
+            if i > 0 and j > 0:
+                span, table = (range(j, i + 1), before) if j <= i else (range(i, j + 1), after)
+                p = min(sum(sigmoid(scaling * float(qi @ k[bb, hh, kk])) for kk in span), npos - 1)
+                lo, hi = math.floor(p), math.ceil(p)
+                x += float(qi @ ((p - lo) * table[:, hi] + (1 - p + lo) * table[:, lo]))
+            logits.append(x)
+        a = torch.softmax(torch.tensor(logits, dtype=q.dtype), dim=0)
+        out[bb, hh, i] = (a[:, None] * v[bb, hh]).sum(0)
+    return out
+
+
+def test_cope_vit_matches_loop():
+    info = vit_info()
+    enc = build(Cope, "cope", info, npos_max=4, init_std=0.7).double()
+    assert sorted(n for n, _ in enc.named_parameters()) == ["pos_emb", "pos_emb_after"]
+    q, k, v = double_inputs(2, 2, 2, 7, 7, 4, scale=1.5)
+    ctx = PosContext(encoding=enc, info=info, grid=(2, 3))
+    out, _ = enc.attend(ctx, 0, q, k, v, None, 0.5, 0.0, False)
+    want = cope_vit_loop(q, k, v, 0.5, enc.pos_emb[0].detach(), enc.pos_emb_after[0].detach())
+    assert (out - want).abs().max() < 1e-12
+
+
+def test_cope_paper_init_is_zero_and_default_is_random():
+    info = text_info()
+    assert build(Cope, "cope", info, init_std=0.0).pos_emb.abs().max() == 0
+    assert build(Cope, "cope", info).pos_emb.std() > 0
+    with pytest.raises(ValueError):
+        hf_posenc.PosEncConfig("cope", {"npos_max": 0})
+    with pytest.raises(TypeError):
+        hf_posenc.PosEncConfig("cope", {"npos_max": 2.5})
+
+
+# ===================================================================================================
+# sba
+# ===================================================================================================
+
+
+def sba_loop(q, k, v, mask, scaling, q_offset, attend_current, remainder, bias=None):
+    """Stick-breaking by the product form: A_ij = β_ij Π_{j<k<i} (1 − β_ik) over allowed keys (k <= i with
+    attend_current), remainder r_i = Π (1 − β_ik) over all breakpoints."""
+    b, h, q_len, d = q.shape
+    hkv, k_len = k.shape[1], k.shape[2]
+    out = torch.zeros_like(q)
+    weights = torch.zeros(b, h, q_len, k_len, dtype=q.dtype)
+    for bb, hh, i in itertools.product(range(b), range(h), range(q_len)):
+        kh = hh // (h // hkv)
+        row = q_offset + i
+        last = row if attend_current else row - 1
+        brk = [j for j in range(0, last + 1) if mask is None or bool(mask[bb, 0, i, j])]
+        beta = {j: sigmoid(scaling * float(q[bb, hh, i] @ k[bb, kh, j])) for j in brk}
+        for j in brk:
+            a = beta[j]
+            for kk in brk:
+                if kk > j:
+                    a *= 1 - beta[kk]
+            weights[bb, hh, i, j] = a
+            out[bb, hh, i] += a * v[bb, kh, j]
+        rest = math.prod(1 - beta[j] for j in brk)
+        if remainder == "current":
+            out[bb, hh, i] += rest * v[bb, kh, row]
+            weights[bb, hh, i, row] += rest
+        elif remainder == "bias":
+            out[bb, hh, i] += rest * bias[hh]
+    return out, weights
+
+
+@pytest.mark.parametrize("remainder", ["discard", "current", "bias"])
+@pytest.mark.parametrize("attend_current", [False, True], ids=["no-diag", "diag"])
+@pytest.mark.parametrize("q_len,k_len", [(6, 6), (2, 7), (1, 7)], ids=["prefill", "chunk", "decode"])
+def test_sba_matches_loop(remainder, attend_current, q_len, k_len):
+    info = text_info(heads=4, kv_heads=2, head_dim=4)
+    enc = build(StickBreaking, "sba", info, remainder=remainder, attend_current=attend_current).double()
+    if remainder == "bias":
+        with torch.no_grad():
+            enc.remainder_bias.normal_()
+    q_offset = k_len - q_len
+    q, k, v = double_inputs(2, 4, 2, q_len, k_len, 4, scale=1.5)
+    mask = text_mask(2, q_len, k_len, q_offset)
+    ctx = PosContext(encoding=enc, info=info, q_offset=q_offset)
+    out, weights = enc.attend(ctx, 1, q, k, v, mask, 0.5, 0.0, False)
+    bias = enc.remainder_bias[1].detach() if remainder == "bias" else None
+    want_out, want_w = sba_loop(q, k, v, mask, 0.5, q_offset, attend_current, remainder, bias)
+    assert (out - want_out).abs().max() < 1e-12
+    assert (weights - want_w).abs().max() < 1e-12
+    sums = weights.sum(-1)
+    if remainder == "current":
+        assert (sums - 1).abs().max() < 1e-12
+    else:
+        assert (sums <= 1 + 1e-12).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sba_extreme_logits_stay_finite(dtype):
+    """Logits of ±1e4: finite outputs and gradients; a key at +1e4 takes the whole stick, one at −1e4 none."""
+    info = text_info(heads=2, kv_heads=2, head_dim=4)
+    enc = build(StickBreaking, "sba", info, remainder="current")
+    q = torch.zeros(1, 2, 6, 4)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 2, 6, 4)
+    k[..., 0] = torch.tensor([1e4, -1e4, 1e4, -1e4, -1e4, 1e4]) * 2  # logits ±1e4 at scaling 0.5
+    v = torch.randn(1, 2, 6, 4)
+    q, k, v = (t.to(dtype).requires_grad_(True) for t in (q, k, v))
+    ctx = PosContext(encoding=enc, info=info)
+    out, weights = enc.attend(ctx, 0, q, k, v, None, 0.5, 0.0, False)
+    assert torch.isfinite(out).all() and torch.isfinite(weights).all()
+    # query 4 (keys 0..3, nearest first: 3 at -1e4, 2 at +1e4): key 2 takes the whole stick
+    assert weights[0, 0, 4].tolist() == [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    # query 2: keys 1 (-1e4), 0 (+1e4) -> key 0
+    assert weights[0, 0, 2, 0] == 1.0
+    out.float().square().sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+
+
+def test_sba_not_on_vit():
+    with pytest.raises(ValueError, match="does not support vit"):
+        make_model("vit", encoding="sba")
+    with pytest.raises(NotImplementedError, match="bidirectional"):
+        build(StickBreaking, "sba", vit_info())
+
+
+def test_sba_weights_from_model_sum_to_at_most_one():
+    """output_attentions on a left-padded batch: ≤ 1 with the paper's default, exactly 1 with 'current';
+    the first real token of a row has no earlier key and gets weight 0 everywhere (discard)."""
+    ids, mask = left_pad([make_ids(1, 5, seed=2)[0], make_ids(1, 8, seed=3)[0]])
+    for remainder in ("discard", "current"):
+        model = make_model("llama", encoding="sba", remainder=remainder)
+        with torch.no_grad():
+            out = model(ids, attention_mask=mask, position_ids=positions_from_mask(mask), output_attentions=True)
+        real = mask.bool()
+        for probs in out.attentions:
+            sums = probs.float().sum(-1)[:, 0][real]
+            if remainder == "current":
+                assert (sums - 1).abs().max() < 1e-5
+            else:
+                assert (sums <= 1 + 1e-5).all() and (sums < 0.999).any()
+                assert probs[0, :, 3].abs().max() == 0  # first real token of the padded row
+
+
+# ===================================================================================================
+# tape
+# ===================================================================================================
+
+
+def test_tape_identity_init_is_rope_on_llama():
+    """init_std=0 (the code's zero init): the states stay RoPE, so TAPE == the unpatched Llama (GQA, padded)."""
+    native = make_model("llama")
+    patched = make_model("llama", encoding="tape", init_std=0.0)
+    ids, mask = left_pad([make_ids(1, 6, seed=5)[0], make_ids(1, 9, seed=6)[0]])
+    kw = dict(attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False)
+    with torch.no_grad():
+        want, got = native(ids, **kw).logits, patched(ids, **kw).logits
+    real = mask.bool()
+    assert (got[real] - want[real]).abs().max() < SAME_ATOL
+
+
+def test_tape_identity_init_is_rope_on_vit():
+    rope = make_model("vit", encoding="rope")
+    tape = make_model("vit", encoding="tape", init_std=0.0)
+    pixels = make_pixels(2)
+    with torch.no_grad():
+        assert (tape(pixel_values=pixels).logits - rope(pixel_values=pixels).logits).abs().max() < SAME_ATOL
+        perturb(tape, 0.5)
+        moved = tape(pixel_values=pixels).logits
+    assert (moved - rope(pixel_values=pixels).logits).abs().max() > 1e-3  # the updates act on ViT too
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_tape_shift_invariance(family):
+    """The updates commute with a common rotation of every state, so shifting all positions by a constant
+    changes no output -- with updates large enough to change the outputs (checked against init_std=0)."""
+    model = make_model(family, encoding="tape", init_std=0.5)
+    ids = make_ids(2, 9)
+    pos = torch.arange(9).expand(2, -1)
+    with torch.no_grad():
+        base = model(ids, position_ids=pos, use_cache=False).logits
+        shifted = model(ids, position_ids=pos + 37, use_cache=False).logits
+        rope_like = make_model(family, encoding="tape", init_std=0.0)(ids, position_ids=pos, use_cache=False).logits
+    assert (base - shifted).abs().max() < 1e-4
+    assert (base - rope_like).abs().max() > 1e-2
+
+
+def test_tape_layer_updates_by_hand():
+    """One layer: attend stores Ê = E + a ⊙ (α E) with a_h = Σ_e W_he; the next prepare applies
+    E' = Ê + D[silu(X x) ⊙ U Ê] over heads; keys carry the states of their query heads."""
+    info = text_info(heads=4, kv_heads=2, head_dim=4, layers=3, hidden=8)
+    enc = build(Tape, "tape", info, init_std=0.5, position_size=3).double()
+    b, n = 2, 5
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(b, 4, n, 4, generator=g, dtype=torch.float64)
+    k = torch.randn(b, 2, n, 4, generator=g, dtype=torch.float64)
+    v = torch.randn(b, 2, n, 4, generator=g, dtype=torch.float64)
+    hidden = torch.randn(b, n, 8, generator=g, dtype=torch.float64)
+    ctx = PosContext(encoding=enc, info=info, position_ids=torch.arange(n)[None] + 3)
+    q1, k1, v1 = enc.prepare(ctx, 0, hidden, q, k, v)
+    assert q1.shape == (b, 4, n, 8) and k1.shape == (b, 2, n, 4 + 2 * 4) and v1 is v
+    angles = (torch.arange(n)[:, None] + 3).double() * (1.0 / 10000 ** (torch.arange(0, 4, 2).double() / 4))
+    e0 = torch.cat([angles.cos(), angles.sin()], -1)  # (n, 4)
+    assert (q1[..., 4:] - e0).abs().max() < 1e-6  # fp32 angles
+    assert torch.equal(k1[:, 1, :, 4:8], q1[:, 2, :, 4:])  # kv head 1 holds query heads 2 and 3
+    assert torch.equal(k1[:, 1, :, 8:], q1[:, 3, :, 4:])
+
+    mask = text_mask(b, n, n, 0)
+    out, probs = enc.attend(ctx, 0, q1, k1, v1, mask, 0.5, 0.0, False)
+    state = q1[..., 4:]
+
+    def rot(x, e):
+        c, s = torch.cat([e[..., :2]] * 2, -1), torch.cat([e[..., 2:]] * 2, -1)
+        return x * c + torch.cat([-x[..., 2:], x[..., :2]], -1) * s
+
+    kk = k.repeat_interleave(2, dim=1)
+    scores = rot(q, state) @ rot(kk, state).transpose(-1, -2) * 0.5
+    alpha = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1).nan_to_num(0.0)  # padded rows: 0
+    assert (probs - alpha).abs().max() < 1e-12
+    assert (out - alpha @ v.repeat_interleave(2, dim=1)).abs().max() < 1e-12
+    a = enc.attn_update[0].sum(-1)
+    want_hat = state + a[None, :, None, None] * (alpha @ state)
+    got_hat = ctx.memo[("tape_attn_state", 0)]
+    assert (got_hat - want_hat).abs().max() < 1e-12
+
+    q2, _, _ = enc.prepare(ctx, 1, hidden, q, k, v)
+    want = want_hat.clone()
+    for bb, tok, hh, dd in itertools.product(range(b), range(n), range(4), range(4)):
+        gate = torch.nn.functional.silu(enc.pe_x[0] @ hidden[bb, tok])  # (P,)
+        up = enc.pe_up[0] @ want_hat[bb, :, tok, dd]  # (P,)
+        want[bb, hh, tok, dd] += enc.pe_down[0][hh] @ (gate * up)
+    assert (q2[..., 4:] - want).abs().max() < 1e-12
+
+
+def test_tape_parameters_and_validation():
+    enc = build(Tape, "tape", text_info(layers=3, hidden=16), position_size=5)
+    shapes = {n: tuple(p.shape) for n, p in enc.named_parameters()}
+    assert shapes == {"attn_update": (2, 4, 4), "pe_up": (2, 5, 4), "pe_x": (2, 5, 16), "pe_down": (2, 4, 5)}
+    zero = build(Tape, "tape", text_info(layers=3), init_std=0.0)
+    assert zero.attn_update.abs().max() == 0 and zero.pe_up.abs().max() == 0 and zero.pe_x.abs().max() > 0
+    assert list(build(Tape, "tape", text_info(layers=1)).parameters()) == []
+    with pytest.raises(ValueError, match="even head_dim"):
+        build(Tape, "tape", text_info(head_dim=3))
+    with pytest.raises(ValueError):
+        hf_posenc.PosEncConfig("tape", {"position_size": 0})
+    with pytest.raises(ValueError):
+        hf_posenc.PosEncConfig("tape", {"init_std": -1.0})
+
+
+def test_tape_state_packing_in_16_bit():
+    x = torch.randn(3, 7) * 3
+    for dtype, tol in ((torch.bfloat16, 2.0**-15), (torch.float16, 2.0**-20)):
+        packed = pack_state(x, dtype)
+        assert packed.dtype == dtype and packed.shape == (3, 14)
+        assert ((unpack_state(packed, 7, torch.float32) - x).abs() / x.abs()).max() < tol
+    assert torch.equal(unpack_state(pack_state(x, torch.float32), 7, torch.float32), x)
+
+
+# ===================================================================================================
+# all three: cache, padding, generation, checkpointing, bf16, finite differences
+# ===================================================================================================
+
+VARIANTS = {
+    "cope": ("cope", dict(init_std=0.5, npos_max=4), 0.0),
+    "sba": ("sba", {}, 0.0),
+    "sba-current-diag": ("sba", dict(remainder="current", attend_current=True), 0.0),
+    "sba-bias": ("sba", dict(remainder="bias"), 0.5),
+    "tape": ("tape", dict(init_std=0.4), 0.0),
+}
+
+
+def variant_model(family: str, variant: str, **kw):
+    name, params, noise = VARIANTS[variant]
+    model = make_model(family, encoding=name, **params, **kw)
+    if noise:
+        perturb(model, noise)
+    return model
+
+
+STEPS = (6, 1, 2, 1)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cache_matches_full_forward_left_padded(variant, family, cache):
+    model = variant_model(family, variant)
+    ids, mask = left_pad([make_ids(1, 7, seed=2)[0], make_ids(1, 10, seed=3)[0]])
+    pos = positions_from_mask(mask)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+        past = DynamicCache(config=model.config) if cache == "dynamic" else StaticCache(config=model.config, max_cache_len=16)
+        pieces, start = [], 0
+        for n in STEPS:
+            out = model(ids[:, start : start + n], attention_mask=mask[:, : start + n],
+                        position_ids=pos[:, start : start + n], past_key_values=past, use_cache=True)
+            pieces.append(out.logits)
+            start += n
+        alone = model(ids[:1, 3:], use_cache=False).logits
+    real = mask.bool()
+    inc = torch.cat(pieces, dim=1)
+    assert (inc[real] - full[real]).abs().max() < CACHE_ATOL
+    assert (full[0, 3:] - alone[0]).abs().max() < CACHE_ATOL
+
+
+def greedy_recompute(model, ids, mask, n):
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False).logits
+            ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    return ids
+
+
+def generate(model, ids, mask, beams, cache):
+    kw = dict(max_new_tokens=5, min_new_tokens=5, pad_token_id=PAD_ID, do_sample=False, num_beams=beams,
+              eos_token_id=None)
+    if cache is None:
+        kw["use_cache"] = False
+    elif cache == "static":
+        kw["cache_implementation"] = "static"
+    return model.generate(ids, attention_mask=mask, **kw)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_generation_with_cache_equals_recompute(variant, family):
+    """Greedy (dynamic and static cache) == a loop that recomputes the whole sequence; beam search (2 and 3
+    beams, which reorders the cache) with a cache == without."""
+    model = variant_model(family, variant)
+    ids, mask = left_pad([make_ids(1, 5, seed=5)[0], make_ids(1, 8, seed=6)[0]])
+    want = greedy_recompute(model, ids, mask, 5)
+    for cache in ("dynamic", "static"):
+        assert torch.equal(generate(model, ids, mask, 1, cache), want), f"greedy, {cache} cache"
+    for beams in (2, 3):
+        assert torch.equal(generate(model, ids, mask, beams, "dynamic"), generate(model, ids, mask, beams, None))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["default", "reentrant"])
+@pytest.mark.parametrize("family", ["llama", "vit"])
+@pytest.mark.parametrize("variant", ["cope", "sba-bias", "tape"])
+def test_gradient_checkpointing_same_gradients(variant, family, reentrant):
+    """With large parameters (tape: states that really change across layers, carried between layers by the
+    per-forward context) checkpointing gives the gradients computed without it."""
+    if variant.startswith("sba") and family == "vit":
+        pytest.skip("sba does not support vit")
+    grads = []
+    for ckpt in (False, True):
+        model = variant_model(family, variant, train=True)
+        if ckpt:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+        if family == "vit":
+            out = model(pixel_values=make_pixels(2), labels=torch.tensor([0, 2]))
+        else:
+            ids = make_ids(2, 9)
+            out = model(ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    g0, g1 = grads
+    assert sorted(g0) == sorted(g1)
+    enc_names = [n for n in g0 if ".posenc." in n]
+    assert enc_names and all(g0[n].abs().sum() > 0 for n in enc_names)
+    for n in g0:
+        assert torch.allclose(g0[n], g1[n], atol=1e-6, rtol=1e-5), n
+
+
+@pytest.mark.parametrize("variant", ["cope", "sba", "sba-bias", "tape"])
+def test_bf16_long_sequence_finite(variant):
+    """bf16, L = 2048, a tiny model (1 layer; tape 2, so its update parameters are used): finite outputs,
+    loss and gradients."""
+    name, params, noise = VARIANTS[variant]
+    layers = 2 if name == "tape" else 1
+    model = make_model("llama", encoding=name, train=True, dtype=torch.bfloat16,
+                       config_overrides=dict(num_hidden_layers=layers, max_position_embeddings=4096), **params)
+    if noise:
+        perturb(model, noise)
+    ids = make_ids(1, 2048, seed=7)
+    out = model(ids, labels=ids, use_cache=False)
+    assert torch.isfinite(out.logits).all() and torch.isfinite(out.loss)
+    out.loss.backward()
+    for n, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), n
+
+
+TINY_GPT2 = dict(n_embd=8, n_inner=8, n_layer=2, n_head=2, vocab_size=11)
+
+
+@pytest.mark.parametrize("variant", ["cope", "sba-bias", "tape"])
+def test_learned_parameters_gradcheck_model(variant):
+    """Finite differences (float64, a whole tiny GPT-2, left-padded batch) of the logits w.r.t. every
+    parameter of the encoding. (GPT-2: Llama's RMSNorm computes in float32 even in a float64 model, which
+    makes its finite differences meaningless; grouped-query heads are checked below at the module level.)"""
+    name, params, noise = VARIANTS[variant]
+    if name == "cope":
+        params = dict(params, npos_max=3)
+    if name == "tape":
+        params = dict(params, position_size=3)
+    model = make_model("gpt2", encoding=name, dtype=torch.float64, config_overrides=TINY_GPT2, **params)
+    if noise:
+        perturb(model, noise)
+    ids, mask = left_pad([torch.tensor([3, 4, 5]), torch.tensor([6, 7, 8, 9, 10])])
+    kw = dict(attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False)
+    names = [n for n, p in model.named_parameters() if ".posenc." in n]
+    assert names
+
+    def f(*values):
+        return functional_call(model, dict(zip(names, values)), args=(ids,), kwargs=kw).logits[mask.bool()]
+
+    values = tuple(dict(model.named_parameters())[n].detach().clone().requires_grad_(True) for n in names)
+    assert torch.autograd.gradcheck(f, values)
+
+
+@pytest.mark.parametrize("variant", ["cope", "sba-bias", "tape"])
+def test_gradcheck_module_gqa(variant):
+    """Finite differences (float64) of the encoding's own computation w.r.t. q, k, v (and the attention input
+    for tape) and every parameter, with grouped-query heads, left padding and a decode offset (tape: two
+    layers chained through its states, so every update parameter is reached)."""
+    name, params, _ = VARIANTS[variant]
+    cls = {"cope": Cope, "sba": StickBreaking, "tape": Tape}[name]
+    extra = {"npos_max": 3} if name == "cope" else {"position_size": 3} if name == "tape" else {}
+    info = text_info(heads=4, kv_heads=2, head_dim=4, layers=2, hidden=6)
+    enc = build(cls, name, info, **dict(params, **extra)).double()
+    if name == "sba":
+        with torch.no_grad():
+            enc.remainder_bias.normal_()
+    names = [n for n, _ in enc.named_parameters()]
+    b, q_len, k_len = 2, (4 if name == "tape" else 3), (4 if name == "tape" else 6)
+    q, k, v = double_inputs(b, 4, 2, q_len, k_len, 4, scale=1.2)
+    hidden = torch.randn(b, q_len, 6, dtype=torch.float64)
+    mask = text_mask(b, q_len, k_len, k_len - q_len)
+    ctx_kw = dict(q_offset=k_len - q_len, position_ids=torch.arange(q_len)[None])
+
+    def f(q, k, v, hidden, *values):
+        ctx = PosContext(encoding=enc, info=info, **ctx_kw)
+        params = dict(zip(names, values))
+        if name != "tape":
+            return functional_call(enc, params, ("attend", ctx, 1, q, k, v, mask, 0.5, 0.0, False))[0]
+        out = None
+        for layer in (0, 1):
+            q1, k1, v1 = functional_call(enc, params, ("prepare", ctx, layer, hidden, q, k, v))
+            out = functional_call(enc, params, ("attend", ctx, layer, q1, k1, v1, mask, 0.5, 0.0, False))[0]
+        return out
+
+    args = tuple(t.detach().clone().requires_grad_(True) for t in (q, k, v, hidden, *enc.parameters()))
+    assert torch.autograd.gradcheck(f, args)

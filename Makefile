@@ -1,0 +1,78 @@
+# hf_posenc: every target sets up its own virtual environment (.venv) on first use.
+#
+#   make test     run the test suite
+#   make demo     run examples/quickstart.py (train a tiny ALiBi Llama, save, reload)
+#   make bench    run benchmarks/bench_forward.py (writes benchmarks/results/forward_<device>.json)
+#   make matrix   rewrite the README's support matrix from hf_posenc.support_matrix()
+#
+# Setup: python3 -m venv .venv, then torch, then `pip install -e ".[test]"`. Torch comes first so that
+# the dependency on torch in pyproject.toml is already satisfied: on a machine without nvidia-smi that is
+# the CPU build torch==$(TORCH_CPU_VERSION) (a plain `pip install torch` would pull the multi-GB CUDA
+# wheels); with nvidia-smi, the default (CUDA) torch. A torch already importable in .venv is kept.
+# A stamp file in .venv records a finished setup; it is redone when pyproject.toml changes.
+#
+# Extra arguments: make demo DEMO_ARGS="--steps 50"   make bench BENCH_ARGS="--lengths 512"
+#                  make test PYTEST_ARGS="-k alibi"
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_CPU_VERSION ?= 2.13.0
+# Extra pip arguments for the torch install. This machine's pip finds the CPU wheel in its local wheel
+# folder; elsewhere, e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu".
+TORCH_PIP_ARGS ?=
+# Extras of the package to install. The test extra includes Triton: its interpreter runs the kernel tests on CPU.
+EXTRAS ?= test
+PY := $(VENV)/bin/python
+comma := ,
+STAMP := $(VENV)/.hf_posenc-setup-$(subst $(comma),-,$(EXTRAS))
+
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+BENCH_ARGS ?=
+
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+export PIP_NO_INPUT := 1
+
+.PHONY: help setup test demo bench matrix clean-venv
+
+help:
+	@sed -n '2,6p' Makefile | sed 's/^# *//'
+
+setup: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
+		echo "torch $$($(PY) -c 'import torch; print(torch.__version__)') is already installed in $(VENV)"; \
+	elif command -v nvidia-smi >/dev/null 2>&1; then \
+		echo "nvidia-smi found: installing torch (CUDA build)"; \
+		$(PY) -m pip install $(TORCH_PIP_ARGS) torch; \
+	else \
+		echo "no nvidia-smi: installing the CPU build torch==$(TORCH_CPU_VERSION)"; \
+		$(PY) -m pip install $(TORCH_PIP_ARGS) "torch==$(TORCH_CPU_VERSION)"; \
+	fi
+	$(PY) -m pip install -e ".[$(EXTRAS)]"
+	@touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q --durations=10 $(PYTEST_ARGS) tests/
+
+demo: $(STAMP)
+	$(PY) examples/quickstart.py $(DEMO_ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_forward.py $(BENCH_ARGS)
+
+matrix: $(STAMP)
+	$(PY) -c 'import re, pathlib, hf_posenc; p = pathlib.Path("README.md"); \
+		s, e = "<!-- support-matrix:start -->", "<!-- support-matrix:end -->"; \
+		t = re.sub(re.escape(s) + ".*?" + re.escape(e), lambda m: s + "\n" + hf_posenc.support_matrix() + "\n" + e, \
+		p.read_text(), count=1, flags=re.S); p.write_text(t); print("README.md support matrix updated")'
+
+clean-venv:
+	rm -rf $(VENV)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +18,8 @@ from .encodings.base import unwrap
 from .patches import get_family
 from .patches.base import unshare_config
 from .registry import FAMILIES, get_encoding, list_encodings
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["patch_model", "from_pretrained", "describe", "support_matrix", "encoding_module"]
 
@@ -121,7 +124,7 @@ def describe(model: nn.Module) -> dict[str, Any]:
 def _backend_summary(encoding: nn.Module, device: torch.device) -> str:
     """``torch`` when every op runs its PyTorch reference, else which ops run which kernel."""
     attention = attention_backend(encoding)
-    if not getattr(encoding, "rotates_qk", False) or device.type != "cuda":
+    if not getattr(encoding, "uses_rotary_kernel", False) or device.type != "cuda":
         return attention
     from .backend import forced_backend
     from .kernels.rotary import _triton_import_error
@@ -242,13 +245,17 @@ def from_pretrained(path: str | os.PathLike, model_class: type | None = None, **
         )
     expected_missing = family.native_keys
     rest_missing = [k for k in info["missing_keys"] if not any(k == n or k.endswith("." + n) for n in expected_missing)]
-    rest_unexpected = [k for k in info["unexpected_keys"] if "posenc" not in k.split(".")]
     mismatched = list(info.get("mismatched_keys", []))
-    if rest_missing or rest_unexpected or mismatched:
+    if rest_missing or mismatched:
         raise ValueError(
-            f"{path}: the checkpoint does not match its config: missing {sorted(rest_missing)}, unexpected "
-            f"{sorted(rest_unexpected)}, mismatched {mismatched}"
+            f"{path}: the checkpoint does not match {cls.__name__}: missing {sorted(rest_missing)}, "
+            f"mismatched {mismatched}"
         )
+    # Weights the class does not use (a head, when loading the base model of a causal-LM checkpoint) are
+    # left out, as transformers does.
+    rest_unexpected = sorted(k for k in info["unexpected_keys"] if "posenc" not in k.split("."))
+    if rest_unexpected:
+        logger.info("%s: weights not used by %s: %s", path, cls.__name__, rest_unexpected)
     model.eval()
     if want_info:
         return model, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}

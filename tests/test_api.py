@@ -330,3 +330,33 @@ def test_cli_lists_encodings(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in hf_posenc.list_encodings())
+
+
+def test_base_model_loads_from_a_causal_lm_checkpoint(tmp_path):
+    from transformers import LlamaModel
+
+    m = _save(tmp_path, "alibi")
+    base = hf_posenc.from_pretrained(tmp_path, model_class=LlamaModel)
+    assert isinstance(base, LlamaModel) and hf_posenc.describe(base)["encoding"] == "alibi"
+    with torch.no_grad():
+        torch.testing.assert_close(base(IDS).last_hidden_state, m.model(IDS).last_hidden_state, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["rope", "fope"])
+def test_forcing_triton_on_an_elementwise_rotation_is_an_error(monkeypatch, name):
+    m = hf_posenc.patch_model(_llama(), name)
+    monkeypatch.setenv("HF_POSENC_BACKEND", "triton")
+    with pytest.raises(ValueError, match="no Triton kernel for its q/k transform"):
+        m(IDS)
+
+
+def test_describe_backend_names_the_rotary_kernel_only_where_it_is_used():
+    from hf_posenc.api import _backend_summary
+    from hf_posenc.kernels.rotary import _triton_import_error
+
+    cuda = torch.device("cuda")
+    rope = hf_posenc.encoding_module(hf_posenc.patch_model(_llama(), "rope"))
+    assert _backend_summary(rope, cuda) == "torch"
+    if _triton_import_error() is None:
+        liere = hf_posenc.encoding_module(hf_posenc.patch_model(_llama(), "liere"))
+        assert _backend_summary(liere, cuda) == "torch (attention), triton (rotation)"

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from ..backend import forced_backend
 from ..config import PosEncConfig
 
 __all__ = ["ModelInfo", "PosContext", "PositionEncoding", "RelativePositions", "relative_positions", "unwrap", "vit_token_coords"]
@@ -79,6 +80,13 @@ class PosContext:
         KV cache; ``hidden`` (B, Lq, C) is the attention input. Rotary encodings rotate q and k here;
         data-dependent ones may also append per-token state to k or v, so the cache carries it."""
         enc = unwrap(self.encoding)
+        if getattr(enc, "rotates_qk", False) and not getattr(enc, "uses_rotary_kernel", False):
+            if forced_backend() == "triton":
+                raise ValueError(
+                    f"HF_POSENC_BACKEND='triton': {enc.name!r} has no Triton kernel for its q/k transform (an "
+                    "elementwise rotation that PyTorch runs at memory bandwidth); unset HF_POSENC_BACKEND or "
+                    "set it to 'torch'"
+                )
         if getattr(enc, "prepares_qkv", False):
             return self.encoding("prepare", self, layer, hidden, q, k, v)
         if getattr(enc, "rotates_qk", False):

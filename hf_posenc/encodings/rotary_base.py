@@ -41,6 +41,8 @@ class BlockRotationEncoding(PositionEncoding):
     ``prepare``, which the patched attention modules call with it)."""
 
     rotates_qk = True
+    #: the rotation runs through hf_posenc.kernels.rotary (the Triton kernel on CUDA).
+    uses_rotary_kernel = True
     prepares_qkv = True  # so that the layer index reaches ``layer_rotation``; v passes through unchanged
 
     def rotation(self, ctx: PosContext, length: int, device: torch.device) -> torch.Tensor:

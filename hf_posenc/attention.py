@@ -5,8 +5,18 @@
 (B, Hkv, Lk, D) (grouped-query heads not expanded) and returns ``(out (B, Lq, H, D), weights | None)``.
 The encoding's terms reach it through ``kwargs["posenc_ctx"]`` (a :class:`PosContext`).
 
-Backends: the attention itself runs on ``torch`` (``scaled_dot_product_attention``, or the encoding's own
-reference); see :func:`attention_backend` and :mod:`hf_posenc.backend` for ``HF_POSENC_BACKEND``.
+Backends of the attention itself (:func:`attention_backend`; ``HF_POSENC_BACKEND`` in :mod:`hf_posenc.backend`):
+
+* ``torch``: ``scaled_dot_product_attention`` with the encoding's score bias, or the encoding's own
+  reference (``attend``). Encodings without a term inside the attention (absolute, rotary) always use SDPA.
+* ``triton``: the fused kernels of :mod:`hf_posenc.kernels.attention` with the encoding's ``kernel_term``.
+  Chosen by default when the tensors are on CUDA, Triton imports and the encoding has a kernel term.
+* ``flex``: torch's FlexAttention with the term as a score_mod (only when forced).
+
+This module is the one place that picks: a forced backend that cannot run these inputs raises a
+``ValueError`` saying why; an unforced choice falls back to ``torch`` (attention dropout in training, a
+4D mask that is not causal + key padding, ViT's 2D grid, unsupported dtype or head_dim). Attention
+probabilities (``output_attentions``) always come from the eager ``torch`` path.
 """
 
 from __future__ import annotations
@@ -16,6 +26,14 @@ from torch.nn import functional as F
 
 from .backend import forced_backend
 from .encodings.base import PosContext, unwrap
+from .kernels.attention import (
+    FLEX_KINDS,
+    flex_attention_term,
+    flex_unsupported,
+    fused_attention,
+    kernel_unsupported,
+)
+from .kernels.attention import _triton_import_error as _attention_triton_error
 from .ops import expand_kv, masked_softmax
 
 __all__ = ["ATTN_IMPLEMENTATION", "attention_backend", "posenc_attention", "register_with_transformers"]
@@ -26,25 +44,42 @@ ATTN_IMPLEMENTATION = "hf_posenc"
 _QUERY_BLOCK = 128
 
 
-def attention_backend(encoding: object | None) -> str:
-    """The backend of the attention itself for ``encoding``: ``torch`` (SDPA or the encoding's reference).
+def attention_backend(encoding: object | None, device: torch.device | str | None = None) -> str:
+    """The backend of the attention itself for ``encoding`` on ``device``: ``torch``, ``triton`` or ``flex``.
 
-    This release has no Triton or FlexAttention attention kernels. Forcing ``triton`` or ``flex`` is fine
-    for encodings whose attention is plain SDPA (absolute and rotary encodings: their own ops may have
-    kernels); for encodings with position terms inside the attention it raises, rather than silently
-    running the reference.
+    ``torch`` for encodings without a term inside the attention (SDPA; their own ops, e.g. rotations, pick
+    their kernels themselves) and under ``HF_POSENC_BACKEND=torch``. Otherwise the forced backend, or, when
+    none is forced, ``triton`` if ``device`` is a CUDA device, Triton imports and the encoding has kernel
+    terms (``kernel_kinds``). A call may still fall back to ``torch`` for inputs the kernels do not take,
+    unless the backend is forced (see :func:`posenc_attention`).
+
+    Raises:
+        ValueError: ``HF_POSENC_BACKEND`` names no backend, or forces ``triton``/``flex`` for an encoding
+            that has no such kernel.
     """
     forced = forced_backend()
     enc = unwrap(encoding) if encoding is not None else None
     in_attention = enc is not None and (
         getattr(enc, "has_score_bias", False) or getattr(enc, "custom_attention", False)
     )
-    if forced in ("triton", "flex") and in_attention:
+    if not in_attention or forced == "torch":
+        return "torch"
+    kinds = tuple(getattr(enc, "kernel_kinds", ()))
+    if forced == "triton" and not kinds:
         raise ValueError(
-            f"HF_POSENC_BACKEND={forced!r}: hf_posenc has no {forced} attention kernel for {enc.name!r} in this "
-            "release; unset HF_POSENC_BACKEND or set it to 'torch'"
+            f"HF_POSENC_BACKEND='triton': hf_posenc has no triton attention kernel for {enc.name!r}; unset "
+            "HF_POSENC_BACKEND or set it to 'torch'"
         )
-    return "torch"
+    if forced == "flex" and not any(kind in FLEX_KINDS for kind in kinds):
+        raise ValueError(
+            f"HF_POSENC_BACKEND='flex': hf_posenc has no flex attention kernel for {enc.name!r} (its term has no "
+            "FlexAttention score_mod); unset HF_POSENC_BACKEND or set it to 'torch'"
+            + (" or 'triton'" if kinds else "")
+        )
+    if forced is not None:
+        return forced
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    return "triton" if kinds and on_cuda and _attention_triton_error() is None else "torch"
 
 
 def _as_bool_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -125,6 +160,76 @@ def _bias_mask(
     return out
 
 
+def _key_validity(
+    ctx: PosContext, mask: torch.Tensor | None, causal: bool, q_len: int, k_len: int, q_offset: int | torch.Tensor
+) -> tuple[torch.Tensor | None, str | None]:
+    """The kernels' form of ``mask``: (key_valid (B|1, Lk) bool or None, None), or (None, reason) when the
+    mask is not causal (at ``q_offset``) + key padding. Checked once per forward (memoised in ``ctx``)."""
+    if mask is None:
+        return None, None
+    if mask.dim() != 4 or mask.shape[1] != 1:
+        return None, f"the kernels take no per-head attention mask (got shape {tuple(mask.shape)})"
+    memo_key = ("kernel_key_valid", mask.data_ptr(), tuple(mask.shape), mask.stride(), causal, int(q_offset), q_len)
+    if memo_key in ctx.memo:
+        return ctx.memo[memo_key]
+    m = mask[:, 0].expand(mask.shape[0], q_len, k_len)
+    valid = m.any(dim=-2)  # (B|1, Lk): some query may see the key
+    expected = valid[:, None, :]
+    if causal:
+        expected = expected & _causal_mask(q_len, k_len, q_offset, mask.device)
+    if not torch.equal(m, expected.expand_as(m)):
+        result = (None, "the attention mask is not causal + key padding (e.g. packed sequences or a custom 4D "
+                        "mask); the kernels take a per-batch key-valid vector")
+    else:
+        result = (None if bool(valid.all()) else valid, None)
+    ctx.memo[memo_key] = result
+    return result
+
+
+def _kernel_attention(
+    backend: str,
+    ctx: PosContext,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    causal: bool,
+    q_offset: int | torch.Tensor,
+    scaling: float,
+    dropout: float,
+    training: bool,
+) -> torch.Tensor | None:
+    """out (B, H, Lq, D) from the ``triton`` or ``flex`` backend, or None to run the reference (only when
+    the backend is not forced; a forced backend that cannot run raises a ValueError with the reason)."""
+    forced = forced_backend() is not None
+    enc = unwrap(ctx.encoding)
+    mask = _as_bool_mask(attention_mask)
+    term, key_valid, reason = None, None, None
+    if dropout > 0 and training:
+        reason = f"attention dropout ({dropout}) is not implemented by the {backend} attention"
+    if reason is None:
+        term = ctx.encoding("kernel_term", ctx, layer, query, key, value, mask)
+        if term is None:
+            where = "the 2D patch grid" if ctx.grid is not None else ctx.info.family
+            reason = f"{enc.name!r} has no {backend} attention term on {where}"
+    if reason is None:
+        key_valid, reason = _key_validity(ctx, mask, causal, query.shape[2], key.shape[2], q_offset)
+    if reason is None:
+        if backend == "triton":
+            reason = kernel_unsupported(query, key, value, term)
+        else:
+            reason = flex_unsupported(query, key, value, term)
+    if reason is not None:
+        if forced and reason != "empty tensors":
+            raise ValueError(f"HF_POSENC_BACKEND={backend}, but {reason}")
+        return None
+    run = fused_attention if backend == "triton" else flex_attention_term
+    extra = {} if backend == "triton" else {"memo": ctx.memo}
+    return run(query, key, value, term, scale=scaling, causal=causal, q_offset=int(q_offset), key_valid=key_valid,
+               **extra)
+
+
 def posenc_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -149,7 +254,7 @@ def posenc_attention(
     Returns:
         out (B, Lq, H, D), and the probabilities (B, H, Lq, Lk) when ``posenc_ctx.need_weights`` else None.
     """
-    attention_backend(posenc_ctx.encoding if posenc_ctx is not None else None)
+    backend = attention_backend(posenc_ctx.encoding if posenc_ctx is not None else None, query.device)
     b, h, q_len, d = query.shape
     k_len = key.shape[2]
     if h % key.shape[1]:
@@ -161,6 +266,12 @@ def posenc_attention(
     q_offset = posenc_ctx.q_offset if posenc_ctx is not None else k_len - q_len
     training = module.training
     need_weights = bool(posenc_ctx is not None and posenc_ctx.need_weights)
+    if backend != "torch" and not need_weights:
+        out = _kernel_attention(
+            backend, posenc_ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling, dropout, training
+        )
+        if out is not None:
+            return out.transpose(1, 2).contiguous(), None
     if posenc_ctx is not None and getattr(unwrap(posenc_ctx.encoding), "custom_attention", False):
         mask = _full_mask(attention_mask, causal, q_len, k_len, q_offset, query.device)
         out, probs = posenc_ctx.encoding("attend", posenc_ctx, layer, query, key, value, mask, scaling, dropout, training)
@@ -184,8 +295,8 @@ def posenc_attention(
         return out.transpose(1, 2).contiguous(), None
 
     mask = _full_mask(attention_mask, causal, q_len, k_len, q_offset, query.device)
-    float_mask = _bias_mask(posenc_ctx, mask, bias, query.dtype)
     if not (causal and q_len >= 2 * _QUERY_BLOCK):
+        float_mask = _bias_mask(posenc_ctx, mask, bias, query.dtype)
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=float_mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa
         )
@@ -193,6 +304,10 @@ def posenc_attention(
     # Causal with a bias: split the queries into blocks and give each block only the keys it can see
     # (query i is key q_offset + i), so the fused kernel skips the masked upper triangle.
     first = int(q_offset)
+    if attention_mask is None:  # causal only: -inf is needed just above the diagonal of each block
+        float_mask = _causal_block_mask(posenc_ctx, bias, query.dtype, q_len, first)
+    else:
+        float_mask = _bias_mask(posenc_ctx, mask, bias, query.dtype)
     outs = []
     for start in range(0, q_len, _QUERY_BLOCK):
         stop = min(start + _QUERY_BLOCK, q_len)
@@ -209,6 +324,30 @@ def posenc_attention(
             )
         )
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _causal_block_mask(
+    ctx: PosContext, bias: torch.Tensor, dtype: torch.dtype, q_len: int, first: int
+) -> torch.Tensor:
+    """The float mask of the causal query-block path when no padding mask exists: the bias with -inf only
+    where a block's queries meet its own later keys (the strict upper triangle of each diagonal block).
+    Nothing right of a block's last key is ever read, so the rest of the upper triangle is left as is.
+    A bias shared by the layers is filled in place (it is needed for nothing else), once per forward."""
+    shared = ctx.is_shared(bias)
+    key = ("causal_blocks", bias.data_ptr(), tuple(bias.shape), dtype)
+    if shared and key in ctx.memo:
+        return ctx.memo[key]
+    out = bias.to(dtype)
+    if out is bias and (not shared or bias.requires_grad):
+        out = bias.clone()  # never write into a tensor that autograd or another layer still needs
+    above = torch.ones(_QUERY_BLOCK, _QUERY_BLOCK, dtype=torch.bool, device=bias.device).triu(1)
+    for start in range(0, q_len, _QUERY_BLOCK):
+        stop = min(start + _QUERY_BLOCK, q_len)
+        n = stop - start
+        out[..., start:stop, first + start : first + stop].masked_fill_(above[:n, :n], float("-inf"))
+    if shared:
+        ctx.memo[key] = out
+    return out
 
 
 _registered = False

@@ -69,4 +69,4 @@ class Alibi(PositionEncoding):
         """(1, H, Lq, Lk) float32 bias -m_h * distance."""
         slopes = alibi_slopes(self.info.num_heads).to(device)
         distance = relative_positions(ctx, q_len, k_len, device).distance()
-        return -(slopes[:, None, None] * distance)[None]
+        return torch.mul(distance[None, None], -slopes[None, :, None, None])  # one pass over (H, Lq, Lk)

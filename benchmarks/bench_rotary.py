@@ -339,7 +339,7 @@ def main(argv=None) -> int:
                     rows.append(row)
                     times = ", ".join(f"{m} {_fmt(row.get(m + '_ms'))} ms" for m in args.methods)
                     print(f"s={s} B={b} L={length} {mode}: {times}, kernel rel err {err:.1e}", flush=True)
-                del q, k, rot, gq, gk
+                q = k = rot = gq = gk = None  # free before the next shape
                 if cuda:
                     torch.cuda.empty_cache()
 

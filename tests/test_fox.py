@@ -161,7 +161,6 @@ def brute_fox_pro(enc, hidden, q, k, v, real, scaling):
     p = {n: t.detach()[0] for n, t in enc.named_parameters()}
     bsz, heads, n, d = q.shape
     hkv = k.shape[1]
-    groups = heads // hkv
     ks, vs = torch.zeros_like(k), torch.zeros_like(v)
     for bb in range(bsz):
         for g in range(hkv):

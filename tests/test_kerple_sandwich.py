@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from torch.nn import functional as F
 
 import hf_posenc
 from hf_posenc import PosEncConfig

@@ -8,11 +8,33 @@ uniform and the logits barely depend on positions, so a broken encoding would go
 
 from __future__ import annotations
 
-from typing import Any
+# -- Triton's interpreter on CPU-only machines: must come before anything imports triton -------------------
+# Triton reads TRITON_INTERPRET when a function is decorated with @triton.jit, and its own library
+# functions (tl.sum, tl.max, tl.zeros, ...) are decorated when triton is first imported. transformers
+# imports triton when a model module is imported (this file imports LlamaForCausalLM below), so a
+# kernel interpreted later, after a test sets the variable, finds those functions compiled and fails with
+# "Cannot call @triton.jit'd outside of the scope of a kernel". Without a CUDA device every kernel test
+# runs interpreted, so the whole suite sets the variable here, first. ``import torch`` does not import
+# triton (checked below); tests that need the compiled mode's errors override it with monkeypatch.
+import os
+import sys
+import warnings
 
-import pytest
 import torch
-from transformers import (
+
+if not torch.cuda.is_available():
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") is None:
+        warnings.warn(
+            "triton was imported before tests/conftest.py could set TRITON_INTERPRET=1; interpreted kernels "
+            "that call triton.language library functions will fail. Set TRITON_INTERPRET=1 in the environment.",
+            stacklevel=1,
+        )
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+from transformers import (  # noqa: E402
     GPT2Config,
     GPT2LMHeadModel,
     GPT2Model,
@@ -24,8 +46,8 @@ from transformers import (
     ViTModel,
 )
 
-import hf_posenc
-from hf_posenc.registry import get_encoding
+import hf_posenc  # noqa: E402
+from hf_posenc.registry import get_encoding  # noqa: E402
 
 # The models are tiny: intra-op threads only add synchronisation, and when the 2 cores are shared with
 # another process, OpenMP barriers make every small op take milliseconds (a 50x slow-down, measured).

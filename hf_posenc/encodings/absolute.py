@@ -46,6 +46,8 @@ class NoPEParams:
 class NoPE(PositionEncoding):
     """No position encoding: the patch removes the model's own and adds nothing."""
 
+    relative = True  # no position signal at all: position_ids are never read
+
 
 def sinusoidal_table(positions: torch.Tensor, dim: int, base: float) -> torch.Tensor:
     """Interleaved sin/cos of Vaswani et al. for integer ``positions`` (...,) -> (..., dim) float32.
@@ -171,10 +173,12 @@ class Learned(PositionEncoding):
             pos = ctx.position_ids
             n = self.weight.shape[0]
             top = int(pos.max()) if pos.numel() else 0
-            if top >= n or (pos.numel() and int(pos.min()) < 0):
+            low = int(pos.min()) if pos.numel() else 0
+            if top >= n or low < 0:
                 raise ValueError(
-                    f"position {top} is outside the learned table of {n} positions (max_positions={n}); "
-                    f"use shorter inputs, patch with a larger max_positions, or use a relative encoding"
+                    f"position {top if top >= n else low} is outside the learned table of {n} positions "
+                    f"(0 .. {n - 1}, max_positions={n}); use shorter inputs, non-negative position_ids, patch with a "
+                    "larger max_positions, or use a relative encoding"
                 )
             return nn.functional.embedding(pos, self.weight).to(dtype)
         return self._vit_table(ctx).to(dtype)
@@ -198,8 +202,9 @@ class Learned(PositionEncoding):
         cls_pos = self.weight[:, :1]
         patch_pos = self.weight[:, 1:]
         dim = self.weight.shape[-1]
-        side = int(num_positions**0.5)
-        patch_pos = patch_pos.reshape(1, side, side, dim).permute(0, 3, 1, 2)
+        # the table's own grid (transformers assumes a square one, sqrt(num_positions) per side, and fails on a
+        # non-square image_size; the same for square grids)
+        patch_pos = patch_pos.reshape(1, trows, tcols, dim).permute(0, 3, 1, 2)
         patch_pos = nn.functional.interpolate(patch_pos, size=(rows, cols), mode="bicubic", align_corners=False)
         patch_pos = patch_pos.permute(0, 2, 3, 1).view(1, -1, dim)
         return torch.cat((cls_pos, patch_pos), dim=1)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.attention.terms import KernelTerm
 from ..registry import register_encoding
 from .base import PosContext, PositionEncoding, relative_positions
 
@@ -62,6 +63,15 @@ class Alibi(PositionEncoding):
     """ALiBi; see the module docstring for the formula."""
 
     has_score_bias = True
+    relative = True  # -m_h |i - j| from key/query indices; position_ids are never read
+    reference_footprint = (2.0, 3.0)  # float32 (B, H, Lq, Lk) tensors (hf_posenc.memory)
+    kernel_kinds = ("alibi",)
+
+    def kernel_term(self, ctx: PosContext, layer: int, query, key, value, mask) -> KernelTerm | None:
+        """The fused-attention term: the slopes (H,). None on ViT (2D grid distances)."""
+        if ctx.grid is not None:
+            return None
+        return KernelTerm.alibi(alibi_slopes(self.info.num_heads).to(query.device))
 
     def score_bias(
         self, ctx: PosContext, q_len: int, k_len: int, device: torch.device, layer: int = 0

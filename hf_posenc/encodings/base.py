@@ -6,6 +6,10 @@ An encoding is an ``nn.Module`` with up to three kinds of contribution, each a m
 * ``rotate(ctx, q, k)``         -> transformed queries and keys, before they enter the KV cache,
 * ``score_bias(ctx, q_len, k_len, device)`` -> an additive float32 bias of shape (1, H, Lq, Lk).
 
+Encodings with a term inside the attention may also describe it to the fused attention kernels:
+``kernel_term(ctx, layer, q, k, v, mask)`` -> a :class:`~hf_posenc.kernels.attention.KernelTerm`, or None
+where they have none (e.g. on ViT's 2D grid); ``kernel_kinds`` lists the kinds they can return.
+
 The model calls the module itself (``encoding("bias", ...)``), never its methods, so that wrappers such
 as PEFT's ``ModulesToSaveWrapper`` route to the copy that is being trained.
 """
@@ -114,7 +118,10 @@ class PosContext:
         # While training an encoding with trainable parameters, its bias is rebuilt in each layer rather than
         # shared: under gradient checkpointing a layer's recomputation must build (and save) exactly what
         # its first pass did, and reentrant checkpointing runs that first pass without autograd.
-        if not (enc.training and any(p.requires_grad for p in enc.parameters())):
+        # Ask the module that is called, not the one behind a wrapper: under PEFT's ModulesToSaveWrapper the
+        # original is frozen and the trained copy holds the parameters that need gradients.
+        called = self.encoding
+        if not (called.training and any(p.requires_grad for p in called.parameters())):
             self.memo[key] = bias
         return bias
 
@@ -193,6 +200,18 @@ class PositionEncoding(nn.Module):
     finishes_output: ClassVar[bool] = False
     #: whether ``score_bias`` differs per layer (else it is built once per forward and shared).
     bias_per_layer: bool = False
+    #: the fused-attention term kinds ``kernel_term`` can return (see hf_posenc.kernels.attention.terms).
+    kernel_kinds: ClassVar[tuple[str, ...]] = ()
+    #: Shift invariance on text: adding one constant to every ``position_ids`` leaves the outputs unchanged
+    #: (the encoding sees positions only through differences, or not at all). Each encoding that claims it
+    #: sets it with the reason beside it; tests/test_properties.py checks every claim. Read it on an instance
+    #: (``cape`` derives it from its base bias). ViT has no position_ids: see each docstring for the grid.
+    relative: ClassVar[bool] = False
+    #: Peak memory of the PyTorch reference of ``score_bias`` (with the attention that uses the bias) or
+    #: ``attend``, in float32 (B, H, Lq, Lk) tensors: (without autograd, with it). Measured at L = 4096 and
+    #: 2048 (tests/test_long_inputs.py reports it); ``reference_bytes`` turns it into bytes for the pre-check
+    #: of hf_posenc.memory, which refuses a shape that would not fit with an error naming the amount.
+    reference_footprint: ClassVar[tuple[float, float]] = (0.0, 0.0)
 
     def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:
         super().__init__()
@@ -220,16 +239,49 @@ class PositionEncoding(nn.Module):
         if op == "rotate":
             return self.rotate(*args, **kwargs)
         if op == "bias":
+            self._check_reference_memory(op, args)
             return self.score_bias(*args, **kwargs)
         if op == "attend":
+            self._check_reference_memory(op, args)
             return self.attend(*args, **kwargs)
         if op == "prepare":
             return self.prepare(*args, **kwargs)
         if op == "finish":
             return self.finish(*args, **kwargs)
+        if op == "kernel_term":
+            return self.kernel_term(*args, **kwargs)
         raise ValueError(
-            f"unknown operation {op!r} for encoding {self.name!r}; allowed: embed, rotate, bias, attend, prepare, finish"
+            f"unknown operation {op!r} for encoding {self.name!r}; allowed: embed, rotate, bias, attend, prepare, "
+            "finish, kernel_term"
         )
+
+    # -- memory pre-check of the O(L^2) references (see hf_posenc.memory) -------------------------------
+    def reference_bytes(self, batch: int, heads: int, q_len: int, k_len: int, grad: bool, itemsize: int = 4) -> int:
+        """Estimated peak bytes of this encoding's reference attention at this shape (``grad``: with autograd)."""
+        return int(self.reference_footprint[1 if grad else 0] * batch * heads * q_len * k_len * itemsize)
+
+    def _check_reference_memory(self, op: str, args: tuple) -> None:
+        """``bias`` (ctx, q_len, k_len, device, ...) or ``attend`` (ctx, layer, query, key, ...): raise
+        ``ReferenceMemoryError`` before building the O(L^2) intermediates if they would not fit the budget."""
+        if len(args) < 4:
+            return
+        from ..memory import check_reference_memory
+
+        if op == "attend":
+            ctx, _, query, key = args[:4]
+            if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)):
+                return
+            batch, heads, q_len = query.shape[:3]
+            k_len, device = key.shape[2], query.device
+            itemsize = 8 if query.dtype == torch.float64 else 4
+        else:
+            ctx, q_len, k_len, device = args[:4]
+            position_ids = getattr(ctx, "position_ids", None)
+            batch = position_ids.shape[0] if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 else 1
+            heads, itemsize = self.info.num_heads, 4
+        nbytes = self.reference_bytes(batch, heads, int(q_len), int(k_len), torch.is_grad_enabled(), itemsize)
+        shape = f"{'attention' if op == 'attend' else 'score bias'} at B={batch}, H={heads}, Lq={q_len}, Lk={k_len}"
+        check_reference_memory(self.name, shape, nbytes, torch.device(device))
 
     def embed(self, ctx: PosContext, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         raise NotImplementedError
@@ -269,6 +321,20 @@ class PositionEncoding(nn.Module):
         """The whole attention: q (B, H, Lq, D), k/v (B, Hkv, Lk, D), mask (B|1, 1, Lq, Lk) bool or None.
         Returns out (B, H, Lq, D) and the probabilities (B, H, Lq, Lk) or None."""
         raise NotImplementedError
+
+    def kernel_term(
+        self,
+        ctx: PosContext,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> Any:
+        """The position term of ``layer`` for the fused attention kernels (a ``KernelTerm``), or None when
+        this encoding has none for this model (the attention then runs the reference). Arguments as for
+        ``attend``; the term may replace the keys and values (e.g. to strip cached state channels)."""
+        return None
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.posenc_config.params.items())

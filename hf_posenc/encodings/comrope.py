@@ -121,6 +121,8 @@ class ComRopeParams:
 class ComRope(BlockRotationEncoding):
     """ComRoPE-AP / ComRoPE-LD; see the module docstring for the formula."""
 
+    relative = True  # commuting generators: R(x)^T R(y) = R(y - x) (on the ViT grid too)
+
     @classmethod
     def resolve(cls, config: PosEncConfig, info: ModelInfo) -> PosEncConfig:
         p = dict(config.params)

@@ -217,6 +217,10 @@ class Cope(PositionEncoding):
     """
 
     custom_attention = True
+    #: ``attend`` runs its own fused kernel for these backends (``hf_posenc.kernels.cope``; causal models).
+    attention_kernels = ("triton",)
+    relative = True  # contextual counts over keys j..i from gates σ(q·k); position_ids are never read
+    reference_footprint = (19.0, 28.0)  # float32 (B, H, Lq, Lk) tensors (hf_posenc.memory)
 
     def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:
         super().__init__(config, info)
@@ -251,8 +255,18 @@ class Cope(PositionEncoding):
             scaling: the model's logit scale.
 
         Returns:
-            out (B, H, Lq, D) in the query's dtype, and the probabilities (B, H, Lq, Lk) (float32).
+            out (B, H, Lq, D) in the query's dtype, and the probabilities (B, H, Lq, Lk) (float32), or None
+            when the fused causal kernel ran (``hf_posenc.kernels.cope``: on CUDA, or forced with
+            ``HF_POSENC_BACKEND=triton``; it never forms the probabilities, and is not used when they are
+            requested; the bidirectional ViT variant always runs here).
         """
+        from ..kernels.cope import cope, cope_backend
+
+        backend = cope_backend(
+            query, key, value, mask, ctx.q_offset, ctx.need_weights, dropout, training, causal=self.info.causal
+        )
+        if backend == "triton":
+            return cope(query, key, value, self.pos_emb[layer], mask, scaling, ctx.q_offset), None
         b, h, q_len, _ = query.shape
         k_len = key.shape[2]
         groups = h // key.shape[1]

@@ -53,6 +53,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..config import PosEncConfig
+from ..kernels.attention.terms import KernelTerm
 from ..registry import param, register_encoding
 from .base import ModelInfo, PosContext, PositionEncoding, relative_positions
 
@@ -121,6 +122,37 @@ class Fire(PositionEncoding):
     """FIRE; see the module docstring for the formula, the initialisation and the ViT generalisation."""
 
     has_score_bias = True
+    relative = False  # the normaliser psi(max(L, i)) reads the query's absolute position i
+
+    def reference_bytes(self, batch: int, heads: int, q_len: int, k_len: int, grad: bool, itemsize: int = 4) -> int:
+        """The MLP runs on every (query, key) pair: (B|1, Lq, Lk, mlp_hidden) activations dominate (measured at
+        L = 2048 and 4096, hidden 32: 4.2 GiB without autograd at L = 4096, B = 1, H = 4)."""
+        hidden = self.posenc_config.params["mlp_hidden"]
+        per_pair = (3.5 * hidden + 3 * heads) if grad else (2 * hidden + 2 * heads)
+        return int(per_pair * batch * q_len * k_len * itemsize)
+    kernel_kinds = ("fire",)
+
+    def kernel_term(self, ctx: PosContext, layer: int, query, key, value, mask) -> KernelTerm | None:
+        """The fused-attention term: f_θ of ``layer`` tabulated at ``KERNEL_GRID`` points over [0, x_max]
+        (x_max = the largest MLP input of any pair this forward can see, at least 1), c, and each query's
+        1 / (psi(max(L, i)) + eps). The kernel interpolates the table linearly: f_θ is piecewise linear,
+        so this differs from ``score_bias`` only in the grid cells that hold a kink of the ReLU (by at most
+        |slope change| · x_max / (4 (KERNEL_GRID − 1))). Gradients reach the MLP through the table and c, L
+        through c and the normaliser. None on ViT."""
+        if ctx.grid is not None:
+            return None
+        fn = self.function(layer)
+        q_len = query.shape[2]
+        device = query.device
+        position = self._query_positions(ctx, q_len, device)  # (B|1, Lq)
+        inv_norm = 1.0 / (fn.psi(torch.maximum(fn.threshold, position.to(fn.threshold.dtype))) + FIRE_EPS)
+        q_index = torch.arange(q_len, device=device, dtype=torch.float32) + ctx.q_offset  # i − j <= q_index
+        x_max = (fn.psi(q_index)[None] * inv_norm).max().detach().clamp_min(1.0)
+        grid = torch.linspace(0.0, 1.0, self.KERNEL_GRID, device=device, dtype=inv_norm.dtype) * x_max
+        return KernelTerm.fire(fn.mlp(grid).T, fn.c, inv_norm, x_max)
+
+    #: points of the table that the fused attention kernel interpolates.
+    KERNEL_GRID = 256
 
     def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:
         super().__init__(config, info)

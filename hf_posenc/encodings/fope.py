@@ -132,6 +132,7 @@ class Fope(PositionEncoding):
 
     rotates_qk = True
     prepares_qkv = True  # so that the layer index reaches the per-layer coefficients
+    relative = False  # products of two Fourier series have cross terms: not a function of n - m alone
 
     @classmethod
     def resolve(cls, config: PosEncConfig, info: ModelInfo) -> PosEncConfig:
@@ -260,7 +261,7 @@ class Fope(PositionEncoding):
             ctx.memo[basis_key] = (*self.basis(coords[..., : self.num_axes]), cls)
         cos, sin, cls = ctx.memo[basis_key]
         c, s = self.combine(cos, sin, layer)
-        c, s = c.float(), s.float()
+        c, s = upcast(c), upcast(s)  # float32 (float64 stays float64: gradcheck)
         if cls is not None and bool(cls.any()):
             mask = cls.to(c.device)[None, None, :, None]
             c = c.masked_fill(mask, 1.0)
@@ -271,7 +272,7 @@ class Fope(PositionEncoding):
 
     def apply(self, x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """x (B, H, L, D) times (C + iS) pair by pair; c, s (B|1, H, L, D/2) float32. Returns x's dtype."""
-        xf = x.float()
+        xf = upcast(x)  # float32 (float64 stays float64: gradcheck)
         if self.layout == "half":
             half = x.shape[-1] // 2
             x1, x2 = xf[..., :half], xf[..., half:]

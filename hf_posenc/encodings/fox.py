@@ -112,6 +112,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..config import PosEncConfig
+from ..kernels.attention.terms import KernelTerm
 from ..ops import expand_kv
 from ..registry import param, register_encoding
 from .base import ModelInfo, PosContext, PositionEncoding
@@ -224,6 +225,11 @@ def forget_bias(
     return bias
 
 
+def _cumulative_gates(log_f: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """c (B, H, Lk) = cumsum of the log-gates (B, H, Lk), invalid keys' gates counting as 0 (as in forget_bias)."""
+    return log_f.masked_fill(~valid[:, None, :], 0.0).cumsum(-1)
+
+
 def forgetting_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -312,6 +318,9 @@ class Fox(PositionEncoding):
 
     custom_attention = True
     prepares_qkv = True
+    relative = True  # gates from x_t, D_ij from the tokens between j and i; rope=True adds rotary (relative)
+    reference_footprint = (5.0, 6.5)  # float32 (B, H, Lq, Lk) tensors (hf_posenc.memory)
+    kernel_kinds = ("fox",)
 
     def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:
         super().__init__(config, info)
@@ -420,6 +429,17 @@ class Fox(PositionEncoding):
         bias = self._bias(ctx, gates, valid, query.shape[2], key.device)
         return forgetting_attention(query, k, value, bias, mask, scaling, dropout, training)
 
+    def kernel_term(self, ctx: PosContext, layer: int, query, key, value, mask) -> KernelTerm | None:
+        """The fused-attention term: c (B, H, Lk), the cumulative log-gates (padding's gates zeroed, as in
+        :func:`forget_bias`), with the cache's state channels stripped from the keys. None on ViT."""
+        if self.bidirectional or ctx.grid is not None:
+            return None
+        d = query.shape[-1]
+        compute = _compute_dtype(query.dtype)
+        gates = self._gates_from_kv(unpack_state(key[..., d:], self.num_gate_sets * self.groups, compute))
+        valid, _ = key_validity(mask, key.shape[2], key.device)
+        return KernelTerm.fox(_cumulative_gates(gates[0], valid), key=key[..., :d])
+
 
 # ---------------------------------------------------------------------------------------------------
 # fox_pro
@@ -512,6 +532,20 @@ class FoxPro(Fox):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Shift k and v, normalise k, then forgetting attention. q (B, H, Lq, D) already normalised; key
         (B, Hkv, Lk, D + state), value (B, Hkv, Lk, D + state). Returns out (B, H, Lq, D), probs (B, H, Lq, Lk)."""
+        k, v, gates, valid = self._attention_kv(ctx, layer, query, key, value, mask)
+        bias = self._bias(ctx, gates, valid, query.shape[2], key.device)
+        return forgetting_attention(query, k, v, bias, mask, scaling, dropout, training)
+
+    def kernel_term(self, ctx: PosContext, layer: int, query, key, value, mask) -> KernelTerm | None:
+        """The fused-attention term: c of the forward gates, with the shifted, normalised keys and the shifted
+        values (in the query's dtype) replacing the cached ones. None on ViT (two-way gates)."""
+        if self.bidirectional or ctx.grid is not None:
+            return None
+        k, v, gates, valid = self._attention_kv(ctx, layer, query, key, value, mask)
+        return KernelTerm.fox(_cumulative_gates(gates[0], valid), key=k.to(query.dtype), value=v.to(query.dtype))
+
+    def _attention_kv(self, ctx: PosContext, layer: int, query, key, value, mask):
+        """(shifted + normalised k, shifted v (B, Hkv, Lk, D) in float32, the log-gates, key validity)."""
         d = query.shape[-1]
         compute = _compute_dtype(query.dtype)
         n_gates = self.num_gate_sets * self.groups
@@ -526,8 +560,7 @@ class FoxPro(Fox):
         k = self._shift(key[..., :d].to(compute), a_k, has_prev, ctx)
         k = _rms_norm(k, self.k_norm_weight[layer].to(compute)[None, :, None, :], QK_NORM_EPS)
         v = self._shift(value[..., :d].to(compute), a_v, has_prev, ctx)
-        bias = self._bias(ctx, gates, valid, query.shape[2], key.device)
-        return forgetting_attention(query, k, v, bias, mask, scaling, dropout, training)
+        return k, v, gates, valid
 
     def finish(self, ctx: PosContext, layer: int, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out (B, Lq, H, D) -> σ(W_o x) ⊙ RMSNorm(out) ⊙ γ^o, per head, computed in float32."""

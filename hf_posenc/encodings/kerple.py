@@ -29,6 +29,7 @@ from torch.nn import functional as F
 
 from ..config import PosEncConfig
 from ..ops import upcast
+from ..kernels.attention.terms import KernelTerm
 from ..registry import param, register_encoding
 from .base import ModelInfo, PosContext, PositionEncoding, relative_positions
 
@@ -59,6 +60,9 @@ class Kerple(PositionEncoding):
     """KERPLE; see the module docstring for the formula and the reparametrisation."""
 
     has_score_bias = True
+    relative = True  # a kernel of |i - j| (key/query indices); position_ids are never read
+    reference_footprint = (3.0, 8.0)  # float32 (B, H, Lq, Lk) tensors (hf_posenc.memory)
+    kernel_kinds = ("kerple_log", "kerple_pow")
 
     def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:
         super().__init__(config, info)
@@ -81,6 +85,15 @@ class Kerple(PositionEncoding):
         else:
             r2 = 2 * torch.sigmoid(upcast(self.r2_raw))
         return r1, r2
+
+    def kernel_term(self, ctx: PosContext, layer: int, query, key, value, mask) -> KernelTerm | None:
+        """The fused-attention term: r1, r2 (H,) of ``layer`` (gradients flow to the raw parameters).
+        None on ViT (2D grid distances)."""
+        if ctx.grid is not None:
+            return None
+        r1, r2 = self.kernel_params()
+        idx = layer if self.bias_per_layer else 0
+        return KernelTerm.kerple(self.variant, r1[idx], r2[idx])
 
     def score_bias(
         self, ctx: PosContext, q_len: int, k_len: int, device: torch.device, layer: int = 0

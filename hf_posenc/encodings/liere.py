@@ -100,6 +100,9 @@ class LiereParams:
 class Liere(BlockRotationEncoding):
     """LieRE; see the module docstring for the formula and the choices."""
 
+    # Text has one axis, R(p) = exp(p A): exactly relative. NOT on ViT (two generators that need not commute).
+    relative = True
+
     @classmethod
     def resolve(cls, config: PosEncConfig, info: ModelInfo) -> PosEncConfig:
         p = dict(config.params)
@@ -178,7 +181,7 @@ class Liere(BlockRotationEncoding):
         if cls is not None and bool(cls.any()):
             eye = torch.eye(self.block_size, device=rot.device, dtype=rot.dtype)
             rot = torch.where(cls.to(rot.device)[None, None, :, None, None, None], eye, rot)
-        return rot.float()
+        return upcast(rot)  # float32 (float64 generators stay float64: gradcheck)
 
     def rotation(self, ctx: PosContext, length: int, device: torch.device) -> torch.Tensor:
         """(B|1, Hkv|1, L, D/s, s, s) float32 rotations of the ``length`` new tokens (layer 0's with ``per_layer``)."""

@@ -132,6 +132,9 @@ class Rope(PositionEncoding):
     """Rotary position embedding; see the module docstring for the formula."""
 
     rotates_qk = True
+    # (R_m q)^T (R_n k) = q^T R_(n-m) k. Not across longrope's switch between its short and long factors,
+    # which depends on the largest absolute position (a model config choice, not the default).
+    relative = True
 
     @classmethod
     def resolve(cls, config: PosEncConfig, info: ModelInfo) -> PosEncConfig:

@@ -143,6 +143,8 @@ class Rope2dParams:
 class Rope2d(BlockRotationEncoding):
     """RoPE-Axial / RoPE-Mixed; see the module docstring for the formulas."""
 
+    relative = True  # angles linear in the position: R(p)^T R(p') = R(p' - p) (1D on text)
+
     @classmethod
     def resolve(cls, config: PosEncConfig, info: ModelInfo) -> PosEncConfig:
         p = dict(config.params)

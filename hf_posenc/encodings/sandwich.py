@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import PosEncConfig
+from ..kernels.attention.terms import KernelTerm
 from ..registry import param, register_encoding
 from .base import ModelInfo, PosContext, PositionEncoding, relative_positions
 
@@ -51,6 +52,32 @@ class Sandwich(PositionEncoding):
     """Sandwich; see the module docstring for the formula."""
 
     has_score_bias = True
+    relative = True  # a function of i - j (key/query indices); position_ids are never read
+    reference_footprint = (3.0, 3.5)  # float32 (B, H, Lq, Lk) tensors (hf_posenc.memory)
+    kernel_kinds = ("sandwich",)
+
+    def distance_table(self, length: int, device: torch.device) -> torch.Tensor:
+        """(H, length) float32: the bias at text distance 0 .. length − 1, per head (the formula above)."""
+        dim = self.posenc_config.params["dim"]
+        heads = self.info.num_heads
+        k = torch.arange(1, dim // 2 + 1, device=device, dtype=torch.float64)
+        inv_freq = (10000.0 ** (-2.0 * k / dim)).to(torch.float32)
+        values = torch.arange(length, device=device, dtype=torch.float32)
+        table = torch.cos(values[:, None] * inv_freq).sum(-1) - dim / 2
+        scale = torch.arange(1, heads + 1, device=device, dtype=torch.float32) * 8.0 / heads
+        return table[None, :] / scale[:, None]
+
+    def kernel_term(self, ctx: PosContext, layer: int, query, key, value, mask) -> KernelTerm | None:
+        """The fused-attention term: the table over every distance of this forward (built once per forward,
+        shared by the layers). None on ViT (2D grid distances)."""
+        if ctx.grid is not None:
+            return None
+        q_len, k_len = query.shape[2], key.shape[2]
+        length = max(k_len, int(ctx.q_offset) + q_len)
+        memo_key = ("sandwich_table", length, query.device)
+        if memo_key not in ctx.memo:
+            ctx.memo[memo_key] = self.distance_table(length, query.device)
+        return KernelTerm.sandwich(ctx.memo[memo_key])
 
     @classmethod
     def resolve(cls, config: PosEncConfig, info: ModelInfo) -> PosEncConfig:

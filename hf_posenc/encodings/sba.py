@@ -156,6 +156,10 @@ class StickBreaking(PositionEncoding):
     """
 
     custom_attention = True
+    #: ``attend`` runs its own fused kernel for these backends (``hf_posenc.kernels.sba``).
+    attention_kernels = ("triton",)
+    relative = True  # the stick is broken over key order from the query backwards; position_ids are never read
+    reference_footprint = (6.5, 8.5)  # float32 (B, H, Lq, Lk) tensors (hf_posenc.memory)
 
     def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:
         super().__init__(config, info)
@@ -192,8 +196,18 @@ class StickBreaking(PositionEncoding):
             scaling: the model's logit scale.
 
         Returns:
-            out (B, H, Lq, D) in the query's dtype, and the weights (B, H, Lq, Lk) (float32).
+            out (B, H, Lq, D) in the query's dtype, and the weights (B, H, Lq, Lk) (float32), or None when the
+            fused kernel ran (``hf_posenc.kernels.sba``: on CUDA, or forced with ``HF_POSENC_BACKEND=triton``;
+            it never forms the weights, and is not used when they are requested).
         """
+        from ..kernels.sba import sba_backend, stick_breaking
+
+        if sba_backend(query, key, value, mask, ctx.q_offset, ctx.need_weights, dropout, training) == "triton":
+            bias = self.remainder_bias[layer] if self.remainder == "bias" else None
+            out = stick_breaking(
+                query, key, value, mask, scaling, ctx.q_offset, self.attend_current, self.remainder, bias
+            )
+            return out, None
         b, h, q_len, _ = query.shape
         k_len = key.shape[2]
         groups = h // key.shape[1]

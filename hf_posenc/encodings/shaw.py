@@ -39,6 +39,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..config import PosEncConfig
+from ..kernels.attention.terms import KernelTerm
 from ..ops import expand_kv, masked_softmax, upcast
 from ..registry import param, register_encoding
 from .base import ModelInfo, PosContext, PositionEncoding, relative_positions
@@ -68,6 +69,16 @@ class Shaw(PositionEncoding):
     """
 
     custom_attention = True
+    relative = True  # tables indexed by clip(j - i) (indices); position_ids are never read
+    reference_footprint = (7.0, 8.0)  # float32 (B, H, Lq, Lk) tensors (hf_posenc.memory)
+    kernel_kinds = ("shaw",)
+
+    def kernel_term(self, ctx: PosContext, layer: int, query, key, value, mask) -> KernelTerm | None:
+        """The fused-attention term: a^K and a^V (2K + 1, head_dim) of ``layer``, both terms in the kernel.
+        None on ViT (per-axis tables)."""
+        if ctx.grid is not None:
+            return None
+        return KernelTerm.shaw(self.rel_key[layer], self.rel_value[layer])
 
     def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:
         super().__init__(config, info)

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from ..config import PosEncConfig
+from ..kernels.attention.terms import KernelTerm
 from ..ops import upcast
 from ..registry import param, register_encoding
 from .base import ModelInfo, PosContext, PositionEncoding, relative_positions
@@ -113,6 +114,21 @@ class T5Bias(PositionEncoding):
     """
 
     has_score_bias = True
+    relative = True  # buckets of key - query (indices); position_ids are never read
+    reference_footprint = (5.0, 6.0)  # float32 (B, H, Lq, Lk) tensors (hf_posenc.memory)
+    kernel_kinds = ("t5",)
+
+    def kernel_term(self, ctx: PosContext, layer: int, query, key, value, mask) -> KernelTerm | None:
+        """The fused-attention term: the table (num_buckets, H) of ``layer`` and the bucket of each relative
+        position −max_distance .. max_distance (this file's bucketing; positions past ±max_distance share
+        the bucket of ±max_distance). None on ViT (per-axis tables)."""
+        if ctx.grid is not None:
+            return None
+        memo_key = ("t5_buckets", query.device)
+        if memo_key not in ctx.memo:
+            rel = torch.arange(-self.max_distance, self.max_distance + 1, device=query.device)
+            ctx.memo[memo_key] = t5_relative_position_bucket(rel, self.bidirectional, self.num_buckets, self.max_distance)
+        return KernelTerm.t5(self._table("table", layer), ctx.memo[memo_key])
 
     def check_model(self, info: ModelInfo) -> None:
         p = self.posenc_config.params

@@ -180,6 +180,8 @@ class Tape(PositionEncoding):
 
     custom_attention = True
     prepares_qkv = True
+    relative = True  # states start as rotary and the updates are equivariant (the paper's O(2) argument)
+    reference_footprint = (4.0, 6.5)  # float32 (B, H, Lq, Lk) tensors (hf_posenc.memory)
 
     @classmethod
     def resolve(cls, config: PosEncConfig, info: ModelInfo) -> PosEncConfig:

@@ -1,0 +1,99 @@
+"""Checks shared by the dispatchers of the attention kernels (``sba``, ``cope``).
+
+Each dispatcher asks :func:`common_unsupported` (and its own checks) for a reason the Triton kernel cannot
+run these inputs, then :func:`choose` turns it into a backend: ``HF_POSENC_BACKEND=torch`` (or ``flex``,
+which has no form of these attentions) -> the reference; ``triton`` -> the kernel or a ``ValueError`` naming
+the reason; unset -> the kernel on CUDA when it supports the inputs, the reference otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+from ..backend import forced_backend
+
+__all__ = ["KERNEL_DTYPES", "MAX_HEAD_DIM", "choose", "common_unsupported", "triton_import_error"]
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_HEAD_DIM = 128
+
+
+@functools.lru_cache(maxsize=None)
+def triton_import_error(module: str) -> str | None:
+    """None when triton and the kernel module ``hf_posenc.kernels.<module>`` import, else why not."""
+    try:
+        import importlib
+
+        importlib.import_module(f"hf_posenc.kernels.{module}")
+    except ImportError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _interpreting() -> bool:
+    from ._jit import interpreting
+
+    return interpreting()
+
+
+def common_unsupported(
+    name: str,
+    module: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    q_offset: int | torch.Tensor,
+    need_weights: bool,
+    dropout: float,
+    training: bool,
+) -> str | None:
+    """The reason the ``name`` kernel cannot run these inputs (a sentence), or None."""
+    err = triton_import_error(module)
+    if err is not None:
+        return f"Triton is not available ({err}); install it with `pip install hf_posenc[triton]`"
+    if q.device.type != "cuda" and not _interpreting():
+        return (
+            f"the tensors are on {q.device.type}; the Triton {name} kernel needs CUDA tensors, or "
+            "TRITON_INTERPRET=1 to run on the CPU in Triton's interpreter (slow, for tests)"
+        )
+    if need_weights:
+        return f"the attention weights were requested (output_attentions); the {name} kernel never forms them"
+    if dropout > 0.0 and training:
+        return f"the {name} kernel has no attention dropout (dropout={dropout} while training)"
+    for label, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in KERNEL_DTYPES:
+            return f"the {name} kernel supports float32, bfloat16 and float16, got {label}.dtype={t.dtype}"
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"the {name} kernel needs q, k and v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return f"the {name} kernel supports head_dim up to {MAX_HEAD_DIM}, got {q.shape[-1]}"
+    if len({q.device, k.device, v.device} | ({mask.device} if mask is not None else set())) > 1:
+        return "q, k, v and the mask are not on one device"
+    if mask is not None and (mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1):
+        return f"the {name} kernel takes a (B|1, 1, Lq, Lk) bool mask, got {tuple(mask.shape)} {mask.dtype}"
+    if q.numel() == 0 or k.numel() == 0:
+        return "empty tensors"
+    return None
+
+
+def choose(reason: Callable[[], str | None], on_cuda: bool) -> str:
+    """``"triton"`` or ``"torch"`` from ``HF_POSENC_BACKEND`` and ``reason()`` (None: the kernel can run).
+
+    Raises:
+        ValueError: ``HF_POSENC_BACKEND=triton`` and the kernel cannot run these inputs.
+    """
+    forced = forced_backend()
+    if forced in ("torch", "flex"):
+        return "torch"
+    if forced == "triton":
+        why = reason()
+        if why is not None and why != "empty tensors":
+            raise ValueError(f"HF_POSENC_BACKEND=triton, but {why}")
+        return "torch" if why else "triton"  # empty tensors: nothing to launch
+    if not on_cuda:
+        return "torch"
+    return "torch" if reason() is not None else "triton"

@@ -1,0 +1,120 @@
+"""Attention kernel family: FlashAttention-style attention with a position term chosen at compile time.
+
+* ``terms.py``: :class:`KernelTerm`, what an encoding hands over (``kernel_term`` on the encoding);
+* ``naive.py``: :func:`attention_reference`, the PyTorch reference of every term (float32, O(L²));
+* ``triton_attention.py``: :func:`fused_attention`, the Triton kernels (forward and backward, O(L) memory);
+* ``flex.py``: :func:`flex_attention_term`, torch's FlexAttention with the same terms as a score_mod.
+
+The one dispatch point is :func:`hf_posenc.attention.posenc_attention`: the kernel when the tensors are on
+CUDA, Triton imports and the encoding has a kernel term; the reference otherwise; ``HF_POSENC_BACKEND``
+forces one (``triton`` on the CPU runs the kernels in Triton's interpreter when ``TRITON_INTERPRET=1`` was
+set before triton was first imported; otherwise it raises a ``ValueError`` that says why).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .naive import attention_reference, term_bias
+from .terms import FLEX_KINDS, KERNEL_KINDS, KernelTerm
+
+__all__ = [
+    "FLEX_KINDS",
+    "KERNEL_KINDS",
+    "KernelTerm",
+    "attention_reference",
+    "flex_attention_term",
+    "flex_unsupported",
+    "fused_attention",
+    "kernel_unsupported",
+    "term_bias",
+]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MAX_HEAD_DIM = 128
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_import_error() -> str | None:
+    """None when Triton and the kernel module import, else why not."""
+    try:
+        from . import triton_attention  # noqa: F401
+    except ImportError as exc:  # triton missing, or too old for the kernel module
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def kernel_unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, term: KernelTerm) -> str | None:
+    """None when the Triton kernel can run these inputs here, else the reason (a sentence)."""
+    err = _triton_import_error()
+    if err is not None:
+        return f"Triton is not available ({err}); install it with `pip install hf_posenc[triton]`"
+    from .triton_attention import interpreting, stdlib_matches_mode
+
+    key = term.key if term.key is not None else key
+    value = term.value if term.value is not None else value
+    if query.device.type != "cuda" and not interpreting():
+        return (
+            f"the tensors are on {query.device.type}; the Triton attention kernel needs CUDA tensors, or "
+            "TRITON_INTERPRET=1 to run on the CPU in Triton's interpreter (slow, for tests)"
+        )
+    if not stdlib_matches_mode():
+        return (
+            "TRITON_INTERPRET changed after triton was first imported (Triton's library functions were built "
+            "for the other mode); set TRITON_INTERPRET before importing torch, transformers or triton"
+        )
+    if len({query.device, key.device, value.device}) > 1:
+        return "query, key and value are on different devices"
+    dtypes = {query.dtype, key.dtype, value.dtype}
+    if len(dtypes) > 1 or query.dtype not in _DTYPES:
+        return f"the attention kernel supports one of float32, bfloat16, float16 for q, k and v, got {sorted(map(str, dtypes))}"
+    d = query.shape[-1]
+    if key.shape[-1] != d or value.shape[-1] != d:
+        return f"the attention kernel needs one head_dim for q, k and v, got {query.shape[-1]}, {key.shape[-1]}, {value.shape[-1]}"
+    if d > _MAX_HEAD_DIM:
+        return f"the attention kernel supports head_dim <= {_MAX_HEAD_DIM}, got {d}"
+    if query.shape[1] % key.shape[1]:
+        return f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]})"
+    heads = term.num_heads
+    if heads is not None and heads != query.shape[1]:
+        return f"the {term.kind} term is built for {heads} heads, the queries have {query.shape[1]}"
+    if query.numel() == 0 or key.numel() == 0:
+        return "empty tensors"
+    return None
+
+
+def flex_unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, term: KernelTerm) -> str | None:
+    """None when FlexAttention can express ``term`` for these inputs, else the reason."""
+    if term.kind not in FLEX_KINDS:
+        return f"the {term.kind} term has no FlexAttention form (score_mod cannot add a value term)"
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - torch without flex
+        return f"FlexAttention is not available ({exc})"
+    key = term.key if term.key is not None else key
+    value = term.value if term.value is not None else value
+    tensors = [query, key, value, *term.tensors.values()]
+    if query.device.type != "cuda" and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return (
+            f"FlexAttention has no backward on {query.device.type} in torch {torch.__version__.split('+')[0]}; "
+            "run under torch.no_grad() or on a CUDA device"
+        )
+    if query.shape[-1] != key.shape[-1] or key.shape[-1] != value.shape[-1]:
+        return "FlexAttention here needs one head_dim for q, k and v"
+    return None
+
+
+def fused_attention(query, key, value, term, **kwargs):
+    """The Triton kernels; see :func:`hf_posenc.kernels.attention.triton_attention.fused_attention`."""
+    from .triton_attention import fused_attention as run
+
+    return run(query, key, value, term, **kwargs)
+
+
+def flex_attention_term(query, key, value, term, **kwargs):
+    """FlexAttention with the term as a score_mod; see :func:`hf_posenc.kernels.attention.flex.flex_attention_term`."""
+    from .flex import flex_attention_term as run
+
+    return run(query, key, value, term, **kwargs)

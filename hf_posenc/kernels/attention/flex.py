@@ -1,0 +1,160 @@
+"""The position terms as FlexAttention ``score_mod`` functions (``torch.nn.attention.flex_attention``).
+
+Same contract as ``naive.attention_reference`` for every kind in :data:`~.terms.FLEX_KINDS` (shaw's value
+term has no score_mod form). Masks (causal with the query offset, per-batch key validity) become a block
+mask, built once per forward when the caller passes a ``memo`` dict. On CUDA the call goes through
+``torch.compile`` (FlexAttention's fused kernels; gradients of the captured term tensors included); on
+the CPU it runs eagerly, which materialises the scores and has no backward in torch 2.13.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from .terms import FLEX_KINDS, KernelTerm
+
+__all__ = ["flex_attention_term", "score_mod_for"]
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def score_mod_for(term: KernelTerm, q_offset: int):
+    """The score_mod ``(score, b, h, q_idx, kv_idx) -> score + B_h(i, j)`` of ``term`` (None for ``none``)."""
+    kind, t = term.kind, term.tensors
+    if kind not in FLEX_KINDS:
+        raise ValueError(f"the {kind} term has no FlexAttention form; allowed: {', '.join(FLEX_KINDS)}")
+    if kind == "none":
+        return None
+    f32 = lambda x: x if x.dtype in (torch.float32, torch.float64) else x.float()  # noqa: E731
+
+    if kind == "alibi":
+        slopes = f32(t["slopes"])
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score - slopes[h] * (q_idx + q_offset - kv_idx).abs()
+
+    elif kind == "kerple_log":
+        r1, r2 = f32(t["r1"]), f32(t["r2"])
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            dist = (q_idx + q_offset - kv_idx).abs().to(torch.float32)
+            return score - r1[h] * torch.log1p(r2[h] * dist)
+
+    elif kind == "kerple_pow":
+        r1, r2 = f32(t["r1"]), f32(t["r2"])
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            dist = (q_idx + q_offset - kv_idx).abs().to(torch.float32)
+            powd = torch.exp(r2[h] * torch.log(torch.clamp(dist, min=1.0)))
+            return score - torch.where(dist > 0, r1[h] * powd, torch.zeros_like(powd))
+
+    elif kind == "sandwich":
+        table = f32(t["table"])
+        last = table.shape[1] - 1
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + table[h, torch.clamp((q_idx + q_offset - kv_idx).abs(), max=last)]
+
+    elif kind == "t5":
+        table, buckets = f32(t["table"]), t["buckets"].long()
+        m = (buckets.shape[0] - 1) // 2
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            rel = torch.clamp(kv_idx - q_idx - q_offset, -m, m) + m
+            return score + table[buckets[rel], h]
+
+    elif kind == "fire":
+        table, c = f32(t["table"]), f32(t["c"])
+        n = table.shape[1]
+        inv = f32(t["inv_norm"])
+        x_scale = (n - 1) / f32(t["x_max"]).detach()
+        per_batch = inv.shape[0] > 1
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            dpos = torch.clamp(q_idx + q_offset - kv_idx, min=0).to(torch.float32)
+            u = torch.log1p(c * dpos) * inv[b if per_batch else 0, q_idx] * x_scale
+            u = torch.clamp(u, 0.0, n - 1.0)
+            k0 = torch.clamp(torch.floor(u), max=n - 2.0)
+            w = u - k0
+            ki = k0.to(torch.int64)
+            t0 = table[h, ki]
+            return score + t0 + w * (table[h, ki + 1] - t0)
+
+    else:  # fox
+        c = f32(t["c"])
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + c[b, h, q_idx + q_offset] - c[b, h, kv_idx]
+
+    return score_mod
+
+
+def _block_mask(causal: bool, q_offset: int, key_valid: torch.Tensor | None, batch: int, q_len: int, k_len: int,
+                device: torch.device, memo: dict | None):
+    if not causal and key_valid is None:
+        return None
+    key = ("flex_block_mask", causal, q_offset, q_len, k_len, batch,
+           None if key_valid is None else (key_valid.data_ptr(), tuple(key_valid.shape)))
+    if memo is not None and key in memo:
+        return memo[key]
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    valid = None if key_valid is None else key_valid.to(device=device, dtype=torch.bool).expand(batch, k_len)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        ok = kv_idx < k_len
+        if causal:
+            ok = ok & (kv_idx <= q_idx + q_offset)
+        if valid is not None:
+            ok = ok & valid[b, kv_idx]
+        return ok
+
+    mask = create_block_mask(mask_mod, batch if valid is not None else None, None, q_len, k_len, device=device)
+    if memo is not None:
+        memo[key] = mask
+    return mask
+
+
+def flex_attention_term(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    term: KernelTerm,
+    *,
+    scale: float,
+    causal: bool,
+    q_offset: int = 0,
+    key_valid: torch.Tensor | None = None,
+    memo: dict | None = None,
+) -> torch.Tensor:
+    """softmax(scale · q kᵀ + B) v with FlexAttention; q (B, H, Lq, D), k, v (B, Hkv, Lk, D) -> (B, H, Lq, D).
+
+    ``memo`` (e.g. the per-forward ``PosContext.memo``) keeps the block mask across layers."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    key = term.key if term.key is not None else key
+    value = term.value if term.value is not None else value
+    b, h, q_len, _ = query.shape
+    k_len = key.shape[2]
+    score_mod = score_mod_for(term, int(q_offset))
+    block_mask = _block_mask(causal, int(q_offset), key_valid, b, q_len, k_len, query.device, memo)
+    gqa = key.shape[1] != h
+    if query.device.type == "cuda":
+        fn = _compiled_flex()
+    else:
+        fn = flex_attention
+        if not torch.is_grad_enabled():  # flex refuses CPU inputs that require grad, even under no_grad
+            query, key, value = query.detach(), key.detach(), value.detach()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        out = fn(query, key.to(query.dtype), value.to(query.dtype), score_mod=score_mod, block_mask=block_mask,
+                 scale=scale, enable_gqa=gqa)
+    return out

@@ -1,0 +1,103 @@
+"""CoPE attention kernels: the Triton kernels (``triton_cope.py``) beside the reference (``naive.py``).
+
+``cope`` dispatches (``cope_backend`` tells which it will use):
+
+* ``HF_POSENC_BACKEND`` unset: the Triton kernels when the tensors are on a CUDA device and the kernels
+  support the inputs; the PyTorch reference otherwise (CPU tensors, float64, head_dim > 128, attention
+  weights requested, attention dropout while training, the bidirectional ViT variant).
+* ``HF_POSENC_BACKEND=triton``: the kernels, or a ``ValueError`` that says why they cannot run (Triton
+  missing, tensors on the CPU without ``TRITON_INTERPRET=1``, one of the cases above). Under
+  ``TRITON_INTERPRET=1`` the kernels run on CPU tensors in Triton's interpreter (slow; for tests).
+* ``HF_POSENC_BACKEND=torch`` (or ``flex``: CoPE has no FlexAttention form): the reference.
+
+The kernels are causal (text models). The bidirectional generalisation of the encoding on ViT (raster-order
+counts in both directions, a second table, CLS excluded; see ``hf_posenc/encodings/cope.py``) is computed by
+the reference: on CUDA the encoding uses the reference for it, and forcing ``triton`` on ViT raises.
+Query i is key ``q_offset + i`` (a tensor offset, from a StaticCache, is read with ``int()``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._attn_dispatch import choose, common_unsupported
+from .naive import cope_reference
+
+__all__ = ["cope", "cope_backend", "cope_reference"]
+
+
+def _check(q, k, v, table, mask, q_offset) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4D (B, H, L, D), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    b, h, lq, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k and v must be (B, Hkv, Lk, D) with q's B and D, got {tuple(k.shape)}, {tuple(v.shape)}")
+    if h % k.shape[1]:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({k.shape[1]})")
+    offset = int(q_offset)
+    if offset < 0 or offset + lq > k.shape[2]:
+        raise ValueError(f"q_offset={offset} with {lq} queries needs q_offset + Lq <= Lk={k.shape[2]}")
+    if table.dim() != 2 or table.shape[0] != d or table.shape[1] < 1:
+        raise ValueError(f"table must be (head_dim={d}, npos_max), got {tuple(table.shape)}")
+    if mask is not None and (mask.dim() != 4 or mask.shape[0] not in (1, b) or mask.shape[1] != 1
+                             or mask.shape[2:] != (lq, k.shape[2])):
+        raise ValueError(f"mask must be (B|1, 1, Lq, Lk) = ({b}|1, 1, {lq}, {k.shape[2]}), got {tuple(mask.shape)}")
+
+
+def cope_backend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    q_offset: int | torch.Tensor = 0,
+    need_weights: bool = False,
+    dropout: float = 0.0,
+    training: bool = False,
+    causal: bool = True,
+) -> str:
+    """``"triton"`` or ``"torch"``: which implementation ``cope`` (and the encoding) uses for these inputs.
+
+    Raises:
+        ValueError: ``HF_POSENC_BACKEND`` names no backend, or names ``triton`` and the kernel cannot run.
+    """
+
+    def reason() -> str | None:
+        if not causal:
+            return (
+                "the CoPE kernels are causal; the bidirectional ViT variant (raster-order counts in both "
+                "directions) runs on the PyTorch reference"
+            )
+        return common_unsupported("cope", "cope.triton_cope", q, k, v, mask, q_offset, need_weights, dropout, training)
+
+    return choose(reason, q.device.type == "cuda")
+
+
+def cope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    table: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    q_offset: int | torch.Tensor = 0,
+) -> torch.Tensor:
+    """Causal CoPE attention (see ``hf_posenc/encodings/cope.py`` for the formula), fused on CUDA.
+
+    Args:
+        q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D) with H a multiple of Hkv (not expanded).
+        table: (D, npos_max) position embeddings e; gets a gradient.
+        mask: (B|1, 1, Lq, Lk) bool (True = may attend; padding), or None. Causality by index is applied
+            in any case.
+        scale: logit scale s (gates σ(s q·k); logits s q·k + q·e[p]).
+        q_offset: query i is key ``q_offset + i``.
+
+    Returns:
+        (B, H, Lq, D) in q's dtype (computed in float32).
+    """
+    _check(q, k, v, table, mask, q_offset)
+    if cope_backend(q, k, v, mask, q_offset) == "triton":
+        from .triton_cope import cope_triton
+
+        last = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)]
+        return cope_triton(*last, table, mask, scale, int(q_offset))
+    return cope_reference(q, k, v, table, mask, scale, q_offset)

@@ -1,0 +1,639 @@
+"""Triton kernels of CoPE attention (causal; forward and backward), their launchers and autograd Function.
+
+Math (``naive.py`` and ``hf_posenc/encodings/cope.py``): for query i (key index q_i = q_offset + i) and the
+keys j <= q_i the mask allows, with s the logit scale and e the (D, npos) table::
+
+    w_ij = s q_i·k_j,  g_ij = σ(w_ij) (0 off the allowed keys),  p_ij = min(Σ_{k=j..q_i} g_ik, npos - 1)
+    z_i  = q_i e  (npos entries),  pos_ij = (p - ⌊p⌋) z_i[⌈p⌉] + (1 - p + ⌊p⌋) z_i[⌊p⌋]
+    o_i  = softmax_j(w_ij + pos_ij) v
+
+Forward (``_cope_fwd``; grid: query blocks x (batch, head)). A program owns BM queries of one head, computes
+their table z = q·e (BM x npos, float32, exact float32 dot) once and keeps it in registers, and walks the
+key tiles from the diagonal backwards carrying, per query, the gate mass of the keys already walked
+(float32). In a tile: w = s q kᵀ, the gates, their in-tile suffix sums (a reversed ``associative_scan``,
+made exactly monotone by a reversed running max so that ⌊p⌋ never increases along the keys), p = carry +
+suffix clamped to npos - 1, the two table entries by ``tl.gather`` and their interpolation, then the
+online softmax (running max and sum per query, rescaled accumulator) with the position logit inside.
+Once every query of the block has a carry >= npos - 1, all further positions are clamped: the tile uses
+z_i[npos - 1] and skips the scans and gathers. Extra memory: the log-sum-exp per query (O(L·H)).
+
+Backward. With dS = P ⊙ (dP - δ) (dP = do vᵀ, δ_i = do_i·o_i) the logit gradient is
+
+    dw_ij = dS_ij + σ'(w_ij) Σ_{j' <= j} dp_ij',   dp_ij = dS_ij (z_i[⌈p⌉] - z_i[⌊p⌋]) [p_ij < npos - 1]
+    dz_i[t] = Σ_j dS_ij tent(p_ij - t)                       (the interpolation weights, scattered)
+    dq_i = s Σ_j dw_ij k_j + e dz_i,   de = Σ_i q_i ⊗ dz_i,   dk_j = s Σ_i dw_ij q_i,   dv_j = Σ_i P_ij do_i
+
+Σ_{j' <= j} dp is a prefix from the far end of the row: a walk from the diagonal gets it as
+Dp_i - Σ_{j' > j} dp with the row total Dp_i = Σ_j dp_ij, which is non-zero only inside the row's
+"window" (p < npos - 1); outside it the prefix is exactly 0 (p is monotone, so every dp to the left is 0).
+
+* ``_cope_bwd_q`` (query-major, a program per query block and head): a first walk over the window tiles
+  only (until every query of the block is clamped) gives Dp_i; the main walk accumulates dq in registers
+  and the table gradient dz in a (BM, npos) register tile. Scattering dS·(1 - frac) to ⌊p⌋ and dS·frac
+  to ⌊p⌋ + 1 needs no atomics: ⌊p⌋ is non-increasing along the keys of a row, so the keys with ⌊p⌋ >= t
+  are a prefix of the tile, found by a binary search (log2(BN) + 1 gathers of a (BM, npos) index), and
+  the sum over them is a gather of the prefix sums of the weights; the bin sums are the differences over
+  t. Clamped tiles add Σ_j dS_ij to z_i[npos - 1] only. At the end of the block dq += dz eᵀ in-kernel,
+  and dz (BM, npos) is written out once: the table gradient de = Σ_i q_i ⊗ dz_i is one float32 GEMM in
+  PyTorch per chunk (a reduction with no atomics; an in-kernel per-program accumulator cost registers:
+  the sm_90 cubin spilled ~0.6 KB more per thread). It also writes z (for the key-major kernel), δ, Dp,
+  z[npos - 1] and, every ``CSTRIDE``-th key tile, the carries (gate mass, Σ dp) at the right edge of that
+  tile ("checkpoints", at most ``CARRY_SLOTS`` per row: O(L·H·CARRY_SLOTS) memory, never O(L²)).
+* ``_cope_bwd_kv`` (key-major; GQA groups reduced in registers): as the sba kernel, the carries at the
+  right edge of the program's tile come from the nearest checkpoint at or right of it, advanced over the
+  (at most ``CSTRIDE - 1``) tiles in between; a pair whose queries are all clamped is plain attention
+  with the per-query bias z_i[npos - 1]. dk, dv accumulated in registers and written once.
+
+The carry checkpoints, z and dz are allocated per chunk of (batch, key/value head) pairs within
+``CARRY_BUDGET_BYTES``: extra memory O(L·H·(npos + CARRY_SLOTS)). Only builtins of ``triton.language`` and Triton >= 3.3 features (``tl.gather``,
+``tl.associative_scan(reverse=)``, ``tl.reduce``) are used; the functions are jitted lazily per mode (see
+``hf_posenc.kernels._jit``). Bidirectional (ViT) CoPE is not done in-kernel: see the dispatcher.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._jit import LazyJit, interpreting
+
+__all__ = ["CopeFunction", "cope_triton", "SUPPORTED_DTYPES", "interpreting"]
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_BIG = tl.constexpr(1.0e30)
+_NEG_INF = tl.constexpr(float("-inf"))
+_POS_INF = tl.constexpr(float("inf"))
+
+# Launch parameters (module attributes; benchmarks/bench_sba_cope.py can override them on a GPU).
+#: (BLOCK_M, BLOCK_N, num_warps) of the forward / query-major backward / key-major backward on a GPU; the two
+#: backward kernels share BLOCK_N. Not timed (no GPU was available): chosen from the sm_90 cubins (Triton 3.9,
+#: bf16, D = 128, npos 64) by local-memory spill per thread: forward 64x64 x 8 warps 104 B (4 warps: 936 B);
+#: key-major backward 64x32 x 8 warps 8 B; the query-major backward spills in every candidate tried
+#: (64x32 x 8: 800 B; 4 warps: 1.7-2.7 KB) -- the first thing to tune on a GPU.
+GPU_FWD = (64, 64, 8)
+GPU_BWD_Q = (64, 32, 8)
+GPU_BWD_KV = (64, 32, 8)
+INTERPRETER_BLOCKS = (32, 32)
+CARRY_SLOTS = 64
+CARRY_BUDGET_BYTES = 256 * 1024 * 1024
+
+
+# ----------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _add(a, b):
+    return a + b
+
+
+def _min(a, b):
+    return tl.minimum(a, b)
+
+
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+def _mm(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b with float32 accumulation (both operands in float32 in the interpreter)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PREC)
+
+
+def _load_rows(ptr, rows, stride, offs_d, row_ok, d_ok):
+    return tl.load(ptr + rows[:, None].to(tl.int64) * stride + offs_d[None, :],
+                   mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+
+def _allowed(rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, HAS_MASK: tl.constexpr):
+    """(BM, BN) bool: causal by index and the mask."""
+    ok = (keys[None, :] <= qidx[:, None]) & row_ok[:, None] & (keys < LK)[None, :]
+    if HAS_MASK:
+        mv = tl.load(mptr + rows[:, None].to(tl.int64) * sm_m + keys[None, :].to(tl.int64) * sm_n, mask=ok, other=0)
+        ok = ok & (mv != 0)
+    return ok
+
+
+def _logits_gates(q, k, rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, scale,
+                  HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    w = _mm(q, tl.trans(k), PREC, UPCAST) * scale
+    ok = _allowed(rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, HAS_MASK)
+    gate = tl.where(ok, 1.0 / (1.0 + tl.exp(-w)), 0.0)
+    return w, ok, gate
+
+
+def _positions(gate, carry, zq, npm1, MONO: tl.constexpr):
+    """Clamped positions p, ⌊p⌋ (int32), frac, z[⌊p⌋], z[⌈p⌉] of one tile."""
+    suffix = tl.associative_scan(gate, 1, _add, reverse=True)
+    if MONO:  # a parallel scan may break monotonicity by an ulp; the interpreter's numpy cumsum cannot
+        suffix = tl.associative_scan(suffix, 1, _max, reverse=True)  # exactly non-increasing along the keys
+    p = tl.minimum(carry[:, None] + suffix, npm1)
+    f = tl.floor(p)
+    fi = f.to(tl.int32)
+    ci = tl.ceil(p).to(tl.int32)
+    frac = p - f
+    zf = tl.gather(zq, fi, 1)
+    zc = tl.gather(zq, ci, 1)
+    return p, fi, frac, zf, zc
+
+
+def _table(E, offs_d, d_ok, tcol, NPOS, se_d, se_t):
+    """The (BD, NP) float32 table, zero-padded."""
+    return tl.load(E + offs_d[:, None].to(tl.int64) * se_d + tcol[None, :].to(tl.int64) * se_t,
+                   mask=d_ok[:, None] & (tcol < NPOS)[None, :], other=0.0).to(tl.float32)
+
+
+def _bins(wa, wb, fi, BM: tl.constexpr, BN: tl.constexpr, NP: tl.constexpr, LOG2_BN: tl.constexpr):
+    """out[i, t] = Σ_j wa_ij [fi_ij == t] + wb_ij [fi_ij + 1 == t], for fi non-increasing along j."""
+    tcol = tl.arange(0, NP)[None, :] + tl.full((BM, NP), 0, tl.int32)
+    # cnt[i, t] = #{j : fi_ij >= t}: those keys are the first cnt of the row (binary search).
+    cnt = tl.full((BM, NP), 0, tl.int32)
+    step = tl.program_id(0) * 0 + BN // 2  # a runtime int32 (loop-carried)
+    for _ in range(0, LOG2_BN):
+        probe = tl.gather(fi, cnt + (step - 1), 1)
+        cnt = tl.where(probe >= tcol, cnt + step, cnt)
+        step = step // 2
+    last = tl.gather(fi, tl.full((BM, NP), BN - 1, tl.int32), 1)
+    cnt = tl.where((cnt == BN - 1) & (last >= tcol), BN, cnt)
+    at = tl.maximum(cnt - 1, 0)
+    ca = tl.where(cnt > 0, tl.gather(tl.associative_scan(wa, 1, _add), at, 1), 0.0)  # Σ_{fi >= t} wa
+    cb = tl.where(cnt > 0, tl.gather(tl.associative_scan(wb, 1, _add), at, 1), 0.0)  # Σ_{fi >= t} wb
+    ca_next = tl.where(tcol < NP - 1, tl.gather(ca, tl.minimum(tcol + 1, NP - 1), 1), 0.0)
+    cb_prev = tl.gather(cb, tl.maximum(tcol - 1, 0), 1)  # t = 0: cb itself (no key has fi + 1 == 0)
+    return (ca - ca_next) + (cb_prev - cb)
+
+
+# ----------------------------------------------------------------------------------------------------
+# forward
+
+
+def _cope_fwd(
+    Q, K, V, E, O, LSE, M,
+    sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_m, se_d, se_t, sm_b, sm_m, sm_n,
+    H, G, LQ, LK, Q_OFF, scale, NPOS,
+    D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NP: tl.constexpr,
+    HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, MONO: tl.constexpr, TPREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    g = h // G
+    rows = pid_m * BM + tl.arange(0, BM)
+    row_ok = rows < LQ
+    qidx = rows + Q_OFF
+    offs_d = tl.arange(0, BD)
+    d_ok = offs_d < D
+    tcol = tl.arange(0, NP)
+    npm1 = NPOS - 1.0
+    q = _load_rows(Q + b * sq_b + h * sq_h, rows, sq_m, offs_d, row_ok, d_ok)
+    zq = tl.dot(q.to(tl.float32), _table(E, offs_d, d_ok, tcol, NPOS, se_d, se_t), input_precision=TPREC)
+    zlast = tl.reduce(tl.where(tcol[None, :] == NPOS - 1, zq, 0.0), 1, _add)
+    k_base = K + b * sk_b + g * sk_h
+    v_base = V + b * sv_b + g * sv_h
+    m_base = M + b * sm_b
+
+    hi = tl.minimum(pid_m * BM + BM, LQ) - 1 + Q_OFF
+    n_tiles = (hi + BN) // BN
+    carry = tl.where(row_ok, 0.0, _BIG)
+    m_i = tl.full((BM,), _NEG_INF, tl.float32)
+    l_i = tl.full((BM,), 0.0, tl.float32)
+    acc = tl.full((BM, BD), 0.0, tl.float32)
+    for it in range(0, n_tiles):
+        t = n_tiles - 1 - it
+        keys = t * BN + tl.arange(0, BN)
+        k_ok = keys < LK
+        k = _load_rows(k_base, keys, sk_n, offs_d, k_ok, d_ok)
+        v = _load_rows(v_base, keys, sv_n, offs_d, k_ok, d_ok)
+        w, ok, gate = _logits_gates(q, k, rows, keys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
+                                    HAS_MASK, PREC, UPCAST)
+        if tl.reduce(carry, 0, _min) >= npm1:  # every position clamped: z[npos - 1]
+            pos = zlast[:, None] + tl.full((BM, BN), 0.0, tl.float32)
+        else:
+            p, fi, frac, zf, zc = _positions(gate, carry, zq, npm1, MONO)
+            pos = frac * zc + (1.0 - frac) * zf
+        s = tl.where(ok, w + pos, _NEG_INF)
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
+        m_safe = tl.where(m_new == _NEG_INF, 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        pexp = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.reduce(pexp, 1, _add)
+        acc = acc * alpha[:, None] + _mm(pexp.to(v.dtype), v, PREC, UPCAST)
+        m_i = m_new
+        carry = carry + tl.reduce(gate, 1, _add)
+
+    has = l_i > 0.0
+    out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    o_ptrs = rows[:, None].to(tl.int64) * so_m + offs_d[None, :]
+    tl.store(O + b * so_b + h * so_h + o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), _POS_INF)  # +inf: a fully masked row, P = 0
+    tl.store(LSE + (b * H + h) * LQ + rows, lse, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------------------
+# backward, query-major: dq, the table gradient, and what the key-major kernel needs
+
+
+def _cope_bwd_q(
+    Q, K, V, E, O, DO, LSE, DQ, DZQ, ZQB, ZL, DELTA, DTOT, GK, SK, M,
+    sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_m, sd_b, sd_h, sd_m,
+    sdq_b, sdq_h, sdq_m, se_d, se_t, sm_b, sm_m, sm_n,
+    H, G, HKV, PAIR0, LQ, LK, Q_OFF, scale, NPOS, CSTRIDE, NSLOT,
+    D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NP: tl.constexpr,
+    LOG2_BN: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, MONO: tl.constexpr,
+    TPREC: tl.constexpr,
+):
+    mb = tl.program_id(0)
+    lbh = tl.program_id(1)
+    pair = PAIR0 + lbh // G
+    b = (pair // HKV).to(tl.int64)
+    g = (pair % HKV).to(tl.int64)
+    h = g * G + (lbh % G)
+    offs_d = tl.arange(0, BD)
+    d_ok = offs_d < D
+    tcol = tl.arange(0, NP)
+    npm1 = NPOS - 1.0
+    k_base = K + b * sk_b + g * sk_h
+    v_base = V + b * sv_b + g * sv_h
+    m_base = M + b * sm_b
+    bh = (b * H + h) * LQ
+    gk_base = GK + lbh.to(tl.int64) * NSLOT * LQ
+    sk_base = SK + lbh.to(tl.int64) * NSLOT * LQ
+    zq_base = ZQB + lbh.to(tl.int64) * LQ * NP
+    dzq_base = DZQ + lbh.to(tl.int64) * LQ * NP
+    rows = mb * BM + tl.arange(0, BM)
+    row_ok = rows < LQ
+    qidx = rows + Q_OFF
+    q = _load_rows(Q + b * sq_b + h * sq_h, rows, sq_m, offs_d, row_ok, d_ok)
+    do = _load_rows(DO + b * sd_b + h * sd_h, rows, sd_m, offs_d, row_ok, d_ok)
+    o = _load_rows(O + b * so_b + h * so_h, rows, so_m, offs_d, row_ok, d_ok)
+    delta = tl.reduce(do.to(tl.float32) * o.to(tl.float32), 1, _add)
+    lse = tl.load(LSE + bh + rows, mask=row_ok, other=_POS_INF)
+    q32 = q.to(tl.float32)
+    # the table is re-read (from L2) where it is used rather than held in registers across the walks
+    zq = tl.dot(q32, _table(E, offs_d, d_ok, tcol, NPOS, se_d, se_t), input_precision=TPREC)
+    zlast = tl.reduce(tl.where(tcol[None, :] == NPOS - 1, zq, 0.0), 1, _add)
+    tl.store(zq_base + rows[:, None].to(tl.int64) * NP + tcol[None, :], zq, mask=row_ok[:, None])
+    tl.store(ZL + bh + rows, zlast, mask=row_ok)
+    tl.store(DELTA + bh + rows, delta, mask=row_ok)
+    hi = tl.minimum(mb * BM + BM, LQ) - 1 + Q_OFF
+    n_tiles = (hi + BN) // BN
+
+    # first walk, over the window tiles: the row totals Dp = Σ_j dp_ij
+    carry = tl.where(row_ok, 0.0, _BIG)
+    dtot = tl.full((BM,), 0.0, tl.float32)
+    for it in range(0, n_tiles):
+        t = n_tiles - 1 - it
+        if tl.reduce(carry, 0, _min) < npm1:
+            keys = t * BN + tl.arange(0, BN)
+            k_ok = keys < LK
+            k = _load_rows(k_base, keys, sk_n, offs_d, k_ok, d_ok)
+            v = _load_rows(v_base, keys, sv_n, offs_d, k_ok, d_ok)
+            w, ok, gate = _logits_gates(q, k, rows, keys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
+                                        HAS_MASK, PREC, UPCAST)
+            p, fi, frac, zf, zc = _positions(gate, carry, zq, npm1, MONO)
+            prob = tl.exp(tl.where(ok, w + frac * zc + (1.0 - frac) * zf, _NEG_INF) - lse[:, None])
+            ds = prob * (_mm(do, tl.trans(v), PREC, UPCAST) - delta[:, None])
+            dp = tl.where(ok & (p < npm1), ds * (zc - zf), 0.0)
+            dtot = dtot + tl.reduce(dp, 1, _add)
+            carry = carry + tl.reduce(gate, 1, _add)
+    tl.store(DTOT + bh + rows, dtot, mask=row_ok)
+
+    # main walk
+    carry = tl.where(row_ok, 0.0, _BIG)
+    s_dp = tl.full((BM,), 0.0, tl.float32)
+    dq = tl.full((BM, BD), 0.0, tl.float32)
+    dzq = tl.full((BM, NP), 0.0, tl.float32)
+    for it in range(0, n_tiles):
+        t = n_tiles - 1 - it
+        if t % CSTRIDE == CSTRIDE - 1:
+            slot = t // CSTRIDE
+            tl.store(gk_base + slot * LQ + rows, carry, mask=row_ok)
+            tl.store(sk_base + slot * LQ + rows, s_dp, mask=row_ok)
+        keys = t * BN + tl.arange(0, BN)
+        k_ok = keys < LK
+        k = _load_rows(k_base, keys, sk_n, offs_d, k_ok, d_ok)
+        v = _load_rows(v_base, keys, sv_n, offs_d, k_ok, d_ok)
+        w, ok, gate = _logits_gates(q, k, rows, keys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
+                                    HAS_MASK, PREC, UPCAST)
+        dprob = _mm(do, tl.trans(v), PREC, UPCAST) - delta[:, None]
+        if tl.reduce(carry, 0, _min) >= npm1:
+            ds = tl.exp(tl.where(ok, w + zlast[:, None], _NEG_INF) - lse[:, None]) * dprob
+            dw = ds
+            dzq += tl.where(tcol[None, :] == NPOS - 1, tl.reduce(ds, 1, _add)[:, None], 0.0)
+        else:
+            p, fi, frac, zf, zc = _positions(gate, carry, zq, npm1, MONO)
+            ds = tl.exp(tl.where(ok, w + frac * zc + (1.0 - frac) * zf, _NEG_INF) - lse[:, None]) * dprob
+            win = ok & (p < npm1)
+            dp = tl.where(win, ds * (zc - zf), 0.0)
+            dp_after = tl.associative_scan(dp, 1, _add, reverse=True) - dp
+            prefix = tl.where(win, dtot[:, None] - s_dp[:, None] - dp_after, 0.0)
+            dw = ds + gate * (1.0 - gate) * prefix
+            dzq += _bins(ds * (1.0 - frac), ds * frac, fi, BM, BN, NP, LOG2_BN)
+            s_dp = s_dp + tl.reduce(dp, 1, _add)
+        dq += _mm(dw.to(k.dtype), k, PREC, UPCAST)
+        carry = carry + tl.reduce(gate, 1, _add)
+
+    table = _table(E, offs_d, d_ok, tcol, NPOS, se_d, se_t)
+    dq = dq * scale + tl.dot(dzq, tl.trans(table), input_precision=TPREC)
+    dq_ptrs = rows[:, None].to(tl.int64) * sdq_m + offs_d[None, :]
+    tl.store(DQ + b * sdq_b + h * sdq_h + dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(dzq_base + rows[:, None].to(tl.int64) * NP + tcol[None, :], dzq, mask=row_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------------
+# backward, key-major: dk and dv
+
+
+def _cope_bwd_kv(
+    Q, K, V, DO, DK, DV, LSE, ZQB, ZL, DELTA, DTOT, GK, SK, M,
+    sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sd_b, sd_h, sd_m,
+    sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n, sm_b, sm_m, sm_n,
+    H, G, HKV, PAIR0, LQ, LK, Q_OFF, scale, NPOS, CSTRIDE, NSLOT,
+    D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NP: tl.constexpr,
+    HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, MONO: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    lpair = tl.program_id(1)
+    pair = PAIR0 + lpair
+    b = (pair // HKV).to(tl.int64)
+    g = (pair % HKV).to(tl.int64)
+    offs_d = tl.arange(0, BD)
+    d_ok = offs_d < D
+    tcol = tl.arange(0, NP)
+    npm1 = NPOS - 1.0
+    n_start = pid_n * BN
+    keys = n_start + tl.arange(0, BN)
+    k_ok = keys < LK
+    k_base = K + b * sk_b + g * sk_h
+    v_base = V + b * sv_b + g * sv_h
+    m_base = M + b * sm_b
+    k = _load_rows(k_base, keys, sk_n, offs_d, k_ok, d_ok)
+    v = _load_rows(v_base, keys, sv_n, offs_d, k_ok, d_ok)
+    dk = tl.full((BN, BD), 0.0, tl.float32)
+    dv = tl.full((BN, BD), 0.0, tl.float32)
+
+    first_row = tl.maximum(n_start - Q_OFF, 0)
+    m_lo = first_row // BM
+    n_mblocks = (LQ + BM - 1) // BM
+    ckpt = pid_n + (CSTRIDE - 1) - pid_n % CSTRIDE
+    for hh in range(0, G):
+        h = g * G + hh
+        lbh = lpair * G + hh
+        gk_base = GK + lbh.to(tl.int64) * NSLOT * LQ
+        sk_base = SK + lbh.to(tl.int64) * NSLOT * LQ
+        zq_base = ZQB + lbh.to(tl.int64) * LQ * NP
+        q_base = Q + b * sq_b + h * sq_h
+        do_base = DO + b * sd_b + h * sd_h
+        bh = (b * H + h) * LQ
+        for m in range(m_lo, n_mblocks):
+            rows = m * BM + tl.arange(0, BM)
+            row_ok = rows < LQ
+            qidx = rows + Q_OFF
+            sees = row_ok & (qidx >= n_start)
+            q = _load_rows(q_base, rows, sq_m, offs_d, row_ok, d_ok)
+            do = _load_rows(do_base, rows, sd_m, offs_d, row_ok, d_ok)
+            lse = tl.load(LSE + bh + rows, mask=row_ok, other=_POS_INF)
+            delta = tl.load(DELTA + bh + rows, mask=row_ok, other=0.0)
+            dtot = tl.load(DTOT + bh + rows, mask=row_ok, other=0.0)
+            zlast = tl.load(ZL + bh + rows, mask=row_ok, other=0.0)
+            dmax = (tl.minimum(m * BM + BM, LQ) - 1 + Q_OFF) // BN
+            if ckpt <= dmax:
+                ld = row_ok & (qidx // BN >= ckpt)
+                carry = tl.load(gk_base + (ckpt // CSTRIDE) * LQ + rows, mask=ld, other=0.0)
+                s_dp = tl.load(sk_base + (ckpt // CSTRIDE) * LQ + rows, mask=ld, other=0.0)
+                start = ckpt
+            else:
+                carry = tl.full((BM,), 0.0, tl.float32)
+                s_dp = tl.full((BM,), 0.0, tl.float32)
+                start = dmax
+            carry = tl.where(sees, carry, _BIG)
+            zq = tl.full((BM, NP), 0.0, tl.float32)
+            if tl.reduce(carry, 0, _min) < npm1:
+                zq = tl.load(zq_base + rows[:, None].to(tl.int64) * NP + tcol[None, :], mask=row_ok[:, None], other=0.0)
+            # advance the carries from the checkpoint over the tiles start, ..., pid_n + 1
+            for wi in range(0, start - pid_n):
+                t = start - wi
+                if tl.reduce(carry, 0, _min) < npm1:
+                    wkeys = t * BN + tl.arange(0, BN)
+                    wk_ok = wkeys < LK
+                    wk = _load_rows(k_base, wkeys, sk_n, offs_d, wk_ok, d_ok)
+                    wv = _load_rows(v_base, wkeys, sv_n, offs_d, wk_ok, d_ok)
+                    ww, wok, wgate = _logits_gates(q, wk, rows, wkeys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
+                                                   HAS_MASK, PREC, UPCAST)
+                    wp, wfi, wfrac, wzf, wzc = _positions(wgate, carry, zq, npm1, MONO)
+                    wprob = tl.exp(tl.where(wok, ww + wfrac * wzc + (1.0 - wfrac) * wzf, _NEG_INF) - lse[:, None])
+                    wds = wprob * (_mm(do, tl.trans(wv), PREC, UPCAST) - delta[:, None])
+                    wdp = tl.where(wok & (wp < npm1), wds * (wzc - wzf), 0.0)
+                    s_dp = s_dp + tl.reduce(wdp, 1, _add)
+                    carry = carry + tl.reduce(wgate, 1, _add)
+            w, ok, gate = _logits_gates(q, k, rows, keys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
+                                        HAS_MASK, PREC, UPCAST)
+            dprob = _mm(do, tl.trans(v), PREC, UPCAST) - delta[:, None]
+            if tl.reduce(carry, 0, _min) >= npm1:
+                prob = tl.exp(tl.where(ok, w + zlast[:, None], _NEG_INF) - lse[:, None])
+                dw = prob * dprob
+            else:
+                p, fi, frac, zf, zc = _positions(gate, carry, zq, npm1, MONO)
+                prob = tl.exp(tl.where(ok, w + frac * zc + (1.0 - frac) * zf, _NEG_INF) - lse[:, None])
+                ds = prob * dprob
+                win = ok & (p < npm1)
+                dp = tl.where(win, ds * (zc - zf), 0.0)
+                dp_after = tl.associative_scan(dp, 1, _add, reverse=True) - dp
+                prefix = tl.where(win, dtot[:, None] - s_dp[:, None] - dp_after, 0.0)
+                dw = ds + gate * (1.0 - gate) * prefix
+            dv += _mm(tl.trans(prob).to(do.dtype), do, PREC, UPCAST)
+            dk += _mm(tl.trans(dw).to(q.dtype), q, PREC, UPCAST)
+
+    st_mask = k_ok[:, None] & d_ok[None, :]
+    dk_ptrs = keys[:, None].to(tl.int64) * sdk_n + offs_d[None, :]
+    dv_ptrs = keys[:, None].to(tl.int64) * sdv_n + offs_d[None, :]
+    tl.store(DK + b * sdk_b + g * sdk_h + dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=st_mask)
+    tl.store(DV + b * sdv_b + g * sdv_h + dv_ptrs, dv.to(DV.dtype.element_ty), mask=st_mask)
+
+
+_JIT = LazyJit(
+    globals(),
+    [_add, _min, _max, _mm, _load_rows, _allowed, _logits_gates, _positions, _table, _bins],
+    [_cope_fwd, _cope_bwd_q, _cope_bwd_kv],
+    {"_add": "_sum_combine", "_min": "_elementwise_min", "_max": "_elementwise_max"}
+)
+
+
+# ----------------------------------------------------------------------------------------------------
+# launchers
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """Dot precision for float32 inputs: 3xTF32 (tensor cores, about float32 accuracy; an "ieee" dot runs on
+    the FMA units and spills heavily at these tiles), or TF32 where torch allows it
+    (``torch.backends.cuda.matmul.allow_tf32``). Half-precision inputs ignore it."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "tf32x3"
+    return "tf32"
+
+
+def _table_precision(dtype: torch.dtype) -> str:
+    """The position-table dots (z = q e, dq += dz eᵀ, de += qᵀ dz) take float32 operands. For half-precision
+    inputs TF32: q (bf16/fp16) is exact in TF32, e and dz are rounded to 10 mantissa bits (2^-11, well below
+    the 2^-9 rounding of the bf16 outputs); 3xTF32 (about float32) for float32 inputs, where it costs
+    registers (sm_90 cubin, D = 128: about 1.2 KB of spill per thread in the query-major backward)."""
+    if interpreting():
+        return "ieee"
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def _blocks(kind: str) -> tuple[int, int, int]:
+    if interpreting():
+        bm, bn = INTERPRETER_BLOCKS
+        return bm, bn, 1
+    return {"fwd": GPU_FWD, "bwd_q": GPU_BWD_Q, "bwd_kv": GPU_BWD_KV}[kind]
+
+
+def _mask_args(mask: torch.Tensor | None, q: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    if mask is None:
+        return q, 0, 0, 0
+    m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    return m, (0 if m.shape[0] == 1 else m.stride(0)), m.stride(2), m.stride(3)
+
+
+def _bhld_out(b: int, h: int, length: int, d: int, like: torch.Tensor) -> torch.Tensor:
+    """An empty (B, H, L, D) tensor laid out as (B, L, H, D) (the attention function's transpose is free)."""
+    return torch.empty((b, length, h, d), dtype=like.dtype, device=like.device).transpose(1, 2)
+
+
+def _np(npos: int) -> int:
+    return max(16, triton.next_power_of_2(npos))
+
+
+def _forward(q, k, v, table, mask, scale, q_offset):
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    npos = table.shape[1]
+    bm, bn, warps = _blocks("fwd")
+    o = _bhld_out(b, h, lq, d, q)
+    lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
+    m, sm_b, sm_m, sm_n = _mask_args(mask, q)
+    _JIT.bind()
+    _cope_fwd[(triton.cdiv(lq, bm), b * h)](
+        q, k, v, table, o, lse, m,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        table.stride(0), table.stride(1), sm_b, sm_m, sm_n,
+        h, h // hkv, lq, lk, q_offset, scale, npos,
+        D=d, BD=max(16, triton.next_power_of_2(d)), BM=bm, BN=bn, NP=_np(npos), HAS_MASK=mask is not None,
+        PREC=_precision(q.dtype), UPCAST=interpreting(), MONO=not interpreting(), TPREC=_table_precision(q.dtype), num_warps=warps,
+    )
+    return o, lse
+
+
+def _carry_layout(lk: int, bn: int) -> tuple[int, int]:
+    n_tiles = triton.cdiv(lk, bn)
+    stride = max(1, triton.cdiv(n_tiles, max(1, CARRY_SLOTS)))
+    return stride, max(1, n_tiles // stride)
+
+
+def _backward(q, k, v, table, o, lse, do, mask, scale, q_offset):
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    groups = h // hkv
+    npos = table.shape[1]
+    np_ = _np(npos)
+    bd = max(16, triton.next_power_of_2(d))
+    bm1, bn, warps1 = _blocks("bwd_q")
+    bm2, bn2, warps2 = _blocks("bwd_kv")
+    if bn2 != bn:
+        raise ValueError(f"the two backward kernels must share their key tile (BLOCK_N {bn} != {bn2})")
+    cstride, nslot = _carry_layout(lk, bn)
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    dq = _bhld_out(b, h, lq, d, q)
+    dk = torch.empty((b, hkv, lk, d), dtype=k.dtype, device=k.device)
+    dv = torch.empty((b, hkv, lk, d), dtype=v.dtype, device=v.device)
+    rows = torch.empty((4, b, h, lq), dtype=torch.float32, device=q.device)
+    zl, delta, dtot = rows[0], rows[1], rows[2]
+    m, sm_b, sm_m, sm_n = _mask_args(mask, q)
+    prec, upcast = _precision(q.dtype), interpreting()
+    n_mblocks = triton.cdiv(lq, bm1)
+    dtable = torch.zeros((d, npos), dtype=torch.float32, device=q.device)
+    # (B*Hkv, G, Lq, D): the query heads of each (batch, key/value head) pair, for the table gradient
+    q_pairs = q.unflatten(1, (hkv, groups)).flatten(0, 1)
+    _JIT.bind()
+    per_pair = groups * 4 * lq * (2 * nslot + 2 * np_ + d)
+    per_chunk = max(1, min(b * hkv, CARRY_BUDGET_BYTES // max(1, per_pair)))
+    for pair0 in range(0, b * hkv, per_chunk):
+        n_pairs = min(per_chunk, b * hkv - pair0)
+        nbh = n_pairs * groups
+        gk = torch.empty((nbh, nslot, lq), dtype=torch.float32, device=q.device)
+        sk = torch.empty_like(gk)
+        zqb = torch.empty((nbh, lq, np_), dtype=torch.float32, device=q.device)
+        dzqb = torch.empty((nbh, lq, np_), dtype=torch.float32, device=q.device)
+        _cope_bwd_q[(n_mblocks, nbh)](
+            q, k, v, table, o, do, lse, dq, dzqb, zqb, zl, delta, dtot, gk, sk, m,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+            do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
+            table.stride(0), table.stride(1), sm_b, sm_m, sm_n,
+            h, groups, hkv, pair0, lq, lk, q_offset, scale, npos, cstride, nslot,
+            D=d, BD=bd, BM=bm1, BN=bn, NP=np_, LOG2_BN=bn.bit_length() - 1, HAS_MASK=mask is not None,
+            PREC=prec, UPCAST=upcast, MONO=not upcast, TPREC=_table_precision(q.dtype), num_warps=warps1,
+        )
+        # de = Σ over the chunk's queries of q ⊗ dz: one float32 GEMM, (D, rows) @ (rows, npos)
+        q_chunk = q_pairs[pair0:pair0 + n_pairs].reshape(nbh * lq, d).float()
+        dtable += q_chunk.t() @ dzqb[:, :, :npos].reshape(nbh * lq, npos)
+        del q_chunk
+        _cope_bwd_kv[(triton.cdiv(lk, bn), n_pairs)](
+            q, k, v, do, dk, dv, lse, zqb, zl, delta, dtot, gk, sk, m,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), sm_b, sm_m, sm_n,
+            h, groups, hkv, pair0, lq, lk, q_offset, scale, npos, cstride, nslot,
+            D=d, BD=bd, BM=bm2, BN=bn, NP=np_, HAS_MASK=mask is not None, PREC=prec, UPCAST=upcast,
+            MONO=not upcast, num_warps=warps2,
+        )
+    return dq, dk, dv, dtable
+
+
+class CopeFunction(torch.autograd.Function):
+    """Causal CoPE attention with gradients for q, k, v and the position table."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, table, mask, scale, q_offset):
+        o, lse = _forward(q, k, v, table, mask, scale, q_offset)
+        if any(ctx.needs_input_grad[:4]):
+            ctx.save_for_backward(q, k, v, table, o, lse, mask)
+        ctx.args = (scale, q_offset)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, table, o, lse, mask = ctx.saved_tensors
+        scale, q_offset = ctx.args
+        dq, dk, dv, dtable = _backward(q, k, v, table, o, lse, do, mask, scale, q_offset)
+        return dq, dk, dv, (dtable.to(table.dtype) if ctx.needs_input_grad[3] else None), None, None, None
+
+
+def cope_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    table: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    q_offset: int,
+) -> torch.Tensor:
+    """Causal CoPE attention with the Triton kernels (inputs validated by the dispatcher).
+
+    Args:
+        q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D), H a multiple of Hkv, last dims contiguous, one dtype of
+            ``SUPPORTED_DTYPES``; D <= 128.
+        table: (D, npos) position embeddings (any float dtype; read in float32).
+        mask: (B|1, 1, Lq, Lk) bool or None; causality by index is always applied.
+        q_offset: query i is key ``q_offset + i``.
+
+    Returns:
+        (B, H, Lq, D) in q's dtype (a transposed view of a (B, Lq, H, D) tensor).
+    """
+    return CopeFunction.apply(q, k, v, table, mask, float(scale), int(q_offset))

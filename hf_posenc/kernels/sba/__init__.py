@@ -1,0 +1,104 @@
+"""Stick-breaking attention kernels: the Triton kernels (``triton_sba.py``) beside the reference (``naive.py``).
+
+``stick_breaking`` dispatches (``sba_backend`` tells which it will use):
+
+* ``HF_POSENC_BACKEND`` unset: the Triton kernels when the tensors are on a CUDA device and the kernels
+  support the inputs; the PyTorch reference otherwise (CPU tensors, float64, head_dim > 128, attention
+  weights requested, attention dropout while training).
+* ``HF_POSENC_BACKEND=triton``: the kernels, or a ``ValueError`` that says why they cannot run (Triton
+  missing, tensors on the CPU without ``TRITON_INTERPRET=1``, one of the cases above). Under
+  ``TRITON_INTERPRET=1`` the kernels run on CPU tensors in Triton's interpreter (slow; for tests).
+* ``HF_POSENC_BACKEND=torch`` (or ``flex``: stick-breaking has no FlexAttention form): the reference.
+
+Every option of the encoding runs in-kernel: ``attend_current`` (the diagonal as a breakpoint) and the three
+``remainder`` modes (``discard``, ``current``, ``bias``). Causal only: sba is text-only (the encoding refuses
+ViT). Query i is key ``q_offset + i`` (a tensor offset, from a StaticCache, is read with ``int()``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._attn_dispatch import choose, common_unsupported
+from .naive import sba_reference
+
+__all__ = ["sba_backend", "sba_reference", "stick_breaking"]
+
+_REMAINDERS = ("discard", "current", "bias")
+
+
+def _check(q, k, v, mask, q_offset, remainder, bias) -> None:
+    """Validate shapes and options (ValueError), whatever the backend."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4D (B, H, L, D), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    b, h, lq, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k and v must be (B, Hkv, Lk, D) with q's B and D, got {tuple(k.shape)}, {tuple(v.shape)}")
+    if h % k.shape[1]:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({k.shape[1]})")
+    offset = int(q_offset)
+    if offset < 0 or offset + lq > k.shape[2]:
+        raise ValueError(f"q_offset={offset} with {lq} queries needs q_offset + Lq <= Lk={k.shape[2]}")
+    if mask is not None and (mask.dim() != 4 or mask.shape[0] not in (1, b) or mask.shape[1] != 1
+                             or mask.shape[2:] != (lq, k.shape[2])):
+        raise ValueError(f"mask must be (B|1, 1, Lq, Lk) = ({b}|1, 1, {lq}, {k.shape[2]}), got {tuple(mask.shape)}")
+    if remainder not in _REMAINDERS:
+        raise ValueError(f"remainder must be one of {_REMAINDERS}, got {remainder!r}")
+    if remainder == "bias" and (bias is None or tuple(bias.shape) != (h, d)):
+        raise ValueError(f"remainder='bias' needs a bias of shape ({h}, {d}), got {None if bias is None else tuple(bias.shape)}")
+
+
+def sba_backend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    q_offset: int | torch.Tensor = 0,
+    need_weights: bool = False,
+    dropout: float = 0.0,
+    training: bool = False,
+) -> str:
+    """``"triton"`` or ``"torch"``: which implementation ``stick_breaking`` uses for these inputs.
+
+    Raises:
+        ValueError: ``HF_POSENC_BACKEND`` names no backend, or names ``triton`` and the kernel cannot run.
+    """
+    return choose(
+        lambda: common_unsupported("sba", "sba.triton_sba", q, k, v, mask, q_offset, need_weights, dropout, training),
+        q.device.type == "cuda",
+    )
+
+
+def stick_breaking(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    q_offset: int | torch.Tensor = 0,
+    attend_current: bool = False,
+    remainder: str = "discard",
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Stick-breaking attention (see ``hf_posenc/encodings/sba.py`` for the formula), fused on CUDA.
+
+    Args:
+        q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D) with H a multiple of Hkv (not expanded).
+        mask: (B|1, 1, Lq, Lk) bool (True = may attend; padding), or None. Causality by index is applied
+            in any case.
+        scale: logit scale (1/sqrt(D) for the models).
+        q_offset: query i is key ``q_offset + i`` (the cache length before this forward).
+        attend_current: whether the query's own key is a breakpoint.
+        remainder: ``"discard"``, ``"current"`` or ``"bias"``.
+        bias: (H, D) per-head remainder vector (``remainder="bias"``); gets a gradient.
+
+    Returns:
+        (B, H, Lq, D) in q's dtype (computed in float32).
+    """
+    _check(q, k, v, mask, q_offset, remainder, bias)
+    if sba_backend(q, k, v, mask, q_offset) == "triton":
+        from .triton_sba import sba_triton
+
+        last = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)]
+        return sba_triton(*last, mask, scale, int(q_offset), attend_current, remainder, bias)
+    return sba_reference(q, k, v, mask, scale, q_offset, attend_current, remainder, bias)

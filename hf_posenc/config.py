@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -15,8 +17,20 @@ __all__ = ["PosEncConfig", "CONFIG_KEY"]
 CONFIG_KEY = "position_encoding"
 
 
+def _plain(value: Any) -> Any:
+    """A numpy (or other ``numbers``) scalar as the Python int or float it holds: the config is stored as JSON."""
+    if value is None or isinstance(value, bool) or type(value) in (int, float, str):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
 def _check_value(spec: EncodingSpec, f: dataclasses.Field, value: Any) -> Any:
     meta = f.metadata
+    value = _plain(value)
     where = f"parameter {f.name!r} of encoding {spec.name!r}"
     if value is None:
         if meta.get("optional"):
@@ -91,13 +105,35 @@ class PosEncConfig:
         return {"name": self.name, **self.params}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "PosEncConfig":
-        """Inverse of :meth:`to_dict`; clear errors for a missing name, unknown names and parameters."""
+    def from_dict(cls, data: Mapping[str, Any], *, unknown: str = "error") -> "PosEncConfig":
+        """Inverse of :meth:`to_dict`; clear errors for a missing name, unknown names and parameters.
+
+        Args:
+            data: ``{"name": ..., **params}``.
+            unknown: what to do with parameter keys the encoding does not define. ``"error"`` (the default,
+                for what a user typed): ``ValueError``. ``"warn"`` (for a stored config, e.g. the
+                ``position_encoding`` of a checkpoint saved by a newer hf_posenc): a ``UserWarning`` naming
+                them, and they are dropped. An unknown encoding name is an error either way.
+        """
+        if unknown not in ("error", "warn"):
+            raise ValueError(f"unknown must be 'error' or 'warn', got {unknown!r}")
         if not isinstance(data, Mapping):
             raise TypeError(f"{CONFIG_KEY} must be a dict with a 'name' key, got {type(data).__name__}")
         if "name" not in data:
             raise ValueError(f"{CONFIG_KEY} must have a 'name' key, got keys {sorted(data)}")
         params = {k: v for k, v in data.items() if k != "name"}
+        if unknown == "warn":
+            known = get_encoding(data["name"]).param_names()
+            extra = sorted(set(params) - set(known), key=str)
+            if extra:
+                warnings.warn(
+                    f"{CONFIG_KEY} of encoding {data['name']!r} has parameter(s) this version of hf_posenc does not "
+                    f"know: {', '.join(map(repr, extra))} (saved by a newer version?); they are ignored. Known "
+                    f"parameters: {', '.join(known) if known else 'none'}",
+                    UserWarning,
+                    stacklevel=3,
+                )
+                params = {k: v for k, v in params.items() if k in known}
         return cls(data["name"], params)
 
     @classmethod

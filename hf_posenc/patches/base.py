@@ -10,7 +10,10 @@ from torch import nn
 
 from ..encodings.base import ModelInfo, PosContext, unwrap
 
-__all__ = ["FamilyPatch", "swap_class", "unshare_config", "require_ctx", "text_positions", "make_context"]
+__all__ = [
+    "FamilyPatch", "swap_class", "unshare_config", "require_ctx", "text_positions", "make_context", "check_token_ids",
+    "check_embeds",
+]
 
 
 def swap_class(module: nn.Module, new_cls: type) -> None:
@@ -57,14 +60,84 @@ def require_ctx(kwargs: dict[str, Any], where: str) -> PosContext:
     return ctx
 
 
+def _is_integer(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
+def check_token_ids(input_ids: Any, embedding: nn.Module, two_d: bool) -> None:
+    """``input_ids``: an integer tensor ((batch, length) when ``two_d``) of ids inside the embedding table.
+
+    The range is checked on CPU tensors only (elsewhere reading the ids would synchronise the device in every
+    forward); out-of-range ids otherwise surface as torch's IndexError from the embedding.
+    """
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
+    if not _is_integer(input_ids):
+        raise TypeError(
+            f"input_ids must hold integer token ids (torch.long or torch.int), got {input_ids.dtype}; pass "
+            "embeddings as inputs_embeds"
+        )
+    if two_d and input_ids.dim() != 2:
+        raise ValueError(f"input_ids must have shape (batch, length), got {tuple(input_ids.shape)}")
+    size = getattr(embedding, "num_embeddings", None)
+    if size is not None and input_ids.device.type == "cpu" and input_ids.numel():
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= size:
+            raise ValueError(
+                f"input_ids hold the token id {high if high >= size else low}, outside the embedding table "
+                f"(ids 0 .. {size - 1})"
+            )
+
+
+def check_embeds(inputs_embeds: Any, hidden_size: int, model_dtype: torch.dtype | None = None) -> None:
+    """``inputs_embeds``: a float tensor (batch, length, hidden_size), in the model's dtype unless autocast runs."""
+    if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.is_floating_point():
+        what = inputs_embeds.dtype if isinstance(inputs_embeds, torch.Tensor) else type(inputs_embeds).__name__
+        raise TypeError(f"inputs_embeds must be a floating-point tensor, got {what}")
+    if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != hidden_size:
+        raise ValueError(
+            f"inputs_embeds must have shape (batch, length, hidden_size={hidden_size}), got {tuple(inputs_embeds.shape)}"
+        )
+    if (
+        model_dtype is not None
+        and model_dtype.is_floating_point
+        and inputs_embeds.dtype != model_dtype
+        and not torch.is_autocast_enabled(inputs_embeds.device.type)
+    ):
+        raise TypeError(
+            f"inputs_embeds are {inputs_embeds.dtype} but the model is {model_dtype}; cast them with "
+            "inputs_embeds.to(model.dtype) (or run under torch.autocast)"
+        )
+
+
 def text_positions(
-    length: int, device: torch.device, position_ids: torch.Tensor | None, past_key_values: Any
+    length: int,
+    device: torch.device,
+    position_ids: torch.Tensor | None,
+    past_key_values: Any,
+    batch: int | None = None,
 ) -> tuple[torch.Tensor, int | torch.Tensor]:
     """Logical positions of the new tokens (B|1, L) and the cache length before them (the query offset).
 
     As in transformers: ``position_ids`` when given (``generate`` derives them from the attention mask, so
-    left padding shifts them), else ``arange(L) + past``.
+    left padding shifts them), else ``arange(L) + past``. Given ones must be integers of shape (B|1, L)
+    (or (L,)); ``batch`` is B, checked when given.
     """
+    if position_ids is not None:
+        if not isinstance(position_ids, torch.Tensor) or not _is_integer(position_ids):
+            what = position_ids.dtype if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+            raise TypeError(f"position_ids must be an integer tensor (torch.long) of logical positions, got {what}")
+        if position_ids.dim() == 1:
+            position_ids = position_ids[None]
+        if (
+            position_ids.dim() != 2
+            or position_ids.shape[-1] != length
+            or (batch is not None and position_ids.shape[0] not in (1, batch))
+        ):
+            rows = "1" if batch in (None, 1) else f"1 or {batch}"
+            raise ValueError(
+                f"position_ids must have shape ({rows}, {length}) for {length} new tokens, got {tuple(position_ids.shape)}"
+            )
     past: int | torch.Tensor = 0
     if past_key_values is not None:
         past = past_key_values.get_seq_length()

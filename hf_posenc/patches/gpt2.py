@@ -17,7 +17,16 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Attention, GPT2Model
 
 from ..attention import posenc_attention
 from ..encodings.base import ModelInfo
-from .base import FamilyPatch, add_embeddings, make_context, require_ctx, swap_class, text_positions
+from .base import (
+    FamilyPatch,
+    add_embeddings,
+    check_embeds,
+    check_token_ids,
+    make_context,
+    require_ctx,
+    swap_class,
+    text_positions,
+)
 
 
 class NoPositionTable(nn.Module):
@@ -44,15 +53,19 @@ class PosEncGPT2Model(GPT2Model):
         **kwargs: Any,
     ):
         if input_ids is not None and inputs_embeds is None:
+            check_token_ids(input_ids, self.wte, two_d=False)  # GPT-2 flattens leading dims itself
             self.warn_if_padding_and_no_attention_mask(input_ids, attention_mask)
             input_ids = input_ids.view(-1, input_ids.shape[-1])
             inputs_embeds = self.wte(input_ids)
             input_ids = None
         if inputs_embeds is None:
             raise ValueError("You have to specify either input_ids or inputs_embeds")
-        if position_ids is not None:
+        check_embeds(inputs_embeds, self.config.n_embd, getattr(getattr(self.wte, "weight", None), "dtype", None))
+        if position_ids is not None and isinstance(position_ids, torch.Tensor) and position_ids.dim() > 0:
             position_ids = position_ids.view(-1, position_ids.shape[-1])
-        position_ids, past = text_positions(inputs_embeds.shape[1], inputs_embeds.device, position_ids, past_key_values)
+        position_ids, past = text_positions(
+            inputs_embeds.shape[1], inputs_embeds.device, position_ids, past_key_values, batch=inputs_embeds.shape[0]
+        )
         ctx = make_context(self, need_weights=kwargs.get("output_attentions"), position_ids=position_ids, q_offset=past)
         inputs_embeds = add_embeddings(ctx, inputs_embeds)
         return super().forward(

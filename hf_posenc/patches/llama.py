@@ -16,7 +16,16 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaModel
 
 from ..attention import posenc_attention
 from ..encodings.base import ModelInfo
-from .base import FamilyPatch, add_embeddings, make_context, require_ctx, swap_class, text_positions
+from .base import (
+    FamilyPatch,
+    add_embeddings,
+    check_embeds,
+    check_token_ids,
+    make_context,
+    require_ctx,
+    swap_class,
+    text_positions,
+)
 
 
 class NoRotaryEmbedding(nn.Module):
@@ -40,11 +49,16 @@ class PosEncLlamaModel(LlamaModel):
         **kwargs: Any,
     ):
         if input_ids is not None and inputs_embeds is None:
+            check_token_ids(input_ids, self.embed_tokens, two_d=True)
             inputs_embeds = self.embed_tokens(input_ids)
             input_ids = None
         if inputs_embeds is None:
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        position_ids, past = text_positions(inputs_embeds.shape[1], inputs_embeds.device, position_ids, past_key_values)
+        weight = getattr(self.embed_tokens, "weight", None)
+        check_embeds(inputs_embeds, self.config.hidden_size, getattr(weight, "dtype", None))
+        position_ids, past = text_positions(
+            inputs_embeds.shape[1], inputs_embeds.device, position_ids, past_key_values, batch=inputs_embeds.shape[0]
+        )
         ctx = make_context(self, need_weights=kwargs.get("output_attentions"), position_ids=position_ids, q_offset=past)
         inputs_embeds = add_embeddings(ctx, inputs_embeds)
         return super().forward(

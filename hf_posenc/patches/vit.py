@@ -38,6 +38,9 @@ class PosEncViTModel(ViTModel):
     ):
         if pixel_values is None:
             raise ValueError("You have to specify pixel_values")
+        if not isinstance(pixel_values, torch.Tensor) or pixel_values.dim() != 4:
+            shape = tuple(pixel_values.shape) if isinstance(pixel_values, torch.Tensor) else type(pixel_values).__name__
+            raise ValueError(f"pixel_values must have shape (batch, channels, height, width), got {shape}")
         ph, pw = self.posenc_info.patch_size
         height, width = pixel_values.shape[-2:]
         if height % ph or width % pw:

@@ -1,0 +1,347 @@
+"""Hypothesis property tests: every registered encoding, on every family it supports, on randomly drawn
+models and inputs.
+
+``tests/test_common.py`` checks the same properties on one fixed tiny model per family (4 heads, GQA 2:1 on
+Llama, 10 tokens, one padding pattern, a fixed chunking of the cache). Here hypothesis draws what those tests
+hold fixed:
+
+* the model: 1 or 2 layers, 1, 2 or 4 query heads, every GQA ratio the head count allows (Llama), head_dim
+  4, 8 or 16; on ViT the patch size, the config's grid and the image's grid (any multiple of the patch);
+* the encoding's discrete parameters: every ``choices`` and ``bool`` parameter of its registry schema
+  (kerple's variant, comrope's variant, cape's base, sba's remainder, fox's rope, per-layer switches, ...);
+* the inputs: batch 1..3, a length per row (the shorter rows left-padded), the token ids, where a cache
+  splits the sequence into chunks, DynamicCache or StaticCache, the shift, the dtype.
+
+Properties: causality, KV cache == full forward, left-padding invariance, finite outputs and gradients in
+float16 and bfloat16, and shift invariance of the position_ids for the encodings whose class claims it
+(``PositionEncoding.relative``, set in one place per encoding with the reason beside it).
+
+Examples are bounded and derandomised (the same examples on every run, no example database), so the file
+runs in a fixed time (about 2 minutes on one core of the 2-core CI machine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache, StaticCache
+
+import hf_posenc
+from hf_posenc.registry import get_encoding
+from conftest import (
+    DECODERS,
+    ENCODINGS,
+    NUM_LABELS,
+    PAD_ID,
+    VOCAB,
+    combos,
+    make_model,
+    positions_from_mask,
+)
+
+SAME_ATOL = 1e-5  # the same values computed twice on different batches / with different later tokens
+CACHE_ATOL = 1e-4  # cache == full forward (different summation orders)
+SHIFT_ATOL = 1e-4  # shift invariance (float32 angles of larger positions)
+MAX_POSITIONS = 64  # the text models' maximum position (learned's table); lengths + shifts stay below it
+
+
+def bounded(n: int):
+    """Hypothesis settings: ``n`` examples, no deadline, the same examples on every run, no database."""
+    return settings(
+        max_examples=n,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# strategies
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arch:
+    """A tiny model of one family: its config overrides, and the encoding's parameters."""
+
+    family: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int
+    params: tuple[tuple[str, Any], ...]
+    seed: int
+    patch: int = 8  # ViT
+    config_grid: tuple[int, int] = (2, 2)  # ViT: the grid at the config's image size
+
+    def overrides(self) -> dict[str, Any]:
+        hidden = self.heads * self.head_dim
+        if self.family == "llama":
+            return dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=self.layers,
+                        num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+                        max_position_embeddings=MAX_POSITIONS)
+        if self.family == "gpt2":
+            return dict(n_embd=hidden, n_inner=2 * hidden, n_layer=self.layers, n_head=self.heads,
+                        n_positions=MAX_POSITIONS)
+        rows, cols = self.config_grid
+        return dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=self.layers,
+                    num_attention_heads=self.heads, patch_size=self.patch,
+                    image_size=[rows * self.patch, cols * self.patch])
+
+    def build(self, encoding: str, train: bool = False, dtype: torch.dtype | None = None, head: str = "head"):
+        return make_model(self.family, head, seed=self.seed, encoding=encoding, train=train, dtype=dtype,
+                          config_overrides=self.overrides(), **dict(self.params))
+
+
+def discrete_params(encoding: str):
+    """Every ``choices`` or ``bool`` parameter of the encoding's schema, drawn; the others keep their defaults."""
+    fields = {}
+    for f in get_encoding(encoding).param_fields():
+        meta = f.metadata
+        if meta.get("choices"):
+            fields[f.name] = st.sampled_from(meta["choices"])
+        elif meta["type"] is bool:
+            fields[f.name] = st.booleans()
+    return st.fixed_dictionaries(fields).map(lambda d: tuple(sorted(d.items())))
+
+
+@st.composite
+def archs(draw, family: str, encoding: str) -> Arch:
+    heads = draw(st.sampled_from([1, 2, 4]))
+    kv = draw(st.sampled_from([d for d in (1, 2, 4) if heads % d == 0])) if family == "llama" else heads
+    arch = Arch(
+        family=family,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=draw(st.sampled_from([4, 8, 16])),  # odd or small head_dim: tests/test_bad_inputs.py
+        layers=draw(st.integers(1, 2)),
+        params=draw(discrete_params(encoding)),
+        seed=draw(st.integers(0, 2**16)),
+    )
+    if family == "vit":
+        arch = dataclasses.replace(
+            arch,
+            patch=draw(st.sampled_from([4, 8])),
+            config_grid=(draw(st.integers(1, 3)), draw(st.integers(1, 3))),
+        )
+    return arch
+
+
+@dataclass(frozen=True)
+class TextBatch:
+    """Token ids of a left-padded batch: one length per row, the longest row unpadded."""
+
+    lengths: tuple[int, ...]
+    seed: int
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, attention_mask), both (B, L)."""
+        length = max(self.lengths)
+        g = torch.Generator().manual_seed(self.seed)
+        ids = torch.randint(3, VOCAB, (len(self.lengths), length), generator=g)
+        mask = torch.zeros_like(ids)
+        for row, n in enumerate(self.lengths):
+            mask[row, length - n :] = 1
+        return ids.masked_fill(mask == 0, PAD_ID), mask
+
+
+def text_batches(max_len: int = 12):
+    return st.builds(TextBatch, st.lists(st.integers(1, max_len), min_size=1, max_size=3).map(tuple),
+                     st.integers(0, 2**16))
+
+
+def real_logits(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return logits[mask.bool()]
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}"
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def forward(model, ids: torch.Tensor, mask: torch.Tensor, **kw) -> torch.Tensor:
+    """Logits of a left-padded batch, with the position_ids ``generate`` computes."""
+    pos = kw.pop("position_ids", positions_from_mask(mask))
+    return model(ids, attention_mask=mask, position_ids=pos, use_cache=False, **kw).logits
+
+
+# ---------------------------------------------------------------------------------------------------
+# decoders: causality, cache == full forward, left padding, shift invariance
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family,encoding", combos(DECODERS))
+@bounded(8)
+@given(data=st.data())
+def test_causality(family, encoding, data):
+    """Changing the tokens after position t (of every row, padded rows too) leaves every logit up to t
+    unchanged."""
+    arch = data.draw(archs(family, encoding), label="arch")
+    batch = data.draw(text_batches(), label="batch")
+    ids, mask = batch.tensors()
+    length = ids.shape[1]
+    t = data.draw(st.integers(0, length - 1), label="t")
+    changed = ids.clone()
+    g = torch.Generator().manual_seed(batch.seed + 1)
+    changed[:, t + 1 :] = torch.randint(3, VOCAB, changed[:, t + 1 :].shape, generator=g)
+    model = arch.build(encoding)
+    with torch.no_grad():
+        a = forward(model, ids, mask)
+        b = forward(model, changed, mask)
+    keep = mask.bool().clone()
+    keep[:, t + 1 :] = False
+    assert max_diff(a[keep], b[keep]) < SAME_ATOL, f"logits up to t={t} depend on later tokens"
+
+
+@pytest.mark.parametrize("family,encoding", combos(DECODERS))
+@bounded(10)
+@given(data=st.data())
+def test_cache_matches_full_forward(family, encoding, data):
+    """The sequence fed through a DynamicCache or StaticCache in random chunks (a prefill of any length, then
+    chunks of 1 to 4 tokens), with the 2D mask and position_ids of ``generate``, gives the logits of the full
+    forward on every real token."""
+    arch = data.draw(archs(family, encoding), label="arch")
+    batch = data.draw(text_batches(), label="batch")
+    kind = data.draw(st.sampled_from(["dynamic", "static"]), label="cache")
+    ids, mask = batch.tensors()
+    length = ids.shape[1]
+    chunks, start = [], 0
+    while start < length:
+        n = data.draw(st.integers(1, length - start if not chunks else min(4, length - start)), label="chunk")
+        chunks.append(n)
+        start += n
+    model = arch.build(encoding)
+    pos = positions_from_mask(mask)
+    with torch.no_grad():
+        full = forward(model, ids, mask)
+        if kind == "dynamic":
+            past = DynamicCache(config=model.config)
+        else:
+            past = StaticCache(config=model.config, max_cache_len=length + 3)
+        pieces, start = [], 0
+        for n in chunks:
+            out = model(ids[:, start : start + n], attention_mask=mask[:, : start + n],
+                        position_ids=pos[:, start : start + n], past_key_values=past, use_cache=True)
+            pieces.append(out.logits)
+            start += n
+    incremental = torch.cat(pieces, dim=1)
+    diff = max_diff(real_logits(incremental, mask), real_logits(full, mask))
+    assert diff < CACHE_ATOL, f"{kind} cache in chunks {chunks} differs from the full forward by {diff}"
+
+
+@pytest.mark.parametrize("family,encoding", combos(DECODERS))
+@bounded(8)
+@given(data=st.data())
+def test_left_padding_invariance(family, encoding, data):
+    """Every row of a left-padded batch gives, on its real tokens, the logits of the row run alone."""
+    arch = data.draw(archs(family, encoding), label="arch")
+    batch = data.draw(text_batches(), label="batch")
+    ids, mask = batch.tensors()
+    model = arch.build(encoding)
+    with torch.no_grad():
+        padded = forward(model, ids, mask)
+        for row in range(ids.shape[0]):
+            real = mask[row].bool()
+            alone = model(ids[row][real][None], use_cache=False).logits[0]
+            diff = max_diff(padded[row][real], alone)
+            assert diff < SAME_ATOL, f"row {row} (lengths {batch.lengths}) differs from the row alone by {diff}"
+
+
+@pytest.mark.parametrize("family,encoding", combos(DECODERS))
+@bounded(8)
+@given(data=st.data())
+def test_shift_invariance(family, encoding, data):
+    """Encodings whose class claims ``relative``: adding one constant to every position_id (of a padded
+    batch too) leaves the logits unchanged. The claim is read from the patched instance (cape's depends on
+    its base)."""
+    arch = data.draw(archs(family, encoding), label="arch")
+    model = arch.build(encoding)
+    if not hf_posenc.encoding_module(model).relative:
+        return  # no claim (absolute encodings, fope, fire, cape on fire): see test_non_relative_is_not_invariant
+    batch = data.draw(text_batches(), label="batch")
+    shift = data.draw(st.integers(1, MAX_POSITIONS - 13), label="shift")
+    ids, mask = batch.tensors()
+    pos = positions_from_mask(mask)
+    with torch.no_grad():
+        a = forward(model, ids, mask, position_ids=pos)
+        b = forward(model, ids, mask, position_ids=pos + shift)
+    diff = max_diff(real_logits(a, mask), real_logits(b, mask))
+    # relative to the logits' size: rotations at larger positions are computed in float32
+    tol = SHIFT_ATOL * max(1.0, a.abs().max().item())
+    assert diff < tol, f"shifting every position by {shift} changed the logits by {diff} (tolerance {tol})"
+
+
+NON_RELATIVE = [
+    pytest.param(fam, enc, id=f"{fam}-{enc}")
+    for fam in DECODERS
+    for enc in ENCODINGS
+    if not get_encoding(enc).cls.relative and fam in get_encoding(enc).families and enc != "cape"
+]
+
+
+@pytest.mark.parametrize("family,encoding", NON_RELATIVE)
+def test_non_relative_is_not_invariant(family, encoding):
+    """The converse, so that the claims stay honest: an encoding that does not claim shift invariance does
+    see a large shift (3000: far past fire's threshold L = 512; the tables are made large enough)."""
+    over = {"max_position_embeddings": 4096} if family == "llama" else {"n_positions": 4096}
+    model = make_model(family, encoding=encoding, config_overrides=over)
+    ids = torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(8)[None]
+    with torch.no_grad():
+        a = model(ids, position_ids=pos, use_cache=False).logits
+        b = model(ids, position_ids=pos + 3000, use_cache=False).logits
+    assert max_diff(a, b) > 1e-3, f"{encoding} does not claim shift invariance but a shift of 3000 changed nothing"
+
+
+# ---------------------------------------------------------------------------------------------------
+# every family: finite outputs and gradients in float16 and bfloat16
+# ---------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def vit_images(draw, arch: Arch) -> tuple[int, int]:
+    """An image size: any multiple of the patch size (1 to 4 patches per side)."""
+    return draw(st.integers(1, 4)) * arch.patch, draw(st.integers(1, 4)) * arch.patch
+
+
+@pytest.mark.parametrize("family,encoding", combos())
+@bounded(8)
+@given(data=st.data())
+def test_finite_in_half_precision(family, encoding, data):
+    """In float16 or bfloat16, training mode: finite outputs and loss, and a finite gradient for every
+    parameter that gets one (the model's and the encoding's), on random models and (padded / any-size)
+    inputs. ``cast_first`` patches a model that is already in that dtype, else the patched model is cast."""
+    arch = data.draw(archs(family, encoding), label="arch")
+    dtype = data.draw(st.sampled_from([torch.float16, torch.bfloat16]), label="dtype")
+    cast_first = data.draw(st.booleans(), label="cast_first")
+    if cast_first:
+        model = make_model(family, seed=arch.seed, train=True, dtype=dtype, config_overrides=arch.overrides())
+        hf_posenc.patch_model(model, encoding, **dict(arch.params))
+    else:
+        model = arch.build(encoding, train=True, dtype=dtype)
+    if family == "vit":
+        height, width = data.draw(vit_images(arch), label="image")
+        batch = data.draw(st.integers(1, 3), label="batch")
+        pixels = torch.randn(batch, 3, height, width, generator=torch.Generator().manual_seed(arch.seed))
+        interpolate = encoding == "learned"  # the learned table needs it at other sizes (tested elsewhere)
+        out = model(pixel_values=pixels.to(dtype), labels=torch.arange(batch) % NUM_LABELS,
+                    interpolate_pos_encoding=interpolate)
+    else:
+        ids, mask = data.draw(text_batches().filter(lambda b: max(b.lengths) > 1), label="batch").tensors()
+        labels = ids.masked_fill(mask == 0, -100)  # at least one token to predict: the longest row has two
+        out = model(ids, attention_mask=mask, position_ids=positions_from_mask(mask), labels=labels, use_cache=False)
+    assert out.logits.dtype == dtype
+    assert torch.isfinite(out.logits).all(), "non-finite outputs"
+    assert torch.isfinite(out.loss), f"non-finite loss {out.loss}"
+    out.loss.backward()
+    bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+    assert not bad, f"non-finite gradients in {dtype}: {bad}"
+    for name, p in hf_posenc.encoding_module(model).named_parameters():
+        assert p.dtype == dtype, f"encoding parameter {name} is {p.dtype}, the model is {dtype}"

@@ -1,4 +1,4 @@
-"""The ``hf-posenc`` command: ``hf-posenc list`` and ``hf-posenc matrix``."""
+"""The ``hf-posenc`` command: ``hf-posenc list``, ``hf-posenc matrix`` and ``hf-posenc study`` (in ``study/``)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,12 @@ def _cmd_matrix(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_study(args: argparse.Namespace) -> int:
+    from . import study
+
+    return study.main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-posenc", description="Position encodings for Hugging Face models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -33,6 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_cmd_list)
     p = sub.add_parser("matrix", help="print the support matrix (markdown)")
     p.set_defaults(func=_cmd_matrix)
+    from .study import DESCRIPTION, add_arguments
+
+    p = sub.add_parser(
+        "study", help="train one small model per encoding, evaluate at 1x-8x the training length",
+        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(p)
+    p.set_defaults(func=_cmd_study)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,102 @@
+"""``hf-posenc study``: how do position encodings behave beyond the training length?
+
+Trains one small model per encoding (same initial weights, same batches) and evaluates each at 1x, 2x, 4x
+and 8x the training length; prints a markdown table and writes ``results.json``, ``table.md`` and
+``study.png``. Modules: ``data`` (corpus, synthetic tasks, digits), ``train`` (models, training,
+evaluation, :func:`run_study`), ``report`` (table, JSON, plot).
+
+From Python::
+
+    from hf_posenc.study import StudyConfig, run_study
+    results = run_study(StudyConfig(encodings=["rope", "alibi"], steps=100, out="out/study"))
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .train import DEFAULT_ENCODINGS, TEXT_TASKS, StudyConfig, run_study
+
+__all__ = [
+    "DEFAULT_ENCODINGS",
+    "DESCRIPTION",
+    "StudyConfig",
+    "add_arguments",
+    "config_from_args",
+    "main",
+    "run_study",
+]
+
+DESCRIPTION = """\
+Train one small model per position encoding and evaluate it at 1x, 2x, 4x and 8x the training length.
+Prints a markdown table; writes results.json, table.md and study.png to --out.
+Text (default): byte-level language modelling on the Python standard library's own source (no download),
+metric validation perplexity per byte. --task flip-flop|selective-copy|counting: the CoPE paper's synthetic
+tasks, metric answer accuracy. --family vit: scikit-learn's 8x8 digits upscaled, evaluated at larger image
+sizes, metric test accuracy."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``hf-posenc study``."""
+    d = StudyConfig()
+    p.add_argument("--encodings", nargs="+", default=list(DEFAULT_ENCODINGS), metavar="ENC",
+                   help="encodings to compare: names, 'name:key=value,...' for parameters (e.g. kerple:variant=power), "
+                   f"or 'all'. Default: {' '.join(DEFAULT_ENCODINGS)}")
+    p.add_argument("--family", choices=("llama", "gpt2", "vit"), default=d.family, help="model family (default llama)")
+    p.add_argument("--task", choices=(*TEXT_TASKS, "digits"), default=None,
+                   help="text (default on llama/gpt2), flip-flop, selective-copy, counting; digits (vit, the default there)")
+    p.add_argument("--train-len", type=int, default=None,
+                   help="training length: tokens (default 64), or the image side in pixels on vit (default 16)")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"training steps per model (default {d.steps})")
+    p.add_argument("--layers", type=int, default=d.layers, help=f"layers (default {d.layers})")
+    p.add_argument("--hidden", type=int, default=d.hidden, help=f"hidden size (default {d.hidden})")
+    p.add_argument("--heads", type=int, default=None, help="attention heads (default hidden / 16)")
+    p.add_argument("--batch", type=int, default=None, help="batch size (default 16; 64 on vit)")
+    p.add_argument("--lr", type=float, default=d.lr, help=f"peak AdamW learning rate (default {d.lr})")
+    p.add_argument("--seed", type=int, default=d.seed, help=f"seed: same seed, same numbers (default {d.seed})")
+    p.add_argument("--device", default=d.device, help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N")
+    p.add_argument("--threads", type=int, default=d.threads,
+                   help="torch CPU threads (default 1: tiny models gain little, and on small shared VMs two "
+                   "OpenMP threads stall whenever the other core is busy)")
+    p.add_argument("--out", default=d.out, metavar="DIR", help=f"output folder (default {d.out})")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="text file or folder to use instead of the standard library's source (--task text)")
+    p.add_argument("--factors", nargs="+", type=float, default=list(d.factors), metavar="F",
+                   help="evaluation lengths as multiples of --train-len (default 1 2 4 8; on vit, of the patch count)")
+    p.add_argument("--eval-tokens", type=int, default=d.eval_tokens,
+                   help=f"text: validation bytes scored at every length (default {d.eval_tokens})")
+    p.add_argument("--eval-sequences", type=int, default=d.eval_sequences,
+                   help=f"synthetic tasks: evaluation sequences per length (default {d.eval_sequences})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def config_from_args(args: argparse.Namespace) -> StudyConfig:
+    """A :class:`StudyConfig` from parsed ``hf-posenc study`` arguments."""
+    return StudyConfig(
+        encodings=args.encodings, family=args.family, task=args.task, train_len=args.train_len, steps=args.steps,
+        layers=args.layers, hidden=args.hidden, heads=args.heads, batch=args.batch, lr=args.lr, seed=args.seed,
+        device=args.device, threads=args.threads, out=args.out, data=args.data, factors=args.factors,
+        eval_tokens=args.eval_tokens, eval_sequences=args.eval_sequences, progress=not args.no_progress,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the study from parsed arguments: table on stdout, files in ``--out``. Exit status 1 if an
+    encoding failed (recorded in results.json), 2 for invalid options."""
+    try:
+        config = config_from_args(args).resolved()
+    except ValueError as e:
+        print(f"hf-posenc study: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        results = run_study(config)
+    except ValueError as e:  # bad data or lengths for the task; per-encoding failures are recorded instead
+        print(f"hf-posenc study: error: {e}", file=sys.stderr)
+        return 2
+    print(results["table"])
+    print()
+    files = results.get("files", {})
+    print(f"wrote {files.get('json')}, {files.get('table')}, {files.get('plot')} "
+          f"({results['wall_seconds']:.0f} s)")
+    return 1 if results["errors"] else 0

@@ -1,0 +1,581 @@
+"""Train one small model per encoding and evaluate it at several lengths: the engine of ``hf-posenc study``.
+
+:func:`run_study` takes a :class:`StudyConfig` and returns a JSON-ready dict (see ``report.py`` for the
+table, the JSON file and the plot). For each encoding it seeds torch with the study seed, builds the same
+model (same initial weights for everything but the encoding), patches it, trains it on the same batches
+in the same order, and evaluates it on the same evaluation data at every length. A model's numbers
+therefore do not depend on which other encodings are in the run.
+
+Three kinds of study:
+
+* ``text`` (Llama or GPT-2): next-byte prediction on a byte corpus (default: the Python standard
+  library's source). Metric: validation perplexity per byte, over the same validation bytes at every
+  evaluation length (``eval_tokens`` bytes, cut into windows of each length).
+* ``flip-flop``, ``selective-copy``, ``counting`` (Llama or GPT-2): the CoPE paper's synthetic tasks
+  (``data.py``). Metric: accuracy on the answer tokens, teacher-forced, over ``eval_sequences`` fresh
+  sequences per length.
+* ``digits`` (ViT): classification of scikit-learn's 8x8 digits upscaled to ``train_len`` pixels a side,
+  patch size 4; evaluated on the test images upscaled to larger sides. Metric: accuracy.
+
+Lengths: text and tasks are evaluated at ``factors`` (default 1, 2, 4, 8) times ``train_len`` tokens; ViT
+at sides ``patch * round(train_len * sqrt(f) / patch)``, i.e. about ``f`` times the training number of
+patches (16 px: 16, 24, 32, 44 px = 16, 36, 64, 121 patches).
+
+``learned`` on text gets a table of ``max(eval lengths)`` rows; the rows past ``train_len`` are never
+trained (training sequences are ``train_len`` long), so they keep their initial values: its numbers past
+1x show what an absolute table does beyond its training length, and the table marks them. On ViT the
+table is interpolated bicubically to the larger grids (``interpolate_pos_encoding=True``, as
+transformers does).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import random
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import encoding_module, patch_model
+from ..config import PosEncConfig
+from ..registry import get_encoding, list_encodings
+from . import data as D
+
+__all__ = ["DEFAULT_ENCODINGS", "TEXT_TASKS", "StudyConfig", "eval_lengths", "parse_encoding", "run_study"]
+
+#: The representative default set: one or two of each kind.
+DEFAULT_ENCODINGS: tuple[str, ...] = (
+    "nope", "sinusoidal", "learned", "rope", "alibi", "kerple", "fire", "fox", "cope", "sba",
+)
+#: Tasks for the text families (llama, gpt2); ``digits`` is the ViT task.
+TEXT_TASKS: tuple[str, ...] = ("text", *D.TASKS)
+VIT_PATCH = 4
+VIT_TASKS: tuple[str, ...] = ("digits",)
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class StudyConfig:
+    """Every setting of a study run (all recorded in ``results.json``).
+
+    ``None`` fields take a per-family default in :meth:`resolved`.
+    """
+
+    encodings: list[str] = field(default_factory=lambda: list(DEFAULT_ENCODINGS))
+    family: str = "llama"
+    task: str | None = None  # text families: "text" (default) or a synthetic task; vit: "digits"
+    train_len: int | None = None  # tokens (text, tasks: default 64) or image side in pixels (vit: default 16)
+    steps: int = 400
+    layers: int = 2
+    hidden: int = 64
+    heads: int | None = None  # default hidden // 16
+    batch: int | None = None  # default 16 (text, tasks), 64 (vit)
+    lr: float = 3e-3
+    seed: int = 0
+    device: str = "auto"
+    threads: int = 1
+    out: str | None = "out/study"
+    data: str | None = None
+    factors: list[float] = field(default_factory=lambda: [1, 2, 4, 8])
+    eval_tokens: int = 16384
+    eval_sequences: int = 128
+    progress: bool = True
+
+    def resolved(self) -> StudyConfig:
+        """A validated copy with every default filled in; ``ValueError`` naming what is allowed otherwise."""
+        c = StudyConfig(**asdict(self))
+        if c.family not in ("llama", "gpt2", "vit"):
+            raise ValueError(f"--family must be one of llama, gpt2, vit; got {c.family!r}")
+        vit = c.family == "vit"
+        if c.task is None:
+            c.task = "digits" if vit else "text"
+        allowed = VIT_TASKS if vit else TEXT_TASKS
+        if c.task not in allowed:
+            raise ValueError(f"--task {c.task!r} does not fit --family {c.family}; allowed: {', '.join(allowed)}")
+        if c.data is not None and c.task != "text":
+            raise ValueError("--data is the text corpus; it only applies to --task text")
+        if c.train_len is None:
+            c.train_len = 16 if vit else 64
+        if c.batch is None:
+            c.batch = 64 if vit else 16
+        if c.heads is None:
+            c.heads = max(1, c.hidden // 16)
+        for name in ("steps", "layers", "hidden", "heads", "batch", "threads", "eval_tokens", "eval_sequences"):
+            if not isinstance(getattr(c, name), int) or getattr(c, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(c, name)!r}")
+        if c.hidden % c.heads or (c.hidden // c.heads) % 2:
+            raise ValueError(f"--hidden {c.hidden} must be divisible by --heads {c.heads} into an even head size")
+        if not c.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {c.lr}")
+        if not c.factors or any(not f >= 1 for f in c.factors):
+            raise ValueError(f"--factors must be numbers >= 1, got {c.factors}")
+        c.factors = sorted({float(f) for f in c.factors})
+        if vit:
+            if c.train_len % VIT_PATCH or c.train_len < VIT_PATCH:
+                raise ValueError(f"--train-len is the image side on vit: a multiple of the patch size {VIT_PATCH}")
+        elif c.train_len < 4:
+            raise ValueError(f"--train-len must be >= 4 tokens, got {c.train_len}")
+        if not c.encodings:
+            raise ValueError("--encodings: give at least one encoding")
+        expanded: list[str] = []
+        for e in c.encodings:
+            if e == "all":
+                expanded += [n for n in list_encodings() if n not in expanded]
+            elif e not in expanded:
+                parse_encoding(e)  # validates the name and parameters
+                expanded.append(e)
+        c.encodings = expanded
+        return c
+
+
+def parse_encoding(spec: str) -> PosEncConfig:
+    """``"name"`` or ``"name:key=value,key=value"`` -> a validated ``PosEncConfig``.
+
+    Values are read as Python literals when they parse (``true``/``false`` too), else as strings:
+    ``kerple:variant=power``, ``rope:theta=500000``, ``fire:per_layer=true``.
+    """
+    import ast
+
+    name, _, rest = spec.partition(":")
+    params: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--encodings {spec!r}: parameters are key=value pairs separated by commas")
+        lowered = value.strip().lower()
+        if lowered in ("true", "false", "none"):
+            params[key.strip()] = {"true": True, "false": False, "none": None}[lowered]
+            continue
+        try:
+            params[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            params[key.strip()] = value.strip()
+    get_encoding(name)
+    return PosEncConfig.coerce(name, **params)
+
+
+def eval_lengths(config: StudyConfig) -> list[int]:
+    """Evaluation lengths: tokens (text, tasks) or image sides in pixels (vit), one per factor."""
+    c = config
+    if c.family == "vit":
+        sides = [VIT_PATCH * max(1, round(c.train_len * math.sqrt(f) / VIT_PATCH)) for f in c.factors]
+        return sorted(set(sides))
+    lengths = sorted({round(c.train_len * f) for f in c.factors})
+    if c.task == "flip-flop":
+        lengths = sorted({n + n % 2 for n in lengths})
+    return lengths
+
+
+# -- environment, determinism --------------------------------------------------------------------------
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: CUDA when available, else CPU. Anything else goes to ``torch.device`` (validated)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device {name!r}: {e}; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch reports no CUDA device here; use --device cpu or auto")
+    return device
+
+
+@contextmanager
+def deterministic(device: torch.device, threads: int) -> Iterator[None]:
+    """Deterministic algorithms (strict on CPU, warn-only on GPUs, where a few ops have no deterministic
+    kernel) and ``threads`` intra-op CPU threads; restores the previous settings on exit."""
+    prev = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    prev_threads = torch.get_num_threads()
+    prev_cudnn = torch.backends.cudnn.benchmark
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=device.type != "cpu")
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
+        torch.set_num_threads(prev_threads)
+        torch.backends.cudnn.benchmark = prev_cudnn
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device: torch.device, threads: int) -> dict[str, Any]:
+    """Versions and machine, for ``results.json``."""
+    import numpy
+    import transformers
+
+    from .. import __version__
+
+    env: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hf_posenc": __version__,
+        "numpy": numpy.__version__,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+        "torch_threads": threads if device.type == "cpu" else None,
+        "deterministic_algorithms": "strict" if device.type == "cpu" else "warn_only",
+        "hf_posenc_backend": os.environ.get("HF_POSENC_BACKEND"),
+    }
+    for mod in ("matplotlib", "sklearn"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except ImportError:
+            env[mod] = None
+    try:
+        env["load_average_at_start"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # pragma: no cover - not on every platform
+        env["load_average_at_start"] = None
+    return env
+
+
+# -- models ---------------------------------------------------------------------------------------------
+
+
+def build_model(config: StudyConfig, vocab_size: int) -> nn.Module:
+    """The unpatched model of the study (seed torch first). Text: a causal LM whose own maximum position
+    is ``train_len`` (what it is trained on); ViT: a classifier for 1-channel images of ``train_len`` px."""
+    c = config
+    if c.family == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(
+            vocab_size=vocab_size, hidden_size=c.hidden, intermediate_size=4 * c.hidden, num_hidden_layers=c.layers,
+            num_attention_heads=c.heads, num_key_value_heads=c.heads, max_position_embeddings=c.train_len,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
+        )
+        return LlamaForCausalLM(cfg)
+    if c.family == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(
+            vocab_size=vocab_size, n_embd=c.hidden, n_inner=4 * c.hidden, n_layer=c.layers, n_head=c.heads,
+            n_positions=c.train_len, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            bos_token_id=None, eos_token_id=None,
+        )
+        model = GPT2LMHeadModel(cfg)
+        model.loss_type = "ForCausalLM"  # transformers cannot infer it from the class name and warns
+        return model
+    from transformers import ViTConfig, ViTForImageClassification
+
+    cfg = ViTConfig(
+        image_size=c.train_len, patch_size=VIT_PATCH, num_channels=1, hidden_size=c.hidden,
+        num_hidden_layers=c.layers, num_attention_heads=c.heads, intermediate_size=4 * c.hidden,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=10,
+    )
+    return ViTForImageClassification(cfg)
+
+
+def study_encoding(spec: str, config: StudyConfig, max_len: int) -> tuple[PosEncConfig, list[str]]:
+    """The encoding config the study patches with, and notes for the report."""
+    enc = parse_encoding(spec)
+    notes: list[str] = []
+    if enc.name == "learned" and config.family != "vit":
+        if enc.params.get("max_positions") is None:
+            enc = enc.replace(max_positions=max_len)
+            notes.append(
+                f"table of {max_len} rows; rows {config.train_len}..{max_len - 1} are never trained "
+                "(training sequences are shorter), so past 1x it runs on initial values"
+            )
+    elif enc.name == "learned":
+        notes.append("table interpolated bicubically to larger grids (interpolate_pos_encoding=True)")
+    return enc, notes
+
+
+# -- training and evaluation ----------------------------------------------------------------------------
+
+
+def _lr_lambda(steps: int):
+    warmup = max(1, steps // 10)
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+    return f
+
+
+class _Data:
+    """What one study trains and evaluates on (built once, shared by every encoding)."""
+
+    def __init__(self, config: StudyConfig, lengths: list[int]) -> None:
+        c = config
+        self.config, self.lengths = c, lengths
+        self.corpus = self.task = self.digits = None
+        if c.task == "text":
+            self.corpus = D.load_corpus(c.data)
+            if self.corpus.train.numel() <= c.train_len:
+                raise ValueError(f"the training split has {self.corpus.train.numel()} bytes: too few for --train-len")
+            self.windows = D.eval_windows(self.corpus.val, lengths, c.eval_tokens)
+            self.vocab_size = 256
+        elif c.task == "digits":
+            self.digits = D.load_digits_images()
+            self.vocab_size = 0
+        else:
+            self.task = D.get_task(c.task)
+            for n in (c.train_len, *lengths):
+                self.task.check_length(n)
+            self.vocab_size = self.task.vocab_size
+            self.eval_sets = {}
+            for n in lengths:
+                rng = random.Random(_subseed(c.seed, "eval", n))
+                self.eval_sets[n] = D.task_batch(self.task, rng, c.eval_sequences, n)
+
+    def describe(self) -> dict[str, Any]:
+        c = self.config
+        if self.corpus is not None:
+            first = next(iter(self.windows.values()))
+            return {
+                **self.corpus.describe(),
+                "eval_bytes_per_length": int(first.numel()),
+                "eval": "the same validation bytes at every length, cut into windows; every byte but each "
+                "window's first is predicted from the bytes before it in its window",
+            }
+        if self.digits is not None:
+            return {**self.digits.describe(), "patch_size": VIT_PATCH}
+        return {**self.task.describe(), "eval_sequences_per_length": c.eval_sequences}
+
+    def train_batches(self) -> Iterator[tuple[dict[str, torch.Tensor], int]]:
+        """The training batches of one model: the same sequence for every encoding of a study."""
+        c = self.config
+        if self.corpus is not None:
+            gen = torch.Generator().manual_seed(_subseed(c.seed, "train"))
+            data = self.corpus.train
+            for _ in range(c.steps):
+                starts = torch.randint(0, data.numel() - c.train_len + 1, (c.batch,), generator=gen)
+                x = torch.stack([data[s : s + c.train_len] for s in starts.tolist()])
+                yield {"input_ids": x, "labels": x}, x.numel()
+        elif self.task is not None:
+            rng = random.Random(_subseed(c.seed, "train"))
+            for _ in range(c.steps):
+                x, y = D.task_batch(self.task, rng, c.batch, c.train_len)
+                yield {"input_ids": x, "labels": y}, x.numel()
+        else:
+            gen = torch.Generator().manual_seed(_subseed(c.seed, "train"))
+            x_all, y_all = self.digits.images("train", c.train_len)
+            for _ in range(c.steps):
+                idx = torch.randint(0, y_all.numel(), (c.batch,), generator=gen)
+                yield {"pixel_values": x_all[idx], "labels": y_all[idx]}, idx.numel()
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, length: int, device: torch.device) -> dict[str, Any]:
+        """Metrics of ``model`` at one evaluation length (tokens, or image side for ViT)."""
+        c = self.config
+        model.eval()
+        if self.corpus is not None:
+            windows = self.windows[length]
+            per_batch = max(1, 4096 // length)
+            total = tail = 0.0
+            n_total = n_tail = 0
+            for i in range(0, windows.shape[0], per_batch):
+                x = windows[i : i + per_batch].to(device)
+                logits = model(input_ids=x).logits.float()
+                nll = nn.functional.cross_entropy(
+                    logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="none"
+                ).view(x.shape[0], -1)
+                total += nll.sum().item()
+                n_total += nll.numel()
+                beyond = nll[:, c.train_len - 1 :]  # targets at positions >= train_len
+                tail += beyond.sum().item()
+                n_tail += beyond.numel()
+            loss = total / n_total
+            out = {"loss": loss, "perplexity": _exp(loss), "bits_per_byte": loss / math.log(2), "tokens": n_total}
+            if n_tail:
+                out["loss_beyond_train_len"] = tail / n_tail
+                out["perplexity_beyond_train_len"] = _exp(tail / n_tail)
+            out["metric"] = out["perplexity"]
+            return out
+        if self.task is not None:
+            x_all, y_all = self.eval_sets[length]
+            per_batch = max(1, 8192 // length)
+            correct = count = 0
+            loss_sum = 0.0
+            for i in range(0, x_all.shape[0], per_batch):
+                x, y = x_all[i : i + per_batch].to(device), y_all[i : i + per_batch].to(device)
+                logits = model(input_ids=x).logits[:, :-1].float()
+                target = y[:, 1:]
+                mask = target != -100
+                pred = logits.argmax(-1)
+                correct += (pred[mask] == target[mask]).sum().item()
+                count += mask.sum().item()
+                loss_sum += nn.functional.cross_entropy(logits[mask], target[mask], reduction="sum").item()
+            acc = correct / count
+            return {"accuracy": acc, "loss": loss_sum / count, "answers": count, "metric": acc}
+        x_all, y_all = self.digits.images("test", length)
+        correct = 0
+        loss_sum = 0.0
+        for i in range(0, y_all.numel(), 128):
+            x, y = x_all[i : i + 128].to(device), y_all[i : i + 128].to(device)
+            logits = model(pixel_values=x, interpolate_pos_encoding=True).logits.float()
+            correct += (logits.argmax(-1) == y).sum().item()
+            loss_sum += nn.functional.cross_entropy(logits, y, reduction="sum").item()
+        n = y_all.numel()
+        grid = length // VIT_PATCH
+        return {"accuracy": correct / n, "loss": loss_sum / n, "images": n, "patches": grid * grid,
+                "metric": correct / n}
+
+
+def _exp(x: float) -> float | None:
+    return math.exp(x) if x < 700 else None
+
+
+def _subseed(seed: int, *parts: Any) -> int:
+    """A stable 63-bit seed from the study seed and a purpose (no Python ``hash``, which is salted)."""
+    import hashlib
+
+    h = hashlib.sha256(repr((seed, *parts)).encode()).digest()
+    return int.from_bytes(h[:8], "little") >> 1
+
+
+def _train_and_eval(
+    spec: str, index: int, total: int, config: StudyConfig, data: _Data, device: torch.device
+) -> dict[str, Any]:
+    c = config
+    lengths = data.lengths
+    max_len = max(lengths)
+    enc, notes = study_encoding(spec, c, max_len)
+    result: dict[str, Any] = {"encoding": spec, "name": enc.name, "notes": notes}
+    if c.family not in enc.spec.families:
+        result.update(status="not_applicable",
+                      reason=f"{enc.name} does not support {c.family} (it supports {', '.join(enc.spec.families)})")
+        return result
+    torch.manual_seed(c.seed)
+    model = build_model(c, data.vocab_size)
+    patch_model(model, enc)
+    model.to(device)
+    result["position_encoding"] = dict(model.config.position_encoding)
+    result["parameters"] = sum(p.numel() for p in model.parameters())
+    result["encoding_parameters"] = sum(p.numel() for p in encoding_module(model).parameters())
+
+    from tqdm.auto import tqdm
+
+    opt = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(c.steps))
+    bar = tqdm(total=c.steps, desc=f"[{index}/{total}] {spec}", unit="step", disable=not c.progress,
+               mininterval=0.5, file=sys.stderr, dynamic_ncols=True)
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    model.train()
+    try:
+        for batch, _ in data.train_batches():
+            batch = {k: v.to(device) for k, v in batch.items()}
+            loss = model(**batch).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+        train_s = time.perf_counter() - t0
+        evals = []
+        t1 = time.perf_counter()
+        for n in lengths:
+            bar.set_postfix_str(f"loss={losses[-1]:.3f} eval {n}", refresh=True)
+            evals.append({"length": n, **data.evaluate(model, n, device)})
+        eval_s = time.perf_counter() - t1
+        shown = " ".join(_fmt_metric(e["metric"], c.task) for e in evals)
+        bar.set_postfix_str(f"loss={losses[-1]:.3f} | {shown}", refresh=True)
+    finally:
+        bar.close()
+    k = max(1, len(losses) // 20)
+    result.update(
+        status="ok",
+        train={"loss_first": losses[0], "loss_last": losses[-1],
+               "loss_last_10pct": sum(losses[-k * 2 :]) / len(losses[-k * 2 :]), "losses": losses,
+               "seconds": round(train_s, 3)},
+        eval=evals,
+        eval_seconds=round(eval_s, 3),
+    )
+    return result
+
+
+def _fmt_metric(v: float | None, task: str | None) -> str:
+    if v is None:
+        return "inf"
+    return f"{v:.2f}" if task == "text" else f"{100 * v:.1f}%"
+
+
+def run_study(config: StudyConfig) -> dict[str, Any]:
+    """Run a study and return its results (a JSON-ready dict); with ``config.out`` also write
+    ``results.json``, ``table.md`` and ``study.png`` there (``report.write_outputs``).
+
+    An encoding that raises while training or evaluating is recorded with ``status: "error"`` and its
+    traceback, and the study goes on; ``results["errors"]`` counts them.
+    """
+    from . import report
+
+    c = config.resolved()
+    device = resolve_device(c.device)
+    lengths = eval_lengths(c)
+    t0 = time.perf_counter()
+    with deterministic(device, c.threads):
+        env = environment(device, c.threads)
+        data = _Data(c, lengths)
+        results = []
+        for i, spec in enumerate(c.encodings, 1):
+            try:
+                results.append(_train_and_eval(spec, i, len(c.encodings), c, data, device))
+            except Exception as e:  # noqa: BLE001 - recorded, reported and counted: never silent
+                print(f"hf-posenc study: {spec} failed: {type(e).__name__}: {e}", file=sys.stderr)
+                results.append({"encoding": spec, "name": spec.partition(":")[0], "status": "error",
+                                "reason": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+    vit = c.family == "vit"
+    out: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "study": {
+            "family": c.family,
+            "task": c.task,
+            "metric": "perplexity" if c.task == "text" else "accuracy",
+            "higher_is_better": c.task != "text",
+            "length_unit": "image side (pixels)" if vit else "tokens",
+            "train_length": c.train_len,
+            "eval_lengths": lengths,
+            "eval_factors": [round((n / c.train_len) ** (2 if vit else 1), 4) for n in lengths],
+        },
+        "settings": {**asdict(c), "device_resolved": str(device), "optimizer": "AdamW(betas=(0.9, 0.95), "
+                     "weight_decay=0), linear warmup over the first 10% of steps then cosine to 0, grad clip 1.0",
+                     "intermediate_size": 4 * c.hidden, "vit_patch_size": VIT_PATCH if vit else None},
+        "environment": env,
+        "data": data.describe(),
+        "results": results,
+        "errors": sum(r["status"] == "error" for r in results),
+        "wall_seconds": round(time.perf_counter() - t0, 2),
+    }
+    try:
+        out["environment"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # pragma: no cover
+        pass
+    out["table"] = report.markdown_table(out)
+    if c.out is not None:
+        out["files"] = report.write_outputs(out, c.out)
+    return out

@@ -1,7 +1,8 @@
 # hf_posenc: every target sets up its own virtual environment (.venv) on first use.
 #
 #   make test     run the test suite
-#   make demo     run examples/quickstart.py (train a tiny ALiBi Llama, save, reload)
+#   make demo     run a default `hf-posenc study` (10 encodings, evaluated at 1x-8x the training length; out/study)
+#   make quickstart  run examples/quickstart.py (train a tiny ALiBi Llama, save, reload)
 #   make bench    run benchmarks/bench_forward.py (writes benchmarks/results/forward_<device>.json)
 #   make matrix   rewrite the README's support matrix from hf_posenc.support_matrix()
 #
@@ -12,7 +13,7 @@
 # A stamp file in .venv records a finished setup; it is redone when pyproject.toml changes.
 #
 # Extra arguments: make demo DEMO_ARGS="--steps 50"   make bench BENCH_ARGS="--lengths 512"
-#                  make test PYTEST_ARGS="-k alibi"
+#                  make test PYTEST_ARGS="-k alibi"  make quickstart QUICKSTART_ARGS="--steps 50"
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -24,22 +25,24 @@ TORCH_CPU_VERSION ?= 2.13.0
 # folder; elsewhere, e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu".
 TORCH_PIP_ARGS ?=
 # Extras of the package to install. The test extra includes Triton: its interpreter runs the kernel tests on CPU.
-EXTRAS ?= test
+# The study extra (matplotlib, scikit-learn) is what `make demo` (hf-posenc study) needs.
+EXTRAS ?= test,study
 PY := $(VENV)/bin/python
 comma := ,
 STAMP := $(VENV)/.hf_posenc-setup-$(subst $(comma),-,$(EXTRAS))
 
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
+QUICKSTART_ARGS ?=
 BENCH_ARGS ?=
 
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_NO_INPUT := 1
 
-.PHONY: help setup test demo bench matrix clean-venv
+.PHONY: help setup test demo quickstart bench matrix clean-venv
 
 help:
-	@sed -n '2,6p' Makefile | sed 's/^# *//'
+	@sed -n '2,7p' Makefile | sed 's/^# *//'
 
 setup: $(STAMP)
 
@@ -63,7 +66,10 @@ test: $(STAMP)
 	$(PY) -m pytest -q --durations=10 $(PYTEST_ARGS) tests/
 
 demo: $(STAMP)
-	$(PY) examples/quickstart.py $(DEMO_ARGS)
+	$(VENV)/bin/hf-posenc study $(DEMO_ARGS)
+
+quickstart: $(STAMP)
+	$(PY) examples/quickstart.py $(QUICKSTART_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_forward.py $(BENCH_ARGS)

@@ -4,17 +4,23 @@ from . import encodings as _encodings  # noqa: F401  (registers every encoding)
 from .api import describe, encoding_module, from_pretrained, patch_model, support_matrix
 from .config import PosEncConfig
 from .registry import list_encodings, register_encoding
+from .training import check_adapter, install_peft_hooks as _install_peft_hooks, load_adapter, trainable_modules
+
+_install_peft_hooks()  # the adapter checks of PeftModel.save_pretrained / load_adapter (see hf_posenc.training)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "PosEncConfig",
+    "check_adapter",
     "describe",
     "encoding_module",
     "from_pretrained",
     "list_encodings",
+    "load_adapter",
     "patch_model",
     "register_encoding",
     "support_matrix",
+    "trainable_modules",
     "__version__",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Mapping
@@ -22,6 +23,24 @@ from .registry import FAMILIES, get_encoding, list_encodings
 logger = logging.getLogger(__name__)
 
 __all__ = ["patch_model", "from_pretrained", "describe", "support_matrix", "encoding_module"]
+
+
+def _check_not_peft(model: Any) -> None:
+    """Patching under PEFT would replace modules PEFT wraps or tracks: the adapter would silently lose the
+    encoding (or its trained copy). Patch the base model first, then wrap it."""
+    fix = (
+        "patch the base model first, then wrap it with PEFT: hf_posenc.patch_model(model, ...); "
+        "get_peft_model(model, LoraConfig(..., modules_to_save=hf_posenc.trainable_modules(model))) "
+        "(or PeftModel.from_pretrained(model, adapter_dir) onto the patched model)"
+    )
+    if type(model).__module__.split(".")[0] == "peft":
+        raise TypeError(f"patch_model got a PEFT model ({type(model).__name__}); {fix}")
+    for name, module in model.named_modules():
+        if type(module).__module__.split(".")[0] == "peft":
+            raise ValueError(
+                f"patch_model got a model that already holds PEFT layers ({name}: {type(module).__name__}); {fix}. "
+                "To re-patch a fine-tuned model, merge first (peft_model.merge_and_unload())."
+            )
 
 
 def _check_model(model: Any) -> None:
@@ -45,7 +64,11 @@ def patch_model(
     The validated config, every parameter with its default filled in, is written to
     ``model.config.position_encoding``. Patching a patched model again switches it to the new encoding.
     The model gets its own copy of its config, so other models built from the same config are untouched.
+    Under PEFT, patch the base model before wrapping it: a ``PeftModel`` raises ``TypeError``, a model that
+    already holds PEFT layers ``ValueError``.
     """
+    if isinstance(model, nn.Module):
+        _check_not_peft(model)
     _check_model(model)
     family = get_family(getattr(model.config, "model_type", None))
     if name is None:
@@ -56,6 +79,8 @@ def patch_model(
             )
         if params:
             raise ValueError("parameters were given without an encoding name; pass the name too")
+        if isinstance(name, Mapping):  # a stored config, maybe from a newer hf_posenc: unknown keys warn
+            name = PosEncConfig.from_dict(name, unknown="warn")
     config = PosEncConfig.coerce(name, **params)
     spec = config.spec
     if family.family not in spec.families:
@@ -65,6 +90,11 @@ def patch_model(
     base = family.base_model(model)
     unshare_config(model)
     info = family.info(model.config)
+    if info.num_kv_heads < 1 or info.num_heads % info.num_kv_heads:
+        raise ValueError(
+            f"the model has {info.num_heads} query heads and {info.num_kv_heads} key/value heads; grouped-query "
+            "attention needs the query heads to be a multiple of the key/value heads"
+        )
     config = spec.cls.resolve(config, info)
     encoding = spec.cls(config, info)
     if not isinstance(getattr(base, "posenc", None), nn.Module):
@@ -162,15 +192,31 @@ def _quiet_transformers():
         logging.set_verbosity(level)
 
 
+#: weight files that would need unpickling: never loaded.
+_PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.bin.index.json")
+
+
 def _safetensors_files(path: Path) -> list[Path]:
+    """The safetensors weight files of a checkpoint directory (the shards of an index, or model.safetensors)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError, TypeError) as e:
+            raise ValueError(f"{index} is not a safetensors index (a JSON object with a 'weight_map'): {e}") from None
+        absent = [s for s in shards if not (path / s).is_file()]
+        if absent:
+            raise ValueError(f"{path}: shards named in model.safetensors.index.json are missing: {absent}")
         return [path / s for s in shards]
     single = path / "model.safetensors"
     if single.is_file():
         return [single]
-    raise ValueError(f"{path} holds no model.safetensors: hf_posenc loads safetensors checkpoints only")
+    pickled = sorted({f.name for pattern in _PICKLED for f in path.glob(pattern)})
+    found = f"; found {', '.join(pickled)}, which hf_posenc never loads (unpickling can run code)" if pickled else ""
+    raise ValueError(
+        f"{path} holds no model.safetensors (nor model.safetensors.index.json): hf_posenc loads safetensors "
+        f"checkpoints only{found}. Re-save the model with save_pretrained (safetensors is its default)"
+    )
 
 
 def _encoding_state(path: Path) -> dict[str, torch.Tensor]:
@@ -188,7 +234,20 @@ def _encoding_state(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _model_class(config: Any, model_class: type | None) -> type:
+    from transformers import PreTrainedModel
+
     if model_class is not None:
+        if not (isinstance(model_class, type) and issubclass(model_class, PreTrainedModel)):
+            raise TypeError(
+                f"model_class must be a transformers model class (e.g. LlamaForCausalLM), got {model_class!r}"
+            )
+        want = getattr(model_class, "config_class", None)
+        if want is not None and not isinstance(config, want):
+            raise ValueError(
+                f"model_class {model_class.__name__} takes a {want.__name__}, but the checkpoint's config is a "
+                f"{type(config).__name__} (model_type {getattr(config, 'model_type', None)!r}); pass a class of that "
+                "family, or None for the architecture the config names"
+            )
         return model_class
     import transformers
 
@@ -211,13 +270,36 @@ def from_pretrained(path: str | os.PathLike, model_class: type | None = None, **
         **kwargs: passed to ``model_class.from_pretrained`` (``dtype``, ``device_map``, ...).
             With ``output_loading_info=True`` returns ``(model, info)``, where ``info`` lists the keys
             missing from or unexpected in the checkpoint once the encoding is restored (empty when all match).
+
+    Safetensors only: a directory with only pickled weights (``pytorch_model.bin``, ...) and
+    ``use_safetensors=False`` are refused, and nothing is ever unpickled. A checkpoint that does not match its
+    config (a missing or misshapen weight of the model or of the encoding) raises ``ValueError`` naming the
+    keys, before anything is returned; the partly loaded model is dropped. Parameters in the stored
+    ``position_encoding`` that this version does not know (a checkpoint from a newer hf_posenc) give a
+    ``UserWarning`` naming them and are ignored.
     """
     from transformers import AutoConfig
 
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a local directory (str or os.PathLike), got {type(path).__name__}")
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"{path} is not a directory saved by save_pretrained")
+    if not (path / "config.json").is_file():
+        hint = (
+            " (accelerate's save_model writes the weights only: save with "
+            "accelerator.unwrap_model(model).save_pretrained(path))"
+            if any(path.glob("*.safetensors"))
+            else ""
+        )
+        raise ValueError(f"{path} holds no config.json, so it does not say which encoding to restore{hint}")
     want_info = bool(kwargs.pop("output_loading_info", False))
+    if kwargs.pop("use_safetensors", True) is False:
+        raise ValueError(
+            "use_safetensors=False: hf_posenc loads safetensors checkpoints only and never unpickles weights"
+        )
+    # Before transformers sees the directory: a checkpoint with only pickled weights is refused here.
+    files = _safetensors_files(path)
     config = AutoConfig.from_pretrained(path)
     stored = getattr(config, CONFIG_KEY, None)
     if stored is None:
@@ -226,37 +308,83 @@ def from_pretrained(path: str | os.PathLike, model_class: type | None = None, **
             "(load it with transformers, then call hf_posenc.patch_model)"
         )
     try:
-        pe_config = PosEncConfig.from_dict(stored)
+        # keys a newer hf_posenc wrote warn and are dropped; an unknown encoding or a bad value is an error
+        pe_config = PosEncConfig.from_dict(stored, unknown="warn")
     except (ValueError, TypeError) as e:
         raise type(e)(f"{path}: the checkpoint's {CONFIG_KEY} cannot be used by this hf_posenc: {e}") from None
     family = get_family(getattr(config, "model_type", None))
     cls = _model_class(config, model_class)
-    kwargs.setdefault("use_safetensors", True)
-    with _quiet_transformers():
-        model, info = cls.from_pretrained(path, config=config, output_loading_info=True, **kwargs)
-    patch_model(model, pe_config)
-    state = _encoding_state(path)
-    module = encoding_module(model)
-    missing, unexpected = module.load_state_dict(state, strict=False)
+    try:
+        model = _load_checked(path, files, config, pe_config, family, cls, kwargs)
+    except BaseException as e:
+        # Nothing half-loaded stays reachable: the frames that the traceback keeps alive drop their locals
+        # (the model built so far), here and in every chained exception.
+        seen = set()
+        while e is not None and id(e) not in seen:
+            seen.add(id(e))
+            traceback.clear_frames(e.__traceback__)
+            e = e.__cause__ or e.__context__
+        raise
+    if want_info:
+        return model, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
+    return model
+
+
+def _state_problems(expected: Mapping[str, torch.Tensor], found: Mapping[str, torch.Tensor]) -> list[str]:
+    """What differs between the state an encoding module expects and the one a checkpoint holds (keys, shapes,
+    float-ness), as phrases naming the keys; empty when they match."""
+    problems = []
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
     if missing or unexpected:
-        raise ValueError(
-            f"{path}: the encoding weights do not match {pe_config.name!r}: missing {sorted(missing)}, "
-            f"unexpected {sorted(unexpected)}"
+        problems.append(f"missing {missing}, unexpected {unexpected}")
+    for key in sorted(set(expected) & set(found)):
+        want, got = expected[key], found[key]
+        if tuple(got.shape) != tuple(want.shape):
+            problems.append(f"{key!r} has shape {tuple(got.shape)} in the checkpoint, {tuple(want.shape)} expected")
+        elif want.is_floating_point() and not got.is_floating_point():
+            problems.append(f"{key!r} is {got.dtype} in the checkpoint, a floating-point tensor expected")
+    return problems
+
+
+def _load_checked(path: Path, files: list[Path], config: Any, pe_config: PosEncConfig, family: Any, cls: type,
+                  kwargs: dict[str, Any]) -> nn.Module:
+    """Build ``cls`` from the checkpoint, patch it and restore the encoding's weights; ``ValueError`` naming the
+    keys when the checkpoint does not match its config (the model is then dropped, never returned)."""
+    # transformers raises on mismatched shapes only after logging a report (silenced here): ask it to report
+    # them to us instead, and raise with the keys and shapes. ignore_mismatched_sizes=True from the caller
+    # keeps transformers' meaning (those weights are newly initialised, with a warning).
+    tolerate = bool(kwargs.pop("ignore_mismatched_sizes", False))
+    with _quiet_transformers():
+        model, info = cls.from_pretrained(
+            path, config=config, output_loading_info=True, use_safetensors=True, ignore_mismatched_sizes=True, **kwargs
         )
     expected_missing = family.native_keys
     rest_missing = [k for k in info["missing_keys"] if not any(k == n or k.endswith("." + n) for n in expected_missing)]
-    mismatched = list(info.get("mismatched_keys", []))
-    if rest_missing or mismatched:
-        raise ValueError(
-            f"{path}: the checkpoint does not match {cls.__name__}: missing {sorted(rest_missing)}, "
-            f"mismatched {mismatched}"
+    mismatched = sorted(info.get("mismatched_keys", []), key=lambda m: str(m[0]))
+    shapes = [f"{k!r}: {tuple(a)} in the checkpoint, {tuple(b)} in the model" for k, a, b in mismatched]
+    if mismatched and tolerate:
+        logger.warning("%s: re-initialised (ignore_mismatched_sizes=True): %s", path, "; ".join(shapes))
+        shapes = []
+    if rest_missing or shapes:
+        found = ([f"missing {sorted(rest_missing)}"] if rest_missing else []) + (
+            [f"mismatched [{'; '.join(shapes)}]"] if shapes else []
         )
+        raise ValueError(f"{path}: the checkpoint does not match {cls.__name__} as its config describes it: {', '.join(found)}")
+    patch_model(model, pe_config)
+    module = encoding_module(model)
+    state = _encoding_state(path)
+    problems = _state_problems(module.state_dict(), state)
+    if problems:
+        raise ValueError(
+            f"{path}: the encoding weights do not match {pe_config.name!r} as its config describes it "
+            f"({pe_config.params}): {'; '.join(problems)}"
+        )
+    module.load_state_dict(state)
     # Weights the class does not use (a head, when loading the base model of a causal-LM checkpoint) are
     # left out, as transformers does.
     rest_unexpected = sorted(k for k in info["unexpected_keys"] if "posenc" not in k.split("."))
     if rest_unexpected:
         logger.info("%s: weights not used by %s: %s", path, cls.__name__, rest_unexpected)
     model.eval()
-    if want_info:
-        return model, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
     return model

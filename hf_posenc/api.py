@@ -153,7 +153,7 @@ def describe(model: nn.Module) -> dict[str, Any]:
 
 def _backend_summary(encoding: nn.Module, device: torch.device) -> str:
     """``torch`` when every op runs its PyTorch reference, else which ops run which kernel."""
-    attention = attention_backend(encoding)
+    attention = attention_backend(encoding, device)
     if not getattr(encoding, "uses_rotary_kernel", False) or device.type != "cuda":
         return attention
     from .backend import forced_backend

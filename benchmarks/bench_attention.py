@@ -322,7 +322,7 @@ def main(argv=None) -> int:
                     row["rel_err"] = guarded(check)
                 rows.append(row)
                 print(_line(row), flush=True)
-                del term, leaves
+                term = leaves = None  # free before the next shape
                 if cuda:
                     torch.cuda.empty_cache()
 

@@ -34,7 +34,7 @@ import hf_posenc
 from hf_posenc import PosEncConfig
 from hf_posenc.memory import ReferenceMemoryError, parse_size
 from hf_posenc.registry import FAMILIES, get_encoding
-from conftest import ENCODINGS, make_config, make_ids, make_model, make_pixels
+from conftest import ENCODINGS, make_config, make_ids, make_pixels
 
 DEEP = (IndexError, KeyError, AttributeError)
 

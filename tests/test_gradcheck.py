@@ -21,7 +21,6 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-import hf_posenc
 from hf_posenc.attention import posenc_attention
 from hf_posenc.encodings.base import PosContext, unwrap
 from hf_posenc.patches import get_family

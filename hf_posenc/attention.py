@@ -64,6 +64,8 @@ def attention_backend(encoding: object | None, device: torch.device | str | None
     )
     if not in_attention or forced == "torch":
         return "torch"
+    if forced is not None and forced in getattr(enc, "attention_kernels", ()):
+        return "torch"  # the encoding's ``attend`` dispatches to its own kernel (sba, cope) and raises if it cannot
     kinds = tuple(getattr(enc, "kernel_kinds", ()))
     if forced == "triton" and not kinds:
         raise ValueError(

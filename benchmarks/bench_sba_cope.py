@@ -318,7 +318,7 @@ def main(argv=None) -> int:
                     print(_line(row), flush=True)
                     if cuda:
                         torch.cuda.empty_cache()
-            del q, k, v, gout, table, bias
+            q = k = v = gout = table = bias = None  # free before the next shape
             if cuda:
                 torch.cuda.empty_cache()
 

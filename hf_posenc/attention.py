@@ -42,6 +42,8 @@ __all__ = ["ATTN_IMPLEMENTATION", "attention_backend", "posenc_attention", "regi
 ATTN_IMPLEMENTATION = "hf_posenc"
 #: query block of the causal bias path (see posenc_attention).
 _QUERY_BLOCK = 128
+#: query rows per step when a mask is checked for the kernels' form (causal + key padding).
+_MASK_CHECK_ROWS = 1024
 
 
 def attention_backend(encoding: object | None, device: torch.device | str | None = None) -> str:
@@ -176,10 +178,16 @@ def _key_validity(
         return ctx.memo[memo_key]
     m = mask[:, 0].expand(mask.shape[0], q_len, k_len)
     valid = m.any(dim=-2)  # (B|1, Lk): some query may see the key
-    expected = valid[:, None, :]
-    if causal:
-        expected = expected & _causal_mask(q_len, k_len, q_offset, mask.device)
-    if not torch.equal(m, expected.expand_as(m)):
+    same = True
+    for start in range(0, q_len, _MASK_CHECK_ROWS):  # chunks: no (B, Lq, Lk) temporaries at long L
+        stop = min(start + _MASK_CHECK_ROWS, q_len)
+        expected = valid[:, None, :]
+        if causal:
+            expected = expected & _causal_mask(stop - start, k_len, int(q_offset) + start, mask.device)
+        same = same and torch.equal(m[:, start:stop], expected.expand(m.shape[0], stop - start, k_len))
+        if not same:
+            break
+    if not same:
         result = (None, "the attention mask is not causal + key padding (e.g. packed sequences or a custom 4D "
                         "mask); the kernels take a per-batch key-valid vector")
     else:
@@ -244,6 +252,10 @@ def posenc_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention with the position terms of ``posenc_ctx`` (none when it is None).
+
+    The one place that picks the implementation (see :func:`attention_backend`): the fused Triton kernels
+    (or FlexAttention, when forced) with the encoding's ``kernel_term``; otherwise SDPA with the score bias
+    or the encoding's own ``attend``. Probabilities (``need_weights``) always come from the eager path.
 
     Args:
         module: the attention module; ``module.is_causal`` tells causal from bidirectional.

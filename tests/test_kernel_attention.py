@@ -18,7 +18,6 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-import hf_posenc
 from hf_posenc import attention as attention_module
 from hf_posenc.encodings.alibi import alibi_slopes
 from hf_posenc.encodings.base import PosContext
@@ -364,7 +363,8 @@ def test_forced_triton_refusals(interpret, monkeypatch):
     model = make_model("llama", encoding="kerple", train=True, config_overrides={"attention_dropout": 0.1})
     with pytest.raises(ValueError, match="attention dropout"):
         model(make_ids(1, 5))
-    # a 4D mask that is not causal + key padding (two packed documents)
+    # a 4D mask that is not causal + key padding (two packed documents; checked in chunks of 2 rows)
+    monkeypatch.setattr(attention_module, "_MASK_CHECK_ROWS", 2)
     model = make_model("llama", encoding="alibi")
     doc = torch.tensor([0, 0, 0, 1, 1, 1])
     mask = ((doc[:, None] == doc[None, :]) & torch.ones(6, 6, dtype=torch.bool).tril())[None, None]
@@ -382,6 +382,7 @@ def test_forced_flex(monkeypatch):
     CPU it says why it cannot)."""
     model = make_model("llama", encoding="t5")
     ids, mask = _padded_batch()
+    monkeypatch.setattr(attention_module, "_MASK_CHECK_ROWS", 4)  # the padding mask is recognised chunk by chunk
     with torch.no_grad():
         ref = model(ids, attention_mask=mask).logits
         monkeypatch.setenv("HF_POSENC_BACKEND", "flex")

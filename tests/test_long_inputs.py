@@ -5,10 +5,11 @@ A small model (1 layer, hidden 64, 4 heads, batch 1), as the references' O(L^2) 
 model, are what grows. Two forms:
 
 * always (CI): Llama, every encoding, L = 4096, forward under ``no_grad``; ViT, every encoding, a 32x32
-  patch grid (L = 1025), forward under ``no_grad``. About 1.5 minutes on one core of the 2-core CI machine
-  (cope, cape and fire take 10-20 s each at L = 4096; the rest a few seconds or less).
-* ``@pytest.mark.slow``, opt-in with ``HF_POSENC_SLOW=1`` (it takes about 15 minutes): Llama, GPT-2 and ViT
-  (a 64x64 grid, L = 4097), every encoding, forward and backward at L = 4096.
+  patch grid (L = 1025), forward under ``no_grad``. 35-45 s on one core of the 2-core CI machine (cope,
+  cape and fire take 5-20 s each at L = 4096, depending on the load; the rest a few seconds or less).
+* ``@pytest.mark.slow``, opt-in with ``HF_POSENC_SLOW=1`` (13 minutes, measured): Llama, GPT-2 and ViT (a
+  64x64 grid, L = 4097), every encoding, forward and backward at L = 4096 (peaks: under 7 GiB; cape, cope
+  and fire 6-7 GiB, the rest under 2 GiB). Skipped by default: a slow mark alone would still run in CI.
 
 Each test measures the peak resident memory of the forward (Linux: /proc/self/clear_refs resets the
 high-water mark, /proc/self/status reports it), checks it against the 24 GiB budget, and checks that the

@@ -220,7 +220,7 @@ class Cope(PositionEncoding):
     #: ``attend`` runs its own fused kernel for these backends (``hf_posenc.kernels.cope``; causal models).
     attention_kernels = ("triton",)
     relative = True  # contextual counts over keys j..i from gates σ(q·k); position_ids are never read
-    reference_footprint = (19.0, 28.0)  # float32 (B, H, Lq, Lk) tensors (hf_posenc.memory)
+    reference_footprint = (19.0, 30.0)  # float32 (B, H, Lq, Lk) tensors (hf_posenc.memory)
 
     def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:
         super().__init__(config, info)

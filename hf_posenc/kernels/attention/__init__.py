@@ -82,6 +82,11 @@ def kernel_unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         return f"the {term.kind} term is built for {heads} heads, the queries have {query.shape[1]}"
     if query.numel() == 0 or key.numel() == 0:
         return "empty tensors"
+    # offsets inside one (batch, head) slice are 32-bit in the kernels
+    q_len, k_len = query.shape[2], key.shape[2]
+    extent = max((q_len - 1) * max(query.stride(2), query.shape[1] * d), (k_len - 1) * max(key.stride(2), value.stride(2))) + d
+    if extent >= 2**31:
+        return f"a (batch, head) slice spans {extent} elements; the attention kernel addresses slices with 32-bit offsets"
     return None
 
 

@@ -39,7 +39,18 @@ Gradients of the term tensors, all reduced along tiles first (no atomics), in th
   rounding, since the rows of dS sum to 0).
 
 Masks: causal (j <= q_offset + i), a per-batch key-valid vector (padding; a row with no valid key gives
-0), bounds. Only Triton features present in 3.6 are used.
+0), bounds. Offsets inside one (b, h) slice are 32-bit (the slice base is 64-bit): (L − 1) · stride + D
+must stay below 2^31 (``fused_attention`` checks). Only Triton features present in 3.6 are used.
+
+Resources (checked offline: no GPU was available, so nothing here is timed). Every kernel compiles for
+sm_90 for every term, dtype and head dim 40 / 64 / 80 / 96 / 128 (``benchmarks/attention_resources.py``).
+``LAUNCH`` holds the largest tiles that need no register spills in bfloat16 (ptxas of Triton 3.9; 70 of 90
+half-precision configurations spill-free, the rest at most 40 bytes of stack; at most 148 KB of shared
+memory, which fits H100/H200 but not GPUs with ~100 KB per SM). The position terms cost registers: fire (two table
+gathers per pair) and shaw (per-row bucket accumulators) get smaller tiles than the plain kernel. Known
+costs not yet measured: every tile computes the causal/padding mask (no mask-free path for the tiles
+below the diagonal); the t5 and fire histograms loop over the buckets/cells present in a tile, which is
+one or two far from the diagonal but up to ~N/2 on the diagonal tile for fire (N = table size).
 """
 
 from __future__ import annotations
@@ -60,8 +71,8 @@ MAX_HEAD_DIM = 128
 # Launch parameters: (BLOCK_M, BLOCK_N, num_warps) per kernel, term group and head-dim class ("wide": padded
 # head dim 128, i.e. D = 80..128; "narrow": D <= 64). NOT TIMED: no GPU was available when this was written.
 # Chosen offline as the largest tiles whose sm_90 code (Triton 3.9 ptxas, bfloat16, causal, padding mask)
-# needs no register spills (shaw's dQ at D = 128: 16 bytes of stack); see the kernel docstring. A module
-# attribute, so that benchmarks can sweep it on a GPU. Float32 inputs use (32, 32, 4) / (64, 32, 8): they
+# needs no register spills (shaw's dQ at D = 128: 16 bytes of stack), by benchmarks/attention_resources.py
+# (compiles without a GPU). A module attribute, so that benchmarks can sweep it on a GPU. Float32 inputs use (32, 32, 4) / (64, 32, 8): they
 # still spill (3xTF32 products): a correctness path, not a fast one.
 _LIGHT = ("none", "alibi", "kerple_log", "kerple_pow", "fox")
 LAUNCH = {
@@ -126,7 +137,7 @@ def _log1p(x):
 
 
 @triton.jit
-def _fire_cells(delta, offs_m, b, Lq, TP1, TP2, TP3, tp_sb, N):
+def _fire_cells(delta, offs_m, b, Lq, TP1, TP2, TP3, tp_sb):
     """FIRE's fractional table cell u of each pair and what its gradients need: (u, psi, inv_norm, c, xs)."""
     dpos = tl.maximum(delta, 0).to(tl.float32)
     c = tl.load(TP2)
@@ -160,7 +171,7 @@ def _term_bias(
         bucket = tl.load(TP1 + rel, mask=ok, other=0)
         bias = tl.load(TP0 + h * TI1 + bucket, mask=ok, other=0.0)
     elif TERM == _FIRE:
-        u, psi, inv, c, xs, dpos = _fire_cells(delta, offs_m, b, Lq, TP1, TP2, TP3, tp_sb, TI0)
+        u, psi, inv, c, xs, dpos = _fire_cells(delta, offs_m, b, Lq, TP1, TP2, TP3, tp_sb)
         uc = tl.minimum(tl.maximum(u, 0.0), TI0 - 1.0)
         k0 = tl.minimum(tl.floor(uc), TI0 - 2.0)
         w = uc - k0
@@ -247,8 +258,7 @@ def _fwd_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < HEAD_D
-    rows64 = offs_m
-    q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows64[:, None] * sqm + offs_d[None, :],
+    q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqm + offs_d[None, :],
                 mask=(offs_m[:, None] < Lq) & dmask[None, :], other=0.0)
     k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
     v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
@@ -264,9 +274,8 @@ def _fwd_kernel(
         n_hi = Lk
     for start_n in range(0, n_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        cols64 = offs_n
         kv_mask = (offs_n[:, None] < Lk) & dmask[None, :]
-        k = tl.load(k_base + cols64[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
         s, ok, delta = _logits(q, k, offs_m, offs_n, b, h, H, Lq, Lk, q_offset, scale, VALID, svalb,
                                TP0, TP1, TP2, TP3, tp_sb, TI0, TI1, TERM, CAUSAL, HAS_VALID, F32)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -274,7 +283,7 @@ def _fwd_kernel(
         p = tl.exp2((s - m_safe[:, None]) * _LOG2E)
         alpha = tl.exp2((m_i - m_safe) * _LOG2E)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + cols64[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32)
         if TERM == _SHAW:
             idx = tl.minimum(tl.maximum(-delta, -TI0), TI0) + TI0
@@ -284,13 +293,13 @@ def _fwd_kernel(
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     row_ok = offs_m < Lq
-    tl.store(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + rows64[:, None] * som + offs_d[None, :],
+    tl.store(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * som + offs_d[None, :],
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
     lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.log(l_safe))
     tl.store(LSE + pid_bh.to(tl.int64) * Lq + offs_m, lse, mask=row_ok)
     if TERM == _SHAW:
         R = 2 * TI0 + 1
-        w_rows = (pid_bh.to(tl.int64) * Lq + rows64) * R
+        w_rows = (pid_bh.to(tl.int64) * Lq + offs_m) * R
         tl.store(W + w_rows[:, None] + r_cols[None, :], w_acc / l_safe[:, None],
                  mask=row_ok[:, None] & (r_cols[None, :] < R))
 
@@ -307,11 +316,10 @@ def _bwd_delta_kernel(
     h = pid_bh % H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    rows64 = offs_m
     mask = (offs_m[:, None] < Lq) & (offs_d[None, :] < HEAD_D)
-    o = tl.load(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + rows64[:, None] * som + offs_d[None, :],
+    o = tl.load(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * som + offs_d[None, :],
                 mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + rows64[:, None] * sdm + offs_d[None, :],
+    do = tl.load(DO + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + offs_m[:, None] * sdm + offs_d[None, :],
                  mask=mask, other=0.0).to(tl.float32)
     tl.store(DELTA + pid_bh.to(tl.int64) * Lq + offs_m, tl.sum(o * do, 1), mask=offs_m < Lq)
 
@@ -333,11 +341,10 @@ def _bwd_dkdv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < HEAD_D
-    cols64 = offs_n
     kv_mask = (offs_n[:, None] < Lk) & dmask[None, :]
-    k = tl.load(K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + cols64[:, None] * skn + offs_d[None, :],
+    k = tl.load(K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + offs_n[:, None] * skn + offs_d[None, :],
                 mask=kv_mask, other=0.0)
-    v = tl.load(V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + cols64[:, None] * svn + offs_d[None, :],
+    v = tl.load(V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + offs_n[:, None] * svn + offs_d[None, :],
                 mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -353,10 +360,9 @@ def _bwd_dkdv_kernel(
         dck = tl.zeros([BLOCK_N], tl.float32)
         for start_m in range(m_lo, Lq, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            rows64 = offs_m
             q_mask = (offs_m[:, None] < Lq) & dmask[None, :]
-            q = tl.load(q_base + rows64[:, None] * sqm + offs_d[None, :], mask=q_mask, other=0.0)
-            do = tl.load(do_base + rows64[:, None] * sdm + offs_d[None, :], mask=q_mask, other=0.0)
+            q = tl.load(q_base + offs_m[:, None] * sqm + offs_d[None, :], mask=q_mask, other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * sdm + offs_d[None, :], mask=q_mask, other=0.0)
             lse = tl.load(LSE + row_base + offs_m, mask=offs_m < Lq, other=float("inf"))
             dlt = tl.load(DELTA + row_base + offs_m, mask=offs_m < Lq, other=0.0)
             s, ok, delta = _logits(q, k, offs_m, offs_n, b, h, H, Lq, Lk, q_offset, scale, VALID, svalb,
@@ -366,7 +372,7 @@ def _bwd_dkdv_kernel(
             dp = _dot(do, tl.trans(v), F32)
             if TERM == _SHAW:
                 idx = tl.minimum(tl.maximum(-delta, -TI0), TI0) + TI0
-                w_rows = (row_base + rows64) * (2 * TI0 + 1)
+                w_rows = (row_base + offs_m) * (2 * TI0 + 1)
                 dp += tl.load(TP1 + w_rows[:, None] + idx, mask=ok, other=0.0)
             ds = p * (dp - dlt[:, None])
             dk += _dot(tl.trans(ds.to(q.dtype)), q, F32)
@@ -375,9 +381,9 @@ def _bwd_dkdv_kernel(
         if TERM == _FOX:
             tl.store(DCK + (b * H + h).to(tl.int64) * Lk + offs_n, -dck, mask=offs_n < Lk)
     out_mask = (offs_n[:, None] < Lk) & dmask[None, :]
-    tl.store(DK + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh + cols64[:, None] * sdkn + offs_d[None, :],
+    tl.store(DK + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh + offs_n[:, None] * sdkn + offs_d[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=out_mask)
-    tl.store(DV + b.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh + cols64[:, None] * sdvn + offs_d[None, :],
+    tl.store(DV + b.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh + offs_n[:, None] * sdvn + offs_d[None, :],
              dv.to(DV.dtype.element_ty), mask=out_mask)
 
 
@@ -398,12 +404,11 @@ def _bwd_dq_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < HEAD_D
-    rows64 = offs_m
     row_ok = offs_m < Lq
     q_mask = row_ok[:, None] & dmask[None, :]
-    q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows64[:, None] * sqm + offs_d[None, :],
+    q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqm + offs_d[None, :],
                 mask=q_mask, other=0.0)
-    do = tl.load(DO + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + rows64[:, None] * sdm + offs_d[None, :],
+    do = tl.load(DO + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + offs_m[:, None] * sdm + offs_d[None, :],
                  mask=q_mask, other=0.0)
     row_base = pid_bh.to(tl.int64) * Lq
     lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=float("inf"))
@@ -424,17 +429,16 @@ def _bwd_dq_kernel(
         n_hi = Lk
     for start_n in range(0, n_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        cols64 = offs_n
         kv_mask = (offs_n[:, None] < Lk) & dmask[None, :]
-        k = tl.load(k_base + cols64[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + cols64[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
         s, ok, delta = _logits(q, k, offs_m, offs_n, b, h, H, Lq, Lk, q_offset, scale, VALID, svalb,
                                TP0, TP1, TP2, TP3, tp_sb, TI0, TI1, TERM, CAUSAL, HAS_VALID, F32)
         p = tl.exp2((s - lse[:, None]) * _LOG2E)
         dp = _dot(do, tl.trans(v), F32)
         if TERM == _SHAW:
             idx = tl.minimum(tl.maximum(-delta, -TI0), TI0) + TI0
-            dp += tl.load(TP1 + (row_base + rows64)[:, None] * (2 * TI0 + 1) + idx, mask=ok, other=0.0)
+            dp += tl.load(TP1 + (row_base + offs_m)[:, None] * (2 * TI0 + 1) + idx, mask=ok, other=0.0)
         ds = p * (dp - dlt[:, None])
         dq += _dot(ds.to(k.dtype), k, F32)
         # -- gradients of the term tensors, reduced along the tile --
@@ -457,7 +461,7 @@ def _bwd_dq_kernel(
             bucket = tl.load(TP1 + rel, mask=ok, other=0)
             hist = _table_hist(hist, cells, bucket, ds, ds, ok, False)
         elif TERM == _FIRE:
-            u, psi, inv, c, xs, dpos = _fire_cells(delta, offs_m, b, Lq, TP1, TP2, TP3, tp_sb, TI0)
+            u, psi, inv, c, xs, dpos = _fire_cells(delta, offs_m, b, Lq, TP1, TP2, TP3, tp_sb)
             uc = tl.minimum(tl.maximum(u, 0.0), TI0 - 1.0)
             k0 = tl.minimum(tl.floor(uc), TI0 - 2.0)
             w = uc - k0
@@ -474,7 +478,7 @@ def _bwd_dq_kernel(
         elif TERM == _FOX:
             g0 += tl.sum(ds, 1)
 
-    tl.store(DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + rows64[:, None] * sdqm + offs_d[None, :],
+    tl.store(DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + offs_m[:, None] * sdqm + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
     if ROWG_N >= 1:
         tl.store(ROWG0 + row_base + offs_m, g0, mask=row_ok)
@@ -484,7 +488,7 @@ def _bwd_dq_kernel(
         tl.store(HIST + (pid_bh.to(tl.int64) * N_MBLOCKS + pid_m) * NHP + cells, hist)
     if TERM == _SHAW:
         R = 2 * TI0 + 1
-        tl.store(DQA + (row_base + rows64)[:, None] * R + r_cols[None, :], dqa * scale,
+        tl.store(DQA + (row_base + offs_m)[:, None] * R + r_cols[None, :], dqa * scale,
                  mask=row_ok[:, None] & (r_cols[None, :] < R))
 
 

@@ -45,9 +45,9 @@ Dp_i - Σ_{j' > j} dp with the row total Dp_i = Σ_j dp_ij, which is non-zero on
   with the per-query bias z_i[npos - 1]. dk, dv accumulated in registers and written once.
 
 The carry checkpoints, z and dz are allocated per chunk of (batch, key/value head) pairs within
-``CARRY_BUDGET_BYTES``: extra memory O(L·H·(npos + CARRY_SLOTS)). Only builtins of ``triton.language`` and Triton >= 3.3 features (``tl.gather``,
-``tl.associative_scan(reverse=)``, ``tl.reduce``) are used; the functions are jitted lazily per mode (see
-``hf_posenc.kernels._jit``). Bidirectional (ViT) CoPE is not done in-kernel: see the dispatcher.
+``CARRY_BUDGET_BYTES``: extra memory O(L·H·(npos + CARRY_SLOTS)). Only builtins of ``triton.language`` and
+Triton >= 3.3 features (``tl.gather``, ``tl.associative_scan(reverse=)``, ``tl.reduce``) are used; the
+functions are jitted lazily per mode (see ``hf_posenc.kernels._jit``). Bidirectional (ViT) CoPE is not done in-kernel: see the dispatcher.
 """
 
 from __future__ import annotations
@@ -524,7 +524,8 @@ def _forward(q, k, v, table, mask, scale, q_offset):
         table.stride(0), table.stride(1), sm_b, sm_m, sm_n,
         h, h // hkv, lq, lk, q_offset, scale, npos,
         D=d, BD=max(16, triton.next_power_of_2(d)), BM=bm, BN=bn, NP=_np(npos), HAS_MASK=mask is not None,
-        PREC=_precision(q.dtype), UPCAST=interpreting(), MONO=not interpreting(), TPREC=_table_precision(q.dtype), num_warps=warps,
+        PREC=_precision(q.dtype), UPCAST=interpreting(), MONO=not interpreting(), TPREC=_table_precision(q.dtype),
+        num_warps=warps,
     )
     return o, lse
 

@@ -169,7 +169,8 @@ def interpreting() -> bool:
     for it. Triton's own ``@jit`` library functions (``tl.sum``, ``tl.max``, and ``tl.zeros`` in recent
     versions) are decorated when triton is first imported, and an interpreted kernel that calls them fails
     ("Cannot call @triton.jit'd outside of the scope of a kernel") unless the variable was set before that
-    import; in this test-suite transformers imports triton first, so this kernel uses builtins only.
+    import. tests/conftest.py sets it before anything imports triton; this kernel still uses builtins only,
+    so that it also runs interpreted when a user sets the variable late.
     """
     try:
         from triton import knobs

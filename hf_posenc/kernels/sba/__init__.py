@@ -45,7 +45,8 @@ def _check(q, k, v, mask, q_offset, remainder, bias) -> None:
     if remainder not in _REMAINDERS:
         raise ValueError(f"remainder must be one of {_REMAINDERS}, got {remainder!r}")
     if remainder == "bias" and (bias is None or tuple(bias.shape) != (h, d)):
-        raise ValueError(f"remainder='bias' needs a bias of shape ({h}, {d}), got {None if bias is None else tuple(bias.shape)}")
+        got = None if bias is None else tuple(bias.shape)
+        raise ValueError(f"remainder='bias' needs a bias of shape ({h}, {d}), got {got}")
 
 
 def sba_backend(

@@ -32,10 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,38 +46,7 @@ METHODS = ("triton", "sdpa", "eager")
 KINDS = ("sba", "cope")
 
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return "cpu " + line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "cpu " + (platform.processor() or platform.machine())
-
-
-def slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
-
-
-def versions() -> dict:
-    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
-    for mod in ("triton", "transformers"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except ImportError:
-            out[mod] = None
-    try:
-        out["git_commit"] = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
-        ).stdout.strip() or None
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        out["git_dirty"] = bool(dirty.stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        out["git_commit"] = None
-    return out
+from _common import device_name, slug, versions  # noqa: E402  (benchmarks/ is on sys.path)
 
 
 class Timer:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["expand_kv", "masked_softmax", "upcast"]
+__all__ = ["eager_value_checks", "expand_kv", "masked_softmax", "upcast"]
 
 
 def expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -26,3 +26,13 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Ten
 def upcast(t: torch.Tensor) -> torch.Tensor:
     """At least float32: half/bfloat16 parameters are computed in float32, float64 stays float64 (gradcheck)."""
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def eager_value_checks(t: torch.Tensor) -> bool:
+    """Whether a check that reads the values of ``t`` may run: in eager mode and on a CPU tensor only.
+
+    Reading a value (``int(t.max())``) is a device-to-host synchronisation on an accelerator, and under
+    ``torch.compile`` (``torch.compiler.is_compiling()``) a data-dependent Python value breaks the graph
+    (``fullgraph=True`` fails). Checks that read values step aside there; shape and dtype checks never do.
+    """
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()

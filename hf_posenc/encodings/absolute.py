@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..config import PosEncConfig
+from ..ops import eager_value_checks
 from ..registry import param, register_encoding
 from .base import ModelInfo, PosContext, PositionEncoding
 
@@ -172,14 +173,16 @@ class Learned(PositionEncoding):
         if ctx.grid is None:
             pos = ctx.position_ids
             n = self.weight.shape[0]
-            top = int(pos.max()) if pos.numel() else 0
-            low = int(pos.min()) if pos.numel() else 0
-            if top >= n or low < 0:
-                raise ValueError(
-                    f"position {top if top >= n else low} is outside the learned table of {n} positions "
-                    f"(0 .. {n - 1}, max_positions={n}); use shorter inputs, non-negative position_ids, patch with a "
-                    "larger max_positions, or use a relative encoding"
-                )
+            # Reading the positions is a device sync (and a graph break under torch.compile): eager CPU only;
+            # elsewhere an out-of-range position surfaces as the embedding's own index error.
+            if pos.numel() and eager_value_checks(pos):
+                top, low = int(pos.max()), int(pos.min())
+                if top >= n or low < 0:
+                    raise ValueError(
+                        f"position {top if top >= n else low} is outside the learned table of {n} positions "
+                        f"(0 .. {n - 1}, max_positions={n}); use shorter inputs, non-negative position_ids, patch "
+                        "with a larger max_positions, or use a relative encoding"
+                    )
             return nn.functional.embedding(pos, self.weight).to(dtype)
         return self._vit_table(ctx).to(dtype)
 

@@ -262,7 +262,7 @@ class Fope(PositionEncoding):
         cos, sin, cls = ctx.memo[basis_key]
         c, s = self.combine(cos, sin, layer)
         c, s = upcast(c), upcast(s)  # float32 (float64 stays float64: gradcheck)
-        if cls is not None and bool(cls.any()):
+        if cls is not None:  # no `if cls.any()`: reading it is a sync and a graph break (torch.compile)
             mask = cls.to(c.device)[None, None, :, None]
             c = c.masked_fill(mask, 1.0)
             s = s.masked_fill(mask, 0.0)

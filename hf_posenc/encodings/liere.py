@@ -178,7 +178,7 @@ class Liere(BlockRotationEncoding):
         unique, inverse = torch.unique(coords.reshape(b * n, axes), dim=0, return_inverse=True)
         rot = self.rotations_at(unique, layer)  # (H, U, K, s, s)
         rot = rot[:, inverse].reshape(rot.shape[0], b, n, *rot.shape[2:]).transpose(0, 1)  # (B, H, L, K, s, s)
-        if cls is not None and bool(cls.any()):
+        if cls is not None:  # no `if cls.any()`: reading it is a sync and a graph break (torch.compile)
             eye = torch.eye(self.block_size, device=rot.device, dtype=rot.dtype)
             rot = torch.where(cls.to(rot.device)[None, None, :, None, None, None], eye, rot)
         return upcast(rot)  # float32 (float64 generators stay float64: gradcheck)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..encodings.base import ModelInfo, PosContext, unwrap
+from ..ops import eager_value_checks
 
 __all__ = [
     "FamilyPatch", "swap_class", "unshare_config", "require_ctx", "text_positions", "make_context", "check_token_ids",
@@ -67,8 +68,10 @@ def _is_integer(t: torch.Tensor) -> bool:
 def check_token_ids(input_ids: Any, embedding: nn.Module, two_d: bool) -> None:
     """``input_ids``: an integer tensor ((batch, length) when ``two_d``) of ids inside the embedding table.
 
-    The range is checked on CPU tensors only (elsewhere reading the ids would synchronise the device in every
-    forward); out-of-range ids otherwise surface as torch's IndexError from the embedding.
+    Type and shape are checked always (they are Python facts, free under ``torch.compile``). The id range reads
+    tensor values, so it is checked only in eager mode on CPU tensors (see :func:`eager_value_checks`): elsewhere
+    reading the ids would synchronise the device in every forward, and under ``torch.compile`` it would break
+    the graph. Out-of-range ids then surface as torch's own index error from the embedding.
     """
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
@@ -80,7 +83,7 @@ def check_token_ids(input_ids: Any, embedding: nn.Module, two_d: bool) -> None:
     if two_d and input_ids.dim() != 2:
         raise ValueError(f"input_ids must have shape (batch, length), got {tuple(input_ids.shape)}")
     size = getattr(embedding, "num_embeddings", None)
-    if size is not None and input_ids.device.type == "cpu" and input_ids.numel():
+    if size is not None and input_ids.numel() and eager_value_checks(input_ids):
         low, high = int(input_ids.min()), int(input_ids.max())
         if low < 0 or high >= size:
             raise ValueError(

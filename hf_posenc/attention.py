@@ -164,16 +164,30 @@ def _bias_mask(
     return out
 
 
+def _offset_key(q_offset: int | torch.Tensor) -> int | tuple[str, int]:
+    """A memo key for ``q_offset`` that never reads a tensor's value (that would be a device sync and a graph
+    break): an int is its own key; a tensor offset (a StaticCache's, cloned once per forward and shared by
+    every layer) is keyed by identity within the per-forward memo."""
+    return q_offset if isinstance(q_offset, int) else ("tensor", id(q_offset))
+
+
 def _key_validity(
     ctx: PosContext, mask: torch.Tensor | None, causal: bool, q_len: int, k_len: int, q_offset: int | torch.Tensor
 ) -> tuple[torch.Tensor | None, str | None]:
     """The kernels' form of ``mask``: (key_valid (B|1, Lk) bool or None, None), or (None, reason) when the
-    mask is not causal (at ``q_offset``) + key padding. Checked once per forward (memoised in ``ctx``)."""
+    mask is not causal (at ``q_offset``) + key padding. Checked once per forward (memoised in ``ctx``).
+
+    The check reads the mask's values (one device sync per forward, in eager mode). Under ``torch.compile``
+    that read would break the graph, so there the answer is a reason (the ``torch`` engine runs the call,
+    unless a backend is forced)."""
     if mask is None:
         return None, None
     if mask.dim() != 4 or mask.shape[1] != 1:
         return None, f"the kernels take no per-head attention mask (got shape {tuple(mask.shape)})"
-    memo_key = ("kernel_key_valid", mask.data_ptr(), tuple(mask.shape), mask.stride(), causal, int(q_offset), q_len)
+    if torch.compiler.is_compiling():
+        return None, ("under torch.compile an attention mask's form (causal + key padding) cannot be checked "
+                      "without reading it (a graph break)")
+    memo_key = ("kernel_key_valid", mask.data_ptr(), tuple(mask.shape), mask.stride(), causal, _offset_key(q_offset), q_len)
     if memo_key in ctx.memo:
         return ctx.memo[memo_key]
     m = mask[:, 0].expand(mask.shape[0], q_len, k_len)
@@ -183,7 +197,7 @@ def _key_validity(
         stop = min(start + _MASK_CHECK_ROWS, q_len)
         expected = valid[:, None, :]
         if causal:
-            expected = expected & _causal_mask(stop - start, k_len, int(q_offset) + start, mask.device)
+            expected = expected & _causal_mask(stop - start, k_len, q_offset + start, mask.device)
         same = same and torch.equal(m[:, start:stop], expected.expand(m.shape[0], stop - start, k_len))
         if not same:
             break
@@ -236,8 +250,7 @@ def _kernel_attention(
         return None
     run = fused_attention if backend == "triton" else flex_attention_term
     extra = {} if backend == "triton" else {"memo": ctx.memo}
-    return run(query, key, value, term, scale=scaling, causal=causal, q_offset=int(q_offset), key_valid=key_valid,
-               **extra)
+    return run(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset, key_valid=key_valid, **extra)
 
 
 def posenc_attention(
@@ -309,7 +322,9 @@ def posenc_attention(
         return out.transpose(1, 2).contiguous(), None
 
     mask = _full_mask(attention_mask, causal, q_len, k_len, q_offset, query.device)
-    if not (causal and q_len >= 2 * _QUERY_BLOCK):
+    # The query-block path slices by the offset, so it needs a Python int: a tensor offset (a StaticCache's)
+    # takes the one-mask path instead (reading it would sync the device and break a compiled graph).
+    if not (causal and q_len >= 2 * _QUERY_BLOCK and isinstance(q_offset, int)):
         float_mask = _bias_mask(posenc_ctx, mask, bias, query.dtype)
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=float_mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa
@@ -317,7 +332,7 @@ def posenc_attention(
         return out.transpose(1, 2).contiguous(), None
     # Causal with a bias: split the queries into blocks and give each block only the keys it can see
     # (query i is key q_offset + i), so the fused kernel skips the masked upper triangle.
-    first = int(q_offset)
+    first = q_offset
     if attention_mask is None:  # causal only: -inf is needed just above the diagonal of each block
         float_mask = _causal_block_mask(posenc_ctx, bias, query.dtype, q_len, first)
     else:

@@ -54,6 +54,7 @@ from torch.nn import functional as F
 
 from ..config import PosEncConfig
 from ..kernels.attention.terms import KernelTerm
+from ..ops import eager_value_checks
 from ..registry import param, register_encoding
 from .base import ModelInfo, PosContext, PositionEncoding, relative_positions
 
@@ -201,6 +202,8 @@ class Fire(PositionEncoding):
             raise ValueError(
                 f"fire expects position_ids of shape (batch, {q_len}) for {q_len} queries, got {tuple(pos.shape)}"
             )
-        if pos.shape[0] > 1 and bool((pos == pos[:1]).all()):
-            pos = pos[:1]  # the usual unpadded batch: one bias for every row
+        # The usual unpadded batch: one bias for every row. Reading the rows is a sync (and a graph break under
+        # torch.compile), so it is done in eager mode on CPU only; elsewhere the bias keeps one row per sequence.
+        if pos.shape[0] > 1 and eager_value_checks(pos) and bool((pos == pos[:1]).all()):
+            pos = pos[:1]
         return pos

@@ -30,6 +30,13 @@ from .base import ModelInfo, PosContext, PositionEncoding, relative_positions
 __all__ = ["Sandwich"]
 
 
+def _table_length(q_offset: int | torch.Tensor, q_len: int, k_len: int) -> int:
+    """Distances 0 .. n − 1 cover every text pair: query i is key ``q_offset + i`` among Lk keys. A tensor offset
+    (a StaticCache's) is not read (a device sync, a graph break): the queries are among the keys there, so
+    ``q_offset + Lq <= Lk`` and Lk is enough."""
+    return k_len if isinstance(q_offset, torch.Tensor) else max(k_len, q_offset + q_len)
+
+
 @dataclass
 class SandwichParams:
     dim: int | None = param(
@@ -73,7 +80,7 @@ class Sandwich(PositionEncoding):
         if ctx.grid is not None:
             return None
         q_len, k_len = query.shape[2], key.shape[2]
-        length = max(k_len, int(ctx.q_offset) + q_len)
+        length = _table_length(ctx.q_offset, q_len, k_len)
         memo_key = ("sandwich_table", length, query.device)
         if memo_key not in ctx.memo:
             ctx.memo[memo_key] = self.distance_table(length, query.device)
@@ -103,7 +110,8 @@ class Sandwich(PositionEncoding):
         if rel.is_grid:
             values, index = torch.unique(d, return_inverse=True)
         else:
-            values = torch.arange(int(d.max()) + 1 if d.numel() else 1, device=device, dtype=torch.float32)
+            # every text distance is below _table_length (reading d.max() would be a sync and a graph break)
+            values = torch.arange(_table_length(ctx.q_offset, q_len, k_len), device=device, dtype=torch.float32)
             index = d.long()
         table = torch.cos(values[:, None] * inv_freq).sum(-1) - dim / 2
         cos_sum = table[index]

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...ops import eager_value_checks
+
 __all__ = ["FLEX_KINDS", "KERNEL_KINDS", "KernelTerm"]
 
 #: every kind the Triton kernel implements, in the order of its compile-time ids.
@@ -101,8 +103,13 @@ class KernelTerm:
         if self.kind == "fox":
             if tuple(t["c"].shape) != (b, h, k_len):
                 raise ValueError(f"fox c must be (B, H, Lk) = {(b, h, k_len)}, got {tuple(t['c'].shape)}")
-            if int(q_offset) + q_len > k_len:
-                raise ValueError(f"fox needs the queries among the keys: q_offset + Lq <= Lk, got {int(q_offset)} + {q_len} > {k_len}")
+            # A tensor offset (a StaticCache's) is read only in eager mode on CPU: elsewhere that is a device sync
+            # (and a graph break under torch.compile), and a StaticCache keeps its queries among its keys anyway.
+            if isinstance(q_offset, torch.Tensor) and not eager_value_checks(q_offset):
+                return
+            offset = int(q_offset)
+            if offset + q_len > k_len:
+                raise ValueError(f"fox needs the queries among the keys: q_offset + Lq <= Lk, got {offset} + {q_len} > {k_len}")
 
     # -- constructors -------------------------------------------------------------------------------
     @classmethod

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ...ops import eager_value_checks
 from .._attn_dispatch import choose, common_unsupported
 from .naive import cope_reference
 
@@ -34,9 +35,12 @@ def _check(q, k, v, table, mask, q_offset) -> None:
         raise ValueError(f"k and v must be (B, Hkv, Lk, D) with q's B and D, got {tuple(k.shape)}, {tuple(v.shape)}")
     if h % k.shape[1]:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({k.shape[1]})")
-    offset = int(q_offset)
-    if offset < 0 or offset + lq > k.shape[2]:
-        raise ValueError(f"q_offset={offset} with {lq} queries needs q_offset + Lq <= Lk={k.shape[2]}")
+    # A tensor offset (a StaticCache's) is read in eager mode on CPU only (elsewhere: a device sync per layer, a
+    # graph break under torch.compile); a StaticCache keeps its queries among its keys.
+    if not isinstance(q_offset, torch.Tensor) or eager_value_checks(q_offset):
+        offset = int(q_offset)
+        if offset < 0 or offset + lq > k.shape[2]:
+            raise ValueError(f"q_offset={offset} with {lq} queries needs q_offset + Lq <= Lk={k.shape[2]}")
     if table.dim() != 2 or table.shape[0] != d or table.shape[1] < 1:
         raise ValueError(f"table must be (head_dim={d}, npos_max), got {tuple(table.shape)}")
     if mask is not None and (mask.dim() != 4 or mask.shape[0] not in (1, b) or mask.shape[1] != 1

@@ -26,6 +26,10 @@ Details, following the PyTorch listing of FIRE in the paper's appendix (class ``
   False shares one FIRE across all layers (its bias is then built once per forward when not training).
   The per-layer parameters are stored stacked, one row per layer (``fc1_weight`` (layers, hidden),
   ``fc1_bias``, ``fc2_weight`` (layers, H, hidden), ``fc2_bias``, ``log_c`` (layers,), ``log_threshold``).
+* ``fc2_bias`` (the last ``nn.Linear``'s bias, kept as in the listing) has no effect on the output on text:
+  it adds one constant per head to every score of a row, which the softmax cancels, so its gradient is 0 in
+  exact arithmetic (computed gradients are rounding noise). On ViT it does act: pairs with the CLS token
+  get no term, so it shifts the patch keys against the CLS key.
 
 Text: i is the query's logical position ``ctx.position_ids`` (B|1, Lq), so the normaliser follows the
 KV cache (a decode step's query sits at a large i) and left padding (position_ids are shifted by the

@@ -172,10 +172,20 @@ def test_kernel_bidirectional(interpret, kind):
     check(kind, (2, 4, 2, 45, 77, 40), torch.float32, causal=False, seed=3)
 
 
+@pytest.mark.parametrize("offset", ["int", "tensor"])
 @pytest.mark.parametrize("kind", ["kerple_pow", "t5", "shaw", "fox"])
-def test_kernel_decode_with_empty_cache_slots(interpret, kind):
-    """One query at key 30 of 50 (a StaticCache with empty slots after it: causality hides them)."""
-    check(kind, (2, 4, 1, 1, 50, 40), torch.float32, causal=True, seed=4, padding=True, q_offset=30)
+def test_kernel_decode_with_empty_cache_slots(interpret, kind, offset):
+    """One query at key 30 of 50 (a StaticCache with empty slots after it: causality hides them). A StaticCache
+    gives the offset as a tensor: the kernels load it on the device (the host never reads it)."""
+    q_offset = 30 if offset == "int" else torch.tensor(30)
+    check(kind, (2, 4, 1, 1, 50, 40), torch.float32, causal=True, seed=4, padding=True, q_offset=q_offset)
+
+
+@pytest.mark.parametrize("kind", ["alibi", "fire", "fox"])
+def test_kernel_tensor_offset_chunk(interpret, kind):
+    """A 21-query chunk at key offset 56 given as a tensor: forward and every gradient (fox's gate gradient
+    lands on the queries' key indices, placed by the tensor offset) as with the int offset."""
+    check(kind, SHAPE_CHUNK, torch.float32, causal=True, seed=5, q_offset=torch.tensor(SHAPE_CHUNK[4] - SHAPE_CHUNK[3]))
 
 
 @pytest.mark.parametrize("d", [64, 80, 96, 128])

@@ -245,11 +245,12 @@ def _table_hist(acc, cells, cid, v0, v1, ok, TWO: tl.constexpr):
 def _fwd_kernel(
     Q, K, V, O, LSE, W, VALID, TP0, TP1, TP2, TP3,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som, svalb, tp_sb,
-    H, G, Lq, Lk, q_offset, scale, TI0, TI1,
+    H, G, Lq, Lk, QOFF, scale, TI0, TI1,
     TERM: tl.constexpr, CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     RP: tl.constexpr, F32: tl.constexpr,
 ):
+    q_offset = tl.load(QOFF)  # a device tensor: the host never reads the offset (no sync, CUDA-graph safe)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -329,11 +330,12 @@ def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, VALID, TP0, TP1, TP2, TP3, DCK,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
     svalb, tp_sb,
-    H, HKV, G, Lq, Lk, q_offset, scale, TI0, TI1,
+    H, HKV, G, Lq, Lk, QOFF, scale, TI0, TI1,
     TERM: tl.constexpr, CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     F32: tl.constexpr,
 ):
+    q_offset = tl.load(QOFF)
     pid_n = tl.program_id(0)
     pid_bg = tl.program_id(1)
     b = pid_bg // HKV
@@ -391,11 +393,12 @@ def _bwd_dkdv_kernel(
 def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, VALID, TP0, TP1, TP2, TP3, ROWG0, ROWG1, HIST, DQA,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, sdqb, sdqh, sdqm, svalb, tp_sb,
-    H, G, Lq, Lk, q_offset, scale, TI0, TI1, N_MBLOCKS,
+    H, G, Lq, Lk, QOFF, scale, TI0, TI1, N_MBLOCKS,
     TERM: tl.constexpr, CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     RP: tl.constexpr, NHP: tl.constexpr, ROWG_N: tl.constexpr, HAS_HIST: tl.constexpr, F32: tl.constexpr,
 ):
+    q_offset = tl.load(QOFF)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -524,12 +527,13 @@ class _Launch:
     """The static description of one call: term id, constants, tile sizes, strides of the term tensors."""
 
     def __init__(self, term: KernelTerm, q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool,
-                 q_offset: int, has_valid: bool) -> None:
+                 q_offset: int | torch.Tensor, has_valid: bool) -> None:
         self.kind = term.kind
         self.term_id = _TERM_ID[term.kind]
         self.scale = float(scale)
         self.causal = bool(causal)
-        self.q_offset = int(q_offset)
+        # (1,) int32 on the device, loaded by the kernels: a tensor offset (a StaticCache's) is never read here
+        self.q_offset = torch.as_tensor(q_offset).to(device=q.device, dtype=torch.int32).reshape(1)
         self.has_valid = has_valid
         b, h, lq, d = q.shape
         self.b, self.h, self.lq, self.d = b, h, lq, d
@@ -719,7 +723,8 @@ def _term_grads(L: _Launch, needs, tensors, rowg, hist, dqa, dck) -> list[torch.
         grads[0] = dqa
     elif L.kind == "fox":
         dc = dck.clone()
-        dc[:, :, L.q_offset : L.q_offset + L.lq] += rowg[0]
+        rows = L.q_offset.long() + torch.arange(L.lq, device=dc.device)  # the queries' key indices
+        dc.index_add_(2, rows, rowg[0])
         grads[0] = dc
     return [g if (n and g is not None) else None for g, n in zip(grads, needs)]
 
@@ -732,7 +737,7 @@ def fused_attention(
     *,
     scale: float,
     causal: bool,
-    q_offset: int = 0,
+    q_offset: int | torch.Tensor = 0,
     key_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention with ``term`` in the Triton kernels; same contract as ``naive.attention_reference``.
@@ -743,7 +748,8 @@ def fused_attention(
         term: the position term.
         scale: logit scale.
         causal: query i sees keys j <= q_offset + i only.
-        q_offset: key index of the first query (an int).
+        q_offset: key index of the first query: an int, or a 0-d/1-element integer tensor (a StaticCache's)
+            that the kernels load on the device (never read on the host).
         key_valid: (B|1, Lk) bool, False on keys no query may see, or None.
 
     Returns:

@@ -134,13 +134,16 @@ def test_sba_matches_reference(interpret, dtype):
     check(run_both(fn, ref, (q, k, v), (), do), TOL[dtype], ["out", "dq", "dk", "dv"])
 
 
+@pytest.mark.parametrize("offset", ["int", "tensor"])
 @pytest.mark.parametrize("remainder", ["current", "bias"])
-def test_sba_padding_offset_options(interpret, remainder):
-    """Left padding, Lq < Lk, the diagonal as a breakpoint, and the remainder options (with the bias's gradient)."""
+def test_sba_padding_offset_options(interpret, remainder, offset):
+    """Left padding, Lq < Lk, the diagonal as a breakpoint, and the remainder options (with the bias's gradient).
+    A tensor offset (a StaticCache's) is loaded by the kernels on the device, never read on the host."""
     q, k, v, do = make_qkv(SHAPE_OFFSET, torch.float32, seed=2)
     b, h, _, lq, lk, d = SHAPE_OFFSET
     bias = torch.randn(h, d, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    fn, ref = _sba(padding_mask(SHAPE_OFFSET), d**-0.5, lk - lq, True, remainder)
+    q_offset = lk - lq if offset == "int" else torch.tensor(lk - lq, device=DEVICE)
+    fn, ref = _sba(padding_mask(SHAPE_OFFSET), d**-0.5, q_offset, True, remainder)
     extra = (bias,) if remainder == "bias" else ()
     names = ["out", "dq", "dk", "dv", "dbias"]
     check(run_both(fn, ref, (q, k, v), extra, do), TOL[torch.float32], names)
@@ -204,15 +207,16 @@ def test_cope_matches_reference(interpret, dtype):
     check(run_both(fn, ref, (q, k, v), (_table(SHAPE[-1], 16),), do), TOL[dtype], names)
 
 
-@pytest.mark.parametrize("npos", [1, 64])
-def test_cope_padding_offset_npos(interpret, npos):
-    """Left padding, Lq < Lk; npos 1 (always clamped), 64 (never clamped here).
+@pytest.mark.parametrize("npos,offset", [(1, "int"), (64, "int"), (64, "tensor")])
+def test_cope_padding_offset_npos(interpret, npos, offset):
+    """Left padding, Lq < Lk; npos 1 (always clamped), 64 (never clamped here); the offset as an int or as a
+    tensor (a StaticCache's: the kernels load it on the device).
 
     With npos = 1 the position logit q_i·e[0] is the same for every key of a row and cancels in the softmax:
     the table's gradient is zero up to rounding, and is checked as such."""
     q, k, v, do = make_qkv(SHAPE_OFFSET, torch.float32, seed=9)
     b, h, _, lq, lk, d = SHAPE_OFFSET
-    fn, ref = _cope(padding_mask(SHAPE_OFFSET), d**-0.5, lk - lq)
+    fn, ref = _cope(padding_mask(SHAPE_OFFSET), d**-0.5, lk - lq if offset == "int" else torch.tensor(lk - lq, device=DEVICE))
     names = ["out", "dq", "dk", "dv", "dtable"]
     pairs = run_both(fn, ref, (q, k, v), (_table(d, npos),), do)
     if npos == 1:

@@ -13,7 +13,7 @@
 The kernels are causal (text models). The bidirectional generalisation of the encoding on ViT (raster-order
 counts in both directions, a second table, CLS excluded; see ``hf_posenc/encodings/cope.py``) is computed by
 the reference: on CUDA the encoding uses the reference for it, and forcing ``triton`` on ViT raises.
-Query i is key ``q_offset + i`` (a tensor offset, from a StaticCache, is read with ``int()``).
+Query i is key ``q_offset + i`` (a tensor offset, from a StaticCache, is loaded by the kernels on the device, never read on the host).
 """
 
 from __future__ import annotations
@@ -103,5 +103,5 @@ def cope(
         from .triton_cope import cope_triton
 
         last = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)]
-        return cope_triton(*last, table, mask, scale, int(q_offset))
+        return cope_triton(*last, table, mask, scale, q_offset)
     return cope_reference(q, k, v, table, mask, scale, q_offset)

@@ -172,10 +172,11 @@ def _bins(wa, wb, fi, BM: tl.constexpr, BN: tl.constexpr, NP: tl.constexpr, LOG2
 def _cope_fwd(
     Q, K, V, E, O, LSE, M,
     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_m, se_d, se_t, sm_b, sm_m, sm_n,
-    H, G, LQ, LK, Q_OFF, scale, NPOS,
+    H, G, LQ, LK, Q_OFF_PTR, scale, NPOS,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NP: tl.constexpr,
     HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, MONO: tl.constexpr, TPREC: tl.constexpr,
 ):
+    Q_OFF = tl.load(Q_OFF_PTR)  # the query offset, a device tensor: never read on the host
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -240,11 +241,12 @@ def _cope_bwd_q(
     Q, K, V, E, O, DO, LSE, DQ, DZQ, ZQB, ZL, DELTA, DTOT, GK, SK, M,
     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_m, sd_b, sd_h, sd_m,
     sdq_b, sdq_h, sdq_m, se_d, se_t, sm_b, sm_m, sm_n,
-    H, G, HKV, PAIR0, LQ, LK, Q_OFF, scale, NPOS, CSTRIDE, NSLOT,
+    H, G, HKV, PAIR0, LQ, LK, Q_OFF_PTR, scale, NPOS, CSTRIDE, NSLOT,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NP: tl.constexpr,
     LOG2_BN: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, MONO: tl.constexpr,
     TPREC: tl.constexpr,
 ):
+    Q_OFF = tl.load(Q_OFF_PTR)  # the query offset, a device tensor: never read on the host
     mb = tl.program_id(0)
     lbh = tl.program_id(1)
     pair = PAIR0 + lbh // G
@@ -351,10 +353,11 @@ def _cope_bwd_kv(
     Q, K, V, DO, DK, DV, LSE, ZQB, ZL, DELTA, DTOT, GK, SK, M,
     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sd_b, sd_h, sd_m,
     sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n, sm_b, sm_m, sm_n,
-    H, G, HKV, PAIR0, LQ, LK, Q_OFF, scale, NPOS, CSTRIDE, NSLOT,
+    H, G, HKV, PAIR0, LQ, LK, Q_OFF_PTR, scale, NPOS, CSTRIDE, NSLOT,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NP: tl.constexpr,
     HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, MONO: tl.constexpr,
 ):
+    Q_OFF = tl.load(Q_OFF_PTR)  # the query offset, a device tensor: never read on the host
     pid_n = tl.program_id(0)
     lpair = tl.program_id(1)
     pair = PAIR0 + lpair
@@ -623,7 +626,7 @@ def cope_triton(
     table: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
-    q_offset: int,
+    q_offset: int | torch.Tensor,
 ) -> torch.Tensor:
     """Causal CoPE attention with the Triton kernels (inputs validated by the dispatcher).
 
@@ -632,9 +635,11 @@ def cope_triton(
             ``SUPPORTED_DTYPES``; D <= 128.
         table: (D, npos) position embeddings (any float dtype; read in float32).
         mask: (B|1, 1, Lq, Lk) bool or None; causality by index is always applied.
-        q_offset: query i is key ``q_offset + i``.
+        q_offset: query i is key ``q_offset + i``: an int, or a 1-element integer tensor the kernels load.
 
     Returns:
         (B, H, Lq, D) in q's dtype (a transposed view of a (B, Lq, H, D) tensor).
     """
-    return CopeFunction.apply(q, k, v, table, mask, float(scale), int(q_offset))
+    # (1,) int32 on the device, loaded by the kernels: a tensor offset (a StaticCache's) is never read on the host
+    offset = torch.as_tensor(q_offset).to(device=q.device, dtype=torch.int32).reshape(1)
+    return CopeFunction.apply(q, k, v, table, mask, float(scale), offset)

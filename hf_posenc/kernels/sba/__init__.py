@@ -12,7 +12,7 @@
 
 Every option of the encoding runs in-kernel: ``attend_current`` (the diagonal as a breakpoint) and the three
 ``remainder`` modes (``discard``, ``current``, ``bias``). Causal only: sba is text-only (the encoding refuses
-ViT). Query i is key ``q_offset + i`` (a tensor offset, from a StaticCache, is read with ``int()``).
+ViT). Query i is key ``q_offset + i`` (a tensor offset, from a StaticCache, is loaded by the kernels on the device, never read on the host).
 """
 
 from __future__ import annotations
@@ -105,5 +105,5 @@ def stick_breaking(
         from .triton_sba import sba_triton
 
         last = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)]
-        return sba_triton(*last, mask, scale, int(q_offset), attend_current, remainder, bias)
+        return sba_triton(*last, mask, scale, q_offset, attend_current, remainder, bias)
     return sba_reference(q, k, v, mask, scale, q_offset, attend_current, remainder, bias)

@@ -159,11 +159,12 @@ def _sba_fwd(
     Q, K, V, O, R, BIAS, M,
     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_m, sr_b, sr_h, sr_m,
     sm_b, sm_m, sm_n,
-    H, G, LQ, LK, Q_OFF, scale,
+    H, G, LQ, LK, Q_OFF_PTR, scale,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     ATTEND_CURRENT: tl.constexpr, REMAINDER: tl.constexpr, HAS_MASK: tl.constexpr, SAVE_RES: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    Q_OFF = tl.load(Q_OFF_PTR)  # the query offset, a device tensor: never read on the host
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -224,11 +225,12 @@ def _sba_bwd_q(
     Q, K, V, O, R, DO, DQ, TT, REST, CK, SK, M,
     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_m, sr_b, sr_h, sr_m,
     sd_b, sd_h, sd_m, sdq_b, sdq_h, sdq_m, sm_b, sm_m, sm_n,
-    H, G, HKV, PAIR0, LQ, LK, Q_OFF, scale, CSTRIDE, NSLOT,
+    H, G, HKV, PAIR0, LQ, LK, Q_OFF_PTR, scale, CSTRIDE, NSLOT,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     ATTEND_CURRENT: tl.constexpr, REMAINDER: tl.constexpr, HAS_MASK: tl.constexpr, HAS_RES: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    Q_OFF = tl.load(Q_OFF_PTR)  # the query offset, a device tensor: never read on the host
     pid_m = tl.program_id(0)
     lbh = tl.program_id(1)  # (pair, head of the group) within this chunk
     pair = PAIR0 + lbh // G
@@ -299,10 +301,11 @@ def _sba_bwd_kv(
     Q, K, V, DO, DK, DV, TT, CK, SK, M,
     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sd_b, sd_h, sd_m,
     sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n, sm_b, sm_m, sm_n,
-    H, G, HKV, PAIR0, LQ, LK, Q_OFF, scale, CSTRIDE, NSLOT,
+    H, G, HKV, PAIR0, LQ, LK, Q_OFF_PTR, scale, CSTRIDE, NSLOT,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     ATTEND_CURRENT: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    Q_OFF = tl.load(Q_OFF_PTR)  # the query offset, a device tensor: never read on the host
     pid_n = tl.program_id(0)
     lpair = tl.program_id(1)
     pair = PAIR0 + lpair
@@ -538,7 +541,7 @@ class SbaFunction(torch.autograd.Function):
             if remainder == "current":  # o_i += r_i v_{q_i}: dv at the queries' own keys
                 own = weighted.view(b, hkv, h // hkv, lq, d).sum(2)
                 dv = dv.float()
-                dv[:, :, q_offset:q_offset + lq] += own
+                dv.index_add_(2, q_offset.long() + torch.arange(lq, device=dv.device), own.to(dv.dtype))
                 dv = dv.to(v.dtype)
             elif ctx.needs_input_grad[4]:
                 dbias = weighted.sum(dim=(0, 2)).to(bias.dtype)
@@ -551,7 +554,7 @@ def sba_triton(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
-    q_offset: int,
+    q_offset: int | torch.Tensor,
     attend_current: bool = False,
     remainder: str = "discard",
     bias: torch.Tensor | None = None,
@@ -568,4 +571,6 @@ def sba_triton(
     Returns:
         (B, H, Lq, D) in q's dtype (a transposed view of a (B, Lq, H, D) tensor).
     """
-    return SbaFunction.apply(q, k, v, mask, bias, float(scale), int(q_offset), bool(attend_current), remainder)
+    # (1,) int32 on the device, loaded by the kernels: a tensor offset (a StaticCache's) is never read on the host
+    offset = torch.as_tensor(q_offset).to(device=q.device, dtype=torch.int32).reshape(1)
+    return SbaFunction.apply(q, k, v, mask, bias, float(scale), offset, bool(attend_current), remainder)

@@ -82,7 +82,8 @@ def main() -> None:
     parser.add_argument("--encodings", nargs="+", default=list(DEFAULT_ENCODINGS))
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--compile-mode", default=None,
-                        help='torch.compile mode (default: "reduce-overhead" on CUDA, as generate does; "default" elsewhere)')
+                        help='torch.compile mode (default: "reduce-overhead" on CUDA, as generate does; '
+                             '"default" elsewhere)')
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)

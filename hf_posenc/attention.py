@@ -187,7 +187,9 @@ def _key_validity(
     if torch.compiler.is_compiling():
         return None, ("under torch.compile an attention mask's form (causal + key padding) cannot be checked "
                       "without reading it (a graph break)")
-    memo_key = ("kernel_key_valid", mask.data_ptr(), tuple(mask.shape), mask.stride(), causal, _offset_key(q_offset), q_len)
+    memo_key = (
+        "kernel_key_valid", mask.data_ptr(), tuple(mask.shape), mask.stride(), causal, _offset_key(q_offset), q_len
+    )
     if memo_key in ctx.memo:
         return ctx.memo[memo_key]
     m = mask[:, 0].expand(mask.shape[0], q_len, k_len)

@@ -216,7 +216,8 @@ def test_cope_padding_offset_npos(interpret, npos, offset):
     the table's gradient is zero up to rounding, and is checked as such."""
     q, k, v, do = make_qkv(SHAPE_OFFSET, torch.float32, seed=9)
     b, h, _, lq, lk, d = SHAPE_OFFSET
-    fn, ref = _cope(padding_mask(SHAPE_OFFSET), d**-0.5, lk - lq if offset == "int" else torch.tensor(lk - lq, device=DEVICE))
+    q_offset = lk - lq if offset == "int" else torch.tensor(lk - lq, device=DEVICE)
+    fn, ref = _cope(padding_mask(SHAPE_OFFSET), d**-0.5, q_offset)
     names = ["out", "dq", "dk", "dv", "dtable"]
     pairs = run_both(fn, ref, (q, k, v), (_table(d, npos),), do)
     if npos == 1:

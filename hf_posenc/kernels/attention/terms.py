@@ -109,7 +109,9 @@ class KernelTerm:
                 return
             offset = int(q_offset)
             if offset + q_len > k_len:
-                raise ValueError(f"fox needs the queries among the keys: q_offset + Lq <= Lk, got {offset} + {q_len} > {k_len}")
+                raise ValueError(
+                    f"fox needs the queries among the keys: q_offset + Lq <= Lk, got {offset} + {q_len} > {k_len}"
+                )
 
     # -- constructors -------------------------------------------------------------------------------
     @classmethod

@@ -13,7 +13,8 @@
 The kernels are causal (text models). The bidirectional generalisation of the encoding on ViT (raster-order
 counts in both directions, a second table, CLS excluded; see ``hf_posenc/encodings/cope.py``) is computed by
 the reference: on CUDA the encoding uses the reference for it, and forcing ``triton`` on ViT raises.
-Query i is key ``q_offset + i`` (a tensor offset, from a StaticCache, is loaded by the kernels on the device, never read on the host).
+Query i is key ``q_offset + i`` (a tensor offset, from a StaticCache, is loaded
+by the kernels on the device, never read on the host).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@
 
 Every option of the encoding runs in-kernel: ``attend_current`` (the diagonal as a breakpoint) and the three
 ``remainder`` modes (``discard``, ``current``, ``bias``). Causal only: sba is text-only (the encoding refuses
-ViT). Query i is key ``q_offset + i`` (a tensor offset, from a StaticCache, is loaded by the kernels on the device, never read on the host).
+ViT). Query i is key ``q_offset + i`` (a tensor offset, from a StaticCache, is loaded
+by the kernels on the device, never read on the host).
 """
 
 from __future__ import annotations

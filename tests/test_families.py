@@ -91,6 +91,28 @@ def test_learned_reproduces_native_bert(head):
     assert torch.equal(getattr(got, attr), getattr(want, attr))
 
 
+def test_gemma3_scaled_global_rotary_and_static_cache():
+    """Gemma 3 with linear scaling (factor 8, as its larger checkpoints) on the global layer only: rope uses each
+    layer's own rotary; greedy generation with a StaticCache (its local layer's sliding cache layer becomes a
+    full one, and the mask generate built for it is rebuilt) gives the native tokens."""
+    over = {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}}
+    native = make_model("gemma3_text", config_overrides=over)
+    patched = make_model("gemma3_text", config_overrides=over, encoding="rope")
+    ids, mask = padded_prompts()
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0, cache_implementation="static",
+              output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        pos = positions_from_mask(mask)
+        want = native(ids, attention_mask=mask, position_ids=pos, use_cache=False).logits[mask.bool()]
+        got = patched(ids, attention_mask=mask, position_ids=pos, use_cache=False).logits[mask.bool()]
+        assert torch.equal(got, want)
+        want, got = native.generate(ids, **kw), patched.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.scores, want.scores):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_gpt_neox_sequential_residual_and_full_rotary():
     """GPT-NeoX with use_parallel_residual=False and rotary_pct=1: still the native model."""
     over = {"use_parallel_residual": False, "rotary_pct": 1.0}

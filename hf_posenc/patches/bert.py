@@ -46,8 +46,9 @@ class PosEncBertModel(BertModel):
     ):
         if kwargs.get("encoder_hidden_states") is not None:
             raise ValueError("a patched BERT is an encoder; it takes no encoder_hidden_states")
-        if pop_cache(kwargs) is not None or kwargs.pop("use_cache", None):
-            raise ValueError("a patched BERT is an encoder; it takes no KV cache (use_cache must be False)")
+        if pop_cache(kwargs) is not None:
+            raise ValueError("a patched BERT is an encoder; it takes no KV cache")
+        kwargs.pop("use_cache", None)  # as the native encoder: no cache, whatever use_cache says
         if input_ids is not None and inputs_embeds is None:
             check_token_ids(input_ids, self.embeddings.word_embeddings, two_d=True)
             shape, device = input_ids.shape, input_ids.device

@@ -82,18 +82,18 @@ def cache_arg(cls: type) -> str:
     return next((name for name in CACHE_ARGS if name in params), "past_key_values")
 
 
-def full_cache_layers(cache: Any) -> None:
+def full_cache_layers(cache: Any) -> bool:
     """Replace the empty sliding-window layers of ``cache`` by full layers (in place).
 
     hf_posenc's encodings place key j of a layer at absolute position j; a sliding-window cache layer drops
     its oldest keys, so the keys it returns no longer start at position 0. The window itself is kept by the
     attention mask. Raises ``ValueError`` for a sliding layer that already holds keys, or a static one
-    shorter than the cache (its full length is lost).
+    shorter than the cache (its full length is lost). Returns whether a layer was replaced.
     """
     inner = getattr(cache, "self_attention_cache", cache)
     layers = getattr(inner, "layers", None)
     if not isinstance(layers, list) or not any(getattr(layer, "is_sliding", False) for layer in layers):
-        return
+        return False
     from transformers.cache_utils import DynamicLayer, StaticLayer
 
     full_lengths = [getattr(layer, "max_cache_len", None) for layer in layers if not getattr(layer, "is_sliding", False)]
@@ -119,6 +119,27 @@ def full_cache_layers(cache: Any) -> None:
             layers[i] = StaticLayer(max_cache_len=length)
         else:
             layers[i] = DynamicLayer()
+    return True
+
+
+def window_masks_for_full_cache(masks: dict, window: int, device: torch.device) -> dict:
+    """``generate`` builds the masks of a static cache before the first forward, with the sizes of its sliding
+    layers; once they are full layers (see :func:`full_cache_layers`, which runs on an empty cache, so the
+    queries are keys 0 .. Lq-1) the sliding-window mask is rebuilt over the full keys: the full-attention
+    mask (causal + padding, (B, 1, Lq, Lk) bool) restricted to the window, as transformers'
+    ``sliding_window_overlay`` (key j > query i - window)."""
+    full = masks.get("full_attention")
+    if "sliding_attention" not in masks or not isinstance(full, torch.Tensor):
+        raise ValueError(
+            "hf_posenc cannot rebuild the sliding-window mask that generate prepared for a static cache with "
+            "sliding layers (no full-attention mask to build it from); use a DynamicCache"
+        )
+    if full.dtype != torch.bool:
+        full = full > torch.finfo(full.dtype).min / 2
+    q_len, k_len = full.shape[-2:]
+    q_idx = torch.arange(q_len, device=device)[:, None]
+    k_idx = torch.arange(k_len, device=device)[None, :]
+    return {**masks, "sliding_attention": full & (k_idx > q_idx - window)}
 
 
 @dataclass(frozen=True)
@@ -197,8 +218,8 @@ class PatchedDecoderModel:
             from transformers.cache_utils import DynamicCache
 
             cache = DynamicCache(config=self.config)  # here, so that its sliding layers are replaced below
-        if cache is not None:
-            full_cache_layers(cache)
+        if cache is not None and full_cache_layers(cache) and isinstance(attention_mask, dict):
+            attention_mask = window_masks_for_full_cache(attention_mask, self.config.sliding_window, inputs_embeds.device)
         position_ids, past = text_positions(
             inputs_embeds.shape[1], inputs_embeds.device, position_ids, cache, batch=inputs_embeds.shape[0]
         )

@@ -260,3 +260,38 @@ def test_lora_with_trainable_modules_reloads(tmp_path, family, encoding):
         got = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(input_ids=ids).logits
     assert torch.equal(got, expected)
 
+
+
+# -- BERT: every encoding in its bidirectional form ------------------------------------------------------
+
+
+@pytest.mark.parametrize("encoding", [e for e in ENCODINGS if "bert" in get_encoding(e).families])
+def test_bert_is_bidirectional(encoding):
+    """Every encoding BERT takes: the first token's output depends on a later token (no causal order), and the
+    output is finite. The bidirectional 1D forms are in each encoding's docstring."""
+    model = make_model("bert", "base", encoding=encoding)
+    ids = make_ids(1, 10)
+    later = ids.clone()
+    later[0, 7] = (ids[0, 7] + 1 - 3) % 94 + 3
+    with torch.no_grad():
+        a, b = model(ids).last_hidden_state, model(later).last_hidden_state
+    assert torch.isfinite(a).all()
+    assert (a[0, 0] - b[0, 0]).abs().max() > 1e-4
+
+
+def test_fire_and_cope_bidirectional_text_forms():
+    """FIRE on BERT: f(psi(|i - j|) / psi(max(L, n - 1))), symmetric in i and j and varying with the distance
+    (the causal form would give every later key distance 0). CoPE on BERT: a second table for keys after the
+    query, which gets a gradient."""
+    from hf_posenc.encodings.base import PosContext
+
+    fire = hf_posenc.encoding_module(make_model("bert", encoding="fire"))
+    ctx = PosContext(encoding=fire, info=fire.info, position_ids=torch.arange(6)[None])
+    bias = fire.score_bias(ctx, 6, 6, torch.device("cpu"))[0]  # (H, L, L)
+    assert torch.equal(bias, bias.transpose(-1, -2))
+    assert not torch.allclose(bias[:, 0, 1], bias[:, 0, 4])
+    model = make_model("bert", encoding="cope", train=True)
+    ids = make_ids(2, 8)
+    model(input_ids=ids, labels=ids).loss.backward()
+    cope = hf_posenc.encoding_module(model)
+    assert cope.pos_emb_after.grad is not None and cope.pos_emb_after.grad.abs().sum() > 0

@@ -209,7 +209,9 @@ class Rope(PositionEncoding):
             raise ValueError(f"rope needs an even head_dim, got {info.head_dim}")
         rotary_dim = info.rotary_dim or info.head_dim
         if rotary_dim % 2 or not 0 < rotary_dim <= info.head_dim:
-            raise ValueError(f"rope needs an even number of rotated dims in 2 .. head_dim={info.head_dim}, got {rotary_dim}")
+            raise ValueError(
+                f"rope needs an even number of rotated dims in 2 .. head_dim={info.head_dim}, got {rotary_dim}"
+            )
 
     def _frequencies(
         self, positions: torch.Tensor, device: torch.device, layer: int = 0

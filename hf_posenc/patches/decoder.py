@@ -96,7 +96,7 @@ def full_cache_layers(cache: Any) -> bool:
         return False
     from transformers.cache_utils import DynamicLayer, StaticLayer
 
-    full_lengths = [getattr(layer, "max_cache_len", None) for layer in layers if not getattr(layer, "is_sliding", False)]
+    full_lengths = [getattr(layer, "max_cache_len", None) for layer in layers if not getattr(layer, "is_sliding", 0)]
     for i, layer in enumerate(layers):
         if not getattr(layer, "is_sliding", False):
             continue
@@ -219,7 +219,8 @@ class PatchedDecoderModel:
 
             cache = DynamicCache(config=self.config)  # here, so that its sliding layers are replaced below
         if cache is not None and full_cache_layers(cache) and isinstance(attention_mask, dict):
-            attention_mask = window_masks_for_full_cache(attention_mask, self.config.sliding_window, inputs_embeds.device)
+            window = self.config.sliding_window
+            attention_mask = window_masks_for_full_cache(attention_mask, window, inputs_embeds.device)
         position_ids, past = text_positions(
             inputs_embeds.shape[1], inputs_embeds.device, position_ids, cache, batch=inputs_embeds.shape[0]
         )
@@ -350,7 +351,8 @@ class DecoderPatch(FamilyPatch):
     def install(self, base: nn.Module) -> list[str]:
         swap_class(base, self.model_class)
         for name in ("rotary_emb", "rotary_emb_local"):
-            if isinstance(getattr(base, name, None), nn.Module) and not isinstance(getattr(base, name), NoRotaryEmbedding):
+            native = getattr(base, name, None)
+            if isinstance(native, nn.Module) and not isinstance(native, NoRotaryEmbedding):
                 setattr(base, name, NoRotaryEmbedding())
         names = []
         for i, layer in enumerate(base.layers):

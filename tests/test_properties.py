@@ -92,6 +92,9 @@ class Arch:
         hidden = self.heads * self.head_dim
         if self.family in GQA_FAMILIES:
             extra = {"head_dim": self.head_dim} if self.family in ("qwen3", "gemma3_text") else {}
+            if self.family == "gemma3_text":  # a global layer, then a local (windowed) one: a StaticCache with
+                # only sliding layers longer than the window cannot hold every key (refused, see patches/decoder.py)
+                extra["layer_types"] = ["full_attention", "sliding_attention"][: self.layers]
             return dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=self.layers,
                         num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
                         max_position_embeddings=MAX_POSITIONS, **extra)

@@ -122,24 +122,26 @@ def full_cache_layers(cache: Any) -> bool:
     return True
 
 
-def window_masks_for_full_cache(masks: dict, window: int, device: torch.device) -> dict:
+def window_masks_for_full_cache(masks: dict, window: int, q_len: int, cache: Any, device: torch.device) -> dict:
     """``generate`` builds the masks of a static cache before the first forward, with the sizes of its sliding
     layers; once they are full layers (see :func:`full_cache_layers`, which runs on an empty cache, so the
     queries are keys 0 .. Lq-1) the sliding-window mask is rebuilt over the full keys: the full-attention
-    mask (causal + padding, (B, 1, Lq, Lk) bool) restricted to the window, as transformers'
-    ``sliding_window_overlay`` (key j > query i - window)."""
+    mask (causal + padding, (B, 1, Lq, Lk) bool; causal over the cache's length when there is none)
+    restricted to the window, as transformers' ``sliding_window_overlay`` (key j > query i - window)."""
+    if "sliding_attention" not in masks:
+        return masks
     full = masks.get("full_attention")
-    if "sliding_attention" not in masks or not isinstance(full, torch.Tensor):
-        raise ValueError(
-            "hf_posenc cannot rebuild the sliding-window mask that generate prepared for a static cache with "
-            "sliding layers (no full-attention mask to build it from); use a DynamicCache"
-        )
-    if full.dtype != torch.bool:
-        full = full > torch.finfo(full.dtype).min / 2
-    q_len, k_len = full.shape[-2:]
+    if isinstance(full, torch.Tensor):
+        if full.dtype != torch.bool:
+            full = full > torch.finfo(full.dtype).min / 2
+        k_len = full.shape[-1]
+    else:
+        inner = getattr(cache, "self_attention_cache", cache)
+        k_len = max(getattr(layer, "max_cache_len", 0) or 0 for layer in inner.layers) or q_len
     q_idx = torch.arange(q_len, device=device)[:, None]
     k_idx = torch.arange(k_len, device=device)[None, :]
-    return {**masks, "sliding_attention": full & (k_idx > q_idx - window)}
+    band = (k_idx > q_idx - window) & (k_idx <= q_idx)
+    return {**masks, "sliding_attention": (full & band) if isinstance(full, torch.Tensor) else band[None, None]}
 
 
 @dataclass(frozen=True)
@@ -219,8 +221,8 @@ class PatchedDecoderModel:
 
             cache = DynamicCache(config=self.config)  # here, so that its sliding layers are replaced below
         if cache is not None and full_cache_layers(cache) and isinstance(attention_mask, dict):
-            window = self.config.sliding_window
-            attention_mask = window_masks_for_full_cache(attention_mask, window, inputs_embeds.device)
+            window, q_len = self.config.sliding_window, inputs_embeds.shape[1]
+            attention_mask = window_masks_for_full_cache(attention_mask, window, q_len, cache, inputs_embeds.device)
         position_ids, past = text_positions(
             inputs_embeds.shape[1], inputs_embeds.device, position_ids, cache, batch=inputs_embeds.shape[0]
         )

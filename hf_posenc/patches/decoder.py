@@ -197,6 +197,12 @@ class PatchedDecoderModel:
 
     #: the attribute holding the token embedding (``embed_tokens``; GPT-NeoX: ``embed_in``).
     posenc_embed_attr: ClassVar[str] = "embed_tokens"
+    #: the name under which the native forward takes the cache (set per subclass from its signature).
+    posenc_cache_arg: ClassVar[str] = "past_key_values"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.posenc_cache_arg = cache_arg(cls.__bases__[-1])
 
     def forward(
         self,
@@ -228,7 +234,7 @@ class PatchedDecoderModel:
         )
         ctx = make_context(self, need_weights=kwargs.get("output_attentions"), position_ids=position_ids, q_offset=past)
         inputs_embeds = add_embeddings(ctx, inputs_embeds)
-        kwargs[cache_arg(type(self).__bases__[-1])] = cache
+        kwargs[self.posenc_cache_arg] = cache
         return super().forward(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -30,6 +30,10 @@ from .base import (
 from .decoder import cache_arg, pop_cache
 
 
+#: the name under which ``GPT2Model.forward`` takes the cache (``cache`` since transformers 5.2x).
+_CACHE_ARG = cache_arg(GPT2Model)
+
+
 class NoPositionTable(nn.Module):
     """Stands in for GPT-2's ``wpe``: contributes a zero, whatever the position."""
 
@@ -69,7 +73,7 @@ class PosEncGPT2Model(GPT2Model):
         )
         ctx = make_context(self, need_weights=kwargs.get("output_attentions"), position_ids=position_ids, q_offset=past)
         inputs_embeds = add_embeddings(ctx, inputs_embeds)
-        kwargs[cache_arg(GPT2Model)] = past_key_values
+        kwargs[_CACHE_ARG] = past_key_values
         return super().forward(
             input_ids=input_ids,
             attention_mask=attention_mask,

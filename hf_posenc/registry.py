@@ -17,10 +17,47 @@ __all__ = [
     "get_encoding",
     "list_encodings",
     "FAMILIES",
+    "FAMILY_KINDS",
+    "supported_families",
 ]
 
-#: The model families hf_posenc can patch, by ``config.model_type``.
-FAMILIES: tuple[str, ...] = ("llama", "gpt2", "vit")
+#: The model families hf_posenc can patch, by ``config.model_type``, each with the kind of sequence its
+#: attention sees: ``causal text`` (decoders), ``bidirectional text`` (BERT-style encoders) or ``image grid``
+#: (ViT: bidirectional over a 2D patch grid plus CLS). Adding a family is one entry here and one patch file.
+FAMILY_KINDS: dict[str, str] = {
+    "llama": "causal text",
+    "gpt2": "causal text",
+    "vit": "image grid",
+    "mistral": "causal text",
+    "qwen2": "causal text",
+    "qwen3": "causal text",
+    "gemma3_text": "causal text",
+    "phi3": "causal text",
+    "gpt_neox": "causal text",
+    "bert": "bidirectional text",
+}
+FAMILIES: tuple[str, ...] = tuple(FAMILY_KINDS)
+
+
+def supported_families(declared: tuple[str, ...]) -> tuple[str, ...]:
+    """The families an encoding supports, derived from the families (or kinds) it declares.
+
+    A declared family stands for its kind: an encoding written for Llama works on every causal-text family,
+    since they differ only in how the patch builds q, k and v, never in what the encoding sees. An encoding
+    with a bidirectional form on ViT's grid has one on a line of text (the grid with one row and no CLS
+    token: its docstrings give the 1D form), so ``image grid`` implies ``bidirectional text``. Kinds may be
+    declared directly too (``"bidirectional text"``).
+    """
+    kinds = {FAMILY_KINDS.get(name, name) for name in declared}
+    unknown = kinds - set(FAMILY_KINDS.values())
+    if unknown:
+        raise ValueError(
+            f"unknown families or kinds {sorted(unknown)}; families: {', '.join(FAMILIES)}; kinds: "
+            f"{', '.join(sorted(set(FAMILY_KINDS.values())))}"
+        )
+    if "image grid" in kinds:
+        kinds.add("bidirectional text")
+    return tuple(f for f in FAMILIES if FAMILY_KINDS[f] in kinds)
 
 _MISSING = dataclasses.MISSING
 
@@ -60,6 +97,7 @@ class EncodingSpec:
     kind: str
     summary: str
     paper: str
+    #: every family the encoding supports (derived from its declaration by :func:`supported_families`).
     families: tuple[str, ...] = FAMILIES
 
     def param_fields(self) -> list[dataclasses.Field]:
@@ -93,7 +131,7 @@ def register_encoding(
         if name in _REGISTRY and _REGISTRY[name].cls is not cls:
             raise ValueError(f"encoding {name!r} is already registered by {_REGISTRY[name].cls.__qualname__}")
         cls.name = name
-        _REGISTRY[name] = EncodingSpec(name, cls, params, kind, summary, paper, tuple(families))
+        _REGISTRY[name] = EncodingSpec(name, cls, params, kind, summary, paper, supported_families(tuple(families)))
         return cls
 
     return deco

@@ -1,4 +1,4 @@
-"""Shared fixtures and factories for the hf_posenc test-suite: tiny, seeded Llama, GPT-2 and ViT models.
+"""Shared fixtures and factories for the hf_posenc test-suite: tiny, seeded models of every family.
 
 Every model is built from a config (no downloads), seeded, in eval mode unless asked otherwise, with
 every dropout at zero so that train mode is deterministic too. ``initializer_range`` is raised from
@@ -35,12 +35,33 @@ from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 from transformers import (  # noqa: E402
+    BertConfig,
+    BertForMaskedLM,
+    BertModel,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    Gemma3TextModel,
     GPT2Config,
     GPT2LMHeadModel,
     GPT2Model,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    GPTNeoXModel,
     LlamaConfig,
     LlamaForCausalLM,
     LlamaModel,
+    MistralConfig,
+    MistralForCausalLM,
+    MistralModel,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Phi3Model,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2Model,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3Model,
     ViTConfig,
     ViTForImageClassification,
     ViTModel,
@@ -53,9 +74,34 @@ from hf_posenc.registry import get_encoding  # noqa: E402
 # another process, OpenMP barriers make every small op take milliseconds (a 50x slow-down, measured).
 torch.set_num_threads(1)
 
-FAMILIES = ("llama", "gpt2", "vit")
-DECODERS = ("llama", "gpt2")
+#: The first three families run every encoding in every common test. The families added later run, by default,
+#: a few encodings each (``FAMILY_SUBSETS``: their native kind, and one encoding of each kind of term spread
+#: over them) with the first and last variant of each test's extra parametrisation only (``combos``); the
+#: full sweep (every encoding, every variant) runs with ``HF_POSENC_SLOW=1``.
+FAMILIES = ("llama", "gpt2", "vit", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "gpt_neox", "bert")
+DECODERS = ("llama", "gpt2", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "gpt_neox")
+FULL_SWEEP = ("llama", "gpt2", "vit")
+NEW_DECODERS = tuple(f for f in DECODERS if f not in FULL_SWEEP)
 ENCODINGS = tuple(hf_posenc.list_encodings())
+SLOW = bool(os.environ.get("HF_POSENC_SLOW"))
+
+
+def _family_subsets() -> dict[str, tuple[str, ...]]:
+    """Encodings run on each later family in the default run: the native kind (``rope`` on the decoders,
+    ``learned`` on BERT) and one encoding of each kind of term spread over them (rotary, absolute, static and
+    learned biases, MLP biases, score + value, score mixing, data-dependent, stick-breaking, contextual)."""
+    return {
+        "mistral": ("rope", "alibi", "tape"),
+        "qwen2": ("rope", "kerple", "cape"),
+        "qwen3": ("rope", "t5", "sba"),
+        "gemma3_text": ("rope", "cope", "shaw", "fox"),  # its 6-key window on the local layer meets each term
+        "phi3": ("rope", "fire", "sinusoidal"),
+        "gpt_neox": ("rope", "rope2d", "nope", "learned"),
+        "bert": ("learned", "alibi", "t5", "rope", "fox", "sinusoidal"),
+    }
+
+
+FAMILY_SUBSETS = _family_subsets()
 
 VOCAB = 97
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -68,6 +114,54 @@ CLASSES = {
     "llama": {"head": LlamaForCausalLM, "base": LlamaModel},
     "gpt2": {"head": GPT2LMHeadModel, "base": GPT2Model},
     "vit": {"head": ViTForImageClassification, "base": ViTModel},
+    "mistral": {"head": MistralForCausalLM, "base": MistralModel},
+    "qwen2": {"head": Qwen2ForCausalLM, "base": Qwen2Model},
+    "qwen3": {"head": Qwen3ForCausalLM, "base": Qwen3Model},
+    "gemma3_text": {"head": Gemma3ForCausalLM, "base": Gemma3TextModel},
+    "phi3": {"head": Phi3ForCausalLM, "base": Phi3Model},
+    "gpt_neox": {"head": GPTNeoXForCausalLM, "base": GPTNeoXModel},
+    "bert": {"head": BertForMaskedLM, "base": BertModel},
+}
+
+#: Keyword names of the tiny configs' maximum position count, per family.
+MAX_POSITIONS_KEY = {fam: "max_position_embeddings" for fam in CLASSES} | {"gpt2": "n_positions", "vit": None}
+
+#: The common part of the tiny Llama-shaped decoder configs (GQA: 4 query heads, 2 key/value heads).
+_DECODER_KW = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=MAX_POSITIONS,
+    pad_token_id=PAD_ID,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    initializer_range=INIT_RANGE,
+    tie_word_embeddings=False,
+)
+
+#: What each later family's tiny config sets beyond ``_DECODER_KW``: the facts its patch must reproduce.
+_FAMILY_KW: dict[str, dict[str, Any]] = {
+    "mistral": {},  # sliding_window 4096 (the default): its cache layers are sliding ones
+    "qwen2": {},  # biased q/k/v projections
+    "qwen3": {"head_dim": 8},  # QK-norm
+    # QK-norm; query_pre_attn_scalar != head_dim; a local layer with a 6-key window and its own base (10^4),
+    # a global layer at 10^6; scaled embeddings
+    "gemma3_text": {
+        "head_dim": 8,
+        "query_pre_attn_scalar": 12,
+        "sliding_window": 6,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+    },
+    "phi3": {"partial_rotary_factor": 0.5, "resid_pdrop": 0.0, "embd_pdrop": 0.0},  # fused qkv, partial rotary
 }
 
 
@@ -90,6 +184,48 @@ def make_config(family: str, **overrides: Any):
         )
         kw.update(overrides)
         return LlamaConfig(**kw)
+    if family in _FAMILY_KW:
+        kw = {**_DECODER_KW, **_FAMILY_KW[family]}
+        kw.update(overrides)
+        cls = {"mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "gemma3_text": Gemma3TextConfig,
+               "phi3": Phi3Config}[family]
+        return cls(**kw)
+    if family == "gpt_neox":  # fused per-head qkv, partial rotary (rotary_pct 0.5), parallel residual
+        kw = dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=MAX_POSITIONS,
+            rotary_pct=0.5,
+            use_parallel_residual=True,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            pad_token_id=PAD_ID,
+            bos_token_id=BOS_ID,
+            eos_token_id=EOS_ID,
+            initializer_range=INIT_RANGE,
+            tie_word_embeddings=False,
+        )
+        kw.update(overrides)
+        return GPTNeoXConfig(**kw)
+    if family == "bert":
+        kw = dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=MAX_POSITIONS,
+            type_vocab_size=2,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            pad_token_id=PAD_ID,
+            initializer_range=INIT_RANGE,
+        )
+        kw.update(overrides)
+        return BertConfig(**kw)
     if family == "gpt2":
         kw = dict(
             vocab_size=VOCAB,
@@ -169,15 +305,21 @@ def supports(encoding: str, family: str) -> bool:
 
 
 def combos(families=FAMILIES, encodings=ENCODINGS, extra=None, extra_ids=None):
-    """pytest params (family, encoding[, *extra]) with ids like ``llama-alibi-static``; unsupported pairs skip."""
+    """pytest params (family, encoding[, *extra]) with ids like ``llama-alibi-static``; unsupported pairs skip.
+    The later families take their ``FAMILY_SUBSETS`` unless ``HF_POSENC_SLOW`` is set."""
     out = []
     for fam in families:
         for enc in encodings:
+            thin = not SLOW and fam in FAMILY_SUBSETS
+            if thin and enc not in FAMILY_SUBSETS[fam]:
+                continue
             marks = () if supports(enc, fam) else (pytest.mark.skip(reason=f"{enc} does not support {fam}"),)
             if extra is None:
                 out.append(pytest.param(fam, enc, id=f"{fam}-{enc}", marks=marks))
                 continue
             for i, e in enumerate(extra):
+                if thin and 0 < i < len(extra) - 1:  # the later families: first and last variant by default
+                    continue
                 values = e if isinstance(e, tuple) else (e,)
                 tag = extra_ids[i] if extra_ids else "-".join(str(v) for v in values)
                 out.append(pytest.param(fam, enc, *values, id=f"{fam}-{enc}-{tag}", marks=marks))

@@ -10,12 +10,12 @@ import pytest
 import torch
 import transformers
 from transformers import (
-    BertConfig,
-    BertModel,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    OPTConfig,
+    OPTModel,
     ViTConfig,
     ViTModel,
 )
@@ -25,6 +25,7 @@ from transformers.models.vit import modeling_vit
 
 import hf_posenc
 from hf_posenc import PosEncConfig
+from hf_posenc.registry import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,10 +130,11 @@ def test_bad_name_type():
 
 
 def test_unsupported_model_type_names_families():
-    bert = BertModel(BertConfig(vocab_size=30, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                intermediate_size=64))
-    with pytest.raises(ValueError, match=r"unsupported model type 'bert'.*llama, gpt2, vit"):
-        hf_posenc.patch_model(bert, "alibi")
+    opt = OPTModel(OPTConfig(vocab_size=30, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, ffn_dim=64,
+                             word_embed_proj_dim=32))
+    every = ", ".join(FAMILIES)
+    with pytest.raises(ValueError, match=rf"unsupported model type 'opt'; hf_posenc patches these families: {every}$"):
+        hf_posenc.patch_model(opt, "alibi")
 
 
 def test_not_a_model():

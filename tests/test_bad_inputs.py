@@ -23,10 +23,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import (
-    BertConfig,
-    BertModel,
     GPT2LMHeadModel,
     LlamaForCausalLM,
+    OPTConfig,
+    OPTModel,
     ViTForImageClassification,
 )
 
@@ -34,7 +34,7 @@ import hf_posenc
 from hf_posenc import PosEncConfig
 from hf_posenc.memory import ReferenceMemoryError, parse_size
 from hf_posenc.registry import FAMILIES, get_encoding
-from conftest import ENCODINGS, make_config, make_ids, make_pixels
+from conftest import ENCODINGS, make_config, make_ids, make_model, make_pixels
 
 DEEP = (IndexError, KeyError, AttributeError)
 
@@ -171,10 +171,10 @@ def test_not_a_transformers_model(obj):
 
 
 def test_unsupported_model_family():
-    bert = BertModel(BertConfig(vocab_size=30, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                intermediate_size=64))
-    with pytest.raises(ValueError, match=r"unsupported model type 'bert'; hf_posenc patches these families: llama, gpt2, vit"):
-        hf_posenc.patch_model(bert, "alibi")
+    opt = OPTModel(OPTConfig(vocab_size=30, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, ffn_dim=64,
+                             word_embed_proj_dim=32))
+    with pytest.raises(ValueError, match=rf"unsupported model type 'opt'; hf_posenc patches these families: {', '.join(FAMILIES)}$"):
+        hf_posenc.patch_model(opt, "alibi")
 
 
 UNSUPPORTED = [
@@ -187,7 +187,7 @@ UNSUPPORTED = [
 
 @pytest.mark.parametrize("encoding, family", UNSUPPORTED or [pytest.param(None, None, marks=pytest.mark.skip)])
 def test_encoding_that_does_not_support_the_family(encoding, family):
-    model = {"llama": llama, "gpt2": gpt2, "vit": vit}[family]()
+    model = make_model(family)
     allowed = ", ".join(get_encoding(encoding).families)
     with pytest.raises(ValueError, match=rf"encoding '{encoding}' does not support {family}; it supports: {allowed}"):
         hf_posenc.patch_model(model, encoding)
@@ -535,7 +535,7 @@ CONFIGS = [
     ("no-key", lambda d: d.pop("position_encoding"), ValueError, r"not saved from a model patched by hf_posenc"),
     ("unknown-architecture", lambda d: d.__setitem__("architectures", ["FooForBar"]), ValueError,
      r"names architecture 'FooForBar', which transformers does not have"),
-    ("unsupported-family", lambda d: d.__setitem__("model_type", "bert"), ValueError, r"unsupported model type"),
+    ("unsupported-family", lambda d: d.__setitem__("model_type", "opt"), ValueError, r"unsupported model type"),
 ]
 
 

@@ -49,6 +49,15 @@ class ModelInfo:
     initializer_range: float = 0.02
     #: Llama: the config's ``rope_parameters`` (theta, scaling type and its factors), read by ``rope``.
     rope_parameters: dict | None = None
+    #: partial rotary (GPT-NeoX ``rotary_pct``, Phi ``partial_rotary_factor``): how many leading dims of each
+    #: head the model's own rotary rotates; None: all of them.
+    rotary_dim: int | None = None
+    #: per-layer ``rope_parameters`` where layers differ (Gemma 3's local and global layers); None: every
+    #: layer uses ``rope_parameters``.
+    layer_rope_parameters: tuple[dict, ...] | None = None
+    #: per-layer sliding window (keys more than ``window - 1`` positions before the query are masked), None
+    #: for a layer without one; None: no layer has one. The attention mask transformers builds carries it.
+    sliding_windows: tuple[int | None, ...] | None = None
 
 
 @dataclass

@@ -42,6 +42,11 @@ KV cache: the gates of query i only involve q_i and the keys, which the cache al
 is stored. Left padding: padded keys are masked, so their gates are 0 before the sum and they are not
 counted; the positions between real tokens are those of the row alone.
 
+Bidirectional text (BERT) -- the same generalisation on a line
+---------------------------------------------------------------
+Counts run in either direction with one table per direction, as on ViT below, over the tokens in their
+order; no token is exempt (there is no CLS exception on text).
+
 ViT (bidirectional, no order) -- a documented generalisation
 ------------------------------------------------------------
 The paper counts over the keys between j and the query i in causal order. On ViT the patches are taken
@@ -227,7 +232,7 @@ class Cope(PositionEncoding):
         self.npos_max = config.params["npos_max"]
         std = config.params["init_std"]
         std = float(info.initializer_range) if std is None else std
-        names = ("pos_emb", "pos_emb_after") if info.family == "vit" else ("pos_emb",)
+        names = ("pos_emb", "pos_emb_after") if not info.causal else ("pos_emb",)
         for name in names:
             weight = nn.Parameter(torch.zeros(info.num_layers, info.head_dim, self.npos_max))
             if std > 0:
@@ -276,8 +281,15 @@ class Cope(PositionEncoding):
         v = expand_kv(value, groups).to(dtype)
         allowed = allowed_keys(mask, q_len, k_len, ctx.q_offset, self.info.causal, query.device)
         table = self.pos_emb[layer].to(dtype)
-        if self.info.family != "vit":
+        if self.info.causal:
             out, probs = cope_attention(q, k, v, allowed, scaling, table, dropout=dropout, training=training)
+            return out.to(query.dtype), probs
+        if ctx.grid is None:  # bidirectional text (BERT): both directions, no CLS exception
+            q_index = torch.arange(k_len - q_len, k_len, device=query.device)
+            out, probs = cope_attention(
+                q, k, v, allowed, scaling, table, self.pos_emb_after[layer].to(dtype), q_index,
+                dropout=dropout, training=training,
+            )
             return out.to(query.dtype), probs
         # ViT: raster order, both directions; CLS (token 0) takes no position term and is not counted.
         n = k_len

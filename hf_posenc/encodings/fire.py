@@ -43,7 +43,9 @@ distance on the current grid, r = sqrt((rows - 1)^2 + (cols - 1)^2):
 
     B_h(i, j) = f_theta( psi(d_ij) / psi(max(L, r)) )_h,
 
-so the MLP input again lies in [0, 1] on any grid. Pairs involving the CLS token get no positional term
+so the MLP input again lies in [0, 1] on any grid. Bidirectional text (BERT) is the same on a line:
+d_ij = |i - j| and r = L - 1, the largest distance in this forward's sequence (padding included); the fused
+kernels take the causal form only, so there the reference runs. Pairs involving the CLS token get no positional term
 (bias 0). Everything is computed in float32 (float64 stays float64), whatever the parameters' dtype.
 """
 
@@ -143,8 +145,8 @@ class Fire(PositionEncoding):
         1 / (psi(max(L, i)) + eps). The kernel interpolates the table linearly: f_θ is piecewise linear,
         so this differs from ``score_bias`` only in the grid cells that hold a kink of the ReLU (by at most
         |slope change| · x_max / (4 (KERNEL_GRID − 1))). Gradients reach the MLP through the table and c, L
-        through c and the normaliser. None on ViT."""
-        if ctx.grid is not None:
+        through c and the normaliser. None on ViT and on bidirectional text (the kernel's term is causal)."""
+        if ctx.grid is not None or not self.info.causal:
             return None
         fn = self.function(layer)
         q_len = query.shape[2]
@@ -189,6 +191,9 @@ class Fire(PositionEncoding):
             r = torch.tensor(math.hypot(rows - 1, cols - 1), device=device, dtype=torch.float32)
             bias = fn.bias(rel.distance(), r)[None]  # (1, H, Lq, Lk)
             return bias.masked_fill(rel.cls, 0.0)
+        if not self.info.causal:  # bidirectional text: |i - j| over the largest distance in this sequence
+            r = torch.tensor(float(max(k_len - 1, 0)), device=device, dtype=torch.float32)
+            return fn.bias(rel.rel.abs(), r)[None]
         distance = (-rel.rel).clamp_min(0.0)  # i - j for j <= i; 0 on (masked) future keys
         position = self._query_positions(ctx, q_len, device)
         return fn.bias(distance, position[:, :, None])

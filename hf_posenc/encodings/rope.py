@@ -27,6 +27,12 @@ factor ``attention_scaling`` (s) are computed by transformers' own ``ROPE_INIT_F
   ``original_max_position_embeddings`` uses the long factors, any other the short ones (so, as in
   transformers, keys cached before the switch keep the short-factor rotation).
 
+Partial rotary (GPT-NeoX's ``rotary_pct``, Phi-3's ``partial_rotary_factor``): only the first
+R = ``partial_rotary_factor`` x d dims of each head are rotated, with theta_i = base^(-2i/R), as transformers
+does; the other d - R dims pass through. This follows the model (with an explicit ``theta`` too). Models
+whose layers have their own rotary (Gemma 3: local layers at base 10000, global layers at 1e6 with their
+scaling) get each layer's own frequencies when ``theta`` is None.
+
 ``dynamic`` (NTK scaling recomputed from the longest sequence seen so far, a state that a KV cache and a
 batch do not share) is not implemented and raises ``ValueError``, as does any other type; an explicit
 ``theta`` gives plain rotary at that base on any model, ignoring the model's scaling. In the resolved
@@ -58,14 +64,19 @@ def rope_inv_freq(dim: int, base: float) -> torch.Tensor:
 SCALED_ROPE_TYPES = ("linear", "llama3", "yarn", "longrope", "proportional")
 
 
-def model_rope_frequencies(info: ModelInfo, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
-    """(inv_freq (D/2,) float32 on the CPU, attention_scaling) of the model's ``rope_parameters``, computed
-    by transformers' ``ROPE_INIT_FUNCTIONS`` as ``LlamaRotaryEmbedding`` computes them (``seq_len``: the
-    length passed to the function, for longrope's long factors)."""
+def model_rope_frequencies(
+    info: ModelInfo, seq_len: int | None = None, rope_parameters: dict | None = None
+) -> tuple[torch.Tensor, float]:
+    """(inv_freq (R/2,) float32 on the CPU, attention_scaling) of the model's ``rope_parameters`` (or the
+    given ones: a layer's own), computed by transformers' ``ROPE_INIT_FUNCTIONS`` as ``LlamaRotaryEmbedding``
+    computes them (``seq_len``: the length passed to the function, for longrope's long factors). R is the
+    number of rotated dims (``info.rotary_dim``; the head dim unless the rotary is partial)."""
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    rope_type = info.rope_parameters["rope_type"]
+    params = info.rope_parameters if rope_parameters is None else rope_parameters
+    rotary_dim = info.rotary_dim or info.head_dim
+    rope_type = params["rope_type"]
     hf_logger = logging.getLogger("transformers")
     level = hf_logger.level
     hf_logger.setLevel(logging.ERROR)  # the model's config already warned about its rope_parameters
@@ -76,15 +87,15 @@ def model_rope_frequencies(info: ModelInfo, seq_len: int | None = None) -> tuple
             num_key_value_heads=info.num_kv_heads,
             head_dim=info.head_dim,
             max_position_embeddings=info.max_positions,
-            rope_parameters=copy.deepcopy(info.rope_parameters),
+            rope_parameters=copy.deepcopy(params),
         )
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, seq_len=seq_len)
     finally:
         hf_logger.setLevel(level)
-    if inv_freq.shape != (info.head_dim // 2,):
+    if inv_freq.shape != (rotary_dim // 2,):
         raise ValueError(
-            f"the model's rope_parameters ({rope_type!r}) give {inv_freq.numel()} frequencies for head_dim="
-            f"{info.head_dim}; rope needs head_dim/2 (partial rotary is not supported)"
+            f"the model's rope_parameters ({rope_type!r}) give {inv_freq.numel()} frequencies for {rotary_dim} "
+            f"rotated dims of head_dim={info.head_dim}; rope needs one per pair of rotated dims"
         )
     return inv_freq.float(), float(scaling)
 
@@ -132,6 +143,7 @@ class Rope(PositionEncoding):
     """Rotary position embedding; see the module docstring for the formula."""
 
     rotates_qk = True
+    prepares_qkv = True  # so that the layer index reaches the rotation (per-layer bases: Gemma 3)
     # (R_m q)^T (R_n k) = q^T R_(n-m) k. Not across longrope's switch between its short and long factors,
     # which depends on the largest absolute position (a model config choice, not the default).
     relative = True
@@ -140,6 +152,16 @@ class Rope(PositionEncoding):
     def resolve(cls, config: PosEncConfig, info: ModelInfo) -> PosEncConfig:
         p = dict(config.params)
         if p["theta"] is None:
+            if info.layer_rope_parameters is not None:  # per-layer rotary: every layer's own is checked
+                for params in info.layer_rope_parameters:
+                    kind = params.get("rope_type", "default")
+                    if kind not in ("default", *SCALED_ROPE_TYPES):
+                        raise ValueError(
+                            f"a layer's rope_parameters use rope_type={kind!r}, which hf_posenc's rope does not "
+                            f"implement; supported: 'default', {', '.join(repr(t) for t in SCALED_ROPE_TYPES)}. "
+                            "Pass an explicit theta to use plain rotary embedding"
+                        )
+                return PosEncConfig(config.name, p)  # theta stays None: each layer's own rotary
             if info.rope_type in SCALED_ROPE_TYPES and info.rope_parameters is not None:
                 return PosEncConfig(config.name, p)  # theta stays None: the model's scaled rotary
             if info.rope_type not in (None, "default"):
@@ -156,43 +178,79 @@ class Rope(PositionEncoding):
         #: the model's scaled rotary (theta None): short and long frequencies, attention scaling, longrope's
         #: switch length. Plain attributes, not buffers: they stay float32 on the CPU under ``model.to``.
         self._scaled: tuple[torch.Tensor, torch.Tensor | None, float, int | None] | None = None
-        if config.params["theta"] is None and info.rope_type in SCALED_ROPE_TYPES:
-            inv_freq, scaling = model_rope_frequencies(info)
-            long_freq, switch = None, None
-            if info.rope_type == "longrope":
-                switch = int(info.rope_parameters["original_max_position_embeddings"])
-                long_freq, _ = model_rope_frequencies(info, seq_len=switch + 1)
-            self._scaled = (inv_freq, long_freq, scaling, switch)
+        #: per-layer rotary (theta None on a model whose layers differ): one such tuple per layer.
+        self._layers: list[tuple[torch.Tensor, torch.Tensor | None, float, int | None]] | None = None
+        #: partial rotary: the leading dims of each head that are rotated (the model's own choice).
+        self.rotary_dim = info.rotary_dim or info.head_dim
+        if config.params["theta"] is None and info.layer_rope_parameters is not None:
+            self._layers = [self._model_frequencies(info, params) for params in info.layer_rope_parameters]
+        elif config.params["theta"] is None and info.rope_type in SCALED_ROPE_TYPES:
+            self._scaled = self._model_frequencies(info, info.rope_parameters)
+
+    @staticmethod
+    def _model_frequencies(
+        info: ModelInfo, params: dict
+    ) -> tuple[torch.Tensor, torch.Tensor | None, float, int | None]:
+        """(inv_freq, longrope's long inv_freq or None, attention scaling, longrope's switch length or None)
+        of one set of the model's ``rope_parameters``."""
+        kind = params.get("rope_type", "default")
+        if kind == "default":
+            theta = float(params.get("rope_theta") or 10000.0)
+            return rope_inv_freq(info.rotary_dim or info.head_dim, theta), None, 1.0, None
+        inv_freq, scaling = model_rope_frequencies(info, rope_parameters=params)
+        long_freq, switch = None, None
+        if kind == "longrope":
+            switch = int(params["original_max_position_embeddings"])
+            long_freq, _ = model_rope_frequencies(info, seq_len=switch + 1, rope_parameters=params)
+        return inv_freq, long_freq, scaling, switch
 
     def check_model(self, info: ModelInfo) -> None:
         if info.head_dim % 2:
             raise ValueError(f"rope needs an even head_dim, got {info.head_dim}")
+        rotary_dim = info.rotary_dim or info.head_dim
+        if rotary_dim % 2 or not 0 < rotary_dim <= info.head_dim:
+            raise ValueError(
+                f"rope needs an even number of rotated dims in 2 .. head_dim={info.head_dim}, got {rotary_dim}"
+            )
 
-    def _frequencies(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, float]:
-        """(inv_freq (D/2,) float32 on ``device``, attention scaling) for a forward at ``positions``."""
-        if self._scaled is None:
+    def _frequencies(
+        self, positions: torch.Tensor, device: torch.device, layer: int = 0
+    ) -> tuple[torch.Tensor, float]:
+        """(inv_freq (R/2,) float32 on ``device``, attention scaling) for a forward at ``positions`` in ``layer``."""
+        scaled = self._scaled if self._layers is None else self._layers[layer]
+        if scaled is None:
             theta = self.posenc_config.params["theta"]
             if theta is None:  # constructed without resolve
                 theta = float(self.info.rope_theta) if self.info.rope_theta is not None else 10000.0
-            return rope_inv_freq(self.info.head_dim, theta).to(device), 1.0
-        inv_freq, long_freq, scaling, switch = self._scaled
+            return rope_inv_freq(self.rotary_dim, theta).to(device), 1.0
+        inv_freq, long_freq, scaling, switch = scaled
         inv_freq = inv_freq.to(device)
         if long_freq is not None:  # longrope: the long factors once the largest position id + 1 > switch
             inv_freq = torch.where(positions.max().to(device) + 1 > switch, long_freq.to(device), inv_freq)
         return inv_freq, scaling
 
-    def _angles(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, float]:
-        inv_freq, scaling = self._frequencies(positions, device)
+    def _angles(self, positions: torch.Tensor, device: torch.device, layer: int = 0) -> tuple[torch.Tensor, float]:
+        inv_freq, scaling = self._frequencies(positions, device, layer)
         return positions.to(device=device, dtype=torch.float32)[..., None] * inv_freq, scaling
 
-    def rotate(self, ctx: PosContext, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q (B, H, L, D) and k (B, Hkv, L, D) of the new tokens."""
+    def prepare(
+        self, ctx: PosContext, layer: int, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotate q and k with ``layer``'s rotary; v passes through unchanged."""
+        q, k = self.rotate(ctx, q, k, layer)
+        return q, k, v
+
+    def rotate(
+        self, ctx: PosContext, q: torch.Tensor, k: torch.Tensor, layer: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate the first ``rotary_dim`` dims of q (B, H, L, D) and k (B, Hkv, L, D) of the new tokens
+        (all of them unless the model's rotary is partial) with ``layer``'s rotary."""
         if ctx.grid is None:
             positions = ctx.position_ids
         else:
             rows, cols = ctx.grid
             positions = torch.arange(rows * cols + 1, device=q.device)[None] - 1
-        angles, scaling = self._angles(positions, q.device)
+        angles, scaling = self._angles(positions, q.device, layer)
         angles = angles[:, None]  # (B|1, 1, L, D/2)
         cos, sin = angles.cos(), angles.sin()
         if scaling != 1.0:  # as LlamaRotaryEmbedding: cos * attention_scaling, sin * attention_scaling
@@ -204,4 +262,10 @@ class Rope(PositionEncoding):
             sin[..., 0, :] = 0.0
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         layout = self.posenc_config.params["layout"]
-        return apply_rotary(q, cos, sin, layout), apply_rotary(k, cos, sin, layout)
+        r = self.rotary_dim
+        if r == q.shape[-1]:
+            return apply_rotary(q, cos, sin, layout), apply_rotary(k, cos, sin, layout)
+        # partial rotary (as transformers' GPT-NeoX and Phi): the dims past r pass through unrotated
+        q = torch.cat([apply_rotary(q[..., :r], cos, sin, layout), q[..., r:]], dim=-1)
+        k = torch.cat([apply_rotary(k[..., :r], cos, sin, layout), k[..., r:]], dim=-1)
+        return q, k

@@ -1,17 +1,36 @@
-"""One patch per model family, looked up by ``config.model_type``."""
+"""One patch per model family, looked up by ``config.model_type``.
+
+Adding a family: one file here (for a decoder shaped like Llama's, two subclasses and a
+:class:`~.decoder.DecoderPatch` naming them), its entry in ``_PATCHES`` below and in
+``hf_posenc.registry.FAMILY_KINDS``, and its tiny config in ``tests/conftest.py``.
+"""
 
 from __future__ import annotations
 
 from ..registry import FAMILIES
 from .base import FamilyPatch
+from .bert import BertPatch
+from .gemma3 import Gemma3Patch
 from .gpt2 import GPT2Patch
+from .gpt_neox import GPTNeoXPatch
 from .llama import LlamaPatch
+from .mistral import MistralPatch
+from .phi3 import Phi3Patch
+from .qwen2 import Qwen2Patch
+from .qwen3 import Qwen3Patch
 from .vit import ViTPatch
 
 __all__ = ["get_family", "FamilyPatch"]
 
-_PATCHES: dict[str, FamilyPatch] = {p.family: p for p in (LlamaPatch(), GPT2Patch(), ViTPatch())}
-assert tuple(_PATCHES) == FAMILIES
+_PATCHES: dict[str, FamilyPatch] = {
+    p.family: p
+    for p in (
+        LlamaPatch(), GPT2Patch(), ViTPatch(), MistralPatch(), Qwen2Patch(), Qwen3Patch(), Gemma3Patch(),
+        Phi3Patch(), GPTNeoXPatch(), BertPatch(),
+    )
+}
+if tuple(_PATCHES) != FAMILIES:
+    raise RuntimeError(f"hf_posenc.registry.FAMILIES {FAMILIES} and the patches {tuple(_PATCHES)} disagree")
 
 
 def get_family(model_type: str | None) -> FamilyPatch:

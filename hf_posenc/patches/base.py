@@ -21,7 +21,7 @@ def swap_class(module: nn.Module, new_cls: type) -> None:
     """Give one module instance a subclass of its class (instance-level; the class itself is untouched)."""
     if type(module) is new_cls:
         return
-    native = new_cls.__bases__[0]
+    native = new_cls.__bases__[-1]  # patched classes list their mixins first and the native class last
     if type(module) is not native:
         raise ValueError(
             f"cannot patch {type(module).__name__}: hf_posenc expects {native.__name__} here "

@@ -27,6 +27,11 @@ from .base import (
     swap_class,
     text_positions,
 )
+from .decoder import cache_arg, pop_cache
+
+
+#: the name under which ``GPT2Model.forward`` takes the cache (``cache`` since transformers 5.2x).
+_CACHE_ARG = cache_arg(GPT2Model)
 
 
 class NoPositionTable(nn.Module):
@@ -42,7 +47,6 @@ class PosEncGPT2Model(GPT2Model):
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
-        past_key_values: Any = None,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
@@ -52,6 +56,7 @@ class PosEncGPT2Model(GPT2Model):
         use_cache: bool | None = None,
         **kwargs: Any,
     ):
+        past_key_values = pop_cache(kwargs)  # ``cache`` since transformers 5.2x, ``past_key_values`` before
         if input_ids is not None and inputs_embeds is None:
             check_token_ids(input_ids, self.wte, two_d=False)  # GPT-2 flattens leading dims itself
             self.warn_if_padding_and_no_attention_mask(input_ids, attention_mask)
@@ -68,9 +73,9 @@ class PosEncGPT2Model(GPT2Model):
         )
         ctx = make_context(self, need_weights=kwargs.get("output_attentions"), position_ids=position_ids, q_offset=past)
         inputs_embeds = add_embeddings(ctx, inputs_embeds)
+        kwargs[_CACHE_ARG] = past_key_values
         return super().forward(
             input_ids=input_ids,
-            past_key_values=past_key_values,
             attention_mask=attention_mask,
             token_type_ids=token_type_ids,
             position_ids=position_ids,
@@ -89,7 +94,6 @@ class PosEncGPT2Attention(GPT2Attention):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        past_key_values: Any = None,
         attention_mask: torch.Tensor | None = None,
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
@@ -97,6 +101,7 @@ class PosEncGPT2Attention(GPT2Attention):
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         ctx = require_ctx(kwargs, "GPT2Attention")
+        past_key_values = pop_cache(kwargs)
         if encoder_hidden_states is not None:
             raise ValueError("a patched GPT-2 self-attention module got encoder_hidden_states")
         query, key, value = self.c_attn(hidden_states).split(self.split_size, dim=2)

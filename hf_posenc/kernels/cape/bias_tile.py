@@ -30,7 +30,7 @@ FIRE_EPS = 1e-6
 def base_bias_tile(
     kind: str, tensors: tuple[torch.Tensor, ...], q_index: torch.Tensor, k_index: torch.Tensor, rows: slice
 ) -> torch.Tensor:
-    """The bias tile, channels last: (B|1, n, nk, H).
+    """The bias tile, heads first: (B|1, H, n, nk).
 
     Args:
         kind: one of :data:`BASE_KINDS`.
@@ -42,13 +42,14 @@ def base_bias_tile(
     delta = q_index[:, None] - k_index[None, :]  # (n, nk) i - j
     if kind == "alibi":
         (slopes,) = tensors
-        return (delta.abs()[..., None] * -slopes)[None]
+        return (delta.abs() * -slopes[:, None, None])[None]
     if kind == "kerple_log":
         r1, r2 = tensors
-        return (-r1 * torch.log1p(r2 * delta.abs()[..., None]))[None]
+        return (-r1[:, None, None] * torch.log1p(r2[:, None, None] * delta.abs()))[None]
     if kind == "kerple_pow":
         r1, r2 = tensors
-        d = delta.abs()[..., None]
+        d = delta.abs()
+        r1, r2 = r1[:, None, None], r2[:, None, None]
         safe = torch.where(d > 0, d, torch.ones_like(d))
         return torch.where(d > 0, -r1 * safe.pow(r2), torch.zeros_like(r1 * d))[None]
     if kind == "fire":
@@ -56,5 +57,5 @@ def base_bias_tile(
         pos = positions[:, rows]  # (B|1, n)
         normaliser = torch.log1p(c * torch.maximum(threshold, pos)) + FIRE_EPS  # (B|1, n)
         x = torch.log1p(c * delta.clamp_min(0.0))[None] / normaliser[..., None]  # (B|1, n, nk)
-        return F.linear(F.relu(x[..., None] * w1 + b1), w2, b2)
+        return F.linear(F.relu(x[..., None] * w1 + b1), w2, b2).movedim(-1, 1)
     raise ValueError(f"unknown CAPE base bias kind {kind!r}; allowed: {', '.join(BASE_KINDS)}")

@@ -30,16 +30,36 @@ BLOCK_K = 128
 _SLOPE = 0.01  # LeakyReLU negative slope (PyTorch's default, the authors' code)
 
 
-def _tile_features(qb, kb, bias, w1a, w1b, b1, w2, b2):
-    """Logits (B, n, nk, H), the MLP's pre-activation (B, n, nk, hidden) and the scores (B, n, nk, H).
+def _lin(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """w (O, C) applied over the channels of x (B, C, N) -> (B, O, N), one 2D product per batch row."""
+    if x.shape[0] == 1:
+        return torch.mm(w, x[0])[None]
+    return torch.matmul(w, x)
 
-    qb (B, Hkv, G, n, D) already scaled, kb (B, Hkv, 1, nk, D), bias (B|1, n, nk, H)."""
+
+def _outer(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """sum over the batch and N of a (B, O, N) times x (B, C, N) -> (O, C)."""
+    if a.shape[0] == 1 and x.shape[0] == 1:
+        return torch.mm(a[0], x[0].T)
+    return torch.matmul(a, x.transpose(-1, -2)).sum(dim=0)
+
+
+def _tile_features(qb, kb, bias, w1a, w1b, b1, w2, b2):
+    """Logits (B, H, N), the MLP's pre-activation (B, hidden, N) and the scores (B, H, N), N = n * nk, heads
+    first (the MLP runs as (hidden, H) x (H, N) products: no permutes).
+
+    qb (B, Hkv, G, n, D) already scaled, kb (B, Hkv, 1, nk, D), bias (B|1, H, n, nk)."""
     b, hkv, g, n, _ = qb.shape
     nk = kb.shape[3]
-    logits = torch.matmul(qb, kb.transpose(-1, -2)).reshape(b, hkv * g, n, nk).permute(0, 2, 3, 1)
-    pre = F.linear(logits, w1a) + F.linear(bias, w1b, b1)
-    scores = logits + bias + F.linear(F.leaky_relu(pre, _SLOPE), w2, b2)
-    return logits, pre, scores
+    logits = torch.matmul(qb, kb.transpose(-1, -2)).view(b, hkv * g, n * nk)
+    bias = bias.reshape(bias.shape[0], hkv * g, n * nk)
+    if b == 1 and bias.shape[0] == 1:  # 2D products with the additions fused (addmm)
+        pre = torch.addmm(torch.addmm(b1[:, None], w1b, bias[0]), w1a, logits[0])[None]
+        base = (logits[0] + bias[0]).add_(b2[:, None])
+        return logits, bias, pre, torch.addmm(base, w2, F.leaky_relu(pre[0], _SLOPE))[None]
+    pre = _lin(w1b, bias).add_(b1[:, None]).add(_lin(w1a, logits))
+    scores = _lin(w2, F.leaky_relu(pre, _SLOPE)).add_(b2[:, None]).add_(logits).add_(bias)
+    return logits, bias, pre, scores
 
 
 def _key_stop(k_len: int, static_offset: int | None, q_stop: int) -> int:
@@ -57,39 +77,37 @@ class _CapeTiled(torch.autograd.Function):
         g = h // hkv
         w1a, w1b = w1[:, :h], w1[:, h:]
         out = torch.zeros(b, h, q_len, v.shape[-1], dtype=dt, device=q.device)
-        lse = torch.full((b, q_len, h), float("inf"), dtype=dt, device=q.device)
+        lse = torch.full((b, h, q_len), float("inf"), dtype=dt, device=q.device)
         k_all = torch.arange(k_len, device=q.device, dtype=dt)
         for qs in range(0, q_len, block_q):
             qe = min(qs + block_q, q_len)
             n = qe - qs
             qb = (q[:, :, qs:qe].to(dt) * scaling).view(b, hkv, g, n, d)
             q_index = torch.arange(qs, qe, device=q.device, dtype=dt) + q_offset
-            m = torch.full((b, n, h), float("-inf"), dtype=dt, device=q.device)
-            l_sum = torch.zeros(b, n, h, dtype=dt, device=q.device)
+            m = torch.full((b, h, n), float("-inf"), dtype=dt, device=q.device)
+            l_sum = torch.zeros(b, h, n, dtype=dt, device=q.device)
             acc = torch.zeros(b, hkv, g, n, v.shape[-1], dtype=dt, device=q.device)
-            for ks in range(0, _key_stop(k_len, static_offset, qe), block_k):
-                ke = min(ks + block_k, _key_stop(k_len, static_offset, qe))
+            stop = _key_stop(k_len, static_offset, qe)
+            for ks in range(0, stop, block_k):
+                ke = min(ks + block_k, stop)
                 kb = k[:, :, None, ks:ke].to(dt)
                 bias = base_bias_tile(kind, bias_tensors, q_index, k_all[ks:ke], slice(qs, qe))
-                _, _, s = _tile_features(qb, kb, bias, w1a, w1b, b1, w2, b2)
+                s = _tile_features(qb, kb, bias, w1a, w1b, b1, w2, b2)[3].view(b, h, n, ke - ks)
                 if mask is not None:
-                    s = s.masked_fill(~mask[:, 0, qs:qe, ks:ke, None], float("-inf"))
-                m_new = torch.maximum(m, s.amax(dim=2))
+                    s = s.masked_fill_(~mask[:, :, qs:qe, ks:ke], float("-inf"))
+                m_new = torch.maximum(m, s.amax(dim=-1))
                 m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
                 alpha = torch.exp(m - m_safe)  # 0 while the row had no key yet
-                p = torch.exp(s - m_safe[:, :, None])
-                l_sum = l_sum * alpha + p.sum(dim=2)
-                p_h = p.permute(0, 3, 1, 2).reshape(b, hkv, g, n, ke - ks)
-                acc = acc * alpha.permute(0, 2, 1).reshape(b, hkv, g, n, 1) + torch.matmul(
-                    p_h, v[:, :, None, ks:ke].to(dt)
+                p = torch.exp(s.sub_(m_safe[..., None]))
+                l_sum = l_sum * alpha + p.sum(dim=-1)
+                acc = acc * alpha.view(b, hkv, g, n, 1) + torch.matmul(
+                    p.view(b, hkv, g, n, ke - ks), v[:, :, None, ks:ke].to(dt)
                 )
                 m = m_new
-            l_h = l_sum.permute(0, 2, 1).reshape(b, hkv, g, n, 1)
-            out[:, :, qs:qe] = torch.where(l_h > 0, acc / l_h.clamp_min(torch.finfo(dt).tiny), 0.0).reshape(
-                b, h, n, -1
-            )
+            l_h = l_sum.view(b, hkv, g, n, 1)
+            out[:, :, qs:qe] = torch.where(l_h > 0, acc / l_h.clamp_min(torch.finfo(dt).tiny), 0.0).view(b, h, n, -1)
             m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-            lse[:, qs:qe] = torch.where(l_sum > 0, m_safe + torch.log(l_sum), float("inf"))  # +inf: empty row
+            lse[:, :, qs:qe] = torch.where(l_sum > 0, m_safe + torch.log(l_sum), float("inf"))  # +inf: empty row
         ctx.save_for_backward(q, k, v, mask, w1, b1, w2, b2, out, lse, *bias_tensors)
         ctx.q_offset = q_offset
         ctx.static = (scaling, kind, static_offset, block_q, block_k)
@@ -107,7 +125,7 @@ class _CapeTiled(torch.autograd.Function):
         g = h // hkv
         w1a, w1b = w1[:, :h], w1[:, h:]
         grad_out = grad_out.to(dt)
-        delta = (grad_out * out).sum(dim=-1).permute(0, 2, 1)  # (B, Lq, H)
+        delta = (grad_out * out).sum(dim=-1)  # (B, H, Lq)
         dq = torch.zeros(b, h, q_len, d, dtype=dt, device=q.device)
         dk = torch.zeros(b, hkv, k_len, d, dtype=dt, device=q.device)
         dv = torch.zeros(b, hkv, k_len, v.shape[-1], dtype=dt, device=q.device)
@@ -119,12 +137,13 @@ class _CapeTiled(torch.autograd.Function):
             qe = min(qs + block_q, q_len)
             n = qe - qs
             qb = (q[:, :, qs:qe].to(dt) * scaling).view(b, hkv, g, n, d)
-            dob = grad_out[:, :, qs:qe].view(b, hkv, g, n, -1)
-            lse_b, delta_b = lse[:, qs:qe, None], delta[:, qs:qe, None]  # (B, n, 1, H)
+            dob = grad_out[:, :, qs:qe].reshape(b, hkv, g, n, -1)
+            lse_b, delta_b = lse[:, :, qs:qe, None], delta[:, :, qs:qe, None]  # (B, H, n, 1)
             q_index = torch.arange(qs, qe, device=q.device, dtype=dt) + q_offset
             dqb = torch.zeros_like(qb)
-            for ks in range(0, _key_stop(k_len, static_offset, qe), block_k):
-                ke = min(ks + block_k, _key_stop(k_len, static_offset, qe))
+            stop = _key_stop(k_len, static_offset, qe)
+            for ks in range(0, stop, block_k):
+                ke = min(ks + block_k, stop)
                 nk = ke - ks
                 kb, vb = k[:, :, None, ks:ke].to(dt), v[:, :, None, ks:ke].to(dt)
                 if any(bias_need):
@@ -134,39 +153,37 @@ class _CapeTiled(torch.autograd.Function):
                     bias = bias_graph.detach()
                 else:
                     bias = base_bias_tile(kind, bias_tensors, q_index, k_all[ks:ke], slice(qs, qe))
-                logits, pre, s = _tile_features(qb, kb, bias, w1a, w1b, b1, w2, b2)
+                logits, bias_flat, pre, s = _tile_features(qb, kb, bias, w1a, w1b, b1, w2, b2)
+                s = s.view(b, h, n, nk)
                 if mask is not None:
-                    s = s.masked_fill(~mask[:, 0, qs:qe, ks:ke, None], float("-inf"))
-                p = torch.exp(s - lse_b)  # (B, n, nk, H); 0 on masked keys and empty rows
-                p_h = p.permute(0, 3, 1, 2).reshape(b, hkv, g, n, nk)
-                dv[:, :, ks:ke] += torch.matmul(p_h.transpose(-1, -2), dob).sum(dim=2)
-                dp = torch.matmul(dob, vb.transpose(-1, -2)).reshape(b, h, n, nk).permute(0, 2, 3, 1)
-                ds = p * (dp - delta_b)  # dL/dA (B, n, nk, H)
-                # A = L + B + w2 · leaky(w1a L + w1b B + b1) + b2
-                hidden = F.leaky_relu(pre, _SLOPE)
-                dw2 += ds.reshape(-1, h).T @ hidden.reshape(-1, hidden.shape[-1])
-                db2 += ds.sum(dim=(0, 1, 2))
-                dpre = ds @ w2
-                dpre = torch.where(pre > 0, dpre, dpre * _SLOPE)
-                flat_pre = dpre.reshape(-1, dpre.shape[-1])
-                dw1[:, :h] += flat_pre.T @ logits.reshape(-1, h)
-                dpre_b = dpre if bias.shape[0] == b else dpre.sum(dim=0, keepdim=True)
-                dw1[:, h:] += dpre_b.reshape(-1, dpre.shape[-1]).T @ bias.reshape(-1, h)
-                db1 += flat_pre.sum(dim=0)
-                dlogits = ds + dpre @ w1a
+                    s = s.masked_fill_(~mask[:, :, qs:qe, ks:ke], float("-inf"))
+                p = torch.exp(s.sub_(lse_b))  # (B, H, n, nk); 0 on masked keys and empty rows
+                dv[:, :, ks:ke] += torch.matmul(p.view(b, hkv, g, n, nk).transpose(-1, -2), dob).sum(dim=2)
+                dp = torch.matmul(dob, vb.transpose(-1, -2)).view(b, h, n, nk)
+                ds = p.mul_(dp.sub_(delta_b)).view(b, h, n * nk)  # dL/dA (B, H, N)
+                # A = L + B + w2 leaky(w1a L + w1b B + b1) + b2, heads first
+                dw2 += _outer(ds, F.leaky_relu(pre, _SLOPE))
+                db2 += ds.sum(dim=(0, 2))
+                dpre = torch.ops.aten.leaky_relu_backward(_lin(w2.T, ds), pre, _SLOPE, False)  # (B, hid, N)
+                dw1[:, :h] += _outer(dpre, logits)
+                dpre_b = dpre if bias_flat.shape[0] == b else dpre.sum(dim=0, keepdim=True)
+                dw1[:, h:] += _outer(dpre_b, bias_flat)
+                db1 += dpre.sum(dim=(0, 2))
                 if any(bias_need):
-                    dbias = ds + dpre @ w1b
-                    if bias.shape[0] != b:
+                    dbias = _lin(w1b.T, dpre).add_(ds)
+                    if bias_flat.shape[0] != b:
                         dbias = dbias.sum(dim=0, keepdim=True)
-                    grads = torch.autograd.grad(bias_graph, [t for t, need in zip(leaves, bias_need) if need], dbias)
+                    grads = torch.autograd.grad(
+                        bias_graph, [t for t, need in zip(leaves, bias_need) if need], dbias.view(bias.shape)
+                    )
                     it = iter(grads)
                     for i, need in enumerate(bias_need):
                         if need:
                             d_bias_tensors[i] += next(it)
-                dl_h = dlogits.permute(0, 3, 1, 2).reshape(b, hkv, g, n, nk)
+                dl_h = _lin(w1a.T, dpre).add_(ds).view(b, hkv, g, n, nk)  # dL/dlogits
                 dqb += torch.matmul(dl_h, kb)
                 dk[:, :, ks:ke] += torch.matmul(dl_h.transpose(-1, -2), qb).sum(dim=2)
-            dq[:, :, qs:qe] = dqb.reshape(b, h, n, d) * scaling
+            dq[:, :, qs:qe] = dqb.view(b, h, n, d) * scaling
         return (
             dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, dw1, db1, dw2, db2,
             None, None, None, None, None, None, *d_bias_tensors,
@@ -203,7 +220,7 @@ def cape_attention_tiled(
         q_offset: key index of the first query (an int, or a 0-d tensor: then no tile is skipped).
         causal: whether keys after ``q_offset + i`` are masked for query i (then key tiles past the diagonal
             are skipped when ``q_offset`` is an int; the mask must hold the causality).
-        block_q, block_k: tile sizes.
+        block_q, block_k: tile sizes (larger tiles: fewer, larger operations; memory O(block_q · block_k · hidden)).
     """
     if kind not in BASE_KINDS:
         raise ValueError(f"unknown CAPE base bias kind {kind!r}; allowed: {', '.join(BASE_KINDS)}")

@@ -1,8 +1,8 @@
 """Tile-wise CAPE attention in plain PyTorch: O(L · block) memory, any device.
 
 Per query block × key block it computes every head's scaled logits L for the tile, the base bias tile B
-from its small tensors (:mod:`.bias_tile`), the MLP f across the heads at each (i, j) (channels last:
-(B, n, nk, 2H) -> hidden -> H), the scores A = L + B + f(L, B), the mask, and an online softmax over the
+from its small tensors (:mod:`.bias_tile`), the MLP f across the heads at each (i, j) (heads first, as
+(hidden, H) x (H, n * nk) matrix products), the scores A = L + B + f(L, B), the mask, and an online softmax over the
 key blocks (running max and sum per row and head). Key blocks entirely above the causal diagonal are
 skipped when the offset is a Python int (a 0-d tensor offset, e.g. a StaticCache, computes every tile
 and relies on the mask: no tensor is turned into a Python number).
@@ -45,7 +45,8 @@ def _outer(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _tile_features(qb, kb, bias, w1a, w1b, b1, w2, b2):
-    """Logits (B, H, N), the MLP's pre-activation (B, hidden, N) and the scores (B, H, N), N = n * nk, heads
+    """Logits (B, H, N), the bias (B|1, H, N), the MLP's pre-activation and activation (B, hidden, N) and the
+    scores (B, H, N), N = n * nk, heads
     first (the MLP runs as (hidden, H) x (H, N) products: no permutes).
 
     qb (B, Hkv, G, n, D) already scaled, kb (B, Hkv, 1, nk, D), bias (B|1, H, n, nk)."""
@@ -55,11 +56,13 @@ def _tile_features(qb, kb, bias, w1a, w1b, b1, w2, b2):
     bias = bias.reshape(bias.shape[0], hkv * g, n * nk)
     if b == 1 and bias.shape[0] == 1:  # 2D products with the additions fused (addmm)
         pre = torch.addmm(torch.addmm(b1[:, None], w1b, bias[0]), w1a, logits[0])[None]
+        hidden = F.leaky_relu(pre, _SLOPE)
         base = (logits[0] + bias[0]).add_(b2[:, None])
-        return logits, bias, pre, torch.addmm(base, w2, F.leaky_relu(pre[0], _SLOPE))[None]
+        return logits, bias, pre, hidden, torch.addmm(base, w2, hidden[0])[None]
     pre = _lin(w1b, bias).add_(b1[:, None]).add(_lin(w1a, logits))
-    scores = _lin(w2, F.leaky_relu(pre, _SLOPE)).add_(b2[:, None]).add_(logits).add_(bias)
-    return logits, bias, pre, scores
+    hidden = F.leaky_relu(pre, _SLOPE)
+    scores = _lin(w2, hidden).add_(b2[:, None]).add_(logits).add_(bias)
+    return logits, bias, pre, hidden, scores
 
 
 def _key_stop(k_len: int, static_offset: int | None, q_stop: int) -> int:
@@ -92,7 +95,7 @@ class _CapeTiled(torch.autograd.Function):
                 ke = min(ks + block_k, stop)
                 kb = k[:, :, None, ks:ke].to(dt)
                 bias = base_bias_tile(kind, bias_tensors, q_index, k_all[ks:ke], slice(qs, qe))
-                s = _tile_features(qb, kb, bias, w1a, w1b, b1, w2, b2)[3].view(b, h, n, ke - ks)
+                s = _tile_features(qb, kb, bias, w1a, w1b, b1, w2, b2)[4].view(b, h, n, ke - ks)
                 if mask is not None:
                     s = s.masked_fill_(~mask[:, :, qs:qe, ks:ke], float("-inf"))
                 m_new = torch.maximum(m, s.amax(dim=-1))
@@ -153,7 +156,7 @@ class _CapeTiled(torch.autograd.Function):
                     bias = bias_graph.detach()
                 else:
                     bias = base_bias_tile(kind, bias_tensors, q_index, k_all[ks:ke], slice(qs, qe))
-                logits, bias_flat, pre, s = _tile_features(qb, kb, bias, w1a, w1b, b1, w2, b2)
+                logits, bias_flat, pre, hidden, s = _tile_features(qb, kb, bias, w1a, w1b, b1, w2, b2)
                 s = s.view(b, h, n, nk)
                 if mask is not None:
                     s = s.masked_fill_(~mask[:, :, qs:qe, ks:ke], float("-inf"))
@@ -162,7 +165,7 @@ class _CapeTiled(torch.autograd.Function):
                 dp = torch.matmul(dob, vb.transpose(-1, -2)).view(b, h, n, nk)
                 ds = p.mul_(dp.sub_(delta_b)).view(b, h, n * nk)  # dL/dA (B, H, N)
                 # A = L + B + w2 leaky(w1a L + w1b B + b1) + b2, heads first
-                dw2 += _outer(ds, F.leaky_relu(pre, _SLOPE))
+                dw2 += _outer(ds, hidden)
                 db2 += ds.sum(dim=(0, 2))
                 dpre = torch.ops.aten.leaky_relu_backward(_lin(w2.T, ds), pre, _SLOPE, False)  # (B, hid, N)
                 dw1[:, :h] += _outer(dpre, logits)

@@ -8,8 +8,10 @@ measured in a fresh subprocess per model: the rise of the peak resident set (VmH
 
     PYTHONPATH=. python benchmarks/bench_cape_comrope_cpu.py [--length 2048] [--rounds 5] [--threads 2]
 
-Writes benchmarks/results/train_cape_comrope_<device>.json and prints a table. On a shared machine the
-absolute times move with the load; the ratios, timed interleaved, move less.
+Writes benchmarks/results/train_cape_comrope_<device>_L<length>_t<threads>.json and prints a table. On a
+shared machine the absolute times move with the load; the ratios, timed interleaved, move less. With two
+threads on a loaded 2-core VM every multithreaded op waits for both threads (tens of ms per op), which
+punishes many-op implementations: the README's CPU benchmarks use --threads 1 for that reason.
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def main() -> None:
     }
     out_dir = ROOT / "benchmarks" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"train_cape_comrope_{slug(device)}.json"
+    path = out_dir / f"train_cape_comrope_{slug(device)}_L{args.length}_t{args.threads}.json"
     path.write_text(json.dumps(result, indent=2))
     print(f"{device}, L={args.length}, {args.threads} threads, {args.rounds} rounds, load {load_before[0]:.1f}")
     print(f"{'model':<20} {'step (s)':>9} {'ratio':>7} {'peak MiB':>9} {'mem ratio':>9}")

@@ -26,9 +26,10 @@ grouped-query attention a query head uses its key/value head's rotation) drawn f
 init_std = 1 by default (the code's ``init_std``); for ``ld``, theta (per axis and block, per layer,
 shared by the heads, the code's ``multiplier``) drawn from N(0, 1). ``block_size`` defaults to 8 (the
 largest block the fused rotary kernel takes; the official code's configuration default is 2), lowered to
-4 or 2 where the head dimension needs it; the paper's own block size could not be confirmed from the
-sources at hand (its README and code give none besides the config default 2) (ap also needs a whole number of blocks per axis, as the
-official code requires: head_dim divisible by N * b).
+4 or 2 where the head dimension needs it (ap also needs a whole number of blocks per axis, as the
+official code requires: head_dim divisible by N * b). The block size of the paper's experiments could not
+be confirmed from the sources at hand (the official README and model.py give none besides the config
+default 2), so 8 stays a choice of this package, not the paper's setting.
 
 Positions. ViT (N = 2): x = (row, column) of the patch, scaled by 1 / (rows, columns) of the config's
 patch grid, as the official code normalises positions to [0, 1] over the training image (its

@@ -8,8 +8,8 @@ kind          tensors                                     B_h(i, j), δ = qi −
 ``alibi``     slopes (H,)                                 −slopes[h] · |δ|          (hf_posenc.encodings.alibi)
 ``kerple_log`` r1 (H,), r2 (H,)                           −r1[h] · log(1 + r2[h] · |δ|)  (…kerple)
 ``kerple_pow`` r1 (H,), r2 (H,)                           −r1[h] · |δ|^r2[h], 0 at δ = 0
-``fire``      w1 (hid,), b1 (hid,), w2 (H, hid), b2 (H,),  f(log(1 + c·max(δ, 0)) / (log(1 + c·max(L, p_i)) + 1e-6))_h
-              c (), L (), positions (B|1, Lq)             f(x) = w2 · relu(x·w1 + b1) + b2 (…fire, exact: no table)
+``fire``      w1 (hid,), b1 (hid,), w2 (H, hid), b2 (H,),  f(log(1 + c·max(δ, 0)) / (log(1 + c·max(L, p_i)) + eps))_h
+              c (), L (), positions (B|1, Lq)             f(x) = w2 · relu(x·w1 + b1) + b2, eps = 1e-6 (exact: no table)
 ============  ==========================================  =============================================
 
 The formulas are those of the encodings' ``score_bias``; tests check the tiles against them.

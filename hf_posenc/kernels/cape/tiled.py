@@ -236,7 +236,9 @@ def cape_attention_tiled(
     if h % key.shape[1]:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({key.shape[1]})")
     if w1.shape[-1] != 2 * h or w2.shape[0] != h:
-        raise ValueError(f"the MLP must map 2H = {2 * h} values to H = {h}, got w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}")
+        raise ValueError(
+            f"the MLP must map 2H = {2 * h} values to H = {h}, got w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}"
+        )
     if block_q < 1 or block_k < 1:
         raise ValueError(f"block sizes must be >= 1, got {block_q}, {block_k}")
     dt = torch.float64 if query.dtype == torch.float64 else torch.float32

@@ -273,11 +273,16 @@ def test_cape_scores_closed_form(base):
     v = torch.randn(2, 1, 6, 4)
     mask = torch.ones(2, 1, 3, 6, dtype=torch.bool).tril(diagonal=3)
     mask[0, :, :, :2] = False  # left padding in row 0
+    ctx.need_weights = True  # probabilities requested: the full-matrix reference
     out, probs = enc.attend(ctx, layer, q, k, v, mask, scaling, 0.0, False)
     ref = torch.softmax(want.masked_fill(~mask, float("-inf")), dim=-1)
     torch.testing.assert_close(probs, ref, atol=1e-6, rtol=1e-5)
     assert torch.all(probs.masked_fill(mask, 0) == 0)
     torch.testing.assert_close(out, ref @ v.expand(2, 2, 6, 4), atol=1e-5, rtol=1e-5)
+    ctx.need_weights = False  # the tile-wise path: the same output, no probabilities
+    tiled, none = enc.attend(ctx, layer, q, k, v, mask, scaling, 0.0, False)
+    assert none is None
+    torch.testing.assert_close(tiled, ref @ v.expand(2, 2, 6, 4), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("base", ["alibi", "kerple", "fire"])

@@ -155,7 +155,7 @@ def test_comrope_block2_by_hand():
     """b = 2 on text: P_j = [[0, a_j], [0, 0]] gives S_j = [[0, a_j], [-a_j, 0]] and
     exp(x S_j) = [[cos a_j x, sin a_j x], [-sin a_j x, cos a_j x]]: a rotation by -a_j x."""
     info = text_info(head_dim=4)
-    enc = build(ComRope, "comrope", info, variant="ap", block_size=2)
+    enc = build(ComRope, "comrope", info, variant="ap", block_size=2, position_scale=1.0)
     with torch.no_grad():
         enc.P.zero_()
         enc.P[0, 0, 0, 0, 1] = 0.5
@@ -234,13 +234,57 @@ def test_comrope_ap_blocks_alternate_between_axes():
 def test_comrope_defaults_and_initialisation():
     torch.manual_seed(0)
     llama = build(ComRope, "comrope", text_info(head_dim=16, heads=4, kv_heads=2, layers=3))
-    assert llama.posenc_config.params == {"variant": "ap", "block_size": 8, "init_std": 1.0, "position_scale": None}
-    assert llama.P.shape == (3, 2, 2, 8, 8) and llama.axis_scale == (1.0,)
+    assert llama.posenc_config.params == {"variant": "ap", "block_size": 8, "init_std": 1.0, "position_scale": 1 / 64}
+    assert llama.P.shape == (3, 2, 2, 8, 8) and llama.axis_scale == (1 / 64,)
     assert 0.9 < llama.P.std().item() < 1.1
     vit = build(ComRope, "comrope", vit_info(head_dim=8))
     assert vit.block_size == 4  # 8 would leave the column axis without a block
     ld = build(ComRope, "comrope", vit_info(head_dim=8), variant="ld", init_std=0.1)
     assert ld.block_size == 8 and ld.theta.shape == (1, 2, 1) and ld.P.std().item() < 0.2
+
+
+def test_comrope_text_positions_scaled_by_the_context_length():
+    """Source: the official code (github.com/Longin-Yu/ComRoPE, model.py, ``CustomVITConfig.get_positions`` with
+    its default ``axis_scale=True``) normalises each axis by its training extent, (p + 0.5) / n; the paper has
+    no 1D experiment. On text the default is its 1D analogue, x = position / max_positions: with init_std = 1
+    the median rotation angle per token is far below 0.3 rad (unscaled: near 2.9 rad), and the whole context
+    still turns by O(1) radians."""
+    torch.manual_seed(0)
+    info = ModelInfo("llama", 64, 4, 4, 16, 2, True, 2048)
+    enc = build(ComRope, "comrope", info)
+    assert enc.axis_scale == (1 / 2048,) and enc.posenc_config.params["position_scale"] == 1 / 2048
+    skew = enc.skew(0)  # (Hkv, m, b, b): the per-unit angles are the eigenvalues of i S
+    angles = torch.linalg.eigvalsh(1j * skew.double()).abs()  # (Hkv, m, b)
+    per_token = angles * enc.axis_scale[0]
+    assert per_token.median() < 0.01
+    assert (angles.median() * 2047 / 2048) > 0.5  # the trained context spans a real rotation
+    unscaled = build(ComRope, "comrope", info, position_scale=1.0)
+    assert torch.linalg.eigvalsh(1j * unscaled.skew(0).double()).abs().median() > 1.0
+    with pytest.raises(ValueError, match="position_scale"):
+        build(ComRope, "comrope", ModelInfo("llama", 64, 4, 4, 16, 2, True, None))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_comrope_spectral_exponential_equals_matrix_exp(dtype):
+    """The spectral form (one eigendecomposition per block) equals torch.matrix_exp per position, forward and
+    both gradients, including a block with repeated eigenvalues (where eigenvector gradients would fail)."""
+    from hf_posenc.kernels.rotary.skew_exp import skew_exp, skew_exp_reference
+
+    g = torch.Generator().manual_seed(1)
+    P = torch.randn(2, 3, 8, 8, generator=g, dtype=dtype)
+    skew = P - P.mT
+    skew[1, 2] = 0.0
+    skew[1, 2, 0, 1], skew[1, 2, 1, 0], skew[1, 2, 2, 3], skew[1, 2, 3, 2] = 1.0, -1.0, 1.0, -1.0
+    skew.requires_grad_(True)
+    coeff = (torch.randn(7, 3, generator=g, dtype=dtype) * 3).requires_grad_(True)
+    got, want = skew_exp(skew, coeff), skew_exp_reference(skew, coeff)
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    assert (got - want).abs().max() < tol
+    weight = torch.randn(got.shape, generator=g, dtype=dtype)
+    g_got = torch.autograd.grad((got * weight).sum(), (skew, coeff))
+    g_want = torch.autograd.grad((want * weight).sum(), (skew, coeff))
+    for a, b in zip(g_got, g_want):
+        assert (a - b).abs().max() / b.abs().max() < tol
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,14 @@ Choices, following the paper and the authors' code (github.com/chuanyang-Zheng/D
 
 With f's last layer at zero, CAPE is exactly attention with the base bias.
 
+Implementation: on text, ``attend`` runs the tile-wise attention of ``hf_posenc.kernels.cape.tiled`` (plain
+PyTorch, any device; O(L · block) memory: per query block × key block it builds the logits, the base bias
+tile from the base's small tensors (ALiBi slopes, Kerple r1/r2, FIRE's MLP, c, L and query positions),
+the MLP across heads, an online softmax, and recomputes in backward). The full-matrix reference
+(``hf_posenc.kernels.cape.naive``, (B, Lq, Lk, 2H) tensors) runs where the tiles do not: attention
+probabilities requested (``output_attentions``), attention dropout in training, and ViT's 2D grid (short
+sequences). There is no Triton kernel for CAPE.
+
 ViT (bidirectional): the base bias is the base encoding's own ViT form (distances on the 2D patch grid,
 no term on pairs involving the CLS token); there is no mask, and f runs on every pair, CLS pairs
 included, where its positional input B is 0 (it then adapts the logits only, with no position signal).
@@ -51,9 +59,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..config import PosEncConfig
-from ..ops import expand_kv, masked_softmax
+from ..kernels.cape import cape_attention_reference, cape_attention_tiled, cape_scores_reference
 from ..registry import get_encoding, param, register_encoding
-from . import alibi as _alibi  # noqa: F401  (registers the base biases this module builds by name)
+from .alibi import alibi_slopes  # (importing alibi, fire registers the base biases built by name)
 from . import fire as _fire  # noqa: F401
 from .base import ModelInfo, PosContext, PositionEncoding
 
@@ -61,11 +69,6 @@ __all__ = ["Cape", "CapeMLP", "CAPE_BASES"]
 
 #: the base biases CAPE can adapt (score-bias encodings of the registry).
 CAPE_BASES = ("alibi", "kerple", "fire")
-
-
-def _up(t: torch.Tensor) -> torch.Tensor:
-    """At least float32 (half and bfloat16 are computed in float32; float64 stays)."""
-    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 @dataclass
@@ -148,18 +151,39 @@ class Cape(PositionEncoding):
     ) -> torch.Tensor:
         """Pre-mask scores A = L + B + f(L, B), L = Q K^T * scaling: (B, H, Lq, Lk) in float32 (float64 inputs
         stay float64). query (B, H, Lq, D), key (B, Hkv, Lk, D)."""
-        b, h, q_len, _ = query.shape
-        k_len = key.shape[2]
-        if h % key.shape[1]:
-            raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({key.shape[1]})")
-        key = expand_kv(key, h // key.shape[1])
-        logits = torch.matmul(_up(query), _up(key).transpose(-1, -2)) * scaling
-        bias = self.base_bias(ctx, q_len, k_len, query.device, layer)
-        dt = torch.promote_types(logits.dtype, bias.dtype)
-        logits, bias = logits.to(dt), bias.to(dt).expand(b, -1, -1, -1)
-        feats = torch.cat([logits, bias], dim=1).permute(0, 2, 3, 1)  # (B, Lq, Lk, 2H)
-        f = self.mlps[layer](feats).permute(0, 3, 1, 2)  # (B, H, Lq, Lk)
-        return logits + bias + f
+        if query.shape[1] % key.shape[1]:
+            raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]})")
+        bias = self.base_bias(ctx, query.shape[2], key.shape[2], query.device, layer)
+        mlp = self.mlps[layer]
+        return cape_scores_reference(
+            query, key, bias, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias, scaling
+        )
+
+    # -- the tile-wise path -----------------------------------------------------------------------
+    def uses_tiles(self, ctx: PosContext, dropout: float, training: bool) -> bool:
+        """Whether ``attend`` runs the tile-wise attention: text, no probabilities requested, no attention
+        dropout in training (the reference runs otherwise)."""
+        return ctx.grid is None and not ctx.need_weights and not (dropout > 0 and training)
+
+    def base_term(self, ctx: PosContext, layer: int, q_len: int, device: torch.device) -> tuple[str, tuple]:
+        """The base bias of ``layer`` as a tile kind and its small tensors (``hf_posenc.kernels.cape.bias_tile``);
+        gradients reach the base's parameters through them. Text only."""
+        base, name = self.base, self.posenc_config.params["base"]
+        idx = layer if getattr(base, "bias_per_layer", False) else 0
+        if name == "alibi":
+            return "alibi", (alibi_slopes(self.info.num_heads).to(device),)
+        if name == "kerple":
+            r1, r2 = base.kernel_params()
+            return f"kerple_{'log' if base.variant == 'log' else 'pow'}", (r1[idx], r2[idx])
+        fn = base.function(layer)
+        positions = base._query_positions(ctx, q_len, device)  # (B|1, Lq)
+        return "fire", (fn.w1, fn.b1, fn.w2, fn.b2, fn.c, fn.threshold, positions)
+
+    def _check_reference_memory(self, op: str, args: tuple) -> None:
+        """The O(L^2) pre-check applies to the reference only: the tiles need O(L · block)."""
+        if op == "attend" and len(args) >= 9 and self.uses_tiles(args[0], args[7], args[8]):
+            return
+        super()._check_reference_memory(op, args)
 
     def attend(
         self,
@@ -173,10 +197,16 @@ class Cape(PositionEncoding):
         dropout: float,
         training: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """CAPE attention: q (B, H, Lq, D), k/v (B, Hkv, Lk, D), mask (B|1, 1, Lq, Lk) bool (True = attend)
-        or None. Returns out (B, H, Lq, D) in the dtype of ``value`` and the probabilities (B, H, Lq, Lk)."""
-        scores = self.scores(ctx, layer, query, key, scaling)
-        probs = masked_softmax(scores, mask)  # float32; rows with every key masked give zeros
-        probs = F.dropout(probs, p=dropout, training=training).to(query.dtype)
-        value = expand_kv(value, query.shape[1] // value.shape[1])
-        return torch.matmul(probs, value), probs
+        """CAPE attention: q (B, H, Lq, D), k/v (B, Hkv, Lk, D), mask (B|1, 1, Lq, Lk) bool (True = attend;
+        causality included) or None. Returns out (B, H, Lq, D) and the probabilities (B, H, Lq, Lk), or None
+        for them on the tile-wise path (see ``uses_tiles``)."""
+        mlp = self.mlps[layer]
+        weights = (mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias)
+        if self.uses_tiles(ctx, dropout, training):
+            kind, tensors = self.base_term(ctx, layer, query.shape[2], query.device)
+            out = cape_attention_tiled(
+                query, key, value, *weights, kind, tensors, mask, scaling, ctx.q_offset, causal=self.info.causal
+            )
+            return out, None
+        bias = self.base_bias(ctx, query.shape[2], key.shape[2], query.device, layer)
+        return cape_attention_reference(query, key, value, bias, *weights, mask, scaling, dropout, training)

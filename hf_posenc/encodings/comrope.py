@@ -15,8 +15,11 @@ commute (the paper's theorem); both variants make them commute by construction:
   Within a block every axis uses a multiple of the same skew matrix.
 
 So block j of R(x) is exp(c_j(x) S_j) with S_j = P_j - P_j^T and a scalar c_j(x) = x_(j mod N) (ap) or
-sum_i theta_ij x_i (ld). The matrix exponential is computed with ``torch.matrix_exp`` in float32 (float64
-stays float64), once per forward and layer for the distinct positions present.
+sum_i theta_ij x_i (ld). The exponentials are computed in float32 (float64 stays float64), once per
+forward and layer for the distinct positions present, through the spectral form of each skew block
+(``hf_posenc.kernels.rotary.skew_exp``: one eigendecomposition of i S_j per block and layer, then
+exp(c S_j) = V diag(exp(-i c w)) V^H for every position, exact; its backward is the Daleckii-Krein
+adjoint, no matrix exponential per position).
 
 Parameters, as in the official code: P (one b x b matrix per block, per key/value head, per layer; with
 grouped-query attention a query head uses its key/value head's rotation) drawn from N(0, init_std^2),
@@ -24,17 +27,26 @@ init_std = 1 by default (the code's ``init_std``); for ``ld``, theta (per axis a
 shared by the heads, the code's ``multiplier``) drawn from N(0, 1). ``block_size`` defaults to 8 (the
 largest block the fused rotary kernel takes; the official code's configuration default is 2), lowered to
 4 or 2 where the head dimension needs it (ap also needs a whole number of blocks per axis, as the
-official code requires: head_dim divisible by N * b).
+official code requires: head_dim divisible by N * b). The block size of the paper's experiments could not
+be confirmed from the sources at hand (the official README and model.py give none besides the config
+default 2), so 8 stays a choice of this package, not the paper's setting.
 
 Positions. ViT (N = 2): x = (row, column) of the patch, scaled by 1 / (rows, columns) of the config's
 patch grid, as the official code normalises positions to [0, 1] over the training image (its
 (p + 0.5) / n differs by a constant shift, which a relative encoding ignores). The scale is fixed by
 the config's grid, so an image of another resolution keeps the same step per patch and extends past 1:
 nothing is interpolated, and the relative property holds across resolutions. The CLS token is not
-rotated (R = I; the official code instead places it at the image centre). Text (N = 1): x = the logical
-token position, unscaled; with one axis both variants give every block to it, so ``ap`` is a learned
-block rotation exp(x S_j) per block and ``ld`` the same with a learned scalar per block.
-``position_scale`` overrides the scale on every axis (e.g. 1 / context length on text).
+rotated (R = I; the official code instead places it at the image centre). Text (N = 1): the paper and
+the official code have no 1D sequence setting (experiments: ImageNet 2D, UCF-101 3D, MSCOCO; the code's
+``CustomVITConfig.get_positions`` is 2D/3D only). Its rule on every axis is ``axis_scale=True``: positions
+normalised by the training extent of the axis, ``(p + 0.5) / num_patches_on_single_axis``. The 1D
+analogue is the default here: x = the logical token position times 1 / ``max_positions`` (the model's
+context length, e.g. ``max_position_embeddings``), so that, as on the training image, the whole trained
+context spans a unit range and init_std = 1 gives rotations of O(1) radians across the context rather
+than per token (unscaled positions gave a median angle near 2.9 rad per token: no low frequency). A
+model without a maximum position needs ``position_scale``. With one axis both variants give every block
+to it, so ``ap`` is a learned block rotation exp(x S_j) per block and ``ld`` the same with a learned
+scalar per block. ``position_scale`` overrides the scale on every axis (1.0 gives unscaled positions).
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ import torch
 from torch import nn
 
 from ..config import PosEncConfig
+from ..kernels.rotary.skew_exp import skew_exp
 from ..ops import upcast
 from ..registry import param, register_encoding
 from .base import ModelInfo, PosContext
@@ -104,7 +117,7 @@ class ComRopeParams:
     position_scale: float | None = param(
         None,
         "factor applied to the coordinates on every axis; None: 1 / (rows, columns) of the config's patch grid "
-        "on ViT, 1 on text",
+        "on ViT, 1 / max_positions (the model's context length) on text",
         type=float,
         optional=True,
         gt=0.0,
@@ -128,6 +141,13 @@ class ComRope(BlockRotationEncoding):
         p = dict(config.params)
         if p["block_size"] is None:
             p["block_size"] = default_block_size(p["variant"], info.head_dim, num_axes(info))
+        if p["position_scale"] is None and info.grid is None:
+            if not info.max_positions:
+                raise ValueError(
+                    f"comrope on text scales positions by 1 / the model's context length, but the {info.family} "
+                    "config has no maximum position; pass position_scale (e.g. 1 / your training length)"
+                )
+            p["position_scale"] = 1.0 / info.max_positions
         return PosEncConfig(config.name, p)
 
     def check_model(self, info: ModelInfo) -> None:
@@ -153,7 +173,7 @@ class ComRope(BlockRotationEncoding):
         elif info.grid is not None:
             scale = [1.0 / info.grid[0], 1.0 / info.grid[1]]
         else:
-            scale = [1.0]
+            raise ValueError("comrope on text needs position_scale (resolve() sets 1 / max_positions)")
         self.axis_scale = tuple(scale)
 
     # -- the angle matrices -----------------------------------------------------------------------
@@ -189,7 +209,7 @@ class ComRope(BlockRotationEncoding):
         lead = coords.shape[:-1]  # (B|1, L)
         unique, inverse = torch.unique(coords.reshape(-1, self.num_axes), dim=0, return_inverse=True)
         c = unique @ coeff  # (U, m): c_j(x) = sum_i x_i C_ij
-        rot = torch.matrix_exp(c[None, :, :, None, None] * skew[:, None])  # (Hkv, U, m, b, b)
+        rot = skew_exp(skew, c)  # (Hkv, U, m, b, b) exp(c_j S_j), spectral form (exact)
         rot = rot[:, inverse.reshape(-1)].unflatten(1, lead)  # (Hkv, B|1, L, m, b, b)
         return rot.transpose(0, 1)
 

@@ -12,8 +12,26 @@ from ..encodings.base import ModelInfo, PosContext, unwrap
 
 __all__ = [
     "FamilyPatch", "swap_class", "unshare_config", "require_ctx", "text_positions", "make_context", "check_token_ids",
-    "check_embeds",
+    "check_embeds", "cache_kwarg", "pop_cache",
 ]
+
+
+def cache_kwarg(forward: Any) -> str:
+    """The name under which ``forward`` (a transformers module's forward) takes the KV cache: ``cache``
+    from transformers 5.24 on (``past_key_values`` is deprecated and renamed there), ``past_key_values``
+    before (5.17). Read from the signature, so that both ends of the supported range work."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def pop_cache(past_key_values: Any, kwargs: dict[str, Any]) -> Any:
+    """The KV cache a patched forward was given, under either name (``past_key_values`` or, from
+    transformers 5.24 on, ``cache``); ``cache`` is removed from ``kwargs``. ``ValueError`` for two caches."""
+    cache = kwargs.pop("cache", None)
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("got two different KV caches (past_key_values= and cache=); pass one")
+    return past_key_values if past_key_values is not None else cache
 
 
 def swap_class(module: nn.Module, new_cls: type) -> None:

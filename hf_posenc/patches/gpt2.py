@@ -20,13 +20,19 @@ from ..encodings.base import ModelInfo
 from .base import (
     FamilyPatch,
     add_embeddings,
+    cache_kwarg,
     check_embeds,
     check_token_ids,
     make_context,
+    pop_cache,
     require_ctx,
     swap_class,
     text_positions,
 )
+
+
+#: the keyword under which GPT2Model.forward takes the KV cache (``cache`` from transformers 5.24 on).
+_CACHE_KW = cache_kwarg(GPT2Model.forward)
 
 
 class NoPositionTable(nn.Module):
@@ -52,6 +58,7 @@ class PosEncGPT2Model(GPT2Model):
         use_cache: bool | None = None,
         **kwargs: Any,
     ):
+        past_key_values = pop_cache(past_key_values, kwargs)
         if input_ids is not None and inputs_embeds is None:
             check_token_ids(input_ids, self.wte, two_d=False)  # GPT-2 flattens leading dims itself
             self.warn_if_padding_and_no_attention_mask(input_ids, attention_mask)
@@ -70,7 +77,7 @@ class PosEncGPT2Model(GPT2Model):
         inputs_embeds = add_embeddings(ctx, inputs_embeds)
         return super().forward(
             input_ids=input_ids,
-            past_key_values=past_key_values,
+            **{_CACHE_KW: past_key_values},
             attention_mask=attention_mask,
             token_type_ids=token_type_ids,
             position_ids=position_ids,
@@ -97,6 +104,7 @@ class PosEncGPT2Attention(GPT2Attention):
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         ctx = require_ctx(kwargs, "GPT2Attention")
+        past_key_values = pop_cache(past_key_values, kwargs)
         if encoder_hidden_states is not None:
             raise ValueError("a patched GPT-2 self-attention module got encoder_hidden_states")
         query, key, value = self.c_attn(hidden_states).split(self.split_size, dim=2)

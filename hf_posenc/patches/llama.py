@@ -19,13 +19,19 @@ from ..encodings.base import ModelInfo
 from .base import (
     FamilyPatch,
     add_embeddings,
+    cache_kwarg,
     check_embeds,
     check_token_ids,
     make_context,
+    pop_cache,
     require_ctx,
     swap_class,
     text_positions,
 )
+
+
+#: the keyword under which LlamaModel.forward takes the KV cache (``cache`` from transformers 5.24 on).
+_CACHE_KW = cache_kwarg(LlamaModel.forward)
 
 
 class NoRotaryEmbedding(nn.Module):
@@ -48,6 +54,7 @@ class PosEncLlamaModel(LlamaModel):
         use_cache: bool | None = None,
         **kwargs: Any,
     ):
+        past_key_values = pop_cache(past_key_values, kwargs)
         if input_ids is not None and inputs_embeds is None:
             check_token_ids(input_ids, self.embed_tokens, two_d=True)
             inputs_embeds = self.embed_tokens(input_ids)
@@ -65,7 +72,7 @@ class PosEncLlamaModel(LlamaModel):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            **{_CACHE_KW: past_key_values},
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             posenc_ctx=ctx,
@@ -85,6 +92,7 @@ class PosEncLlamaAttention(LlamaAttention):
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         ctx = require_ctx(kwargs, "LlamaAttention")
+        past_key_values = pop_cache(past_key_values, kwargs)
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)

@@ -106,6 +106,18 @@ def fsdp_accelerator(plugin_kwargs: dict):
     return acc, force
 
 
+def accelerate_fsdp2_missing() -> str | None:
+    """Why accelerate's FSDP2 plugin cannot run here (accelerate < 1.6 has no ``fsdp_version``), or None."""
+    import inspect
+
+    import accelerate
+    from accelerate import FullyShardedDataParallelPlugin
+
+    if "fsdp_version" not in inspect.signature(FullyShardedDataParallelPlugin).parameters:
+        return f"accelerate {accelerate.__version__} has no FSDP2 plugin (FullyShardedDataParallelPlugin(fsdp_version=2))"
+    return None
+
+
 def main() -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
@@ -139,6 +151,11 @@ def main() -> None:
                 save_file({"logits": logits.contiguous()}, os.path.join(d, "logits.safetensors"))
             dist.barrier()
             # 2. accelerate's FSDP plugin: a sharded save_state, then resume from it
+            missing = accelerate_fsdp2_missing()
+            if missing:
+                with open(os.path.join(d, "accelerate_skipped.txt"), "w") as f:
+                    f.write(missing)
+                continue
             results = {}
             for run in ("continued", "resumed"):
                 acc, force = fsdp_accelerator({"state_dict_type": "SHARDED_STATE_DICT",

@@ -98,6 +98,8 @@ def test_accelerate_fsdp_sharded_checkpoint_resumes(fsdp_run, name, params):
     from safetensors.torch import load_file
 
     d = fsdp_run / name
+    if (d / "accelerate_skipped.txt").exists():
+        pytest.skip((d / "accelerate_skipped.txt").read_text())
     files = (d / "accelerate_files.txt").read_text()
     assert "pytorch_model_fsdp_0: ['.metadata', '__0_0.distcp', '__1_0.distcp']" in files  # one shard per rank
     r0, r1 = (load_file(d / f"accelerate_rank{r}.safetensors") for r in range(2))

@@ -107,7 +107,7 @@ def fsdp_accelerator(plugin_kwargs: dict):
 
 
 def accelerate_fsdp2_missing() -> str | None:
-    """Why accelerate's FSDP2 plugin cannot run here (accelerate < 1.6 has no ``fsdp_version``), or None."""
+    """Why accelerate's FSDP2 plugin cannot run here (e.g. accelerate 1.3 has no ``fsdp_version``), or None."""
     import inspect
 
     import accelerate

@@ -86,8 +86,8 @@ def full_state(model) -> dict[str, torch.Tensor]:
 def fsdp_accelerator(plugin_kwargs: dict):
     """An ``Accelerator`` on its FSDP2 path over gloo, and a function that puts it back on it. accelerate
     switches to FSDP only for accelerator devices (``AcceleratorState``: MULTI_GPU, MULTI_XPU, ...), so on
-    CPU its state is set to FSDP here; everything after that (``prepare`` -> ``fsdp2_prepare_model``, ``save_state``/``load_state``) is
-    accelerate's own code."""
+    CPU its state is set to FSDP here; everything after that (``prepare`` -> ``fsdp2_prepare_model``,
+    ``save_state``/``load_state``) is accelerate's own code."""
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
     from accelerate.utils import DistributedType
 

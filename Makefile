@@ -1,6 +1,8 @@
 # hf_posenc: every target sets up its own virtual environment (.venv) on first use.
 #
 #   make test     run the test suite
+#   make test-oldest  a subset of the suite against the oldest supported versions (.venv-oldest), and
+#                 checkpoints saved under each end of the version range loaded under the other
 #   make demo     run a default `hf-posenc study` (10 encodings, evaluated at 1x-8x the training length; out/study)
 #   make quickstart  run examples/quickstart.py (train a tiny ALiBi Llama, save, reload)
 #   make bench    run benchmarks/bench_forward.py (writes benchmarks/results/forward_<device>.json)
@@ -39,7 +41,27 @@ BENCH_ARGS ?=
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_NO_INPUT := 1
 
-.PHONY: help setup test demo quickstart bench matrix clean-venv
+# The oldest versions the project supports (pyproject.toml's floors; raised to what passes) and the
+# subset of tests run against them. The subset (about 2 minutes on 2 idle cores) covers what depends on
+# the versions: the public API, save/load and validation (test_api), PEFT, accelerate, the Trainer, DDP and
+# torch.compile (test_ecosystem), the KV-cache arguments and generate's static cache (test_chunked_prefill),
+# and a common-test slice: save/reload, cache == full forward and generate (greedy and beam, padded
+# prompts) for one encoding of each kind. It leaves out Triton (not installed there: the kernels are
+# version-independent and run in the main job), the study (matplotlib) and the long per-encoding suites.
+OLDEST_VENV ?= .venv-oldest
+OLDEST_PINS ?= "transformers==5.17.0" "accelerate==1.3.0" "peft==0.15.0"
+OLDEST_PY := $(OLDEST_VENV)/bin/python
+OLDEST_STAMP := $(OLDEST_VENV)/.hf_posenc-oldest
+OLDEST_TESTS ?= tests/test_api.py tests/test_ecosystem.py tests/test_chunked_prefill.py tests/test_common.py
+OLDEST_K ?= not test_common or ((save_and_reload or cache_matches_full or (test_generate and padded and not unpadded \
+	and not sample)) and (-rope- or -alibi- or -fox- or -cope- or -t5- or -learned- or -tape-))
+# test_api's Triton check needs Triton (not installed in the oldest job); the DDP test launches two
+# processes (the slowest test here) to test torch's DDP, and torch is the same at both ends.
+OLDEST_DESELECT ?= --deselect tests/test_api.py::test_backend_override_is_validated \
+	--deselect tests/test_ecosystem.py::test_ddp_two_cpu_processes_keep_encoding_in_sync
+CROSS_DIR ?= $(OLDEST_VENV)/cross-version
+
+.PHONY: help setup test test-oldest demo quickstart bench matrix clean-venv
 
 help:
 	@sed -n '2,7p' Makefile | sed 's/^# *//'
@@ -64,6 +86,25 @@ $(STAMP): pyproject.toml | $(PY)
 
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=10 $(PYTEST_ARGS) tests/
+
+$(OLDEST_PY):
+	$(PYTHON) -m venv $(OLDEST_VENV)
+
+$(OLDEST_STAMP): pyproject.toml Makefile | $(OLDEST_PY)
+	@if ! $(OLDEST_PY) -c "import torch" >/dev/null 2>&1; then \
+		$(OLDEST_PY) -m pip install $(TORCH_PIP_ARGS) "torch==$(TORCH_CPU_VERSION)"; fi
+	$(OLDEST_PY) -m pip install -e . $(OLDEST_PINS) "pytest>=8" "hypothesis>=6"
+	@touch $(OLDEST_STAMP)
+
+test-oldest: $(STAMP) $(OLDEST_STAMP)
+	@rm -rf $(CROSS_DIR)
+	@echo "== checkpoints: saved with the newest versions, loaded with the oldest, and the other way round"
+	$(PY) tests/_cross_version.py save $(CROSS_DIR)/newest >/dev/null
+	$(OLDEST_PY) tests/_cross_version.py load $(CROSS_DIR)/newest
+	$(OLDEST_PY) tests/_cross_version.py save $(CROSS_DIR)/oldest >/dev/null
+	$(PY) tests/_cross_version.py load $(CROSS_DIR)/oldest
+	@echo "== tests with the oldest versions: $$($(OLDEST_PY) -m pip list 2>/dev/null | grep -E '^(torch|transformers|accelerate|peft) ' | tr -s ' ' | tr '\n' ' ')"
+	$(OLDEST_PY) -m pytest -q -p no:cacheprovider $(OLDEST_DESELECT) -k "$(OLDEST_K)" $(OLDEST_TESTS)
 
 demo: $(STAMP)
 	$(VENV)/bin/hf-posenc study $(DEMO_ARGS)

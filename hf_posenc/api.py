@@ -18,6 +18,7 @@ from .config import CONFIG_KEY, PosEncConfig
 from .encodings.base import unwrap
 from .patches import get_family
 from .patches.base import unshare_config
+from .patches.generation import install_static_cache_shape
 from .registry import FAMILIES, get_encoding, list_encodings
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ def patch_model(
     model.config._attn_implementation = ATTN_IMPLEMENTATION
     if getattr(base, "_attn_implementation", None) is not None:
         base._attn_implementation = ATTN_IMPLEMENTATION
+    install_static_cache_shape(model)  # state channels in a StaticCache allocated early (prefill_chunk_size)
     return model
 
 

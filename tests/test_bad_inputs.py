@@ -657,3 +657,95 @@ def test_parse_size():
     assert parse_size("8e9") == 8 * 10**9
     assert parse_size("16g") == 16 * 10**9
     assert parse_size("none") is None and parse_size("off") is None and parse_size("0") is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# the hf-posenc command and the study's options
+# ---------------------------------------------------------------------------------------------------
+
+CLI_CASES = [
+    # (argv, pattern of the message on stderr); argparse's own errors name the choices / the expected type
+    ([], "the following arguments are required: command"),
+    (["train"], r"invalid choice: 'train' \(choose from .*list.*matrix.*study"),
+    (["list", "--bogus"], "unrecognized arguments: --bogus"),
+    (["study", "--family", "bert"], r"invalid choice: 'bert' \(choose from .*llama.*gpt2.*vit"),
+    (["study", "--task", "sorting"], r"invalid choice: 'sorting' \(choose from .*text.*flip-flop"),
+    (["study", "--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
+    (["study", "--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
+    (["study", "--factors"], "argument --factors: expected at least one argument"),
+    (["study", "--encodings"], "argument --encodings: expected at least one argument"),
+    # the study's own validation: exit status 2, one line naming what is allowed
+    (["study", "--steps", "0"], r"--steps must be an integer >= 1, got 0"),
+    (["study", "--threads", "0"], r"--threads must be an integer >= 1"),
+    (["study", "--eval-tokens", "-5"], r"--eval-tokens must be an integer >= 1"),
+    (["study", "--lr", "0"], r"--lr must be > 0"),
+    (["study", "--factors", "0.5", "2"], r"--factors must be numbers >= 1"),
+    (["study", "--train-len", "3"], r"--train-len must be >= 4 tokens"),
+    (["study", "--family", "vit", "--train-len", "10"], r"multiple of the patch size 4"),
+    (["study", "--hidden", "64", "--heads", "3"], r"--hidden 64 must be divisible by --heads 3"),
+    (["study", "--family", "vit", "--task", "counting"], r"does not fit --family vit; allowed: digits"),
+    (["study", "--task", "counting", "--data", "x.txt"], r"--data is the text corpus"),
+    (["study", "--encodings", "nosuch"], r"unknown position encoding 'nosuch'.*alibi"),
+    (["study", "--encodings", "rope,,alibi"], r"empty name between commas"),
+    (["study", "--encodings", "theta=5,rope"], r"has no encoding before it; write name:key=value"),
+    (["study", "--encodings", "rope:theta"], r"key=value pairs separated by commas"),
+    (["study", "--encodings", "kerple:variant=cubic"], r"variant.*(power|log)"),
+    (["study", "--encodings", "rope:nosuch=1"], r"unknown parameter\(s\) 'nosuch' for encoding 'rope'; allowed"),
+    (["study", "--encodings", "sba", "--family", "vit", "--device", "tpu"], r"--device 'tpu'.*use auto, cpu, cuda"),
+]
+
+
+@pytest.mark.parametrize("argv,pattern", CLI_CASES, ids=[" ".join(a) or "no-command" for a, _ in CLI_CASES])
+def test_cli_flags(argv, pattern, capsys, monkeypatch):
+    """Each bad flag: exit status 2 and one message naming what is allowed, no traceback, nothing trained."""
+    from hf_posenc.cli import main as cli_main
+    from hf_posenc.study import train as T
+
+    monkeypatch.setattr(T, "_train_and_eval", lambda *a, **k: pytest.fail("trained despite a bad option"))
+    try:
+        rc = cli_main(argv)
+    except SystemExit as e:  # argparse
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert re.search(pattern, err), err
+    assert "Traceback" not in err
+
+
+def test_cli_resume_errors(tmp_path, capsys, monkeypatch):
+    """--resume without a results.json, with an unreadable one, or with one of another version."""
+    from hf_posenc.cli import main as cli_main
+    from hf_posenc.study import train as T
+
+    monkeypatch.setattr(T, "_train_and_eval", lambda *a, **k: pytest.fail("trained despite a bad --resume"))
+    base = ["study", "--encodings", "nope", "--no-progress", "--resume", "--out"]
+    assert cli_main([*base, str(tmp_path / "none")]) == 2
+    assert "there is no" in capsys.readouterr().err
+    (tmp_path / "results.json").write_text("{not json")
+    assert cli_main([*base, str(tmp_path)]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    (tmp_path / "results.json").write_text(json.dumps({"schema_version": 0}))
+    assert cli_main([*base, str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a results.json of this hf_posenc version" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,pattern",
+    [
+        (dict(encodings=5), TypeError, "encodings must be a list of strings"),
+        (dict(encodings=["rope", 3]), TypeError, "encodings must be a list of strings"),
+        (dict(encodings=[]), ValueError, "give at least one encoding"),
+        (dict(resume="yes"), TypeError, "resume must be True or False"),
+        (dict(resume=True, out=None), ValueError, "--resume continues the results.json in --out"),
+        (dict(steps=2.5), ValueError, "--steps must be an integer >= 1"),
+        (dict(family="Llama"), ValueError, "--family must be one of llama, gpt2, vit"),
+        (dict(factors=[]), ValueError, "--factors must be numbers >= 1"),
+    ],
+)
+def test_study_config_from_python(kwargs, exc, pattern):
+    from hf_posenc.study import StudyConfig
+
+    with pytest.raises(exc, match=pattern) as e:
+        StudyConfig(**kwargs).resolved()
+    check_error(e)

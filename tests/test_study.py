@@ -287,3 +287,111 @@ def test_config_validation_and_lengths():
     assert parse_encoding("fire:per_layer=true").params["per_layer"] is True
     with pytest.raises(ValueError, match="key=value"):
         parse_encoding("rope:theta")
+
+
+# -- a study never loses a run ----------------------------------------------------------------------------
+
+
+def test_comma_separated_encodings():
+    from hf_posenc.study.train import split_encodings
+
+    assert split_encodings(["rope,alibi"]) == ["rope", "alibi"]
+    assert split_encodings(["kerple:variant=power,per_layer=true"]) == ["kerple:variant=power,per_layer=true"]
+    assert split_encodings(["kerple:variant=power,per_layer=true,rope,fire:per_layer=true", "nope"]) == [
+        "kerple:variant=power,per_layer=true", "rope", "fire:per_layer=true", "nope"]
+    assert split_encodings(["rope", "alibi"]) == ["rope", "alibi"]
+    for bad, match in ((["rope,,alibi"], "empty name"), (["rope,"], "empty name"), (["theta=2,rope"], "no encoding"),
+                       (["rope,theta=2"], "no encoding")):
+        with pytest.raises(ValueError, match=match):
+            split_encodings(bad)
+    c = StudyConfig(encodings=["rope,alibi", "kerple:variant=power,per_layer=true,rope"]).resolved()
+    assert c.encodings == ["rope", "alibi", "kerple:variant=power,per_layer=true"]  # the second rope is a duplicate
+    assert parse_encoding(c.encodings[2]).params["per_layer"] is True
+
+
+def test_missing_optional_dependency_stops_before_training(tmp_path, monkeypatch, capsys):
+    """Without matplotlib (or scikit-learn for ViT) the study says how to install them before the first step."""
+    import sys
+
+    from hf_posenc.study import MissingDependencyError
+    from hf_posenc.study import train as T
+
+    def no_training(*a, **k):
+        raise AssertionError("trained although a dependency is missing")
+
+    monkeypatch.setattr(T, "_train_and_eval", no_training)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # importlib.util.find_spec -> None
+    with pytest.raises(MissingDependencyError, match=r'pip install "hf_posenc\[study\]"'):
+        run_study(StudyConfig(encodings=["nope"], out=str(tmp_path), **TINY))
+    assert not any(tmp_path.iterdir())
+    assert cli_main(["study", "--encodings", "nope", "--steps", "1", "--out", str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "matplotlib" in err and 'pip install "hf_posenc[study]"' in err and "Traceback" not in err
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    with pytest.raises(MissingDependencyError, match="scikit-learn"):
+        run_study(StudyConfig(encodings=["nope"], family="vit", out=None, **TINY))
+
+
+def test_interrupted_study_keeps_finished_models_and_resumes(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during the second model: results.json and table.md hold the first. --resume trains only the
+    rest, and the numbers equal those of an uninterrupted study."""
+    from hf_posenc.study import train as T
+
+    real = T._train_and_eval
+    calls = []
+
+    def interrupt_second(spec, *a, **k):
+        calls.append(spec)
+        if spec == "alibi":
+            raise KeyboardInterrupt
+        return real(spec, *a, **k)
+
+    monkeypatch.setattr(T, "_train_and_eval", interrupt_second)
+    args = ["study", "--encodings", "nope,alibi", "--steps", "3", "--train-len", "8", "--hidden", "32", "--layers",
+            "1", "--batch", "4", "--eval-tokens", "128", "--out", str(tmp_path), "--no-progress"]
+    assert cli_main(args) == 130
+    assert "--resume" in capsys.readouterr().err
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["complete"] is False and [r["encoding"] for r in data["results"]] == ["nope"]
+    assert "| `nope` |" in (tmp_path / "table.md").read_text()
+    assert not (tmp_path / "study.png").exists()
+
+    monkeypatch.setattr(T, "_train_and_eval", lambda spec, *a, **k: calls.append(spec) or real(spec, *a, **k))
+    calls.clear()
+    assert cli_main([*args, "--resume"]) == 0
+    assert calls == ["alibi"]  # nope was kept
+    resumed = json.loads((tmp_path / "results.json").read_text())
+    assert resumed["complete"] is True and resumed["resumed"]["kept_from_results_json"] == ["nope"]
+    assert (tmp_path / "study.png").exists()
+    fresh = run_study(StudyConfig(encodings=["nope", "alibi"], out=None, **TINY))
+    assert [r["train"]["losses"] for r in resumed["results"]] == [r["train"]["losses"] for r in fresh["results"]]
+    assert [[e["metric"] for e in r["eval"]] for r in resumed["results"]] == [
+        [e["metric"] for e in r["eval"]] for r in fresh["results"]]
+
+    # Other settings: refused, naming the setting and both values; nothing is trained or overwritten.
+    calls.clear()
+    before = (tmp_path / "results.json").read_text()
+    assert cli_main([*args[:4], "5", *args[5:], "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "steps 3 (now 5)" in err and "Traceback" not in err
+    assert calls == [] and (tmp_path / "results.json").read_text() == before
+    with pytest.raises(ValueError, match="no .*results.json"):
+        run_study(StudyConfig(encodings=["nope"], out=str(tmp_path / "empty"), resume=True, **TINY))
+    with pytest.raises(ValueError, match="--out"):
+        StudyConfig(encodings=["nope"], out=None, resume=True).resolved()
+
+
+def test_failing_plot_keeps_results(tmp_path, monkeypatch, capsys):
+    from hf_posenc.study import report
+
+    def broken(results, path):
+        raise RuntimeError("no display")
+
+    monkeypatch.setattr(report, "plot", broken)
+    rc = cli_main(["study", "--encodings", "nope", "--steps", "2", "--train-len", "8", "--hidden", "32", "--layers",
+                   "1", "--batch", "2", "--eval-tokens", "64", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 1
+    assert "plot failed" in capsys.readouterr().err
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["plot_error"] == "RuntimeError: no display" and data["results"][0]["status"] == "ok"
+    assert (tmp_path / "table.md").read_text() == data["table"]

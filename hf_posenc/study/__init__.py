@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .train import DEFAULT_ENCODINGS, TEXT_TASKS, StudyConfig, run_study
+from .train import DEFAULT_ENCODINGS, TEXT_TASKS, MissingDependencyError, StudyConfig, run_study
 
 __all__ = [
     "DEFAULT_ENCODINGS",
     "DESCRIPTION",
+    "MissingDependencyError",
     "StudyConfig",
     "add_arguments",
     "config_from_args",
@@ -30,7 +31,9 @@ __all__ = [
 
 DESCRIPTION = """\
 Train one small model per position encoding and evaluate it at 1x, 2x, 4x and 8x the training length.
-Prints a markdown table; writes results.json, table.md and study.png to --out.
+Prints a markdown table; writes results.json and table.md to --out after every model (an interrupted study
+keeps what it finished; --resume continues it), then study.png. Needs the study extra for the plot and
+ViT: pip install "hf_posenc[study]".
 Text (default): byte-level language modelling on the Python standard library's own source (no download),
 metric validation perplexity per byte. --task flip-flop|selective-copy|counting: the CoPE paper's synthetic
 tasks, metric answer accuracy. --family vit: scikit-learn's 8x8 digits upscaled, evaluated at larger image
@@ -41,8 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``hf-posenc study``."""
     d = StudyConfig()
     p.add_argument("--encodings", nargs="+", default=list(DEFAULT_ENCODINGS), metavar="ENC",
-                   help="encodings to compare: names, 'name:key=value,...' for parameters (e.g. kerple:variant=power), "
-                   f"or 'all'. Default: {' '.join(DEFAULT_ENCODINGS)}")
+                   help="encodings to compare, separated by spaces or commas: names, 'name:key=value,...' for "
+                   "parameters (e.g. rope,alibi kerple:variant=power,per_layer=true,fire), or 'all'. After a "
+                   "comma, a piece with '=' and no ':' is another parameter of the encoding before it, "
+                   f"anything else a new encoding. Default: {' '.join(DEFAULT_ENCODINGS)}")
     p.add_argument("--family", choices=("llama", "gpt2", "vit"), default=d.family, help="model family (default llama)")
     p.add_argument("--task", choices=(*TEXT_TASKS, "digits"), default=None,
                    help="text (default on llama/gpt2), flip-flop, selective-copy, counting; digits (vit, the default there)")
@@ -69,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-sequences", type=int, default=d.eval_sequences,
                    help=f"synthetic tasks: evaluation sequences per length (default {d.eval_sequences})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the study in --out from its results.json: the models it holds are kept, the "
+                   "others trained (same settings required; --encodings may add more)")
 
 
 def config_from_args(args: argparse.Namespace) -> StudyConfig:
@@ -78,25 +86,32 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         layers=args.layers, hidden=args.hidden, heads=args.heads, batch=args.batch, lr=args.lr, seed=args.seed,
         device=args.device, threads=args.threads, out=args.out, data=args.data, factors=args.factors,
         eval_tokens=args.eval_tokens, eval_sequences=args.eval_sequences, progress=not args.no_progress,
+        resume=args.resume,
     )
 
 
 def main(args: argparse.Namespace) -> int:
     """Run the study from parsed arguments: table on stdout, files in ``--out``. Exit status 1 if an
-    encoding failed (recorded in results.json), 2 for invalid options."""
+    encoding or the plot failed (recorded in results.json), 2 for invalid options, settings that
+    ``--resume`` cannot continue, or a missing optional dependency, 130 on Ctrl-C (finished models kept)."""
     try:
         config = config_from_args(args).resolved()
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         print(f"hf-posenc study: error: {e}", file=sys.stderr)
         return 2
     try:
         results = run_study(config)
-    except ValueError as e:  # bad data or lengths for the task; per-encoding failures are recorded instead
+    except (ValueError, MissingDependencyError) as e:  # bad data/lengths, --resume, optional dependency
         print(f"hf-posenc study: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        where = f"{config.out}/results.json" if config.out else "nowhere (no --out)"
+        print(f"\nhf-posenc study: interrupted; the finished models are in {where}; continue with --resume",
+              file=sys.stderr)
+        return 130
     print(results["table"])
     print()
     files = results.get("files", {})
     print(f"wrote {files.get('json')}, {files.get('table')}, {files.get('plot')} "
           f"({results['wall_seconds']:.0f} s)")
-    return 1 if results["errors"] else 0
+    return 1 if results["errors"] or results.get("plot_error") else 0

@@ -1,6 +1,7 @@
 """Outputs of ``hf-posenc study``: a markdown table, ``results.json`` and a PNG plot.
 
-:func:`write_outputs` writes into the output folder:
+:func:`write_results` writes ``results.json`` and ``table.md`` (the study calls it after every model, so
+an interrupted study keeps what it finished), :func:`write_plot` then ``study.png``; into the output folder:
 
 * ``results.json``: every number (per-step training losses, every metric at every length) and the exact
   settings, versions, machine, seed and device;
@@ -16,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["column_labels", "markdown_table", "plot", "write_json", "write_outputs"]
+__all__ = ["column_labels", "markdown_table", "plot", "write_json", "write_outputs", "write_plot", "write_results"]
 
 LEARNED_MARK = "†"
 
@@ -168,13 +169,49 @@ def plot(results: dict[str, Any], path: str | os.PathLike) -> None:
     fig.savefig(path)
 
 
-def write_outputs(results: dict[str, Any], out_dir: str | os.PathLike) -> dict[str, str]:
-    """Write ``results.json``, ``table.md`` and ``study.png`` into ``out_dir`` (created); return their paths."""
+def _files(out_dir: str | os.PathLike) -> dict[str, str]:
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    files = {"json": str(out / "results.json"), "table": str(out / "table.md"), "plot": str(out / "study.png")}
+    return {"json": str(out / "results.json"), "table": str(out / "table.md"), "plot": str(out / "study.png")}
+
+
+def _write_atomic(path: str, write: Any) -> None:
+    """Write through a temporary file and rename it over ``path``: a crash mid-write leaves the old file."""
+    tmp = f"{path}.tmp"
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def write_results(results: dict[str, Any], out_dir: str | os.PathLike) -> dict[str, str]:
+    """Write ``results.json`` and ``table.md`` into ``out_dir`` (created), each atomically; return the paths
+    of the three outputs. The study calls it after every model."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    files = _files(out_dir)
     results["files"] = files
-    plot(results, files["plot"])
-    (out / "table.md").write_text(results.get("table") or markdown_table(results))
-    write_json(results, files["json"])
+    table = results.get("table") or markdown_table(results)
+    _write_atomic(files["table"], lambda p: Path(p).write_text(table))
+    _write_atomic(files["json"], lambda p: write_json(results, p))
+    return files
+
+
+def write_plot(results: dict[str, Any], out_dir: str | os.PathLike) -> bool:
+    """Write ``study.png``. If the plot fails, the error is printed, recorded as ``results["plot_error"]``
+    and written into ``results.json`` (which, like ``table.md``, is complete already); returns False."""
+    import sys
+
+    files = _files(out_dir)
+    try:
+        plot(results, files["plot"])
+        return True
+    except Exception as e:  # noqa: BLE001 - recorded and reported; the numbers are already on disk
+        results["plot_error"] = f"{type(e).__name__}: {e}"
+        print(f"hf-posenc study: the plot failed ({results['plot_error']}); results.json and table.md are "
+              "written", file=sys.stderr)
+        write_results(results, out_dir)
+        return False
+
+
+def write_outputs(results: dict[str, Any], out_dir: str | os.PathLike) -> dict[str, str]:
+    """Write ``results.json`` and ``table.md``, then ``study.png`` (see :func:`write_plot`) into ``out_dir``."""
+    files = write_results(results, out_dir)
+    write_plot(results, out_dir)
     return files

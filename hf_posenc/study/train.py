@@ -50,7 +50,10 @@ from ..config import PosEncConfig
 from ..registry import get_encoding, list_encodings
 from . import data as D
 
-__all__ = ["DEFAULT_ENCODINGS", "TEXT_TASKS", "StudyConfig", "eval_lengths", "parse_encoding", "run_study"]
+__all__ = [
+    "DEFAULT_ENCODINGS", "TEXT_TASKS", "MissingDependencyError", "StudyConfig", "check_dependencies", "eval_lengths",
+    "parse_encoding", "run_study", "split_encodings",
+]
 
 #: The representative default set: one or two of each kind.
 DEFAULT_ENCODINGS: tuple[str, ...] = (
@@ -89,6 +92,7 @@ class StudyConfig:
     eval_tokens: int = 16384
     eval_sequences: int = 128
     progress: bool = True
+    resume: bool = False  # continue from out/results.json (same settings), skipping the models it holds
 
     def resolved(self) -> StudyConfig:
         """A validated copy with every default filled in; ``ValueError`` naming what is allowed otherwise."""
@@ -124,10 +128,18 @@ class StudyConfig:
                 raise ValueError(f"--train-len is the image side on vit: a multiple of the patch size {VIT_PATCH}")
         elif c.train_len < 4:
             raise ValueError(f"--train-len must be >= 4 tokens, got {c.train_len}")
+        if isinstance(c.encodings, str):
+            c.encodings = [c.encodings]
+        if not isinstance(c.encodings, (list, tuple)) or not all(isinstance(e, str) for e in c.encodings):
+            raise TypeError(f"encodings must be a list of strings, got {c.encodings!r}")
         if not c.encodings:
             raise ValueError("--encodings: give at least one encoding")
+        if not isinstance(c.resume, bool):
+            raise TypeError(f"resume must be True or False, got {c.resume!r}")
+        if c.resume and c.out is None:
+            raise ValueError("--resume continues the results.json in --out; give --out")
         expanded: list[str] = []
-        for e in c.encodings:
+        for e in split_encodings(c.encodings):
             if e == "all":
                 expanded += [n for n in list_encodings() if n not in expanded]
             elif e not in expanded:
@@ -135,6 +147,36 @@ class StudyConfig:
                 expanded.append(e)
         c.encodings = expanded
         return c
+
+
+def split_encodings(items: list[str]) -> list[str]:
+    """``--encodings`` arguments -> encoding specs. Each argument may hold several specs separated by commas.
+
+    The rule: an argument is cut at its commas; a piece that holds ``=`` but no ``:`` (``key=value``)
+    continues the parameters of the spec before it, any other piece starts a new spec. So
+    ``rope,alibi`` is two specs, ``kerple:variant=power,per_layer=true`` one, and
+    ``kerple:variant=power,per_layer=true,rope,fire`` three. Parameter values never contain commas
+    (``parse_encoding`` splits the parameters at commas too), so no spec is split two ways. Empty pieces
+    (``rope,,alibi``, a trailing comma) and parameters with no spec before them are ``ValueError``.
+    """
+    specs: list[str] = []
+    for item in items:
+        current: str | None = None
+        for piece in item.split(","):
+            piece = piece.strip()
+            if not piece:
+                raise ValueError(f"--encodings {item!r}: empty name between commas; write e.g. rope,alibi")
+            if "=" in piece and ":" not in piece:
+                if current is None or ":" not in current:
+                    raise ValueError(
+                        f"--encodings {item!r}: parameter {piece!r} has no encoding before it; write name:key=value"
+                    )
+                current += "," + piece
+                specs[-1] = current
+                continue
+            current = piece
+            specs.append(current)
+    return specs
 
 
 def parse_encoding(spec: str) -> PosEncConfig:
@@ -525,33 +567,73 @@ def _fmt_metric(v: float | None, task: str | None) -> str:
     return f"{v:.2f}" if task == "text" else f"{100 * v:.1f}%"
 
 
-def run_study(config: StudyConfig) -> dict[str, Any]:
-    """Run a study and return its results (a JSON-ready dict); with ``config.out`` also write
-    ``results.json``, ``table.md`` and ``study.png`` there (``report.write_outputs``).
+class MissingDependencyError(ImportError):
+    """An optional dependency of the study (the ``study`` extra) is not installed."""
 
-    An encoding that raises while training or evaluating is recorded with ``status: "error"`` and its
-    traceback, and the study goes on; ``results["errors"]`` counts them.
-    """
-    from . import report
 
-    c = config.resolved()
-    device = resolve_device(c.device)
-    lengths = eval_lengths(c)
-    t0 = time.perf_counter()
-    with deterministic(device, c.threads):
-        env = environment(device, c.threads)
-        data = _Data(c, lengths)
-        results = []
-        for i, spec in enumerate(c.encodings, 1):
-            try:
-                results.append(_train_and_eval(spec, i, len(c.encodings), c, data, device))
-            except Exception as e:  # noqa: BLE001 - recorded, reported and counted: never silent
-                print(f"hf-posenc study: {spec} failed: {type(e).__name__}: {e}", file=sys.stderr)
-                results.append({"encoding": spec, "name": spec.partition(":")[0], "status": "error",
-                                "reason": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+#: optional dependencies: (import name, pip name, what needs it).
+_OPTIONAL = {"matplotlib": ("matplotlib", "the plot study.png"), "sklearn": ("scikit-learn", "the ViT digits")}
+
+
+def check_dependencies(config: StudyConfig) -> None:
+    """Raise :class:`MissingDependencyError` before any training if an optional dependency that this study
+    needs is missing: matplotlib when it writes files (``out``), scikit-learn for ``--family vit``."""
+    import importlib.util
+
+    needed = (["matplotlib"] if config.out is not None else []) + (["sklearn"] if config.family == "vit" else [])
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
+    if missing:
+        what = ", ".join(f"{_OPTIONAL[m][0]} (for {_OPTIONAL[m][1]})" for m in missing)
+        raise MissingDependencyError(
+            f"hf-posenc study needs {what}, which is not installed; install the study extra: "
+            'pip install "hf_posenc[study]"'
+        )
+
+
+#: settings that may differ between a study and its ``--resume``: what to run, where, and how it shows.
+_RESUME_FREE = ("encodings", "out", "progress", "resume")
+
+
+def _load_previous(config: StudyConfig, device: torch.device) -> dict[str, Any]:
+    """The ``results.json`` that ``--resume`` continues; ``ValueError`` if it is missing, unreadable or was
+    made with other settings (named, with both values)."""
+    import json
+
+    path = os.path.join(config.out, "results.json")
+    try:
+        with open(path) as f:
+            prev = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"--resume: there is no {path} to continue; run without --resume first") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--resume: cannot read {path}: {e}") from None
+    if not isinstance(prev, dict) or prev.get("schema_version") != SCHEMA_VERSION or "settings" not in prev:
+        raise ValueError(f"--resume: {path} is not a results.json of this hf_posenc version (schema {SCHEMA_VERSION})")
+    now = {**asdict(config), "device_resolved": str(device)}
+    then = prev["settings"]
+    diff = [f"{k} {then.get(k)!r} (now {v!r})" for k, v in now.items()
+            if k not in _RESUME_FREE and _jsonish(then.get(k)) != _jsonish(v)]
+    if diff:
+        raise ValueError(
+            f"--resume: {path} was made with other settings: {'; '.join(diff)}. Resume with the same settings "
+            "(only --encodings and the progress display may change), or write to another --out"
+        )
+    return prev
+
+
+def _jsonish(x: Any) -> Any:
+    """A value as it reads back from JSON (tuples become lists), to compare settings."""
+    import json
+
+    return json.loads(json.dumps(x))
+
+
+def _assemble(c: StudyConfig, device: torch.device, lengths: list[int], env: dict[str, Any], data: _Data,
+              results: list[dict[str, Any]], t0: float, complete: bool, kept: list[str]) -> dict[str, Any]:
     vit = c.family == "vit"
     out: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
+        "complete": complete,
         "study": {
             "family": c.family,
             "task": c.task,
@@ -571,11 +653,77 @@ def run_study(config: StudyConfig) -> dict[str, Any]:
         "errors": sum(r["status"] == "error" for r in results),
         "wall_seconds": round(time.perf_counter() - t0, 2),
     }
+    if kept:
+        out["resumed"] = {"kept_from_results_json": kept}
     try:
         out["environment"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     except OSError:  # pragma: no cover
         pass
+    from . import report
+
     out["table"] = report.markdown_table(out)
+    return out
+
+
+def run_study(config: StudyConfig) -> dict[str, Any]:
+    """Run a study and return its results (a JSON-ready dict); with ``config.out`` also write
+    ``results.json`` and ``table.md`` there after every model (so an exception, Ctrl-C or a failing plot
+    keeps every finished model; ``"complete": false`` until the last one), then ``study.png``.
+
+    Optional dependencies (matplotlib for the plot, scikit-learn for ViT) are checked before the first
+    step (:class:`MissingDependencyError`). With ``config.resume`` the models that ``out/results.json``
+    holds (status ok or n/a, same settings, same data) are kept and not trained again; failed ones are.
+
+    An encoding that raises while training or evaluating is recorded with ``status: "error"`` and its
+    traceback, and the study goes on; ``results["errors"]`` counts them. A plot that fails is recorded
+    as ``results["plot_error"]`` (results.json and table.md are written already).
+    """
+    from . import report
+
+    c = config.resolved()
+    device = resolve_device(c.device)
+    check_dependencies(c)
+    lengths = eval_lengths(c)
+    prev = _load_previous(c, device) if c.resume else None
+    t0 = time.perf_counter()
+    with deterministic(device, c.threads):
+        env = environment(device, c.threads)
+        data = _Data(c, lengths)
+        done: dict[str, dict[str, Any]] = {}
+        if prev is not None:
+            if _jsonish(data.describe()) != prev.get("data"):
+                raise ValueError(f"--resume: the data differ from those of {c.out}/results.json (another --data "
+                                 "file, or it changed); resume on the same data, or write to another --out")
+            done = {r["encoding"]: r for r in prev["results"] if r.get("status") in ("ok", "not_applicable")}
+        # Models of the previous run that this one does not ask for stay in results.json, after the others.
+        extra = [r for spec, r in done.items() if spec not in c.encodings]
+        results: list[dict[str, Any]] = []
+        kept: list[str] = []
+
+        def snapshot(complete: bool) -> dict[str, Any]:
+            out = _assemble(c, device, lengths, env, data, results + extra, t0, complete, kept)
+            if c.out is not None:
+                out["files"] = report.write_results(out, c.out)
+            return out
+
+        try:
+            for i, spec in enumerate(c.encodings, 1):
+                if spec in done:
+                    results.append(done[spec])
+                    kept.append(spec)
+                    print(f"[{i}/{len(c.encodings)}] {spec}: kept from results.json (--resume)", file=sys.stderr)
+                    continue
+                try:
+                    results.append(_train_and_eval(spec, i, len(c.encodings), c, data, device))
+                except Exception as e:  # noqa: BLE001 - recorded, reported and counted: never silent
+                    print(f"hf-posenc study: {spec} failed: {type(e).__name__}: {e}", file=sys.stderr)
+                    results.append({"encoding": spec, "name": spec.partition(":")[0], "status": "error",
+                                    "reason": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+                snapshot(complete=False)
+        except BaseException:  # Ctrl-C, SystemExit: keep what is done, then let it through
+            snapshot(complete=False)
+            raise
+    out = snapshot(complete=True)
     if c.out is not None:
-        out["files"] = report.write_outputs(out, c.out)
+        report.write_plot(out, c.out)
     return out

@@ -54,11 +54,16 @@ def cached_kv_widths(base: nn.Module) -> tuple[int, int]:
 
 def _static_cache_init_shape(self: nn.Module) -> Any:
     """``GenerationMixin._get_static_cache_init_shape`` of a patched model: ``None`` (allocate the cache from
-    the first keys and values) when the encoding widens the cached k or v, else the class's answer."""
+    the first keys and values) when the encoding widens the cached k or v or the model has sliding-window
+    layers, else the class's answer."""
     base = _find_base(self)
     if base is not None:
         d = base.posenc_info.head_dim
         if cached_kv_widths(base) != (d, d):
+            return None
+        # Sliding-window layers: hf_posenc replaces them by full layers before the first keys are stored
+        # (patches/decoder.py ``full_cache_layers``); an eagerly allocated one would already count as filled.
+        if any(w is not None for w in (base.posenc_info.sliding_windows or ())):
             return None
     return type(self)._get_static_cache_init_shape(self)
 

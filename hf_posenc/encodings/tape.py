@@ -32,6 +32,12 @@ attention logits stay functions of relative position when the states are pure ro
 shift of all positions leaves every output unchanged (tested). The last layer's updates feed nothing,
 so only layers 0 .. L−2 have update parameters.
 
+Defaults. ``position_size`` P = 4 × num_attention_heads: the authors' pretraining config
+``config/adape.json`` (github.com/VITA-Group/TAPE, commit e1cddc37, the paper's 12-head, hidden-768 model
+trained by ``script/train.sh --config_name config/${TYPE}.json``) sets ``"position_size": 48`` for
+``"num_attention_heads": 12``. (A later commit of that file, bc1afb08, changes the model to 8 heads at hidden
+512 with P = 256; the paper's setting is the 12-head one.)
+
 Initialisation: the code zero-initialises W and U (``_init_weights``: "special zero initialization"), so
 TAPE starts as exactly RoPE; X and D are drawn from N(0, initializer_range). ``init_std`` = None (the
 default) draws W and U from N(0, initializer_range) too, ``init_std=0.0`` gives the code's zeros. Why the
@@ -40,12 +46,24 @@ reaches them is multiplied by U), which hf_posenc's property tests reject for an
 random start makes the contextual updates, and every cache/padding test of them, matter from the first
 forward. The updates still start small (products of N(0, σ) factors).
 
+Where the MLP-stage update runs
+-------------------------------
+As in the code (``LlamaDecoderLayer.forward``: ``hidden_states = self.mlp(...)``, then
+``position_states = self.pe(hidden_states, position_states)``), x_i is the output of layer l's MLP (before
+the residual addition). hf_posenc reaches it through instance-level forward hooks on each decoder layer's
+``mlp`` (:func:`hf_posenc.patches.base.tap_mlp_outputs`, installed at patch time): the hook hands the MLP
+output to :meth:`Tape.mlp_output`, which computes E^{l+1} and stores it for layer l+1's ``prepare``.
+
+Attention-stage update without (B, H, L, L) tensors
+----------------------------------------------------
+Σ_j α_ij E_j is attention with the states as further value channels, so one
+``scaled_dot_product_attention`` call per layer over the values [v | E] (per query head) gives both o_i and
+the update (the code's flash path does the same with separate calls, ``flash_attn_func(q, k,
+position_state0)``). Causal attention runs in query blocks, each over the keys it can see. The attention
+probabilities are built only when they are asked for (``output_attentions``).
+
 Where this differs from the code, and why
 -----------------------------------------
-* x_i in the MLP-stage update: the code uses the output of layer l's MLP (``self.pe(self.mlp(...), E)``).
-  hf_posenc's hooks see the attention input of each layer only (``prepare``), so x_i here is the
-  attention input of layer l+1 (the normalised residual stream after layer l, which contains that MLP
-  output). The update is applied at the start of layer l+1, which is where its result is first used.
 * Grouped-query attention: the code asserts one key/value head per query head; here the states are per
   query head and the keys are rotated per query head (after ``expand_kv``).
 * Caching: the code disables the KV cache (``past_key_values = None`` in its model forward); here it is
@@ -65,13 +83,14 @@ beam-search ``reorder_cache`` and StaticCache (allocated lazily with the first u
 In a bfloat16/float16 cache each float32 value x is stored as two channels hi = x.to(dtype),
 lo = (x − hi).to(dtype), read back as hi + lo (16 or 22 significant bits instead of 8 or 11).
 
-The states of the new tokens pass from layer l (Ê^l, computed in ``attend``) to layer l+1 (``prepare``)
-through the per-forward context (``PosContext.memo``). With reentrant gradient checkpointing the first
-forward of each layer runs without autograd, so that hand-over would lose the gradient of Ê^l; there,
-layer l+1's recomputation reads Ê^l as a leaf, whose gradient its backward accumulates, and layer l's
-recomputation hands that gradient to Ê^l through an identity node on its attention output
-(:class:`_StateTunnel`; layer l+1's backward always runs before layer l's). Non-reentrant checkpointing
-and plain training need none of this (the node then passes no gradient).
+The states of the new tokens pass from layer l's attention (Ê^l, computed in ``attend``) to its MLP hook
+(E^{l+1}, :meth:`Tape.mlp_output`) and on to layer l+1 (``prepare``) through the per-forward context
+(``PosContext.memo``). With reentrant gradient checkpointing the first forward of each layer runs without
+autograd, so that hand-over would lose the gradient of E^{l+1}; there, layer l+1's recomputation reads
+E^{l+1} as a leaf, whose gradient its backward accumulates, and layer l's recomputation hands that gradient
+to E^{l+1} through an identity node on its MLP output (:class:`_StateTunnel`; layer l+1's backward always
+runs before layer l's). Non-reentrant checkpointing and plain training need none of this (the node then
+passes no gradient).
 """
 
 from __future__ import annotations
@@ -92,7 +111,9 @@ from .rope import apply_rotary, rope_inv_freq
 __all__ = ["Tape", "pack_state", "unpack_state"]
 
 _ATTN_STATE = "tape_attn_state"  # memo key: (name, layer) -> Ê^layer of the new tokens (B, H, Lq, D) float32
-_LEAF = "tape_leaf"  # memo key: (name, layer) -> the leaf copy of Ê^layer read by layer + 1 (reentrant recompute)
+_STATE = "tape_state"  # memo key: (name, layer) -> E^layer of the new tokens, from layer - 1's MLP hook
+_LEAF = "tape_leaf"  # memo key: (name, layer) -> the leaf copy of E^layer read by layer (reentrant recompute)
+_QUERY_BLOCK = 256  # causal attention runs in query blocks of this size, each over the keys it can see
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -148,7 +169,8 @@ class TapeParams:
     )
     position_size: int | None = param(
         None,
-        "width P of the token-conditioned state update (default: hidden_size // 2, as the authors' config)",
+        "width P of the token-conditioned state update (default: 4 * num_attention_heads, the authors' "
+        "config/adape.json: 48 at 12 heads)",
         type=int,
         optional=True,
         ge=1,
@@ -180,6 +202,8 @@ class Tape(PositionEncoding):
 
     custom_attention = True
     prepares_qkv = True
+    #: reads the output of each decoder layer's MLP (hf_posenc.patches.base.tap_mlp_outputs calls ``mlp_output``)
+    reads_mlp_output = True
     relative = True  # states start as rotary and the updates are equivariant (the paper's O(2) argument)
     reference_footprint = (4.0, 6.5)  # float32 (B, H, Lq, Lk) tensors (hf_posenc.memory)
 
@@ -189,7 +213,7 @@ class Tape(PositionEncoding):
         if p["theta"] is None:
             p["theta"] = float(info.rope_theta) if info.rope_theta is not None else 10000.0
         if p["position_size"] is None:
-            p["position_size"] = max(1, info.hidden_size // 2)
+            p["position_size"] = 4 * info.num_heads  # authors' config/adape.json: 48 for 12 heads
         return PosEncConfig(config.name, p)
 
     def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:
@@ -232,7 +256,7 @@ class Tape(PositionEncoding):
         return torch.cat([cos, sin], dim=-1)[:, None]
 
     def mlp_update(self, t: int, hidden: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        """D^t [φ(X^t x) ⊙ U^t E] for states (B, H, L, D) and token features x (B, L, C), over the head axis."""
+        """D^t [φ(X^t x) ⊙ U^t E] for states (B, H, L, D) and layer t's MLP output x (B, L, C), over the head axis."""
         dtype = state.dtype
         up = torch.einsum("bhnd,ph->bpnd", state, self.pe_up[t].to(dtype))
         gate = F.silu(hidden.to(dtype) @ self.pe_x[t].to(dtype).T)  # (B, L, P)
@@ -242,32 +266,55 @@ class Tape(PositionEncoding):
     def _trainable(self) -> bool:
         return any(p.requires_grad for p in self.parameters())
 
+    def forward(self, op: str, *args, **kwargs):
+        if op == "mlp_output":
+            return self.mlp_output(*args, **kwargs)
+        return super().forward(op, *args, **kwargs)
+
     def prepare(
         self, ctx: PosContext, layer: int, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Append E^layer of the new tokens to q (B, H, Lq, D) and k (B, Hkv, Lq, D) (see the module docstring);
-        ``hidden`` (B, Lq, C) is this layer's attention input (x of the previous layer's update)."""
+        """Append E^layer of the new tokens to q (B, H, Lq, D) and k (B, Hkv, Lq, D) (see the module docstring).
+        E^0 is rotary; E^layer (layer > 0) was computed by the MLP hook of layer - 1 (:meth:`mlp_output`).
+        ``hidden`` (the attention input) is not used."""
         b, h, n, d = q.shape
         hkv = k.shape[1]
         if layer == 0:
             state = self.initial_state(ctx, n, q.device).to(_compute_dtype(q.dtype)).expand(b, h, n, d)
         else:
-            prev = ctx.memo.get((_ATTN_STATE, layer - 1))
-            if prev is None:
+            state = ctx.memo.get((_STATE, layer))
+            if state is None:
                 raise RuntimeError(
-                    f"tape: layer {layer} found no position states from layer {layer - 1} in this forward; the "
-                    "layers of a patched model must run in order within one forward"
+                    f"tape: layer {layer} found no position states from the MLP of layer {layer - 1} in this forward; "
+                    "the layers of a patched model must run in order within one forward, each with its MLP"
                 )
-            if torch.is_grad_enabled() and not prev.requires_grad and self._trainable():
+            if torch.is_grad_enabled() and not state.requires_grad and self._trainable():
                 # reentrant checkpoint recomputation: read the states as a leaf (see _StateTunnel)
-                prev = prev.detach().requires_grad_(True)
-                ctx.memo[(_LEAF, layer - 1)] = prev
-            state = prev + self.mlp_update(layer - 1, hidden, prev)
+                state = state.detach().requires_grad_(True)
+                ctx.memo[(_LEAF, layer)] = state
         packed = pack_state(state, q.dtype)  # (B, H, n, D * w)
         width = packed.shape[-1]
         groups = h // hkv
         packed_k = packed.reshape(b, hkv, groups, n, width).permute(0, 1, 3, 2, 4).reshape(b, hkv, n, groups * width)
         return torch.cat([q, packed], dim=-1), torch.cat([k, packed_k.to(k.dtype)], dim=-1), v
+
+    def mlp_output(self, ctx: PosContext, layer: int, out: torch.Tensor) -> torch.Tensor:
+        """The MLP-stage update after layer ``layer``: E^{layer+1} = Ê + D[φ(X m) ⊙ U Ê] from the MLP output
+        m = ``out`` (B, Lq, C), stored for layer + 1. Returns ``out`` unchanged (through an identity node that
+        carries the state's gradient under reentrant checkpointing)."""
+        if layer >= self.info.num_layers - 1:
+            return out
+        hat = ctx.memo.get((_ATTN_STATE, layer))
+        if hat is None:
+            raise RuntimeError(
+                f"tape: the MLP of layer {layer} ran without that layer's attention in this forward; call the whole "
+                "model, not a decoder layer's MLP alone"
+            )
+        state = hat + self.mlp_update(layer, out, hat)
+        ctx.memo[(_STATE, layer + 1)] = state
+        if torch.is_grad_enabled() and state.requires_grad:
+            out = _StateTunnel.apply(out, state, ctx.memo, (_LEAF, layer + 1))
+        return out
 
     def attend(
         self,
@@ -290,7 +337,8 @@ class Tape(PositionEncoding):
             scaling: the model's logit scale.
 
         Returns:
-            out (B, H, Lq, D) in the value's dtype, and the probabilities (B, H, Lq, Lk).
+            out (B, H, Lq, D) in the value's dtype, and the probabilities (B, H, Lq, Lk) when
+            ``ctx.need_weights`` (else None; only then are (B, H, Lq, Lk) tensors built).
         """
         b, h, q_len, _ = query.shape
         hkv, k_len, d = key.shape[1], key.shape[2], value.shape[-1]
@@ -304,18 +352,63 @@ class Tape(PositionEncoding):
         q = apply_rotary(query[..., :d].to(dtype), q_state[..., :half], q_state[..., half:], "half")
         k = apply_rotary(expand_kv(key[..., :d], groups).to(dtype), k_state[..., :half], k_state[..., half:], "half")
         v = expand_kv(value, groups).to(dtype)
-
-        scores = (q @ k.transpose(-1, -2)) * scaling
+        updates = layer < self.info.num_layers - 1
         allowed = allowed_keys(mask, q_len, k_len, ctx.q_offset, self.info.causal, query.device)
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)  # fully masked rows (left padding) -> 0
-        dropped = F.dropout(probs, p=dropout, training=training)
-        out = dropped @ v
-        if layer < self.info.num_layers - 1:
+
+        probs = None
+        if ctx.need_weights:  # the probabilities are asked for: the full-matrix form
+            scores = (q @ k.transpose(-1, -2)) * scaling
+            if allowed is not None:
+                scores = scores.masked_fill(~allowed, float("-inf"))
+            probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)  # fully masked rows (left padding) -> 0
+            dropped = F.dropout(probs, p=dropout, training=training)
+            out = dropped @ v
+            agg = dropped @ k_state if updates else None
+        else:  # Σ_j α_ij [v_j | E_j]: one attention over the states as further value channels
+            values = torch.cat([v, k_state], dim=-1) if updates else v
+            both = _attention(q, k, values, allowed, ctx.q_offset, self.info.causal, scaling, dropout if training else 0.0)
+            out, agg = both[..., :d], (both[..., d:] if updates else None)
+        if updates:
             scale = self.attn_update[layer].to(dtype).sum(-1)  # a_h = Σ_e W_{h,e}, the code's einsum
-            state = q_state + scale[None, :, None, None] * (dropped @ k_state)
-            ctx.memo[(_ATTN_STATE, layer)] = state
-            if torch.is_grad_enabled() and state.requires_grad:
-                out = _StateTunnel.apply(out, state, ctx.memo, (_LEAF, layer))
+            ctx.memo[(_ATTN_STATE, layer)] = q_state + scale[None, :, None, None] * agg
         return out.to(value.dtype), probs
+
+
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    q_offset: int | torch.Tensor,
+    causal: bool,
+    scaling: float,
+    dropout: float,
+) -> torch.Tensor:
+    """softmax(q kᵀ · scaling) v with SDPA: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, E), ``allowed``
+    (B|1, 1, Lq, Lk) bool or None. Rows with no allowed key (left padding) give zeros. Causal attention with an
+    integer offset runs in query blocks, each over the keys up to its last query (the masked upper triangle is
+    skipped). Returns (B, H, Lq, E)."""
+    if allowed is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling)
+    has_key = allowed.any(dim=-1, keepdim=True)  # (B|1, 1, Lq, 1)
+    allowed = allowed | ~has_key  # SDPA would give NaN on an empty row; its output is zeroed below
+    q_len, k_len = q.shape[2], k.shape[2]
+    if not (causal and isinstance(q_offset, int) and q_len >= 2 * _QUERY_BLOCK):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scaling)
+    else:
+        outs = []
+        for start in range(0, q_len, _QUERY_BLOCK):
+            stop = min(start + _QUERY_BLOCK, q_len)
+            k_stop = min(q_offset + stop, k_len)
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, start:stop],
+                    k[:, :, :k_stop],
+                    v[:, :, :k_stop],
+                    attn_mask=allowed[..., start:stop, :k_stop],
+                    dropout_p=dropout,
+                    scale=scaling,
+                )
+            )
+        out = torch.cat(outs, dim=2)
+    return out.masked_fill(~has_key, 0.0)

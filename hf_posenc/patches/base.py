@@ -12,7 +12,7 @@ from ..encodings.base import ModelInfo, PosContext, unwrap
 
 __all__ = [
     "FamilyPatch", "swap_class", "unshare_config", "require_ctx", "text_positions", "make_context", "check_token_ids",
-    "check_embeds",
+    "check_embeds", "tap_mlp_outputs",
 ]
 
 
@@ -159,6 +159,50 @@ def add_embeddings(ctx: PosContext, embeds: torch.Tensor) -> torch.Tensor:
     if not getattr(unwrap(ctx.encoding), "adds_embeddings", False):
         return embeds
     return embeds + ctx.encoding("embed", ctx, embeds.dtype, embeds.device)
+
+
+class _MlpTap:
+    """Instance-level hooks of one decoder layer: a forward pre-hook on its patched attention module notes the
+    forward's :class:`PosContext` (every patched attention receives it as ``posenc_ctx``), and a forward hook
+    on the layer's MLP hands the MLP output to the encoding (``encoding("mlp_output", ctx, layer, out)``),
+    whose return value replaces it. Outside a patched forward (no context noted) the MLP runs untouched."""
+
+    def __init__(self, layer: int) -> None:
+        self.layer = layer
+        self.ctx: PosContext | None = None
+
+    def on_attention(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.ctx = kwargs.get("posenc_ctx")
+
+    def on_mlp(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        ctx, self.ctx = self.ctx, None
+        if ctx is None or not isinstance(output, torch.Tensor):
+            return None
+        return ctx.encoding("mlp_output", ctx, self.layer, output)
+
+
+def tap_mlp_outputs(base: nn.Module, layer_names: list[str]) -> None:
+    """Give an encoding that reads each decoder layer's MLP output (``reads_mlp_output``) that output.
+
+    ``layer_names`` are the patched attention modules (relative to ``base``), in layer order; the MLP is the
+    ``mlp`` attribute of each one's parent module (the decoder layer: Llama's ``LlamaDecoderLayer``, GPT-2's
+    ``GPT2Block``, ViT's ``ViTLayer``). Hooks installed by an earlier patch are removed first.
+    """
+    for handle in getattr(base, "_hf_posenc_mlp_taps", ()):
+        handle.remove()
+    handles = []
+    for i, name in enumerate(layer_names):
+        parent = base.get_submodule(name.rpartition(".")[0]) if "." in name else base
+        mlp = getattr(parent, "mlp", None)
+        if not isinstance(mlp, nn.Module):
+            raise ValueError(
+                f"{base.posenc.name if hasattr(base, 'posenc') else 'this encoding'} reads each decoder layer's MLP "
+                f"output, but {type(parent).__name__} (the module holding {name}) has no .mlp submodule"
+            )
+        tap = _MlpTap(i)
+        handles.append(base.get_submodule(name).register_forward_pre_hook(tap.on_attention, with_kwargs=True))
+        handles.append(mlp.register_forward_hook(tap.on_mlp))
+    base._hf_posenc_mlp_taps = handles
 
 
 class FamilyPatch:

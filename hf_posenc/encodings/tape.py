@@ -56,11 +56,12 @@ output to :meth:`Tape.mlp_output`, which computes E^{l+1} and stores it for laye
 
 Attention-stage update without (B, H, L, L) tensors
 ----------------------------------------------------
-Σ_j α_ij E_j is attention with the states as further value channels, so one
-``scaled_dot_product_attention`` call per layer over the values [v | E] (per query head) gives both o_i and
-the update (the code's flash path does the same with separate calls, ``flash_attn_func(q, k,
-position_state0)``). Causal attention runs in query blocks, each over the keys it can see. The attention
-probabilities are built only when they are asked for (``output_attentions``).
+Σ_j α_ij E_j is attention with the states (per query head) as further values, so
+``scaled_dot_product_attention`` over v and over E gives both o_i and the update. As in the code's flash path
+(``flash_attn_func(q, k, position_state0)``), these are separate fused calls (PyTorch's fused CPU kernel
+needs values as wide as q and k; with attention dropout, one call over [v | E] with q and k zero-padded, so
+that one dropout mask acts on both), with is_causal when the mask is causality alone. The attention probabilities are built only when they are asked for
+(``output_attentions``).
 
 Where this differs from the code, and why
 -----------------------------------------
@@ -79,7 +80,8 @@ Layer l needs E^l_j of every past key (to rotate the keys and as the "values" of
 update). ``prepare`` appends E^l of the new tokens to their keys (per key/value head, the states of its
 G = H / Hkv query heads), so transformers' caches store them with the keys and they follow ``crop``,
 beam-search ``reorder_cache`` and StaticCache (allocated lazily with the first update's shape) for free;
-``attend`` strips them. The states of the new tokens are also appended to their queries (not cached).
+``attend`` strips them. The states of the new tokens reach ``attend`` for their queries through
+``PosContext.memo`` (queries are not cached).
 In a bfloat16/float16 cache each float32 value x is stored as two channels hi = x.to(dtype),
 lo = (x − hi).to(dtype), read back as hi + lo (16 or 22 significant bits instead of 8 or 11).
 
@@ -104,16 +106,16 @@ from torch.nn import functional as F
 from ..config import PosEncConfig
 from ..ops import expand_kv
 from ..registry import param, register_encoding
-from .base import ModelInfo, PosContext, PositionEncoding
+from .base import PLAIN_CAUSAL, ModelInfo, PosContext, PositionEncoding
 from .cope import allowed_keys
 from .rope import apply_rotary, rope_inv_freq
 
 __all__ = ["Tape", "pack_state", "unpack_state"]
 
 _ATTN_STATE = "tape_attn_state"  # memo key: (name, layer) -> Ê^layer of the new tokens (B, H, Lq, D) float32
+_Q_STATE = "tape_q_state"  # memo key: (name, layer) -> E^layer of the new tokens as prepared for their queries
 _STATE = "tape_state"  # memo key: (name, layer) -> E^layer of the new tokens, from layer - 1's MLP hook
 _LEAF = "tape_leaf"  # memo key: (name, layer) -> the leaf copy of E^layer read by layer (reentrant recompute)
-_QUERY_BLOCK = 256  # causal attention runs in query blocks of this size, each over the keys it can see
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -256,12 +258,14 @@ class Tape(PositionEncoding):
         return torch.cat([cos, sin], dim=-1)[:, None]
 
     def mlp_update(self, t: int, hidden: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        """D^t [φ(X^t x) ⊙ U^t E] for states (B, H, L, D) and layer t's MLP output x (B, L, C), over the head axis."""
+        """D^t [φ(X^t x) ⊙ U^t E] for states (B, H, L, D) and layer t's MLP output x (B, L, C), over the head axis.
+
+        Computed as M_n E_n with the per-token (H, H) matrix M_n = D^t diag(φ(X^t x_n)) U^t (the same sums in
+        another order), so no (B, P, L, D) tensor is built."""
         dtype = state.dtype
-        up = torch.einsum("bhnd,ph->bpnd", state, self.pe_up[t].to(dtype))
         gate = F.silu(hidden.to(dtype) @ self.pe_x[t].to(dtype).T)  # (B, L, P)
-        mixed = gate.transpose(1, 2)[..., None] * up
-        return torch.einsum("bpnd,hp->bhnd", mixed, self.pe_down[t].to(dtype))
+        mix = torch.einsum("hp,bnp,pe->bnhe", self.pe_down[t].to(dtype), gate, self.pe_up[t].to(dtype))  # (B, L, H, H)
+        return torch.einsum("bnhe,bend->bhnd", mix, state)
 
     def _trainable(self) -> bool:
         return any(p.requires_grad for p in self.parameters())
@@ -274,7 +278,8 @@ class Tape(PositionEncoding):
     def prepare(
         self, ctx: PosContext, layer: int, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Append E^layer of the new tokens to q (B, H, Lq, D) and k (B, Hkv, Lq, D) (see the module docstring).
+        """Append E^layer of the new tokens to k (B, Hkv, Lq, D) (see the module docstring); q is returned as it is
+        and its states are handed to ``attend`` through ``ctx.memo``.
         E^0 is rotary; E^layer (layer > 0) was computed by the MLP hook of layer - 1 (:meth:`mlp_output`).
         ``hidden`` (the attention input) is not used."""
         b, h, n, d = q.shape
@@ -292,11 +297,12 @@ class Tape(PositionEncoding):
                 # reentrant checkpoint recomputation: read the states as a leaf (see _StateTunnel)
                 state = state.detach().requires_grad_(True)
                 ctx.memo[(_LEAF, layer)] = state
-        packed = pack_state(state, q.dtype)  # (B, H, n, D * w)
+        ctx.memo[(_Q_STATE, layer)] = state  # the queries' states go to ``attend`` directly (they are not cached)
+        packed = pack_state(state, k.dtype)  # (B, H, n, D * w)
         width = packed.shape[-1]
         groups = h // hkv
         packed_k = packed.reshape(b, hkv, groups, n, width).permute(0, 1, 3, 2, 4).reshape(b, hkv, n, groups * width)
-        return torch.cat([q, packed], dim=-1), torch.cat([k, packed_k.to(k.dtype)], dim=-1), v
+        return q, torch.cat([k, packed_k], dim=-1), v
 
     def mlp_output(self, ctx: PosContext, layer: int, out: torch.Tensor) -> torch.Tensor:
         """The MLP-stage update after layer ``layer``: E^{layer+1} = Ê + D[φ(X m) ⊙ U Ê] from the MLP output
@@ -331,8 +337,8 @@ class Tape(PositionEncoding):
         """Attention with the states' rotations, and the attention-stage state update.
 
         Args:
-            query: (B, H, Lq, D + D·w) -- q and its states; key: (B, Hkv, Lk, D + G·D·w) -- k and the states of
-                its G query heads; value: (B, Hkv, Lk, D).
+            query: (B, H, Lq, D) (its states come from ``prepare`` through ``ctx.memo``); key: (B, Hkv, Lk,
+                D + G·D·w) -- k and the states of its G query heads; value: (B, Hkv, Lk, D).
             mask: (B|1, 1, Lq, Lk) bool (True = attend; causality included) or None.
             scaling: the model's logit scale.
 
@@ -340,24 +346,30 @@ class Tape(PositionEncoding):
             out (B, H, Lq, D) in the value's dtype, and the probabilities (B, H, Lq, Lk) when
             ``ctx.need_weights`` (else None; only then are (B, H, Lq, Lk) tensors built).
         """
-        b, h, q_len, _ = query.shape
-        hkv, k_len, d = key.shape[1], key.shape[2], value.shape[-1]
+        b, h, q_len, d = query.shape
+        hkv, k_len = key.shape[1], key.shape[2]
         groups = h // hkv
         dtype = _compute_dtype(value.dtype)
-        width = query.shape[-1] - d
-        q_state = unpack_state(query[..., d:], d, dtype)
-        k_state = key[..., d:].reshape(b, hkv, k_len, groups, width).permute(0, 1, 3, 2, 4).reshape(b, h, k_len, width)
+        q_state = ctx.memo.get((_Q_STATE, layer))
+        if q_state is None:
+            raise RuntimeError(f"tape: the attention of layer {layer} ran without its prepare step in this forward")
+        key, packed = key.split([d, key.shape[-1] - d], dim=-1)
+        width = packed.shape[-1] // groups
+        k_state = packed.reshape(b, hkv, k_len, groups, width).permute(0, 1, 3, 2, 4).reshape(b, h, k_len, width)
         k_state = unpack_state(k_state, d, dtype)
         half = d // 2
-        q = apply_rotary(query[..., :d].to(dtype), q_state[..., :half], q_state[..., half:], "half")
-        k = apply_rotary(expand_kv(key[..., :d], groups).to(dtype), k_state[..., :half], k_state[..., half:], "half")
+        q = apply_rotary(query.to(dtype), q_state[..., :half], q_state[..., half:], "half")
+        k = apply_rotary(expand_kv(key, groups).to(dtype), k_state[..., :half], k_state[..., half:], "half")
         v = expand_kv(value, groups).to(dtype)
         updates = layer < self.info.num_layers - 1
-        allowed = allowed_keys(mask, q_len, k_len, ctx.q_offset, self.info.causal, query.device)
+        plain = bool(ctx.memo.get(PLAIN_CAUSAL, False)) and self.info.causal
+        allowed = None if plain else allowed_keys(mask, q_len, k_len, ctx.q_offset, self.info.causal, query.device)
 
         probs = None
         if ctx.need_weights:  # the probabilities are asked for: the full-matrix form
             scores = (q @ k.transpose(-1, -2)) * scaling
+            if plain:
+                allowed = allowed_keys(None, q_len, k_len, 0, True, query.device)
             if allowed is not None:
                 scores = scores.masked_fill(~allowed, float("-inf"))
             probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)  # fully masked rows (left padding) -> 0
@@ -365,9 +377,8 @@ class Tape(PositionEncoding):
             out = dropped @ v
             agg = dropped @ k_state if updates else None
         else:  # Σ_j α_ij [v_j | E_j]: one attention over the states as further value channels
-            values = torch.cat([v, k_state], dim=-1) if updates else v
-            both = _attention(q, k, values, allowed, ctx.q_offset, self.info.causal, scaling, dropout if training else 0.0)
-            out, agg = both[..., :d], (both[..., d:] if updates else None)
+            outs = _attention(q, k, (v, k_state) if updates else (v,), allowed, plain, scaling, dropout if training else 0.0)
+            out, agg = outs[0], (outs[1] if updates else None)
         if updates:
             scale = self.attn_update[layer].to(dtype).sum(-1)  # a_h = Σ_e W_{h,e}, the code's einsum
             ctx.memo[(_ATTN_STATE, layer)] = q_state + scale[None, :, None, None] * agg
@@ -377,38 +388,32 @@ class Tape(PositionEncoding):
 def _attention(
     q: torch.Tensor,
     k: torch.Tensor,
-    v: torch.Tensor,
+    values: tuple[torch.Tensor, ...],
     allowed: torch.Tensor | None,
-    q_offset: int | torch.Tensor,
-    causal: bool,
+    is_causal: bool,
     scaling: float,
     dropout: float,
-) -> torch.Tensor:
-    """softmax(q kᵀ · scaling) v with SDPA: q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, E), ``allowed``
-    (B|1, 1, Lq, Lk) bool or None. Rows with no allowed key (left padding) give zeros. Causal attention with an
-    integer offset runs in query blocks, each over the keys up to its last query (the masked upper triangle is
-    skipped). Returns (B, H, Lq, E)."""
-    if allowed is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling)
+) -> list[torch.Tensor]:
+    """softmax(q kᵀ · scaling) u for each u in ``values``: q (B, H, Lq, D), k and each u (B, H, Lk, D);
+    ``allowed`` (B|1, 1, Lq, Lk) bool or None; ``is_causal``: ``allowed`` is causality alone (then not read).
+    Rows with no allowed key (left padding) give zeros. Returns one (B, H, Lq, D) per value.
+
+    One SDPA call per value tensor: PyTorch's fused CPU kernel (flash attention for CPU) needs q, k and the
+    values of one width and falls back to the math path, which builds (B, H, Lq, Lk) tensors, otherwise.
+    With a dropout probability, one shared mask must drop the same α for every value: then the values are
+    concatenated and q, k zero-padded to their width (q kᵀ unchanged) in a single call."""
+    if dropout > 0 and len(values) > 1:
+        width = sum(u.shape[-1] for u in values)
+        extra = width - q.shape[-1]
+        both = _attention(F.pad(q, (0, extra)), F.pad(k, (0, extra)), (torch.cat(values, -1),), allowed, is_causal,
+                          scaling, dropout)[0]
+        return list(both.split([u.shape[-1] for u in values], dim=-1))
+    if allowed is None or is_causal:
+        return [F.scaled_dot_product_attention(q, k, u, dropout_p=dropout, is_causal=is_causal, scale=scaling)
+                for u in values]
     has_key = allowed.any(dim=-1, keepdim=True)  # (B|1, 1, Lq, 1)
     allowed = allowed | ~has_key  # SDPA would give NaN on an empty row; its output is zeroed below
-    q_len, k_len = q.shape[2], k.shape[2]
-    if not (causal and isinstance(q_offset, int) and q_len >= 2 * _QUERY_BLOCK):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scaling)
-    else:
-        outs = []
-        for start in range(0, q_len, _QUERY_BLOCK):
-            stop = min(start + _QUERY_BLOCK, q_len)
-            k_stop = min(q_offset + stop, k_len)
-            outs.append(
-                F.scaled_dot_product_attention(
-                    q[:, :, start:stop],
-                    k[:, :, :k_stop],
-                    v[:, :, :k_stop],
-                    attn_mask=allowed[..., start:stop, :k_stop],
-                    dropout_p=dropout,
-                    scale=scaling,
-                )
-            )
-        out = torch.cat(outs, dim=2)
-    return out.masked_fill(~has_key, 0.0)
+    return [
+        F.scaled_dot_product_attention(q, k, u, attn_mask=allowed, dropout_p=dropout, scale=scaling).masked_fill(~has_key, 0.0)
+        for u in values
+    ]

@@ -208,7 +208,6 @@ def test_unpatched_model_in_describe_and_encoding_module():
 ODD_HEAD_DIM = [
     ("rope", {}, r"rope needs an even head_dim, got 5"),
     ("rope2d", {}, r"rope2d needs head_dim divisible by 2 on text, got head_dim=5"),
-    ("liere", {}, r"liere needs an even head_dim \(blocks of size 2 to 8\), got 5"),
     ("comrope", {}, r"comrope-ap finds no block size in \[8, 4, 2\] for head_dim=5"),
     ("fope", {}, r"fope needs head_dim divisible by 2 on gpt2 \(coordinate pairs\), got 5"),
     ("tape", {}, r"tape needs an even head_dim \(rotary states\), got 5"),

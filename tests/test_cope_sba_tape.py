@@ -273,11 +273,58 @@ def test_sba_extreme_logits_stay_finite(dtype):
         assert torch.isfinite(t.grad).all()
 
 
-def test_sba_not_on_vit():
-    with pytest.raises(ValueError, match="does not support vit"):
-        make_model("vit", encoding="sba")
-    with pytest.raises(NotImplementedError, match="bidirectional"):
-        build(StickBreaking, "sba", vit_info())
+def _grid_order(grid, i):
+    """Hand-written breaking order of query i on ``grid`` (index 0 = CLS, then patches in raster order): own key,
+    then patches by squared grid distance, ties in raster order, CLS last; the CLS query: raster order."""
+    rows, cols = grid
+    coord = {1 + r * cols + c: (r, c) for r in range(rows) for c in range(cols)}
+    patches = sorted(coord)
+    if i == 0:
+        return [0] + patches
+    others = sorted((p for p in patches if p != i),
+                    key=lambda p: ((coord[p][0] - coord[i][0]) ** 2 + (coord[p][1] - coord[i][1]) ** 2, p))
+    return [i] + others + [0]
+
+
+@pytest.mark.parametrize("remainder", ["discard", "current", "bias"])
+@pytest.mark.parametrize("attend_current", [False, True], ids=["no-diag", "diag"])
+def test_sba_vit_matches_grid_order_loop(remainder, attend_current):
+    """ViT generalisation (sba module docstring): each query breaks the stick over its keys nearest first on the
+    grid, ties in raster order, CLS last -- against the product form A = β_j Π_{k before j} (1 − β_k) in float64."""
+    info = vit_info(heads=2, head_dim=4)
+    enc = build(StickBreaking, "sba", info, remainder=remainder, attend_current=attend_current).double()
+    if remainder == "bias":
+        with torch.no_grad():
+            enc.remainder_bias.normal_()
+    n = 7  # CLS + a 2 x 3 grid
+    q, k, v = double_inputs(2, 2, 2, n, n, 4, scale=1.5)
+    ctx = PosContext(encoding=enc, info=info, grid=(2, 3))
+    out, weights = enc.attend(ctx, 1, q, k, v, None, 0.5, 0.0, False)
+    want_w = torch.zeros_like(weights)
+    want_out = torch.zeros_like(out)
+    for bb, hh, i in itertools.product(range(2), range(2), range(n)):
+        order = _grid_order((2, 3), i)
+        brk = order if attend_current else order[1:]
+        beta = {j: sigmoid(0.5 * float(q[bb, hh, i] @ k[bb, hh, j])) for j in brk}
+        left = 1.0
+        for j in brk:
+            want_w[bb, hh, i, j] = beta[j] * left
+            want_out[bb, hh, i] += beta[j] * left * v[bb, hh, j]
+            left *= 1 - beta[j]
+        if remainder == "current":
+            want_w[bb, hh, i, i] += left
+            want_out[bb, hh, i] += left * v[bb, hh, i]
+        elif remainder == "bias":
+            want_out[bb, hh, i] += left * enc.remainder_bias[1, hh].detach()
+    assert (weights - want_w).abs().max() < 1e-12
+    assert (out - want_out).abs().max() < 1e-12
+
+
+def test_sba_runs_on_vit():
+    model = make_model("vit", encoding="sba")
+    pixels = make_pixels(2)
+    model(pixel_values=pixels).logits.square().sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
 def test_sba_weights_from_model_sum_to_at_most_one():

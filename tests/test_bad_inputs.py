@@ -547,10 +547,17 @@ def test_checkpoint_configs_that_cannot_be_used(tmp_path, case, edit, exc, patte
     check_error(info)
 
 
-def test_checkpoint_of_an_encoding_its_family_does_not_support(tmp_path):
-    save(tmp_path, "alibi", family="vit")
-    edit_config(tmp_path, lambda d: d.__setitem__("position_encoding", {"name": "sba"}))
-    with pytest.raises(ValueError, match=r"encoding 'sba' does not support vit; it supports: llama, gpt2"):
+def test_checkpoint_of_an_encoding_its_family_does_not_support(tmp_path, monkeypatch):
+    """Every built-in encoding supports every family; a registered one restricted to text is refused on ViT."""
+    import dataclasses
+
+    from hf_posenc import registry
+
+    spec = registry.get_encoding("alibi")
+    monkeypatch.setitem(registry._REGISTRY, "alibi", dataclasses.replace(spec, families=("llama", "gpt2")))
+    save(tmp_path, "nope", family="vit")
+    edit_config(tmp_path, lambda d: d.__setitem__("position_encoding", {"name": "alibi"}))
+    with pytest.raises(ValueError, match=r"encoding 'alibi' does not support vit; it supports: llama, gpt2"):
         hf_posenc.from_pretrained(tmp_path)
 
 

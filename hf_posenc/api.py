@@ -17,7 +17,7 @@ from .attention import ATTN_IMPLEMENTATION, attention_backend, register_with_tra
 from .config import CONFIG_KEY, PosEncConfig
 from .encodings.base import unwrap
 from .patches import get_family
-from .patches.base import unshare_config
+from .patches.base import tap_mlp_outputs, unshare_config
 from .patches.generation import install_static_cache_shape
 from .registry import FAMILIES, get_encoding, list_encodings
 
@@ -104,6 +104,7 @@ def patch_model(
     if reference is not None:
         encoding.to(device=reference.device, dtype=reference.dtype)
     layers = family.install(base)
+    tap_mlp_outputs(base, layers if getattr(encoding, "reads_mlp_output", False) else [])
     base.posenc = encoding
     base.posenc_info = info
     base.posenc_layers = layers

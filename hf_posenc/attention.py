@@ -25,7 +25,7 @@ import torch
 from torch.nn import functional as F
 
 from .backend import forced_backend
-from .encodings.base import PosContext, unwrap
+from .encodings.base import PLAIN_CAUSAL, PosContext, unwrap
 from .kernels.attention import (
     FLEX_KINDS,
     flex_attention_term,
@@ -303,6 +303,10 @@ def posenc_attention(
             return out.transpose(1, 2).contiguous(), None
     if posenc_ctx is not None and getattr(unwrap(posenc_ctx.encoding), "custom_attention", False):
         mask = _full_mask(attention_mask, causal, q_len, k_len, q_offset, query.device)
+        # Whether ``mask`` is causality alone (no padding, no cache): an ``attend`` may then run is_causal kernels.
+        posenc_ctx.memo[PLAIN_CAUSAL] = (
+            attention_mask is None and causal and isinstance(q_offset, int) and q_offset == 0 and q_len == k_len
+        )
         out, probs = posenc_ctx.encoding("attend", posenc_ctx, layer, query, key, value, mask, scaling, dropout, training)
         return out.transpose(1, 2).contiguous(), (probs.to(query.dtype) if need_weights else None)
     bias = posenc_ctx.score_bias(q_len, k_len, query.device, layer) if posenc_ctx is not None else None

@@ -208,7 +208,6 @@ def test_unpatched_model_in_describe_and_encoding_module():
 ODD_HEAD_DIM = [
     ("rope", {}, r"rope needs an even head_dim, got 5"),
     ("rope2d", {}, r"rope2d needs head_dim divisible by 2 on text, got head_dim=5"),
-    ("liere", {}, r"liere needs an even head_dim \(blocks of size 2 to 8\), got 5"),
     ("comrope", {}, r"comrope-ap finds no block size in \[8, 4, 2\] for head_dim=5"),
     ("fope", {}, r"fope needs head_dim divisible by 2 on gpt2 \(coordinate pairs\), got 5"),
     ("tape", {}, r"tape needs an even head_dim \(rotary states\), got 5"),
@@ -548,10 +547,17 @@ def test_checkpoint_configs_that_cannot_be_used(tmp_path, case, edit, exc, patte
     check_error(info)
 
 
-def test_checkpoint_of_an_encoding_its_family_does_not_support(tmp_path):
-    save(tmp_path, "alibi", family="vit")
-    edit_config(tmp_path, lambda d: d.__setitem__("position_encoding", {"name": "sba"}))
-    with pytest.raises(ValueError, match=r"encoding 'sba' does not support vit; it supports: llama, gpt2"):
+def test_checkpoint_of_an_encoding_its_family_does_not_support(tmp_path, monkeypatch):
+    """Every built-in encoding supports every family; a registered one restricted to text is refused on ViT."""
+    import dataclasses
+
+    from hf_posenc import registry
+
+    spec = registry.get_encoding("alibi")
+    monkeypatch.setitem(registry._REGISTRY, "alibi", dataclasses.replace(spec, families=("llama", "gpt2")))
+    save(tmp_path, "nope", family="vit")
+    edit_config(tmp_path, lambda d: d.__setitem__("position_encoding", {"name": "alibi"}))
+    with pytest.raises(ValueError, match=r"encoding 'alibi' does not support vit; it supports: llama, gpt2"):
         hf_posenc.from_pretrained(tmp_path)
 
 

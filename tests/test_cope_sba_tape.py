@@ -273,11 +273,58 @@ def test_sba_extreme_logits_stay_finite(dtype):
         assert torch.isfinite(t.grad).all()
 
 
-def test_sba_not_on_vit():
-    with pytest.raises(ValueError, match="does not support vit"):
-        make_model("vit", encoding="sba")
-    with pytest.raises(NotImplementedError, match="bidirectional"):
-        build(StickBreaking, "sba", vit_info())
+def _grid_order(grid, i):
+    """Hand-written breaking order of query i on ``grid`` (index 0 = CLS, then patches in raster order): own key,
+    then patches by squared grid distance, ties in raster order, CLS last; the CLS query: raster order."""
+    rows, cols = grid
+    coord = {1 + r * cols + c: (r, c) for r in range(rows) for c in range(cols)}
+    patches = sorted(coord)
+    if i == 0:
+        return [0] + patches
+    others = sorted((p for p in patches if p != i),
+                    key=lambda p: ((coord[p][0] - coord[i][0]) ** 2 + (coord[p][1] - coord[i][1]) ** 2, p))
+    return [i] + others + [0]
+
+
+@pytest.mark.parametrize("remainder", ["discard", "current", "bias"])
+@pytest.mark.parametrize("attend_current", [False, True], ids=["no-diag", "diag"])
+def test_sba_vit_matches_grid_order_loop(remainder, attend_current):
+    """ViT generalisation (sba module docstring): each query breaks the stick over its keys nearest first on the
+    grid, ties in raster order, CLS last -- against the product form A = β_j Π_{k before j} (1 − β_k) in float64."""
+    info = vit_info(heads=2, head_dim=4)
+    enc = build(StickBreaking, "sba", info, remainder=remainder, attend_current=attend_current).double()
+    if remainder == "bias":
+        with torch.no_grad():
+            enc.remainder_bias.normal_()
+    n = 7  # CLS + a 2 x 3 grid
+    q, k, v = double_inputs(2, 2, 2, n, n, 4, scale=1.5)
+    ctx = PosContext(encoding=enc, info=info, grid=(2, 3))
+    out, weights = enc.attend(ctx, 1, q, k, v, None, 0.5, 0.0, False)
+    want_w = torch.zeros_like(weights)
+    want_out = torch.zeros_like(out)
+    for bb, hh, i in itertools.product(range(2), range(2), range(n)):
+        order = _grid_order((2, 3), i)
+        brk = order if attend_current else order[1:]
+        beta = {j: sigmoid(0.5 * float(q[bb, hh, i] @ k[bb, hh, j])) for j in brk}
+        left = 1.0
+        for j in brk:
+            want_w[bb, hh, i, j] = beta[j] * left
+            want_out[bb, hh, i] += beta[j] * left * v[bb, hh, j]
+            left *= 1 - beta[j]
+        if remainder == "current":
+            want_w[bb, hh, i, i] += left
+            want_out[bb, hh, i] += left * v[bb, hh, i]
+        elif remainder == "bias":
+            want_out[bb, hh, i] += left * enc.remainder_bias[1, hh].detach()
+    assert (weights - want_w).abs().max() < 1e-12
+    assert (out - want_out).abs().max() < 1e-12
+
+
+def test_sba_runs_on_vit():
+    model = make_model("vit", encoding="sba")
+    pixels = make_pixels(2)
+    model(pixel_values=pixels).logits.square().sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
 def test_sba_weights_from_model_sum_to_at_most_one():
@@ -342,8 +389,9 @@ def test_tape_shift_invariance(family):
 
 
 def test_tape_layer_updates_by_hand():
-    """One layer: attend stores Ê = E + a ⊙ (α E) with a_h = Σ_e W_he; the next prepare applies
-    E' = Ê + D[silu(X x) ⊙ U Ê] over heads; keys carry the states of their query heads."""
+    """One layer: attend stores Ê = E + a ⊙ (α E) with a_h = Σ_e W_he (with and without the probabilities
+    asked for: the SDPA form over [v | E] equals the full-matrix one); the MLP hook applies
+    E' = Ê + D[silu(X m) ⊙ U Ê] over heads to the MLP output m; keys carry the states of their query heads."""
     info = text_info(heads=4, kv_heads=2, head_dim=4, layers=3, hidden=8)
     enc = build(Tape, "tape", info, init_std=0.5, position_size=3).double()
     b, n = 2, 5
@@ -352,18 +400,20 @@ def test_tape_layer_updates_by_hand():
     k = torch.randn(b, 2, n, 4, generator=g, dtype=torch.float64)
     v = torch.randn(b, 2, n, 4, generator=g, dtype=torch.float64)
     hidden = torch.randn(b, n, 8, generator=g, dtype=torch.float64)
-    ctx = PosContext(encoding=enc, info=info, position_ids=torch.arange(n)[None] + 3)
+    mlp_out = torch.randn(b, n, 8, generator=g, dtype=torch.float64)
+    ctx = PosContext(encoding=enc, info=info, position_ids=torch.arange(n)[None] + 3, need_weights=True)
     q1, k1, v1 = enc.prepare(ctx, 0, hidden, q, k, v)
-    assert q1.shape == (b, 4, n, 8) and k1.shape == (b, 2, n, 4 + 2 * 4) and v1 is v
+    assert q1 is q and k1.shape == (b, 2, n, 4 + 2 * 4) and v1 is v
+    state = ctx.memo[("tape_q_state", 0)]  # the queries' states, handed to attend (not cached)
     angles = (torch.arange(n)[:, None] + 3).double() * (1.0 / 10000 ** (torch.arange(0, 4, 2).double() / 4))
     e0 = torch.cat([angles.cos(), angles.sin()], -1)  # (n, 4)
-    assert (q1[..., 4:] - e0).abs().max() < 1e-6  # fp32 angles
-    assert torch.equal(k1[:, 1, :, 4:8], q1[:, 2, :, 4:])  # kv head 1 holds query heads 2 and 3
-    assert torch.equal(k1[:, 1, :, 8:], q1[:, 3, :, 4:])
+    assert state.shape == (b, 4, n, 4) and (state - e0).abs().max() < 1e-6  # fp32 angles
+    assert torch.equal(k1[:, 1, :, 4:8], state[:, 2])  # kv head 1 holds query heads 2 and 3
+    assert torch.equal(k1[:, 1, :, 8:], state[:, 3])
 
     mask = text_mask(b, n, n, 0)
     out, probs = enc.attend(ctx, 0, q1, k1, v1, mask, 0.5, 0.0, False)
-    state = q1[..., 4:]
+    got_hat = ctx.memo[("tape_attn_state", 0)]
 
     def rot(x, e):
         c, s = torch.cat([e[..., :2]] * 2, -1), torch.cat([e[..., 2:]] * 2, -1)
@@ -376,16 +426,72 @@ def test_tape_layer_updates_by_hand():
     assert (out - alpha @ v.repeat_interleave(2, dim=1)).abs().max() < 1e-12
     a = enc.attn_update[0].sum(-1)
     want_hat = state + a[None, :, None, None] * (alpha @ state)
-    got_hat = ctx.memo[("tape_attn_state", 0)]
     assert (got_hat - want_hat).abs().max() < 1e-12
 
-    q2, _, _ = enc.prepare(ctx, 1, hidden, q, k, v)
+    fast = PosContext(encoding=enc, info=info, position_ids=torch.arange(n)[None] + 3)  # no probabilities: SDPA
+    enc.prepare(fast, 0, hidden, q, k, v)
+    out2, probs2 = enc.attend(fast, 0, q1, k1, v1, mask, 0.5, 0.0, False)
+    assert probs2 is None
+    assert (out2 - out).abs().max() < 1e-12
+    assert (fast.memo[("tape_attn_state", 0)] - want_hat).abs().max() < 1e-12
+
+    assert torch.equal(enc("mlp_output", ctx, 0, mlp_out), mlp_out)  # the MLP output passes unchanged
+    enc.prepare(ctx, 1, hidden, q, k, v)
     want = want_hat.clone()
     for bb, tok, hh, dd in itertools.product(range(b), range(n), range(4), range(4)):
-        gate = torch.nn.functional.silu(enc.pe_x[0] @ hidden[bb, tok])  # (P,)
+        gate = torch.nn.functional.silu(enc.pe_x[0] @ mlp_out[bb, tok])  # (P,)
         up = enc.pe_up[0] @ want_hat[bb, :, tok, dd]  # (P,)
         want[bb, hh, tok, dd] += enc.pe_down[0][hh] @ (gate * up)
-    assert (q2[..., 4:] - want).abs().max() < 1e-12
+    assert (ctx.memo[("tape_q_state", 1)] - want).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "vit"])
+def test_tape_mlp_stage_reads_the_mlp_output_of_the_layer(family):
+    """Oracle of one update in a whole model (the paper's Eq. for the MLP stage; the code's
+    ``LlamaDecoderLayer.forward``: ``position_states = self.pe(self.mlp(...), position_states)``): the states
+    layer 1 receives equal Ê^0 + D[silu(X m) ⊙ U Ê^0], with m the output of layer 0's MLP, captured by a hook
+    of the test's own, and Ê^0 taken from layer 0's attention."""
+    model = make_model(family, encoding="tape", init_std=0.5)
+    enc = hf_posenc.encoding_module(model)
+    base = model.model if family == "llama" else model.transformer if family == "gpt2" else model.vit
+    layers = base.layers if family != "gpt2" else base.h
+    seen = {}
+    layers[0].mlp.register_forward_hook(lambda m, a, out: seen.__setitem__("m", out.detach().clone()))
+    real_prepare, real_attend = enc.prepare, enc.attend
+
+    def prepare(ctx, layer, hidden, q, k, v):
+        out = real_prepare(ctx, layer, hidden, q, k, v)
+        seen[("state", layer)] = ctx.memo[("tape_q_state", layer)].detach().clone()
+        return out
+
+    def attend(ctx, layer, *args):
+        out = real_attend(ctx, layer, *args)
+        if layer == 0:
+            seen["hat"] = ctx.memo[("tape_attn_state", 0)].detach().clone()
+        return out
+
+    enc.prepare, enc.attend = prepare, attend
+    with torch.no_grad():
+        if family == "vit":
+            model(pixel_values=make_pixels(2))
+        else:
+            model(make_ids(2, 7), use_cache=False)
+    hat, m = seen["hat"], seen["m"]
+    gate = torch.nn.functional.silu(m @ enc.pe_x[0].T)  # (B, L, P)
+    up = torch.einsum("ph,bhld->bpld", enc.pe_up[0], hat)
+    want = hat + torch.einsum("hp,bpld->bhld", enc.pe_down[0], gate.transpose(1, 2)[..., None] * up)
+    assert (seen[("state", 1)] - want).abs().max() < 1e-6
+    # and not the attention input of layer 1 (what an attention-only hook would see)
+    assert (want - hat).abs().max() > 1e-4
+
+
+def test_tape_position_size_default_is_the_authors():
+    """Source: github.com/VITA-Group/TAPE config/adape.json (commit e1cddc37), the config its script/train.sh
+    trains: ``"position_size": 48`` with ``"num_attention_heads": 12`` (4 × heads)."""
+    info = ModelInfo("llama", 768, 12, 12, 64, 2, True, 1024)
+    cfg = Tape.resolve(hf_posenc.PosEncConfig("tape"), info)
+    assert cfg.params["position_size"] == 48
+    assert Tape(cfg, info).pe_up.shape == (1, 48, 12)
 
 
 def test_tape_parameters_and_validation():
@@ -595,6 +701,8 @@ def test_gradcheck_module_gqa(variant):
         for layer in (0, 1):
             q1, k1, v1 = functional_call(enc, params, ("prepare", ctx, layer, hidden, q, k, v))
             out = functional_call(enc, params, ("attend", ctx, layer, q1, k1, v1, mask, 0.5, 0.0, False))[0]
+            if layer == 0:  # ``hidden`` stands for layer 0's MLP output
+                functional_call(enc, params, ("mlp_output", ctx, layer, hidden))
         return out
 
     args = tuple(t.detach().clone().requires_grad_(True) for t in (q, k, v, hidden, *enc.parameters()))

@@ -301,11 +301,9 @@ def test_gates_at_one_equal_nope(family):
 
 def test_gates_at_one_with_rope_equal_unpatched_llama():
     """fox(rope=True) with gates at 1 is Llama's own rotary attention: the unpatched model's logits."""
-    fox = make_model("llama", encoding="fox", rope=True)
     native = make_model("llama")
+    fox = make_model("llama", encoding="fox", rope=True, rope_theta=native.config.rope_parameters["rope_theta"])
     open_gates(fox)
-    theta = hf_posenc.encoding_module(fox).posenc_config.params["rope_theta"]
-    assert theta == native.config.rope_parameters["rope_theta"]
     ids = make_ids(2, 12)
     with torch.no_grad():
         assert (fox(ids).logits - native(ids).logits).abs().max() < 1e-5
@@ -566,8 +564,11 @@ def test_initialisation_follows_the_code():
 def test_config_params():
     model = make_model("gpt2", encoding="fox")
     assert model.config.position_encoding == {"name": "fox", "rope": False, "rope_theta": None}
-    model = make_model("gpt2", encoding="fox", rope=True)
-    assert model.config.position_encoding["rope_theta"] == 10000.0
+    # Source: the official code's rope_base = 500000.0 (zhixuan-lin/forgetting-transformer,
+    # src/forgetting_transformer/model/forgetting_transformer/configuration_forgetting_transformer.py), on every family
+    for family in ("gpt2", "llama"):
+        model = make_model(family, encoding="fox", rope=True)
+        assert model.config.position_encoding["rope_theta"] == 500000.0
     with pytest.raises(TypeError):
         make_model("gpt2", encoding="fox", rope="yes")
     with pytest.raises(ValueError):

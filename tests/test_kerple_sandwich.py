@@ -104,6 +104,35 @@ def test_kerple_gradients_reach_both_parameters_in_a_model():
         assert p.grad is not None and torch.all(p.grad != 0)
 
 
+def test_kerple_defaults_follow_the_authors_code():
+    """Source: github.com/chijames/KERPLE. megatron/model/gpt2_model.py builds one ``rpe_emb`` and passes it
+    to every layer (shared kernel); megatron/mpu/layers.py draws ParallelKerpleLog's scale ``bias_p`` from
+    U(0, 2) and rate ``bias_a`` from U(0, 1), and ParallelKerplePower's scale ``bias_a`` from U(0, 1) and
+    exponent ``bias_p`` from U(0, 2)."""
+    info = ModelInfo("llama", 32, 256, 256, 16, 3, True, 64)  # 256 heads, 3 layers: enough draws to see ranges
+    cfg = PosEncConfig("kerple", {"variant": "log"})
+    assert cfg.params["per_layer"] is False
+    torch.manual_seed(0)
+    log = Kerple(PosEncConfig("kerple", {"variant": "log"}), info)
+    torch.manual_seed(0)
+    power = Kerple(PosEncConfig("kerple", {"variant": "power"}), info)
+    for enc in (log, power):
+        assert enc.r1_raw.shape == (1, 256) and enc.r2_raw.shape == (1, 256)  # shared by the 3 layers
+    r1, r2 = log.kernel_params()
+    assert 1.0 < r1.max() < 2.0 and r2.max() < 1.0  # log: scale ~ U(0, 2), rate ~ U(0, 1)
+    r1, r2 = power.kernel_params()
+    assert r1.max() < 1.0 and 1.0 < r2.max() < 2.0  # power: scale ~ U(0, 1), exponent ~ U(0, 2)
+    assert r1.min() >= 1e-2 and r2.min() >= 1e-2
+
+
+def test_kerple_shared_kernel_is_the_same_in_every_layer():
+    enc = _kerple("log", per_layer=False)
+    ctx = PosContext(encoding=enc, info=TEXT, q_offset=0)
+    assert torch.equal(enc.score_bias(ctx, 4, 4, CPU, layer=0), enc.score_bias(ctx, 4, 4, CPU, layer=1))
+    per = _kerple("log", per_layer=True)
+    assert per.r1_raw.shape[0] == TEXT.num_layers
+
+
 def test_sandwich_closed_form_text():
     enc = Sandwich(Sandwich.resolve(PosEncConfig("sandwich", {"dim": 4}), TEXT), TEXT)
     ctx = PosContext(encoding=enc, info=TEXT, q_offset=0)

@@ -176,10 +176,10 @@ def test_liere_initialisation_as_official_code():
     torch.manual_seed(0)
     info = ModelInfo("llama", 256, 8, 8, 64, 4, True, 64)
     enc = build(Liere, "liere", info, per_head=True, per_layer=True)
-    assert enc.generator_raw.shape == (4, 1, 8, 8, 8, 8)
+    assert enc.generator_raw.shape == (4, 1, 8, 1, 64, 64)  # one dense block over the head (the default)
     gens = enc.generators()
     torch.testing.assert_close(gens, -gens.transpose(-1, -2))
-    upper = gens[..., torch.triu_indices(8, 8, 1)[0], torch.triu_indices(8, 8, 1)[1]]
+    upper = gens[..., torch.triu_indices(64, 64, 1)[0], torch.triu_indices(64, 64, 1)[1]]
     assert upper.min() >= 0 and upper.max() < 2 * math.pi
     assert abs(upper.mean().item() - math.pi) < 0.05
 
@@ -271,6 +271,82 @@ def test_liere_gradcheck(info):
 def test_liere_rejects_bad_parameters(params, error):
     with pytest.raises(error):
         hf_posenc.patch_model(make_model("gpt2"), "liere", **params)
+
+
+def test_liere_default_is_one_dense_block_per_head():
+    """Source: the official code (StanfordMIMI/LieRE, models/rope_vit.py) learns one dense skew-symmetric
+    generator over the head (generator_dim 64 at head_dim 64): block_size defaults to head_dim."""
+    info = ModelInfo("llama", 64, 4, 2, 16, 1, True, 64)
+    cfg = Liere.resolve(PosEncConfig("liere"), info)
+    assert cfg.params["block_size"] == 16
+    enc = Liere(cfg, info)
+    assert enc.generator_raw.shape == (1, 1, 1, 1, 16, 16)
+
+
+@pytest.mark.parametrize("info", [ModelInfo("llama", 64, 4, 2, 16, 1, True, 64), GRID], ids=["text", "vit"])
+def test_liere_dense_block_is_exact_against_matrix_exp_float64(info):
+    """q' = exp(Σ_i p_i A_i) q with one dense (D x D) generator per axis, against an independent float64
+    matrix_exp of the full D x D matrix, per token; and the rotation is differentiable (gradcheck)."""
+    enc = build(Liere, "liere", info, position_scale=0.3).double()
+    d = info.head_dim
+    gens = enc.generators()[0, :, 0, 0]  # (axes, D, D)
+    assert gens.shape[-1] == d
+    if info.family == "vit":
+        ctx, n = PosContext(encoding=enc, info=info, grid=(3, 3)), 10
+        coords = torch.tensor([[0.0, 0.0]] + [[r, c] for r in range(3) for c in range(3)], dtype=torch.float64)
+    else:
+        positions = torch.tensor([0, 3, 7, 3, 11])
+        ctx, n = text_ctx(enc, info, positions), 5
+        coords = positions.double()[:, None]
+    q = torch.randn(1, info.num_heads, n, d, dtype=torch.float64)
+    k = torch.randn(1, info.num_kv_heads, n, d, dtype=torch.float64)
+    rq, rk = enc.rotate(ctx, q, k)
+    for t in range(n):
+        if info.family == "vit" and t == 0:
+            want = torch.eye(d, dtype=torch.float64)  # CLS: not rotated
+        else:
+            p = (coords[t].float() * 0.3).double()  # positions are scaled in float32, as in the encoding
+            want = torch.linalg.matrix_exp(torch.einsum("a,aij->ij", p, gens.detach()))
+        torch.testing.assert_close(rq[0, :, t], q[0, :, t] @ want.T, atol=1e-10, rtol=0)
+        torch.testing.assert_close(rk[0, :, t], k[0, :, t] @ want.T, atol=1e-10, rtol=0)
+
+    raw = enc.generator_raw.detach().clone().requires_grad_(True)
+
+    def f(raw):
+        p = raw - raw.transpose(-1, -2)
+        algebra = torch.einsum("na,ahkij->hnkij", coords[1:3, : p.shape[1]] * 0.3, p[0])
+        return torch.linalg.matrix_exp(algebra)
+
+    got = enc.rotations_at(coords[1:3, : enc.num_axes] * 0.3)
+    torch.testing.assert_close(got, f(enc.generator_raw), atol=1e-12, rtol=0)
+    assert torch.autograd.gradcheck(lambda r: (enc.rotations_at.__func__(_with_raw(enc, r), coords[1:3, : enc.num_axes] * 0.3)), (raw,))
+
+
+class _RawView:
+    """``enc`` with ``generator_raw`` replaced (for gradcheck of rotations_at)."""
+
+    def __init__(self, enc, raw):
+        self._enc, self.generator_raw = enc, raw
+
+    def __getattr__(self, name):
+        return getattr(self._enc, name)
+
+    def generators(self):
+        return Liere.generators(self)
+
+
+def _with_raw(enc, raw):
+    return _RawView(enc, raw)
+
+
+def test_liere_block_above_8_runs_in_a_model():
+    """Blocks larger than the Triton kernel's 8 rotate through the PyTorch path (head_dim 16, one block)."""
+    model = make_model("llama", encoding="liere", config_overrides={"hidden_size": 64, "num_attention_heads": 4,
+                                                                    "num_key_value_heads": 2})
+    assert model.config.position_encoding["block_size"] == 16
+    ids = make_ids(2, 9)
+    model(ids, labels=ids).loss.backward()
+    assert hf_posenc.encoding_module(model).generator_raw.grad.abs().max() > 0
 
 
 def test_liere_block_size_must_divide_head_dim():

@@ -254,8 +254,7 @@ def test_synthetic_task_and_vit_studies(tmp_path):
     assert res["study"]["eval_lengths"] == [8, 12, 16, 24]  # sides: 4, 9, 16, 36 patches of 4 px
     learned, sba = res["results"]
     assert learned["status"] == "ok" and [e["patches"] for e in learned["eval"]] == [4, 9, 16, 36]
-    assert sba["status"] == "not_applicable" and "vit" in sba["reason"]
-    assert "| `sba` | n/a |" in res["table"]
+    assert sba["status"] == "ok" and [e["patches"] for e in sba["eval"]] == [4, 9, 16, 36]  # grid-order sba
     assert (tmp_path / "study.png").exists()
 
 

@@ -90,18 +90,24 @@ def test_sinusoidal_values_by_hand():
     assert table[1, :4].tolist() == pytest.approx([math.sin(1), math.cos(1), math.sin(0.1), math.cos(0.1)], abs=1e-6)
 
 
-def test_sinusoidal_on_llama_adds_table_to_embeddings():
-    m = hf_posenc.patch_model(_llama(), "sinusoidal")
+@pytest.mark.parametrize("scale", [None, 1.0, 0.5])
+def test_sinusoidal_on_llama_adds_table_to_embeddings(scale):
+    """Default scale: the model's initializer_range. Source: "Attention Is All You Need" Section 3.4 multiplies
+    the embeddings by √d_model, which puts tokens and the unit-amplitude table at the same scale; a Hugging Face
+    model's embeddings start at std initializer_range, so the table gets that amplitude (module docstring)."""
+    m = hf_posenc.patch_model(_llama(), "sinusoidal", **({} if scale is None else {"scale": scale}))
+    want_scale = m.config.initializer_range if scale is None else scale
+    assert m.config.position_encoding["scale"] == want_scale
     ids = torch.tensor([[5, 6, 7]])
     seen = {}
     m.model.layers[0].register_forward_pre_hook(lambda mod, args: seen.setdefault("x", args[0]))
     m(ids)
-    expected = m.model.embed_tokens(ids) + sinusoidal_table(torch.arange(3), 32, 10000.0)
+    expected = m.model.embed_tokens(ids) + want_scale * sinusoidal_table(torch.arange(3), 32, 10000.0)
     torch.testing.assert_close(seen["x"], expected)
 
 
 def test_sinusoidal_vit_is_2d_and_zero_for_cls():
-    m = hf_posenc.patch_model(_vit(), "sinusoidal")
+    m = hf_posenc.patch_model(_vit(), "sinusoidal", scale=1.0)
     seen = {}
     m.vit.layers[0].register_forward_pre_hook(lambda mod, args: seen.setdefault("x", args[0]))
     px = torch.randn(1, 3, 16, 24)  # grid 2 x 3

@@ -8,6 +8,14 @@
   paper, added to the token embeddings. On ViT: the 2D form (MAE, https://arxiv.org/abs/2111.06377):
   the first d/2 channels encode the patch row, the last d/2 the column, each with the 1D formula at
   dimension d/2; the CLS token gets no positional term.
+
+  Scale (``scale``, default: the model's ``initializer_range``). The paper adds the unit-amplitude table
+  to embeddings multiplied by √d_model (Section 3.4), embeddings that are themselves of scale ~1/√d_model
+  (shared with the pre-softmax projection), so tokens and positions enter at comparable, O(1) scales.
+  Hugging Face models do not multiply their embeddings and initialise them with std ``initializer_range``
+  σ (0.02 for Llama, GPT-2 and ViT, whose own learned position table starts at the same σ): the raw table
+  would be ~35× larger than the tokens and drown them. ``scale`` multiplies the table; its default σ keeps
+  the paper's token-to-position ratio (token std σ, position amplitude σ). ``scale=1.0`` is the raw table.
 * Learned: a trained table added to the embeddings (GPT-2's and ViT's native kind, e.g.
   "Improving Language Understanding by Generative Pre-Training", Radford et al. 2018, and
   "An Image is Worth 16x16 Words", https://arxiv.org/abs/2010.11929). On GPT-2 and ViT the model's
@@ -65,6 +73,14 @@ def sinusoidal_table(positions: torch.Tensor, dim: int, base: float) -> torch.Te
 @dataclass
 class SinusoidalParams:
     base: float = param(10000.0, "wavelength base of the sinusoids (10000 in the paper)", type=float, gt=1.0)
+    scale: float | None = param(
+        None,
+        "amplitude of the sin/cos table (default: the model's initializer_range, the std of its token embeddings "
+        "at initialisation, which keeps the paper's token-to-position ratio; 1.0 = the raw table)",
+        type=float,
+        optional=True,
+        gt=0.0,
+    )
 
 
 @register_encoding(
@@ -79,6 +95,12 @@ class Sinusoidal(PositionEncoding):
 
     adds_embeddings = True
 
+    @classmethod
+    def resolve(cls, config: PosEncConfig, info: ModelInfo) -> PosEncConfig:
+        if config.params.get("scale") is not None:
+            return config
+        return PosEncConfig(config.name, dict(config.params, scale=float(info.initializer_range)))
+
     def check_model(self, info: ModelInfo) -> None:
         mult = 4 if info.family == "vit" else 2
         if info.hidden_size % mult:
@@ -89,15 +111,17 @@ class Sinusoidal(PositionEncoding):
     def embed(self, ctx: PosContext, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Text: (B or 1, Lq, D) at ``ctx.position_ids``; ViT: (1, 1 + rows*cols, D), zero for CLS."""
         base = self.posenc_config.params["base"]
+        scale = self.posenc_config.params["scale"]
+        scale = float(self.info.initializer_range) if scale is None else scale
         dim = self.info.hidden_size
         if ctx.grid is None:
-            return sinusoidal_table(ctx.position_ids.to(device), dim, base).to(dtype)
+            return (scale * sinusoidal_table(ctx.position_ids.to(device), dim, base)).to(dtype)
         rows, cols = ctx.grid
         r = torch.arange(rows, device=device).repeat_interleave(cols)
         c = torch.arange(cols, device=device).repeat(rows)
         pe = torch.cat([sinusoidal_table(r, dim // 2, base), sinusoidal_table(c, dim // 2, base)], dim=-1)
         pe = torch.cat([pe.new_zeros(1, dim), pe], dim=0)
-        return pe[None].to(dtype)
+        return (scale * pe[None]).to(dtype)
 
 
 @dataclass

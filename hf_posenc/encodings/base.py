@@ -60,6 +60,11 @@ class ModelInfo:
     sliding_windows: tuple[int | None, ...] | None = None
 
 
+#: ``PosContext.memo`` key set by the attention function before a custom ``attend``: True when the mask it
+#: hands over is causality alone (no padding, no cache, queries = keys), so ``attend`` may use is_causal kernels.
+PLAIN_CAUSAL = "plain_causal"
+
+
 @dataclass
 class PosContext:
     """Everything about one forward pass that the encoding needs, built once by the patched base model.

@@ -29,8 +29,8 @@ Choices, following the paper and the authors' code (github.com/chuanyang-Zheng/D
 * the base bias ``base`` ("alibi", "kerple" or "fire", default "alibi") is the registered encoding of
   that name with its default parameters, built as the child module ``base``: its learned parameters
   (Kerple's r1, r2; FIRE's MLP, c, L) are trained and saved with the model, and it keeps its own
-  per-layer semantics (``bias_per_layer``: per-layer Kerple kernels and FIRE functions by default, as in
-  the authors' code; ALiBi has no parameters and is shared). Kerple is its default ``log`` variant, the
+  per-layer semantics (``bias_per_layer``: by default one Kerple kernel shared by all layers, as in the
+  KERPLE authors' code, and a FIRE function per layer, as in FIRE's; ALiBi has no parameters and is shared). Kerple is its default ``log`` variant, the
   one the authors use. For ``base="fire"`` the base is this package's FIRE, exact to the FIRE paper
   (ReLU, L initialised to 512); the authors' ``FIRE_C`` differs slightly (a LeakyReLU inside FIRE's MLP
   and L initialised to half their training length).

@@ -45,10 +45,16 @@ ignore_clamp_zero.yaml``):
 * Layout ``half`` pairs x[m] with x[m + d/2] (the official code's ``rotate_half``, and transformers'
   Llama), ``interleaved`` pairs x[2m] with x[2m+1]. The sign is the official code's (and rope's):
   x * C + rotate_half(x) * S.
-* Two deviations from the official code, both following the paper's Eq. 13: zero-frequency pairs are
-  left unchanged (the code pads C and S with 1, which multiplies those pairs by 1 + i, i.e. rotates them
-  by 45° and doubles their contribution to the logits); and every pair whose rotary frequency is at or
-  above the floor gets a Fourier series (the code caps them at head_dim/4 and marks that line TODO).
+* Three deviations from the official code (``olmo/model.py``, ``FourierEmbedding``), all following the
+  paper's Eq. 13: zero-frequency pairs are left unchanged (the code pads C and S with 1, which multiplies
+  those pairs by 1 + i, i.e. rotates them by 45° and doubles their contribution to the logits); every pair
+  whose rotary frequency is at or above the floor gets a Fourier series (the pair cap: the code gives a
+  series to at most head_dim/4 pairs and marks that line TODO); and the identity part of the
+  initialisation sits on each pair's own rotary frequency, a_{jm} = [ω_j = ω_m]. The code's
+  ``get_step_eye`` instead puts pair i's unit coefficient on frequency index i · ⌈D / P⌉, P the number of
+  pairs with a series; with the cap (P < d/2) that is not pair i's rotary frequency, so its start remaps
+  every pair to another, lower frequency and no longer contains RoPE. Here FoPE with σ → 0 and no
+  clipping is exactly ``rope`` (the paper: {ω_m} ⊆ {ω}).
 
 θ: the model's ``rope_theta`` on Llama (as ``rope``), else 10000; 100 on ViT (the axial 2D RoPE value).
 On ViT (bidirectional) positions are 2D: the first half of the pairs encodes the patch row and the second

@@ -16,8 +16,10 @@ hidden state that enters the attention block, i.e. after the block's norm):
     O    = softmax(Q Kᵀ · scaling + D) V            (float32 softmax over the keys the mask allows)
 
 ``scaling`` is the model's (1/sqrt(head_dim)). No RoPE by default, as in the paper; ``rope=True`` also
-rotates q and k exactly as the ``rope`` encoding does (half-split layout, base ``rope_theta``: default the
-model's ``rope_theta`` on Llama, else 10000). Under grouped-query attention the gates stay per query
+rotates q and k exactly as the ``rope`` encoding does (half-split layout, base ``rope_theta``: default
+500000, the official code's ``rope_base: float = 500000.0`` in
+``src/forgetting_transformer/model/forgetting_transformer/configuration_forgetting_transformer.py``;
+pass the model's own base explicitly to keep it). Under grouped-query attention the gates stay per query
 head (a key/value head serves G = H / Hkv query heads, each with its own D).
 
 Initialisation (the code: ``fgate_proj = nn.Linear(hidden, num_heads, bias=True)`` under the model's
@@ -282,22 +284,20 @@ class FoxParams:
     rope: bool = param(False, "also apply rotary embedding to q and k (the paper's FoX uses none)", type=bool)
     rope_theta: float | None = param(
         None,
-        "rotary base when rope=True (default: the model's rope_theta on Llama, else 10000)",
+        "rotary base when rope=True (default 500000, the official FoX code's rope_base)",
         type=float,
         optional=True,
         gt=1.0,
     )
 
 
+_FOX_ROPE_BASE = 500000.0  # official code: configuration_forgetting_transformer.py, rope_base
+
+
 def _resolve_theta(config: PosEncConfig, info: ModelInfo) -> PosEncConfig:
     p = dict(config.params)
     if p.get("rope") and p.get("rope_theta") is None:
-        if info.rope_type not in (None, "default"):
-            raise ValueError(
-                f"the model's rope_parameters use rope_type={info.rope_type!r}, which hf_posenc's rotary embedding "
-                f"does not implement; pass an explicit rope_theta to {config.name} with rope=True"
-            )
-        p["rope_theta"] = float(info.rope_theta) if info.rope_theta is not None else 10000.0
+        p["rope_theta"] = _FOX_ROPE_BASE
     return PosEncConfig(config.name, p)
 
 

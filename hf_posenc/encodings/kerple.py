@@ -10,10 +10,22 @@ kernel of the distance to its logits:
 The constraints are kept by a reparametrisation, never by clamping in place (the authors' code clamps
 ``.data`` to [1e-2, ...] before each use, which stops gradients at the bound):
 r1 = 1e-2 + softplus(a1), r2 = 1e-2 + softplus(a2) (log) and r2 = 2 * sigmoid(a2) (power), so that
-r1, r2 >= 1e-2 as in that code. Initial values follow the authors' code: r1 ~ U(0, 2), r2 ~ U(0, 1)
-per head (drawn from torch's generator at patch time; values below 1e-2 are raised to 0.011).
-Distances are built in float32 (bfloat16 cannot tell 256 from 257). Each layer has its own kernel by
-default (``per_layer``), as in the paper's GPT-NeoX code.
+r1, r2 >= 1e-2 as in that code.
+
+Defaults, from the authors' GPT-NeoX code (github.com/chijames/KERPLE):
+
+* Initial values (``megatron/mpu/layers.py``, ``get_parameter(scale, 'uniform')`` = U(0, scale)):
+  log (``ParallelKerpleLog``: ``-bias_p * log(1 + bias_a * diff)``): the scale r1 = ``bias_p`` ~ U(0, 2),
+  r2 = ``bias_a`` ~ U(0, 1); power (``ParallelKerplePower``: ``-bias_a * diff ** bias_p``): the scale
+  r1 = ``bias_a`` ~ U(0, 1), the exponent r2 = ``bias_p`` ~ U(0, 2). Drawn per head from torch's
+  generator at patch time; values below 1e-2 are raised to 0.011 (power's r2 < 2 is kept below 2 - 1e-6
+  so that its logit is finite).
+* One kernel shared by every layer (``per_layer=False``): ``megatron/model/gpt2_model.py``
+  (``GPT2ModelPipe.init_specs``) builds a single ``rpe_emb`` and passes that module as ``rpe`` to every
+  ``ParallelTransformerLayerPipe``. ``per_layer=True`` gives each layer its own (r1, r2), an option the
+  paper's text does not rule out but its code does not use.
+
+Distances are built in float32 (bfloat16 cannot tell 256 from 257).
 
 On ViT (bidirectional): |i - j| is the Euclidean distance between the two patches on the 2D patch
 grid; every pair involving the CLS token gets no bias.
@@ -46,7 +58,11 @@ def _inv_softplus(y: torch.Tensor) -> torch.Tensor:
 class KerpleParams:
     variant: str = param("log", "kernel: 'log' (-r1 log(1 + r2 d)) or 'power' (-r1 d^r2)", type=str,
                          choices=("log", "power"))
-    per_layer: bool = param(True, "a kernel per layer (paper) or one shared by all layers", type=bool)
+    per_layer: bool = param(
+        False,
+        "a kernel per layer, or one shared by all layers (default, as the authors' megatron/model/gpt2_model.py)",
+        type=bool,
+    )
 
 
 @register_encoding(
@@ -69,8 +85,13 @@ class Kerple(PositionEncoding):
         self.variant = config.params["variant"]
         self.bias_per_layer = config.params["per_layer"]
         n = info.num_layers if self.bias_per_layer else 1
-        r1 = (torch.rand(n, info.num_heads) * 2).clamp_min(_EPS * 1.1)
-        r2 = torch.rand(n, info.num_heads).clamp_min(_EPS * 1.1)
+        # the authors' megatron/mpu/layers.py: the log kernel's scale ~ U(0, 2) and rate ~ U(0, 1); the power
+        # kernel's scale ~ U(0, 1) and exponent ~ U(0, 2)
+        scale_hi, r2_hi = (2.0, 1.0) if self.variant == "log" else (1.0, 2.0)
+        r1 = (torch.rand(n, info.num_heads) * scale_hi).clamp_min(_EPS * 1.1)
+        r2 = (torch.rand(n, info.num_heads) * r2_hi).clamp_min(_EPS * 1.1)
+        if self.variant == "power":
+            r2 = r2.clamp_max(2.0 - 1e-6)
         self.r1_raw = nn.Parameter(_inv_softplus(r1 - _EPS))
         if self.variant == "log":
             self.r2_raw = nn.Parameter(_inv_softplus(r2 - _EPS))

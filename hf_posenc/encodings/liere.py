@@ -34,9 +34,17 @@ Choices, from the official code (``models/rope_vit.py``, ``LierePositionEncoder`
   p = position / (L_train - 1), L_train the model's maximum position count, so the training context
   spans [0, 1]; queries and keys use their logical ``position_ids`` (left padding, the KV cache).
   ``position_scale`` replaces this by p = index * position_scale on every axis.
-* Block size: the official default ``generator_dim`` is 64, one dense block over a 64-dimensional head.
-  The fused rotary kernel applies blocks of at most 8, so ``block_size`` is at most 8; its default is the
-  largest of 8, 4, 2 that divides head_dim.
+* Block size: the official generator is one dense skew-symmetric block over the head
+  (``generator_dim`` 64 at head_dim 64, ``models/rope_vit.py``), so ``block_size`` defaults to head_dim.
+  Any divisor of head_dim from 2 up is allowed: smaller blocks restrict the rotations to a block-diagonal
+  subgroup (a departure from the official code, for speed). The Triton rotary kernel applies blocks of
+  2, 4 and 8; larger blocks rotate through the PyTorch reference (a batched matrix-vector product), on
+  every device.
+
+Where this departs from the official code: the whole P_i is learned (same family, see above); ``per_head``
+and ``per_layer`` follow its two configs; positions on text (which the paper does not cover) are
+normalised by the model's maximum position count; ``block_size`` below head_dim is an option the official
+code does not have.
 
 The CLS token of ViT is not rotated (identity, as the official code's zero generator for it).
 Rotations are computed once per forward for the positions present (one matrix exponential per distinct
@@ -66,12 +74,11 @@ __all__ = ["Liere"]
 class LiereParams:
     block_size: int | None = param(
         None,
-        "size s of the diagonal blocks of the generators (2..8, dividing head_dim; default: the largest of "
-        "8, 4, 2 that divides head_dim)",
+        "size s of the diagonal blocks of the generators (a divisor of head_dim, at least 2; default: head_dim, "
+        "one dense block per head as in the official code)",
         type=int,
         optional=True,
         ge=2,
-        le=8,
     )
     per_head: bool = param(
         False, "generators per key/value head (the official CIFAR-100 config) or shared by all heads (its default)",
@@ -107,10 +114,9 @@ class Liere(BlockRotationEncoding):
     def resolve(cls, config: PosEncConfig, info: ModelInfo) -> PosEncConfig:
         p = dict(config.params)
         if p["block_size"] is None:
-            fits = [s for s in (8, 4, 2) if info.head_dim % s == 0]
-            if not fits:
-                raise ValueError(f"liere needs an even head_dim (blocks of size 2 to 8), got {info.head_dim}")
-            p["block_size"] = fits[0]
+            if info.head_dim < 2:
+                raise ValueError(f"liere needs head_dim >= 2 (a rotation block), got {info.head_dim}")
+            p["block_size"] = info.head_dim  # the official code: one dense generator over the head
         if p["position_scale"] is None and info.family != "vit":
             if info.max_positions is None or info.max_positions < 2:
                 raise ValueError(
@@ -124,7 +130,7 @@ class Liere(BlockRotationEncoding):
         if s is not None and info.head_dim % s:
             raise ValueError(
                 f"liere's block_size must divide head_dim: block_size={s}, head_dim={info.head_dim}; "
-                f"allowed here: {[b for b in range(2, 9) if info.head_dim % b == 0]}"
+                f"allowed here: {[b for b in range(2, info.head_dim + 1) if info.head_dim % b == 0]}"
             )
 
     def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:

@@ -43,10 +43,18 @@ Padding: masked keys are no breakpoints (their softplus terms are 0) and get no 
 row gives the weights of the row alone. KV cache: A_ij involves q_i and the keys only, so the cache holds
 all it needs; nothing else is stored.
 
-ViT: not supported (``NotImplementedError``; the registry lists only llama and gpt2). The stick is broken
-in the order of the keys from the query backwards; an image has no such order -- raster order is an
-artefact of flattening and ordering by distance on the grid has ties -- and the paper defines none, so a
-ViT variant would be a new method rather than this one.
+ViT (bidirectional), a documented generalisation. The paper breaks the stick over the keys in order from
+the query outwards (nearest first) and defines no order for an image; here each query orders its keys by
+their distance to it on the patch grid and breaks the stick nearest first:
+
+    rank_i(j): the query's own key first (distance 0; a breakpoint only with ``attend_current``), then the
+               patches by squared Euclidean grid distance to query i, ties broken in raster order, the CLS
+               key last; the CLS query (no grid position) orders the patches in raster order
+    A_ij = β_ij Π_{k : rank_i(k) < rank_i(j)} (1 − β_ik) = exp( z_ij − Σ_{k : rank_i(k) <= rank_i(j)} softplus(z_ik) )
+
+(:func:`stick_breaking_grid_attention`; same remainder options). On a 1 × n grid without the CLS token this
+is the text rule run in both directions at once, nearest key first; the ties (keys at equal distance on
+both sides) take raster order, which makes the rule deterministic but not mirror-symmetric.
 """
 
 from __future__ import annotations
@@ -63,7 +71,8 @@ from ..registry import param, register_encoding
 from .base import ModelInfo, PosContext, PositionEncoding
 from .cope import allowed_keys
 
-__all__ = ["StickBreaking", "stick_breaking_attention", "SOFTPLUS_THRESHOLD"]
+__all__ = ["StickBreaking", "stick_breaking_attention", "stick_breaking_grid_attention", "grid_key_ranks",
+           "SOFTPLUS_THRESHOLD"]
 
 #: above this the softplus is linear (the code's threshold, also in its Triton kernel's inline assembly).
 SOFTPLUS_THRESHOLD = 15.0
@@ -141,13 +150,76 @@ def stick_breaking_attention(
     return out + rest * own, weights + rest * diag
 
 
+def grid_key_ranks(grid: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """(N, N) long, N = 1 + rows*cols (CLS first, then the patches in raster order): ``ranks[i, j]`` = the place
+    of key j in query i's breaking order (0 = first): its own key, then the patches by squared grid distance,
+    ties in raster order, the CLS key last; the CLS query orders the patches in raster order."""
+    rows, cols = grid
+    n = rows * cols + 1
+    r = torch.arange(rows, device=device).repeat_interleave(cols)
+    c = torch.arange(cols, device=device).repeat(rows)
+    dist = (r[:, None] - r[None, :]).square() + (c[:, None] - c[None, :]).square()  # (P, P)
+    raster = torch.arange(n, device=device)
+    score = torch.zeros(n, n, dtype=torch.long, device=device)
+    score[1:, 1:] = dist * (n + 1)
+    score = score + raster[None, :]  # ties (and the CLS query's whole row) in raster order
+    score[1:, 0] = (rows * rows + cols * cols + 1) * (n + 1)  # the CLS key after every patch
+    score.fill_diagonal_(-1)  # the query's own key first
+    order = score.argsort(dim=-1)  # (N, N): key at each rank
+    return order.argsort(dim=-1)
+
+
+def stick_breaking_grid_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scaling: float,
+    ranks: torch.Tensor,
+    attend_current: bool = False,
+    remainder: str = "discard",
+    bias: torch.Tensor | None = None,
+    dropout: float = 0.0,
+    training: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stick-breaking attention with a per-query key order (ViT), in log space, in the dtype of ``q``.
+
+    Args:
+        q: (B, H, Lq, D); k, v: (B, H, Lk, D) (key/value heads already expanded).
+        allowed: (B|1, 1, Lq, Lk) bool or None.
+        ranks: (Lq, Lk) long, each query's breaking order (:func:`grid_key_ranks`); rank 0 is the query's own key.
+        Other arguments as for :func:`stick_breaking_attention`.
+
+    Returns:
+        out (B, H, Lq, D) and the weights (B, H, Lq, Lk).
+    """
+    z = (q @ k.transpose(-1, -2)) * scaling
+    breaks = (ranks > 0) if not attend_current else torch.ones_like(ranks, dtype=torch.bool)
+    breaks = breaks[None, None]
+    if allowed is not None:
+        breaks = breaks & allowed
+    softplus = F.softplus(z, beta=1.0, threshold=SOFTPLUS_THRESHOLD).masked_fill(~breaks, 0.0)
+    order = ranks.argsort(dim=-1).expand(*z.shape)  # key at each rank
+    # Σ_{k : rank(k) <= rank(j)} softplus(z_ik): a cumulative sum in rank order, read back per key
+    prefix = softplus.gather(-1, order).cumsum(-1).gather(-1, ranks.expand(*z.shape))
+    log_a = (z - prefix).masked_fill(~breaks, float("-inf"))
+    weights = torch.exp(log_a)
+    out = F.dropout(weights, p=dropout, training=training) @ v
+    if remainder == "discard":
+        return out, weights
+    rest = torch.exp(-softplus.sum(-1, keepdim=True))
+    if remainder == "bias":
+        return out + rest * bias[None, :, None, :], weights
+    diag = (ranks == 0)[None, None]
+    return out + rest * v, weights + rest * diag
+
+
 @register_encoding(
     "sba",
     params=SbaParams,
     kind="replaces softmax",
     summary="stick-breaking attention in log space (no other position term); weights sum to <= 1",
     paper="https://arxiv.org/abs/2410.17980",
-    families=("llama", "gpt2"),
 )
 class StickBreaking(PositionEncoding):
     """Stick-breaking attention; see the module docstring for the formula.
@@ -167,14 +239,6 @@ class StickBreaking(PositionEncoding):
         self.remainder = config.params["remainder"]
         if self.remainder == "bias":
             self.remainder_bias = nn.Parameter(torch.zeros(info.num_layers, info.num_heads, info.head_dim))
-
-    def check_model(self, info: ModelInfo) -> None:
-        if not info.causal:
-            raise NotImplementedError(
-                "sba (stick-breaking attention) breaks the stick over the keys in order from the query backwards; "
-                f"{info.family} is bidirectional with no such order (the paper defines none), so it is not "
-                "supported; use it on llama or gpt2"
-            )
 
     def attend(
         self,
@@ -200,6 +264,8 @@ class StickBreaking(PositionEncoding):
             fused kernel ran (``hf_posenc.kernels.sba``: on CUDA, or forced with ``HF_POSENC_BACKEND=triton``;
             it never forms the weights, and is not used when they are requested).
         """
+        if ctx.grid is not None:
+            return self._attend_grid(ctx, layer, query, key, value, mask, scaling, dropout, training)
         from ..kernels.sba import sba_backend, stick_breaking
 
         if sba_backend(query, key, value, mask, ctx.q_offset, ctx.need_weights, dropout, training) == "triton":
@@ -221,5 +287,29 @@ class StickBreaking(PositionEncoding):
         bias = self.remainder_bias[layer].to(dtype) if self.remainder == "bias" else None
         out, weights = stick_breaking_attention(
             q, k, v, allowed, scaling, q_index, self.attend_current, self.remainder, bias, dropout, training
+        )
+        return out.to(query.dtype), weights
+
+    def _attend_grid(
+        self,
+        ctx: PosContext,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+        scaling: float,
+        dropout: float,
+        training: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ViT: stick-breaking over each query's keys in grid-distance order (module docstring); the PyTorch
+        reference on every device. Shapes as for ``attend``; the weights are returned."""
+        groups = query.shape[1] // key.shape[1]
+        dtype = _compute_dtype(query.dtype)
+        ranks = grid_key_ranks(ctx.grid, query.device)[-query.shape[2]:, -key.shape[2]:]
+        bias = self.remainder_bias[layer].to(dtype) if self.remainder == "bias" else None
+        out, weights = stick_breaking_grid_attention(
+            query.to(dtype), expand_kv(key, groups).to(dtype), expand_kv(value, groups).to(dtype), mask, scaling,
+            ranks, self.attend_current, self.remainder, bias, dropout, training,
         )
         return out.to(query.dtype), weights

@@ -32,6 +32,12 @@ attention logits stay functions of relative position when the states are pure ro
 shift of all positions leaves every output unchanged (tested). The last layer's updates feed nothing,
 so only layers 0 .. L−2 have update parameters.
 
+Defaults. ``position_size`` P = 4 × num_attention_heads: the authors' pretraining config
+``config/adape.json`` (github.com/VITA-Group/TAPE, commit e1cddc37, the paper's 12-head, hidden-768 model
+trained by ``script/train.sh --config_name config/${TYPE}.json``) sets ``"position_size": 48`` for
+``"num_attention_heads": 12``. (A later commit of that file, bc1afb08, changes the model to 8 heads at hidden
+512 with P = 256; the paper's setting is the 12-head one.)
+
 Initialisation: the code zero-initialises W and U (``_init_weights``: "special zero initialization"), so
 TAPE starts as exactly RoPE; X and D are drawn from N(0, initializer_range). ``init_std`` = None (the
 default) draws W and U from N(0, initializer_range) too, ``init_std=0.0`` gives the code's zeros. Why the
@@ -40,12 +46,25 @@ reaches them is multiplied by U), which hf_posenc's property tests reject for an
 random start makes the contextual updates, and every cache/padding test of them, matter from the first
 forward. The updates still start small (products of N(0, σ) factors).
 
+Where the MLP-stage update runs
+-------------------------------
+As in the code (``LlamaDecoderLayer.forward``: ``hidden_states = self.mlp(...)``, then
+``position_states = self.pe(hidden_states, position_states)``), x_i is the output of layer l's MLP (before
+the residual addition). hf_posenc reaches it through instance-level forward hooks on each decoder layer's
+``mlp`` (:func:`hf_posenc.patches.base.tap_mlp_outputs`, installed at patch time): the hook hands the MLP
+output to :meth:`Tape.mlp_output`, which computes E^{l+1} and stores it for layer l+1's ``prepare``.
+
+Attention-stage update without (B, H, L, L) tensors
+----------------------------------------------------
+Σ_j α_ij E_j is attention with the states (per query head) as further values, so
+``scaled_dot_product_attention`` over v and over E gives both o_i and the update. As in the code's flash path
+(``flash_attn_func(q, k, position_state0)``), these are separate fused calls (PyTorch's fused CPU kernel
+needs values as wide as q and k; with attention dropout, one call over [v | E] with q and k zero-padded, so
+that one dropout mask acts on both), with is_causal when the mask is causality alone. The attention probabilities are built only when they are asked for
+(``output_attentions``).
+
 Where this differs from the code, and why
 -----------------------------------------
-* x_i in the MLP-stage update: the code uses the output of layer l's MLP (``self.pe(self.mlp(...), E)``).
-  hf_posenc's hooks see the attention input of each layer only (``prepare``), so x_i here is the
-  attention input of layer l+1 (the normalised residual stream after layer l, which contains that MLP
-  output). The update is applied at the start of layer l+1, which is where its result is first used.
 * Grouped-query attention: the code asserts one key/value head per query head; here the states are per
   query head and the keys are rotated per query head (after ``expand_kv``).
 * Caching: the code disables the KV cache (``past_key_values = None`` in its model forward); here it is
@@ -61,17 +80,19 @@ Layer l needs E^l_j of every past key (to rotate the keys and as the "values" of
 update). ``prepare`` appends E^l of the new tokens to their keys (per key/value head, the states of its
 G = H / Hkv query heads), so transformers' caches store them with the keys and they follow ``crop``,
 beam-search ``reorder_cache`` and StaticCache (allocated lazily with the first update's shape) for free;
-``attend`` strips them. The states of the new tokens are also appended to their queries (not cached).
+``attend`` strips them. The states of the new tokens reach ``attend`` for their queries through
+``PosContext.memo`` (queries are not cached).
 In a bfloat16/float16 cache each float32 value x is stored as two channels hi = x.to(dtype),
 lo = (x − hi).to(dtype), read back as hi + lo (16 or 22 significant bits instead of 8 or 11).
 
-The states of the new tokens pass from layer l (Ê^l, computed in ``attend``) to layer l+1 (``prepare``)
-through the per-forward context (``PosContext.memo``). With reentrant gradient checkpointing the first
-forward of each layer runs without autograd, so that hand-over would lose the gradient of Ê^l; there,
-layer l+1's recomputation reads Ê^l as a leaf, whose gradient its backward accumulates, and layer l's
-recomputation hands that gradient to Ê^l through an identity node on its attention output
-(:class:`_StateTunnel`; layer l+1's backward always runs before layer l's). Non-reentrant checkpointing
-and plain training need none of this (the node then passes no gradient).
+The states of the new tokens pass from layer l's attention (Ê^l, computed in ``attend``) to its MLP hook
+(E^{l+1}, :meth:`Tape.mlp_output`) and on to layer l+1 (``prepare``) through the per-forward context
+(``PosContext.memo``). With reentrant gradient checkpointing the first forward of each layer runs without
+autograd, so that hand-over would lose the gradient of E^{l+1}; there, layer l+1's recomputation reads
+E^{l+1} as a leaf, whose gradient its backward accumulates, and layer l's recomputation hands that gradient
+to E^{l+1} through an identity node on its MLP output (:class:`_StateTunnel`; layer l+1's backward always
+runs before layer l's). Non-reentrant checkpointing and plain training need none of this (the node then
+passes no gradient).
 """
 
 from __future__ import annotations
@@ -85,14 +106,16 @@ from torch.nn import functional as F
 from ..config import PosEncConfig
 from ..ops import expand_kv
 from ..registry import param, register_encoding
-from .base import ModelInfo, PosContext, PositionEncoding
+from .base import PLAIN_CAUSAL, ModelInfo, PosContext, PositionEncoding
 from .cope import allowed_keys
 from .rope import apply_rotary, rope_inv_freq
 
 __all__ = ["Tape", "pack_state", "unpack_state"]
 
 _ATTN_STATE = "tape_attn_state"  # memo key: (name, layer) -> Ê^layer of the new tokens (B, H, Lq, D) float32
-_LEAF = "tape_leaf"  # memo key: (name, layer) -> the leaf copy of Ê^layer read by layer + 1 (reentrant recompute)
+_Q_STATE = "tape_q_state"  # memo key: (name, layer) -> E^layer of the new tokens as prepared for their queries
+_STATE = "tape_state"  # memo key: (name, layer) -> E^layer of the new tokens, from layer - 1's MLP hook
+_LEAF = "tape_leaf"  # memo key: (name, layer) -> the leaf copy of E^layer read by layer (reentrant recompute)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -148,7 +171,8 @@ class TapeParams:
     )
     position_size: int | None = param(
         None,
-        "width P of the token-conditioned state update (default: hidden_size // 2, as the authors' config)",
+        "width P of the token-conditioned state update (default: 4 * num_attention_heads, the authors' "
+        "config/adape.json: 48 at 12 heads)",
         type=int,
         optional=True,
         ge=1,
@@ -180,6 +204,8 @@ class Tape(PositionEncoding):
 
     custom_attention = True
     prepares_qkv = True
+    #: reads the output of each decoder layer's MLP (hf_posenc.patches.base.tap_mlp_outputs calls ``mlp_output``)
+    reads_mlp_output = True
     relative = True  # states start as rotary and the updates are equivariant (the paper's O(2) argument)
     reference_footprint = (4.0, 6.5)  # float32 (B, H, Lq, Lk) tensors (hf_posenc.memory)
 
@@ -189,7 +215,7 @@ class Tape(PositionEncoding):
         if p["theta"] is None:
             p["theta"] = float(info.rope_theta) if info.rope_theta is not None else 10000.0
         if p["position_size"] is None:
-            p["position_size"] = max(1, info.hidden_size // 2)
+            p["position_size"] = 4 * info.num_heads  # authors' config/adape.json: 48 for 12 heads
         return PosEncConfig(config.name, p)
 
     def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:
@@ -232,42 +258,69 @@ class Tape(PositionEncoding):
         return torch.cat([cos, sin], dim=-1)[:, None]
 
     def mlp_update(self, t: int, hidden: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        """D^t [φ(X^t x) ⊙ U^t E] for states (B, H, L, D) and token features x (B, L, C), over the head axis."""
+        """D^t [φ(X^t x) ⊙ U^t E] for states (B, H, L, D) and layer t's MLP output x (B, L, C), over the head axis.
+
+        Computed as M_n E_n with the per-token (H, H) matrix M_n = D^t diag(φ(X^t x_n)) U^t (the same sums in
+        another order), so no (B, P, L, D) tensor is built."""
         dtype = state.dtype
-        up = torch.einsum("bhnd,ph->bpnd", state, self.pe_up[t].to(dtype))
         gate = F.silu(hidden.to(dtype) @ self.pe_x[t].to(dtype).T)  # (B, L, P)
-        mixed = gate.transpose(1, 2)[..., None] * up
-        return torch.einsum("bpnd,hp->bhnd", mixed, self.pe_down[t].to(dtype))
+        mix = torch.einsum("hp,bnp,pe->bnhe", self.pe_down[t].to(dtype), gate, self.pe_up[t].to(dtype))  # (B, L, H, H)
+        return torch.einsum("bnhe,bend->bhnd", mix, state)
 
     def _trainable(self) -> bool:
         return any(p.requires_grad for p in self.parameters())
 
+    def forward(self, op: str, *args, **kwargs):
+        if op == "mlp_output":
+            return self.mlp_output(*args, **kwargs)
+        return super().forward(op, *args, **kwargs)
+
     def prepare(
         self, ctx: PosContext, layer: int, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Append E^layer of the new tokens to q (B, H, Lq, D) and k (B, Hkv, Lq, D) (see the module docstring);
-        ``hidden`` (B, Lq, C) is this layer's attention input (x of the previous layer's update)."""
+        """Append E^layer of the new tokens to k (B, Hkv, Lq, D) (see the module docstring); q is returned as it is
+        and its states are handed to ``attend`` through ``ctx.memo``.
+        E^0 is rotary; E^layer (layer > 0) was computed by the MLP hook of layer - 1 (:meth:`mlp_output`).
+        ``hidden`` (the attention input) is not used."""
         b, h, n, d = q.shape
         hkv = k.shape[1]
         if layer == 0:
             state = self.initial_state(ctx, n, q.device).to(_compute_dtype(q.dtype)).expand(b, h, n, d)
         else:
-            prev = ctx.memo.get((_ATTN_STATE, layer - 1))
-            if prev is None:
+            state = ctx.memo.get((_STATE, layer))
+            if state is None:
                 raise RuntimeError(
-                    f"tape: layer {layer} found no position states from layer {layer - 1} in this forward; the "
-                    "layers of a patched model must run in order within one forward"
+                    f"tape: layer {layer} found no position states from the MLP of layer {layer - 1} in this forward; "
+                    "the layers of a patched model must run in order within one forward, each with its MLP"
                 )
-            if torch.is_grad_enabled() and not prev.requires_grad and self._trainable():
+            if torch.is_grad_enabled() and not state.requires_grad and self._trainable():
                 # reentrant checkpoint recomputation: read the states as a leaf (see _StateTunnel)
-                prev = prev.detach().requires_grad_(True)
-                ctx.memo[(_LEAF, layer - 1)] = prev
-            state = prev + self.mlp_update(layer - 1, hidden, prev)
-        packed = pack_state(state, q.dtype)  # (B, H, n, D * w)
+                state = state.detach().requires_grad_(True)
+                ctx.memo[(_LEAF, layer)] = state
+        ctx.memo[(_Q_STATE, layer)] = state  # the queries' states go to ``attend`` directly (they are not cached)
+        packed = pack_state(state, k.dtype)  # (B, H, n, D * w)
         width = packed.shape[-1]
         groups = h // hkv
         packed_k = packed.reshape(b, hkv, groups, n, width).permute(0, 1, 3, 2, 4).reshape(b, hkv, n, groups * width)
-        return torch.cat([q, packed], dim=-1), torch.cat([k, packed_k.to(k.dtype)], dim=-1), v
+        return q, torch.cat([k, packed_k], dim=-1), v
+
+    def mlp_output(self, ctx: PosContext, layer: int, out: torch.Tensor) -> torch.Tensor:
+        """The MLP-stage update after layer ``layer``: E^{layer+1} = Ê + D[φ(X m) ⊙ U Ê] from the MLP output
+        m = ``out`` (B, Lq, C), stored for layer + 1. Returns ``out`` unchanged (through an identity node that
+        carries the state's gradient under reentrant checkpointing)."""
+        if layer >= self.info.num_layers - 1:
+            return out
+        hat = ctx.memo.get((_ATTN_STATE, layer))
+        if hat is None:
+            raise RuntimeError(
+                f"tape: the MLP of layer {layer} ran without that layer's attention in this forward; call the whole "
+                "model, not a decoder layer's MLP alone"
+            )
+        state = hat + self.mlp_update(layer, out, hat)
+        ctx.memo[(_STATE, layer + 1)] = state
+        if torch.is_grad_enabled() and state.requires_grad:
+            out = _StateTunnel.apply(out, state, ctx.memo, (_LEAF, layer + 1))
+        return out
 
     def attend(
         self,
@@ -284,38 +337,83 @@ class Tape(PositionEncoding):
         """Attention with the states' rotations, and the attention-stage state update.
 
         Args:
-            query: (B, H, Lq, D + D·w) -- q and its states; key: (B, Hkv, Lk, D + G·D·w) -- k and the states of
-                its G query heads; value: (B, Hkv, Lk, D).
+            query: (B, H, Lq, D) (its states come from ``prepare`` through ``ctx.memo``); key: (B, Hkv, Lk,
+                D + G·D·w) -- k and the states of its G query heads; value: (B, Hkv, Lk, D).
             mask: (B|1, 1, Lq, Lk) bool (True = attend; causality included) or None.
             scaling: the model's logit scale.
 
         Returns:
-            out (B, H, Lq, D) in the value's dtype, and the probabilities (B, H, Lq, Lk).
+            out (B, H, Lq, D) in the value's dtype, and the probabilities (B, H, Lq, Lk) when
+            ``ctx.need_weights`` (else None; only then are (B, H, Lq, Lk) tensors built).
         """
-        b, h, q_len, _ = query.shape
-        hkv, k_len, d = key.shape[1], key.shape[2], value.shape[-1]
+        b, h, q_len, d = query.shape
+        hkv, k_len = key.shape[1], key.shape[2]
         groups = h // hkv
         dtype = _compute_dtype(value.dtype)
-        width = query.shape[-1] - d
-        q_state = unpack_state(query[..., d:], d, dtype)
-        k_state = key[..., d:].reshape(b, hkv, k_len, groups, width).permute(0, 1, 3, 2, 4).reshape(b, h, k_len, width)
+        q_state = ctx.memo.get((_Q_STATE, layer))
+        if q_state is None:
+            raise RuntimeError(f"tape: the attention of layer {layer} ran without its prepare step in this forward")
+        key, packed = key.split([d, key.shape[-1] - d], dim=-1)
+        width = packed.shape[-1] // groups
+        k_state = packed.reshape(b, hkv, k_len, groups, width).permute(0, 1, 3, 2, 4).reshape(b, h, k_len, width)
         k_state = unpack_state(k_state, d, dtype)
         half = d // 2
-        q = apply_rotary(query[..., :d].to(dtype), q_state[..., :half], q_state[..., half:], "half")
-        k = apply_rotary(expand_kv(key[..., :d], groups).to(dtype), k_state[..., :half], k_state[..., half:], "half")
+        q = apply_rotary(query.to(dtype), q_state[..., :half], q_state[..., half:], "half")
+        k = apply_rotary(expand_kv(key, groups).to(dtype), k_state[..., :half], k_state[..., half:], "half")
         v = expand_kv(value, groups).to(dtype)
+        updates = layer < self.info.num_layers - 1
+        plain = bool(ctx.memo.get(PLAIN_CAUSAL, False)) and self.info.causal
+        allowed = None if plain else allowed_keys(mask, q_len, k_len, ctx.q_offset, self.info.causal, query.device)
 
-        scores = (q @ k.transpose(-1, -2)) * scaling
-        allowed = allowed_keys(mask, q_len, k_len, ctx.q_offset, self.info.causal, query.device)
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)  # fully masked rows (left padding) -> 0
-        dropped = F.dropout(probs, p=dropout, training=training)
-        out = dropped @ v
-        if layer < self.info.num_layers - 1:
+        probs = None
+        if ctx.need_weights:  # the probabilities are asked for: the full-matrix form
+            scores = (q @ k.transpose(-1, -2)) * scaling
+            if plain:
+                allowed = allowed_keys(None, q_len, k_len, 0, True, query.device)
+            if allowed is not None:
+                scores = scores.masked_fill(~allowed, float("-inf"))
+            probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)  # fully masked rows (left padding) -> 0
+            dropped = F.dropout(probs, p=dropout, training=training)
+            out = dropped @ v
+            agg = dropped @ k_state if updates else None
+        else:  # Σ_j α_ij [v_j | E_j]: one attention over the states as further value channels
+            outs = _attention(q, k, (v, k_state) if updates else (v,), allowed, plain, scaling, dropout if training else 0.0)
+            out, agg = outs[0], (outs[1] if updates else None)
+        if updates:
             scale = self.attn_update[layer].to(dtype).sum(-1)  # a_h = Σ_e W_{h,e}, the code's einsum
-            state = q_state + scale[None, :, None, None] * (dropped @ k_state)
-            ctx.memo[(_ATTN_STATE, layer)] = state
-            if torch.is_grad_enabled() and state.requires_grad:
-                out = _StateTunnel.apply(out, state, ctx.memo, (_LEAF, layer))
+            ctx.memo[(_ATTN_STATE, layer)] = q_state + scale[None, :, None, None] * agg
         return out.to(value.dtype), probs
+
+
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    values: tuple[torch.Tensor, ...],
+    allowed: torch.Tensor | None,
+    is_causal: bool,
+    scaling: float,
+    dropout: float,
+) -> list[torch.Tensor]:
+    """softmax(q kᵀ · scaling) u for each u in ``values``: q (B, H, Lq, D), k and each u (B, H, Lk, D);
+    ``allowed`` (B|1, 1, Lq, Lk) bool or None; ``is_causal``: ``allowed`` is causality alone (then not read).
+    Rows with no allowed key (left padding) give zeros. Returns one (B, H, Lq, D) per value.
+
+    One SDPA call per value tensor: PyTorch's fused CPU kernel (flash attention for CPU) needs q, k and the
+    values of one width and falls back to the math path, which builds (B, H, Lq, Lk) tensors, otherwise.
+    With a dropout probability, one shared mask must drop the same α for every value: then the values are
+    concatenated and q, k zero-padded to their width (q kᵀ unchanged) in a single call."""
+    if dropout > 0 and len(values) > 1:
+        width = sum(u.shape[-1] for u in values)
+        extra = width - q.shape[-1]
+        both = _attention(F.pad(q, (0, extra)), F.pad(k, (0, extra)), (torch.cat(values, -1),), allowed, is_causal,
+                          scaling, dropout)[0]
+        return list(both.split([u.shape[-1] for u in values], dim=-1))
+    if allowed is None or is_causal:
+        return [F.scaled_dot_product_attention(q, k, u, dropout_p=dropout, is_causal=is_causal, scale=scaling)
+                for u in values]
+    has_key = allowed.any(dim=-1, keepdim=True)  # (B|1, 1, Lq, 1)
+    allowed = allowed | ~has_key  # SDPA would give NaN on an empty row; its output is zeroed below
+    return [
+        F.scaled_dot_product_attention(q, k, u, attn_mask=allowed, dropout_p=dropout, scale=scaling).masked_fill(~has_key, 0.0)
+        for u in values
+    ]

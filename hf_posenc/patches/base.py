@@ -13,7 +13,7 @@ from ..ops import eager_value_checks
 
 __all__ = [
     "FamilyPatch", "swap_class", "unshare_config", "require_ctx", "text_positions", "make_context", "check_token_ids",
-    "check_embeds",
+    "check_embeds", "tap_mlp_outputs",
 ]
 
 
@@ -162,6 +162,65 @@ def add_embeddings(ctx: PosContext, embeds: torch.Tensor) -> torch.Tensor:
     if not getattr(unwrap(ctx.encoding), "adds_embeddings", False):
         return embeds
     return embeds + ctx.encoding("embed", ctx, embeds.dtype, embeds.device)
+
+
+class _MlpTap:
+    """Instance-level hooks of one decoder layer: a forward pre-hook on its patched attention module notes the
+    forward's :class:`PosContext` (every patched attention receives it as ``posenc_ctx``), and a forward hook
+    on the layer's MLP hands the MLP output to the encoding (``encoding("mlp_output", ctx, layer, out)``),
+    whose return value replaces it. Outside a patched forward (no context noted) the MLP runs untouched."""
+
+    def __init__(self, layer: int) -> None:
+        self.layer = layer
+        self.ctx: PosContext | None = None
+
+    def on_attention(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.ctx = kwargs.get("posenc_ctx")
+
+    def on_mlp(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        ctx, self.ctx = self.ctx, None
+        if ctx is None or not isinstance(output, torch.Tensor):
+            return None
+        return ctx.encoding("mlp_output", ctx, self.layer, output)
+
+
+def _layer_mlp(base: nn.Module, name: str) -> nn.Module | None:
+    """The MLP of the layer that holds the attention module ``name``: the nearest enclosing module's ``mlp``
+    (Llama-shaped decoders, GPT-2, GPT-NeoX, ViT), or a BERT layer's output projection ``output.dense`` (its
+    MLP is ``intermediate`` then ``output.dense``; the residual and LayerNorm come after)."""
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, -1, -1):
+        module = base.get_submodule(".".join(parts[:cut])) if cut else base
+        mlp = getattr(module, "mlp", None)
+        if isinstance(mlp, nn.Module):
+            return mlp
+        out = getattr(getattr(module, "output", None), "dense", None)
+        if isinstance(getattr(module, "intermediate", None), nn.Module) and isinstance(out, nn.Module):
+            return out
+    return None
+
+
+def tap_mlp_outputs(base: nn.Module, layer_names: list[str]) -> None:
+    """Give an encoding that reads each layer's MLP output (``reads_mlp_output``) that output.
+
+    ``layer_names`` are the patched attention modules (relative to ``base``), in layer order; the MLP is found
+    by :func:`_layer_mlp` (e.g. Llama's ``LlamaDecoderLayer.mlp``, GPT-2's ``GPT2Block.mlp``, ViT's
+    ``ViTLayer.mlp``, BERT's ``BertLayer.output.dense``). Hooks installed by an earlier patch are removed first.
+    """
+    for handle in getattr(base, "_hf_posenc_mlp_taps", ()):
+        handle.remove()
+    handles = []
+    for i, name in enumerate(layer_names):
+        mlp = _layer_mlp(base, name)
+        if mlp is None:
+            raise ValueError(
+                f"{base.posenc.name if hasattr(base, 'posenc') else 'this encoding'} reads each layer's MLP output, "
+                f"but no MLP was found around {name} (looked for .mlp, or BERT's intermediate + output.dense)"
+            )
+        tap = _MlpTap(i)
+        handles.append(base.get_submodule(name).register_forward_pre_hook(tap.on_attention, with_kwargs=True))
+        handles.append(mlp.register_forward_hook(tap.on_mlp))
+    base._hf_posenc_mlp_taps = handles
 
 
 class FamilyPatch:

@@ -198,16 +198,19 @@ def test_liere_gqa_query_heads_use_their_kv_heads_rotation():
 
 
 def test_liere_one_matrix_exp_per_forward_over_distinct_positions(monkeypatch):
-    """Shared generators: one matrix_exp call per forward (not per layer), over the distinct positions of the
+    """Shared generators: one exponential (on text: one spectral ``skew_exp``) per forward (not per layer), over the distinct positions of the
     batch only (left padding repeats position 0); per-layer generators: one call per layer."""
+    import hf_posenc.encodings.liere as liere_module
+
     calls = []
-    real = torch.linalg.matrix_exp
+    real = liere_module.skew_exp  # text has one axis: the spectral form replaces matrix_exp
 
-    def counting(x):
-        calls.append(tuple(x.shape))
-        return real(x)
+    def counting(skew, coeff):
+        calls.append((skew.shape[0], coeff.shape[0]))
+        return real(skew, coeff)
 
-    monkeypatch.setattr(torch.linalg, "matrix_exp", counting)
+    monkeypatch.setattr(liere_module, "skew_exp", counting)
+    monkeypatch.setattr(torch.linalg, "matrix_exp", lambda x: pytest.fail("matrix_exp on text"))
     ids, mask = left_pad([make_ids(1, 4, seed=2)[0], make_ids(1, 7, seed=3)[0]])
     pos = positions_from_mask(mask)  # row 0: 0, 0, 0, 0, 1, 2, 3; row 1: 0..6
     for per_layer, n_calls in ((False, 1), (True, 2)):
@@ -216,7 +219,7 @@ def test_liere_one_matrix_exp_per_forward_over_distinct_positions(monkeypatch):
         with torch.no_grad():
             model(ids, attention_mask=mask, position_ids=pos, use_cache=False)
         assert len(calls) == n_calls, calls
-        assert all(c[1] == 7 for c in calls), calls  # (heads, distinct positions, blocks, s, s)
+        assert all(c[1] == 7 for c in calls), calls  # (heads, distinct positions)
 
 
 def test_liere_bf16_parameters_compute_in_float32():

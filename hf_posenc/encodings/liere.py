@@ -61,6 +61,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..kernels.rotary.skew_exp import skew_exp
 from ..config import PosEncConfig
 from ..ops import upcast
 from ..registry import param, register_encoding
@@ -156,6 +157,10 @@ class Liere(BlockRotationEncoding):
         scaled. Returns (Hkv|1, N, D/s, s, s) in the generators' compute dtype (float32; float64 for gradcheck)."""
         gens = self.generators()[layer if self.per_layer else 0]
         coords = coords.to(device=gens.device, dtype=gens.dtype)
+        if gens.shape[0] == 1:
+            # One axis (text): exp(p A) for every position p from one eigendecomposition of each block A
+            # (exact spectral form, hf_posenc.kernels.rotary.skew_exp), not a matrix exponential per position.
+            return skew_exp(gens[0], coords[:, :1].expand(-1, gens.shape[2]).contiguous())
         # (N, axes) x (axes, H, K, s, s) -> (H, N, K, s, s)
         algebra = torch.einsum("na,ahkij->hnkij", coords, gens).contiguous()
         return torch.linalg.matrix_exp(algebra)

@@ -61,6 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._errors import guarded
 from .terms import KERNEL_KINDS, KernelTerm
 
 __all__ = ["FusedAttentionFunction", "fused_attention", "interpreting", "stdlib_matches_mode", "SUPPORTED_DTYPES"]
@@ -568,6 +569,10 @@ class _Launch:
             self.ti0 = term.ints["max_relative_position"]
             self.rp = max(16, triton.next_power_of_2(2 * self.ti0 + 1))
 
+    def shapes(self) -> dict:
+        """What a KernelError names: the term and the shapes of q and k/v."""
+        return {"term": self.kind, "q": (self.b, self.h, self.lq, self.d), "k/v": (self.b, self.hkv, self.lk, self.d)}
+
     def consts(self) -> dict:
         return dict(TERM=self.term_id, CAUSAL=self.causal, HAS_VALID=self.has_valid,
                     HEAD_D=self.d, BLOCK_D=self.block_d, F32=self.f32)
@@ -625,7 +630,7 @@ class FusedAttentionFunction(torch.autograd.Function):
             tp_sb = inv.stride(0) if inv.shape[0] > 1 else 0
         L.tp_sb = tp_sb
         grid = (triton.cdiv(L.lq, L.fwd_m), L.b * L.h)
-        _fwd_kernel[grid](
+        guarded(_fwd_kernel, "attention", L.shapes(), q.dtype)[grid](
             q, k, v, o, lse, w, valid_t, *tp,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), svalb, tp_sb,
@@ -655,7 +660,7 @@ class FusedAttentionFunction(torch.autograd.Function):
         if do.stride(-1) != 1:
             do = do.contiguous()
         delta = torch.empty((L.b, L.h, L.lq), dtype=torch.float32, device=dev)
-        _bwd_delta_kernel[(triton.cdiv(L.lq, L.dq_m), L.b * L.h)](
+        guarded(_bwd_delta_kernel, "attention", L.shapes(), q.dtype)[(triton.cdiv(L.lq, L.dq_m), L.b * L.h)](
             o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
             L.h, L.lq, HEAD_D=L.d, BLOCK_D=L.block_d, BLOCK_M=L.dq_m,
         )
@@ -672,7 +677,7 @@ class FusedAttentionFunction(torch.autograd.Function):
         dk = torch.empty((L.b, L.hkv, L.lk, L.d), dtype=k.dtype, device=dev)
         dv = torch.empty((L.b, L.hkv, L.lk, L.d), dtype=v.dtype, device=dev)
         dck = torch.empty((L.b, L.h, L.lk), dtype=torch.float32, device=dev) if L.kind == "fox" else dummy
-        _bwd_dkdv_kernel[(triton.cdiv(L.lk, L.dkdv_n), L.b * L.hkv)](
+        guarded(_bwd_dkdv_kernel, "attention", L.shapes(), q.dtype)[(triton.cdiv(L.lk, L.dkdv_n), L.b * L.hkv)](
             q, k, v, do, lse, delta, dk, dv, valid_t, *tp, dck,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
@@ -687,7 +692,7 @@ class FusedAttentionFunction(torch.autograd.Function):
         hist = (torch.empty((L.b, L.h, n_mblocks, L.nhp), dtype=torch.float32, device=dev)
                 if L.kind in ("t5", "fire") else dummy)
         dqa = torch.empty_like(tensors[0]) if L.kind == "shaw" else dummy
-        _bwd_dq_kernel[(n_mblocks, L.b * L.h)](
+        guarded(_bwd_dq_kernel, "attention", L.shapes(), q.dtype)[(n_mblocks, L.b * L.h)](
             q, k, v, do, lse, delta, dq, valid_t, *tp, rowg[0] if n_rows else dummy,
             rowg[1] if n_rows > 1 else dummy, hist, dqa,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

@@ -1,7 +1,7 @@
 """Compile hf_posenc's Triton kernels ahead of time for NVIDIA targets, on a machine without a GPU.
 
     python -m hf_posenc.kernels.compile_check                 # sm_90 and sm_80, the representative matrix
-    python -m hf_posenc.kernels.compile_check --full --arch 90 --json out.json
+    python -m hf_posenc.kernels.compile_check --matrix full --arch 90 --json out.json
 
 The project's own launchers (``fused_attention``, ``sba_triton``, ``cope_triton``, ``rotary_qk`` /
 ``rotary_single``) are called on small CPU tensors, forward and backward, while a stand-in Triton driver
@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-__all__ = ["SMEM_LIMIT", "Record", "cases", "run", "main"]
+__all__ = ["MATRICES", "SMEM_LIMIT", "Record", "cases", "run", "main", "ptxas_available"]
 
 #: per-block shared memory a kernel may opt in to, bytes (CUDA programming guide, "Technical Specifications").
 SMEM_LIMIT = {90: 232448, 80: 166912}
@@ -284,21 +284,32 @@ def _rotary(dtype, d: int, s: int, learned: bool, single=False):
     return f"rotary {dtype} D{d} s{s} {'learned' if learned else 'fixed'}{' single' if single else ''}", fn
 
 
-def cases(full: bool = False) -> list[tuple[str, Callable[[], None]]]:
-    """(label, function) of each launch to compile.
+MATRICES = ("gate", "representative", "full")
 
-    Representative (default): every kernel and term kind at the largest head dim (128) forward and
-    backward, each dtype at least once (float32 for the kernels where it costs the most shared memory),
-    head dim 40 (padded) once per family, decode (one query) once. ``full``: every term kind x dtype x
-    head dim (40, 64, 128) with and without padding / masks, and the options of sba and cope.
+
+def cases(matrix: str = "representative") -> list[tuple[str, Callable[[], None]]]:
+    """(label, function) of each launch to compile, for one of ``MATRICES``.
+
+    * ``gate`` (the test-suite's default, about a minute on 2 cores): every kernel family forward and
+      backward at the largest head dim (128), each dtype once, on the launches most at risk: CoPE in
+      float32 (the largest shared-memory footprint), the attention kernel with FoX's per-key term gradient
+      in bfloat16, stick-breaking in float16, the rotary kernel with a learned rotation.
+    * ``representative``: every kernel and term kind at D = 128 forward and backward, each dtype at least
+      once (float32 where it costs the most), head dim 40 (padded) once per family, decode (one query) once.
+    * ``full``: every term kind x dtype x head dim (40, 64, 128) with and without padding / masks, MHA and
+      decode, and the options of sba and cope.
     """
     import torch
 
     from .attention.terms import KERNEL_KINDS
 
+    if matrix not in MATRICES:
+        raise ValueError(f"matrix must be one of {MATRICES}, got {matrix!r}")
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
     out = []
-    if not full:
+    if matrix == "gate":
+        return [_cope(f32, 128), _attention("fox", bf16, 128), _sba(f16, 128), _rotary(bf16, 128, 8, True)]
+    if matrix == "representative":
         dtypes = {kind: [bf16] for kind in KERNEL_KINDS}
         dtypes["none"] = [f32, bf16, f16]
         dtypes["fire"] = [bf16, f32]
@@ -334,7 +345,7 @@ def cases(full: bool = False) -> list[tuple[str, Callable[[], None]]]:
     return out
 
 
-def run(archs=(90, 80), full: bool = False, select: str | None = None, verbose: bool = False) -> dict:
+def run(archs=(90, 80), matrix: str = "representative", select: str | None = None, verbose: bool = False) -> dict:
     """Compile every case for every target; a dict with the records, launcher errors and a summary line."""
     if os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("", "0", "false", "off", "no"):
         raise RuntimeError("TRITON_INTERPRET is set: unset it (this compiles the kernels)")
@@ -346,7 +357,7 @@ def run(archs=(90, 80), full: bool = False, select: str | None = None, verbose: 
     torch.manual_seed(0)
     state = _State()
     errors = []
-    todo = [c for c in cases(full) if select is None or re.search(select, c[0])]
+    todo = [c for c in cases(matrix) if select is None or re.search(select, c[0])]
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="hf_posenc_aot_") as cache:
         old_cache = os.environ.get("TRITON_CACHE_DIR")
@@ -392,12 +403,13 @@ def format_record(r: Record) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", type=int, nargs="+", default=[90, 80], choices=sorted(SMEM_LIMIT))
-    p.add_argument("--full", action="store_true", help="every term kind x dtype x head dim (slow: ~1 h on 2 cores)")
+    p.add_argument("--matrix", default="representative", choices=MATRICES,
+                   help="gate: ~10 launches per target; representative (default); full: every combination (hours)")
     p.add_argument("--select", default=None, help="only the cases whose label matches this regular expression")
     p.add_argument("--json", default=None, help="write the records to this file")
     p.add_argument("-v", "--verbose", action="store_true", help="print each compilation as it is done")
     args = p.parse_args(argv)
-    result = run(tuple(args.arch), args.full, args.select, args.verbose)
+    result = run(tuple(args.arch), args.matrix, args.select, args.verbose)
     recs = [Record(**{k: v for k, v in r.items() if k not in ("over_smem", "spills")}) for r in result["records"]]
     bad = [r for r in recs if r.status != "ok" or r.over_smem]
     if bad:

@@ -110,7 +110,7 @@ def main(argv=None) -> int:
             hf_posenc.patch_model(model, name)
         model.to(device).train()
         step, opt = make_step(model, ids, amp, device)
-        backend = hf_posenc.describe(model).get("backend") if name != "unpatched" and cuda else None
+        backend = hf_posenc.describe(model).get("backend") if name != "unpatched" else None
         runs[name] = {"step": step, "opt": opt, "times": [], "peak_mb": None, "backend": backend}
         for _ in range(max(1, args.warmup)):  # compiles the kernels, creates the optimizer's state
             step()

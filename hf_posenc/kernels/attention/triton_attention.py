@@ -73,8 +73,8 @@ MAX_HEAD_DIM = 128
 # head dim 128, i.e. D = 80..128; "narrow": D <= 64). NOT TIMED: no GPU was available when this was written.
 # Chosen offline as the largest tiles whose sm_90 code (Triton 3.9 ptxas, bfloat16, causal, padding mask)
 # needs no register spills (shaw's dQ at D = 128: 16 bytes of stack), by benchmarks/attention_resources.py
-# (compiles without a GPU). A module attribute, so that benchmarks can sweep it on a GPU. Float32 inputs use (32, 32, 4) / (64, 32, 8): they
-# still spill (3xTF32 products): a correctness path, not a fast one.
+# (compiles without a GPU). A module attribute, so that benchmarks can sweep it on a GPU. Float32 inputs use
+# LAUNCH_FLOAT32 below: their dK/dV kernel still spills (3xTF32 products): a correctness path, not a fast one.
 _LIGHT = ("none", "alibi", "kerple_log", "kerple_pow", "fox")
 LAUNCH = {
     "fwd": {"light": {"wide": (128, 64, 8), "narrow": (128, 64, 8)},
@@ -90,7 +90,11 @@ LAUNCH = {
            "fire": {"wide": (32, 32, 8), "narrow": (64, 32, 8)},
            "shaw": {"wide": (32, 32, 8), "narrow": (64, 32, 8)}},
 }
-LAUNCH_FLOAT32 = {"fwd": (32, 32, 4), "dkdv": (64, 32, 8), "dq": (32, 32, 4)}
+# Float32 (3xTF32 products, three times the operand registers): measured with hf_posenc.kernels.compile_check
+# (Triton 3.6, D = 128, causal + padding; bytes of spill stores per thread, sm_90 / sm_80): dK/dV at
+# (64, 32, 8) 2180 / 15232, (32, 32, 8) 1404 / 7616, (32, 16, 8) 1248 / 6292 (chosen; 64 KB of shared memory);
+# dQ at (32, 32, 4) 160 / 192, (32, 32, 8) 0 / 8 (chosen); forward (32, 32, 4) none.
+LAUNCH_FLOAT32 = {"fwd": (32, 32, 4), "dkdv": (32, 16, 8), "dq": (32, 32, 8)}
 NUM_STAGES = 2
 #: queries and keys per tile in the interpreter (each program costs Python time there); at L = 77 the
 #: tests still see two tiles, a partial one, and the causal skipping.

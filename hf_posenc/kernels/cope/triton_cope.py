@@ -77,7 +77,13 @@ GPU_BWD_Q = (64, 32, 8)
 GPU_BWD_KV = (64, 32, 8)
 #: float32 inputs (3xTF32 / TF32 dots, twice the bytes of every tile): (BLOCK_M, BLOCK_N, num_warps) per kernel.
 #: See ``_blocks`` for where the numbers come from.
-GPU_FP32 = {"fwd": (64, 64, 8), "bwd_q": (64, 32, 8), "bwd_kv": (64, 32, 8)}
+#: Measured with hf_posenc.kernels.compile_check (Triton 3.6, sm_90, D = 128, npos 64, mask; shared memory,
+#: spill stores per thread): at 3 stages (Triton's default, before) the forward needed 240-256 KiB and the
+#: query-major backward 384 KiB on sm_90 (over the 227 KiB limit); at 1 stage forward 64x64 65536 B / 2056 B,
+#: 64x32 98304 B / 1112 B (chosen); backward 64x32 x 8 warps 131072 B / 4352 B (query-major) and
+#: 163840 B / 3564 B (key-major), chosen over 32x32 x 4 or 8 warps, which fall back to 32 registers and
+#: spill 19-25 KB per thread.
+GPU_FP32 = {"fwd": (64, 32, 8), "bwd_q": (64, 32, 8), "bwd_kv": (64, 32, 8)}
 #: software-pipelining stages of the key loop (``num_stages``; Triton's default is 3 on sm_80/sm_90, and every
 #: stage holds one more K and V tile in shared memory), per input class.
 NUM_STAGES = {"half": 2, "float32": 1}

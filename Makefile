@@ -46,7 +46,7 @@ GPU_PYTHON ?= python3
 # test-triton36: the oldest Triton that pyproject allows, and numpy < 2.4 (Triton 3.6's interpreter fails
 # with numpy >= 2.4: "only 0-dimensional arrays can be converted to Python scalars").
 VENV36 ?= .venv-triton36
-KERNEL_TESTS ?= tests/test_kernel_attention.py tests/test_kernel_rotary.py tests/test_kernel_sba_cope.py tests/test_kernel_errors.py
+KERNEL_TESTS ?= tests/test_kernel_attention.py tests/test_kernel_rotary.py tests/test_kernel_sba_cope.py tests/test_kernel_errors.py tests/test_aot_compile.py
 
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_NO_INPUT := 1

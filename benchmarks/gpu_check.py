@@ -69,6 +69,8 @@ def stages(smoke: bool, tmp: Path) -> list[dict]:
               "cmd": [py, str(BENCH / "bench_train_step.py"),
                       *(["--smoke"] if smoke else ["--rounds", "3", "--steps", "3", "--warmup", "2"])]})
     for st in s:
+        if smoke:  # the interpreter on a CPU: correctness only, no time limit that means anything
+            st["timeout"] *= 30
         if "rows" in st:
             st["cmd"] += ["--rows-jsonl", str(st["rows"])]
             if not smoke:

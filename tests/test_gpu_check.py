@@ -64,3 +64,21 @@ def test_summary_marks_targets(gpu_check):
     assert sum(ln.startswith("| alibi |") for ln in lines) == 1  # forward-only rows are not in the target table
     assert "| cope | triton | 900 | 0.900 | NO |" in text
     assert "| train_step | timed out after 75 s |" in text
+
+
+def test_cheapest_benchmark_smoke_mode_runs(tmp_path):
+    """bench_rotary.py --smoke (tiny shapes, the kernel interpreted on the CPU): the script `make gpu-check`
+    runs works end to end and appends its rows as it measures them (~8 s of CPU)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton", reason="the smoke run interprets the Triton kernel")
+    rows = tmp_path / "rows.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_rotary.py"), "--smoke", "--block-sizes", "2",
+                           "--modes", "fwd", "--rows-jsonl", str(rows)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = rows.read_text().splitlines()
+    assert len(lines) == 1 and '"triton_ms"' in lines[0]

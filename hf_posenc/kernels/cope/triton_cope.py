@@ -502,8 +502,9 @@ def _blocks(kind: str, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kind`` ("fwd", "bwd_q", "bwd_kv") for inputs of ``dtype``.
 
     Chosen offline (no GPU yet; nothing here is timed) from the cubins of ``python -m
-    hf_posenc.kernels.compile_check`` (sm_90 and sm_80, Triton 3.6 and 3.9) at D = 128, the widest head dim:
-    the tiles whose shared memory fits an A100's per-block limit (166912 B) with the fewest register spills.
+    hf_posenc.kernels.compile_check`` (sm_90 and sm_80, Triton 3.6) at D = 128, the widest head dim: among the
+    few candidates compared (see ``GPU_FP32``), the tiles whose shared memory fits an A100's per-block limit
+    (166912 B) with the fewest register spills. Half precision keeps its tiles (sm_90, Triton 3.9) at 2 stages.
     """
     if interpreting():
         bm, bn = INTERPRETER_BLOCKS

@@ -151,7 +151,8 @@ def main(argv=None) -> int:
         return 0
     result = {"benchmark": "bench_train_step", "device": device_name(device), "versions": versions(),
               "args": vars(args), "tokens_per_step": tokens, "results": rows}
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"train_step_{slug(device_name(device))}.json"
+    default = ROOT / "benchmarks" / "results" / f"train_step_{slug(device_name(device))}.json"
+    out = Path(args.out) if args.out else default
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     out.with_suffix(".md").write_text(f"# bench_train_step on {result['device']}\n\n{table}\n")

@@ -61,7 +61,8 @@ def stages(smoke: bool, tmp: Path) -> list[dict]:
                       *([] if smoke else ["--tokens", "4096", "--eager-max-length", "4096"])]})
     s.append({"name": "sba_cope", "timeout": 45, "rows": tmp / "sba_cope.jsonl",
               "cmd": [py, str(BENCH / "bench_sba_cope.py"), *common, *lengths,
-                      *([] if smoke else ["--batches", "1", "--eager-max-length", "4096", "--check-max-length", "4096"])]})
+                      *([] if smoke else ["--batches", "1", "--eager-max-length", "4096",
+                                          "--check-max-length", "4096"])]})
     s.append({"name": "rotary", "timeout": 25, "rows": tmp / "rotary.jsonl",
               "cmd": [py, str(BENCH / "bench_rotary.py"), *common, *lengths,
                       *([] if smoke else ["--batches", "1", "4"])]})
@@ -132,7 +133,8 @@ def summary(result: dict) -> list[str]:
                       f"{p['skipped']} skipped{' (partial: the stage ran out of time)' if p.get('partial') else ''}"]
     stages = {st["name"]: st for st in result["stages"]}
     lines += ["", "## kernels, forward+backward: time / SDPA flash (target) and / FlexAttention",
-              "", "| kernel | B | L | triton ms | sdpa ms | triton/sdpa | target | met | flex ms | triton/flex | eager/triton | peak MB |",
+              "", "| kernel | B | L | triton ms | sdpa ms | triton/sdpa | target | met | flex ms | triton/flex "
+                  "| eager/triton | peak MB |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = [dict(r, kernel=r["term"]) for r in stages.get("attention", {}).get("rows", [])]
     rows += [dict(r, kernel=r["kind"]) for r in stages.get("sba_cope", {}).get("rows", [])]
@@ -146,7 +148,8 @@ def summary(result: dict) -> list[str]:
         fmt = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
         lines.append(f"| {r['kernel']} | {r.get('batch')} | {r.get('length')} | {fmt(r.get('triton_ms'))} | "
                      f"{fmt(r.get('sdpa_ms'))} | {fmt(ratio)} | {target or '-'} | {met} | {fmt(r.get('flex_ms'))} | "
-                     f"{fmt(flex)}{' SLOWER' if flex and flex > 1 else ''} | {fmt(_r(r.get('eager_ms'), r.get('triton_ms')), 1)} | "
+                     f"{fmt(flex)}{' SLOWER' if flex and flex > 1 else ''} | "
+                     f"{fmt(_r(r.get('eager_ms'), r.get('triton_ms')), 1)} | "
                      f"{fmt(r.get('triton_mb'), 0)} |")
     rot = stages.get("rotary", {}).get("rows", [])
     if rot:
@@ -192,7 +195,8 @@ def main(argv=None) -> int:
     if cuda:
         props = torch.cuda.get_device_properties(device)
         result["gpu"] = {"name": props.name, "sm_count": props.multi_processor_count,
-                         "memory_gib": round(props.total_memory / 2**30, 1), "capability": f"{props.major}.{props.minor}"}
+                         "memory_gib": round(props.total_memory / 2**30, 1),
+                         "capability": f"{props.major}.{props.minor}"}
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         tmp = Path(tmp)

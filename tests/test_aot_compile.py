@@ -48,13 +48,15 @@ def _compile(matrix: str, tmp_path: Path, timeout: int) -> dict:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
     )
     print(proc.stdout[-6000:])  # the spill report and the summary line (pytest -s shows it)
-    assert out.exists(), f"compile_check did not finish (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert out.exists(), (f"compile_check did not finish (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                          f"{proc.stderr[-3000:]}")
     return json.loads(out.read_text())
 
 
 def _check(result: dict) -> None:
     recs = result["records"]
-    failed = [f"sm_{r['arch']} {r['kernel']} {r['dtype']} {r['config']}: {r['error']}" for r in recs if r["status"] != "ok"]
+    failed = [f"sm_{r['arch']} {r['kernel']} {r['dtype']} {r['config']}: {r['error']}"
+              for r in recs if r["status"] != "ok"]
     over = [f"sm_{r['arch']} {r['kernel']} {r['dtype']} {r['config']}: {r['shared']} B" for r in recs if r["over_smem"]]
     assert not failed, "compile errors:\n" + "\n".join(failed)
     assert not over, "over the per-block shared-memory limit (H100 232448 B, A100 166912 B):\n" + "\n".join(over)

@@ -76,9 +76,9 @@ def test_cheapest_benchmark_smoke_mode_runs(tmp_path):
     pytest.importorskip("triton", reason="the smoke run interprets the Triton kernel")
     rows = tmp_path / "rows.jsonl"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_rotary.py"), "--smoke", "--block-sizes", "2",
-                           "--modes", "fwd", "--rows-jsonl", str(rows)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_rotary.py"), "--smoke", "--block-sizes", "2",
+           "--modes", "fwd", "--rows-jsonl", str(rows)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = rows.read_text().splitlines()
     assert len(lines) == 1 and '"triton_ms"' in lines[0]

@@ -541,7 +541,8 @@ def _forward(q, k, v, table, mask, scale, q_offset):
     lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
     m, sm_b, sm_m, sm_n = _mask_args(mask, q)
     _JIT.bind()
-    guarded(_cope_fwd, "cope", {"q": q.shape, "k/v": k.shape, "table": table.shape}, q.dtype)[(triton.cdiv(lq, bm), b * h)](
+    shapes = {"q": q.shape, "k/v": k.shape, "table": table.shape}
+    guarded(_cope_fwd, "cope", shapes, q.dtype)[(triton.cdiv(lq, bm), b * h)](
         q, k, v, table, o, lse, m,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
@@ -586,6 +587,7 @@ def _backward(q, k, v, table, o, lse, do, mask, scale, q_offset):
     # (B*Hkv, G, Lq, D): the query heads of each (batch, key/value head) pair, for the table gradient
     q_pairs = q.unflatten(1, (hkv, groups)).flatten(0, 1)
     _JIT.bind()
+    shapes = {"q": q.shape, "k/v": k.shape, "table": table.shape}
     per_pair = groups * 4 * lq * (2 * nslot + 2 * np_ + d)
     per_chunk = max(1, min(b * hkv, CARRY_BUDGET_BYTES // max(1, per_pair)))
     for pair0 in range(0, b * hkv, per_chunk):
@@ -595,7 +597,7 @@ def _backward(q, k, v, table, o, lse, do, mask, scale, q_offset):
         sk = torch.empty_like(gk)
         zqb = torch.empty((nbh, lq, np_), dtype=torch.float32, device=q.device)
         dzqb = torch.empty((nbh, lq, np_), dtype=torch.float32, device=q.device)
-        guarded(_cope_bwd_q, "cope", {"q": q.shape, "k/v": k.shape, "table": table.shape}, q.dtype)[(n_mblocks, nbh)](
+        guarded(_cope_bwd_q, "cope", shapes, q.dtype)[(n_mblocks, nbh)](
             q, k, v, table, o, do, lse, dq, dzqb, zqb, zl, delta, dtot, gk, sk, m,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
@@ -603,13 +605,14 @@ def _backward(q, k, v, table, o, lse, do, mask, scale, q_offset):
             table.stride(0), table.stride(1), sm_b, sm_m, sm_n,
             h, groups, hkv, pair0, lq, lk, q_offset, scale, npos, cstride, nslot,
             D=d, BD=bd, BM=bm1, BN=bn, NP=np_, LOG2_BN=bn.bit_length() - 1, HAS_MASK=mask is not None,
-            PREC=prec, UPCAST=upcast, MONO=not upcast, TPREC=_table_precision(q.dtype), num_warps=warps1, num_stages=stages1,
+            PREC=prec, UPCAST=upcast, MONO=not upcast, TPREC=_table_precision(q.dtype), num_warps=warps1,
+            num_stages=stages1,
         )
         # de = Σ over the chunk's queries of q ⊗ dz: one float32 GEMM, (D, rows) @ (rows, npos)
         q_chunk = q_pairs[pair0:pair0 + n_pairs].reshape(nbh * lq, d).float()
         dtable += q_chunk.t() @ dzqb[:, :, :npos].reshape(nbh * lq, npos)
         del q_chunk
-        guarded(_cope_bwd_kv, "cope", {"q": q.shape, "k/v": k.shape, "table": table.shape}, q.dtype)[(triton.cdiv(lk, bn), n_pairs)](
+        guarded(_cope_bwd_kv, "cope", shapes, q.dtype)[(triton.cdiv(lk, bn), n_pairs)](
             q, k, v, do, dk, dv, lse, zqb, zl, delta, dtot, gk, sk, m,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),

@@ -520,7 +520,8 @@ def _backward(q, k, v, o, res, do, mask, scale, q_offset, attend_current, remain
             dq.stride(0), dq.stride(1), dq.stride(2), sm_b, sm_m, sm_n,
             h, groups, hkv, pair0, lq, lk, q_offset, scale, cstride, nslot,
             D=d, BD=bd, BM=bm1, BN=bn, ATTEND_CURRENT=attend_current, REMAINDER=REMAINDERS[remainder],
-            HAS_MASK=mask is not None, HAS_RES=res is not None, PREC=prec, UPCAST=upcast, num_warps=warps1, num_stages=stages1,
+            HAS_MASK=mask is not None, HAS_RES=res is not None, PREC=prec, UPCAST=upcast, num_warps=warps1,
+            num_stages=stages1,
         )
         guarded(_sba_bwd_kv, "sba", {"q": q.shape, "k/v": k.shape}, q.dtype)[(triton.cdiv(lk, bn), n_pairs)](
             q, k, v, do, dk, dv, total, ck, sk, m,

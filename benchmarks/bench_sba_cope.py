@@ -163,7 +163,8 @@ def parse_args(argv=None):
     p.add_argument("--budget-ms", type=float, default=200.0, help="timed milliseconds per measurement (about)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-reps", type=int, default=50)
-    p.add_argument("--fwd-blocks", type=_blocks, default=None, help="override GPU_FWD of both kernel modules (bf16/fp16; float32 uses GPU_FP32)")
+    p.add_argument("--fwd-blocks", type=_blocks, default=None,
+                   help="override GPU_FWD of both kernel modules (bf16/fp16; float32 uses GPU_FP32)")
     p.add_argument("--bwd-q-blocks", type=_blocks, default=None, help="override GPU_BWD_Q (BLOCK_N shared with kv)")
     p.add_argument("--bwd-kv-blocks", type=_blocks, default=None, help="override GPU_BWD_KV")
     p.add_argument("--carry-slots", type=int, default=None, help="override CARRY_SLOTS (checkpoints per row)")

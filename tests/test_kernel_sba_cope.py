@@ -487,6 +487,7 @@ def _compile_for_sm90(module, kernel_names, call):
     for fn, args, kwargs in captured:
         kwargs = dict(kwargs)
         warps = kwargs.pop("num_warps")
+        stages = kwargs.pop("num_stages", 3)  # the launchers pick them per dtype (Triton's default: 3)
         signature, constexprs = {}, {}
         for i, name in enumerate(fn.arg_names):
             if i < len(args):
@@ -497,7 +498,8 @@ def _compile_for_sm90(module, kernel_names, call):
                 signature[name] = "constexpr"
                 constexprs[(i,)] = kwargs[name]
         compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": warps, "num_stages": stages})
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
             f.flush()

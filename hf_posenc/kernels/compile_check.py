@@ -309,10 +309,10 @@ def cases(matrix: str = "representative") -> list[tuple[str, Callable[[], None]]
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
     out = []
     if matrix == "gate":
-        return [_cope(f32, 128, train=False), _attention("fox", bf16, 128, train=False),
+        return [_cope(f32, 128, npos=256, train=False), _attention("fox", bf16, 128, train=False),
                 _sba(f16, 128, train=False), _rotary(bf16, 128, 8, True)]
     if matrix == "gate-backward":
-        return [_cope(f32, 128), _attention("fox", bf16, 128), _sba(f16, 128)]
+        return [_cope(f32, 128, npos=256), _attention("fox", bf16, 128), _sba(f16, 128)]
     if matrix == "representative":
         dtypes = {kind: [bf16] for kind in KERNEL_KINDS}
         dtypes["none"] = [f32, bf16, f16]
@@ -323,7 +323,7 @@ def cases(matrix: str = "representative") -> list[tuple[str, Callable[[], None]]
                 out.append(_attention(kind, dt, 128))
         out += [_attention("alibi", f16, 40, padded=False), _attention("none", bf16, 128, lq=1, train=False)]
         out += [_sba(f32, 128), _sba(bf16, 128, True, "bias"), _sba(f16, 40, False, "current", mask=False)]
-        out += [_cope(f32, 128), _cope(bf16, 128, npos=256), _cope(f16, 40, mask=False)]
+        out += [_cope(f32, 128), _cope(f32, 128, npos=256), _cope(bf16, 128, npos=256), _cope(f16, 40, mask=False)]
         out += [_rotary(bf16, 128, 8, True), _rotary(f32, 128, 2, False), _rotary(f16, 40, 4, True, single=True)]
         return out
     for kind in KERNEL_KINDS:

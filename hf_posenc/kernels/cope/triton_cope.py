@@ -498,7 +498,7 @@ def _table_precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
-def _blocks(kind: str, dtype: torch.dtype) -> tuple[int, int, int, int]:
+def _blocks(kind: str, dtype: torch.dtype, npos: int = 64) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kind`` ("fwd", "bwd_q", "bwd_kv") for inputs of ``dtype``.
 
     Chosen offline (no GPU yet; nothing here is timed) from the cubins of ``python -m
@@ -511,6 +511,9 @@ def _blocks(kind: str, dtype: torch.dtype) -> tuple[int, int, int, int]:
         return bm, bn, 1, 1
     if dtype == torch.float32:
         bm, bn, warps = GPU_FP32[kind]
+        # the (BM, NP) float32 table tiles grow with npos: at NP = 256 and BM = 64 the forward needed 256 KiB and
+        # the query-major backward 384 KiB of shared memory on sm_90 (Triton 3.6); halve BM per doubling of NP.
+        bm = max(16, bm * 64 // max(64, _np(npos)))
         return bm, bn, warps, NUM_STAGES["float32"]
     bm, bn, warps = {"fwd": GPU_FWD, "bwd_q": GPU_BWD_Q, "bwd_kv": GPU_BWD_KV}[kind]
     return bm, bn, warps, NUM_STAGES["half"]
@@ -536,7 +539,7 @@ def _forward(q, k, v, table, mask, scale, q_offset):
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     npos = table.shape[1]
-    bm, bn, warps, stages = _blocks("fwd", q.dtype)
+    bm, bn, warps, stages = _blocks("fwd", q.dtype, npos)
     o = _bhld_out(b, h, lq, d, q)
     lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
     m, sm_b, sm_m, sm_n = _mask_args(mask, q)
@@ -568,8 +571,8 @@ def _backward(q, k, v, table, o, lse, do, mask, scale, q_offset):
     npos = table.shape[1]
     np_ = _np(npos)
     bd = max(16, triton.next_power_of_2(d))
-    bm1, bn, warps1, stages1 = _blocks("bwd_q", q.dtype)
-    bm2, bn2, warps2, stages2 = _blocks("bwd_kv", q.dtype)
+    bm1, bn, warps1, stages1 = _blocks("bwd_q", q.dtype, npos)
+    bm2, bn2, warps2, stages2 = _blocks("bwd_kv", q.dtype, npos)
     if bn2 != bn:
         raise ValueError(f"the two backward kernels must share their key tile (BLOCK_N {bn} != {bn2})")
     cstride, nslot = _carry_layout(lk, bn)

@@ -513,6 +513,8 @@ def _blocks(kind: str, dtype: torch.dtype, npos: int = 64) -> tuple[int, int, in
         bm, bn, warps = GPU_FP32[kind]
         # the (BM, NP) float32 table tiles grow with npos: at NP = 256 and BM = 64 the forward needed 256 KiB and
         # the query-major backward 384 KiB of shared memory on sm_90 (Triton 3.6); halve BM per doubling of NP.
+        # At NP = 256, BM = 16 (compile_check, Triton 3.6, D = 128): forward 131072 B, query-major backward
+        # 139264 B, key-major 98304 B on sm_90 and sm_80; spill stores 724 / 2908 / 1084 B per thread (sm_90).
         bm = max(16, bm * 64 // max(64, _np(npos)))
         return bm, bn, warps, NUM_STAGES["float32"]
     bm, bn, warps = {"fwd": GPU_FWD, "bwd_q": GPU_BWD_Q, "bwd_kv": GPU_BWD_KV}[kind]

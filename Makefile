@@ -7,6 +7,9 @@
 #   make quickstart  run examples/quickstart.py (train a tiny ALiBi Llama, save, reload)
 #   make bench    run benchmarks/bench_forward.py (writes benchmarks/results/forward_<device>.json)
 #   make matrix   rewrite the README's support matrix from hf_posenc.support_matrix()
+#   make gpu-check  on a CUDA machine: pytest -m gpu + every GPU benchmark (benchmarks/results/gpu_check_<gpu>.*)
+#   make compile-check  compile every Triton kernel for sm_90 and sm_80 without a GPU (ptxas from Triton)
+#   make test-triton36  the kernel tests in the interpreter with Triton 3.6 and numpy < 2.4 (a venv in $(VENV36))
 #
 # Setup: python3 -m venv .venv, then torch, then `pip install -e ".[test]"`. Torch comes first so that
 # the dependency on torch in pyproject.toml is already satisfied: on a machine without nvidia-smi that is
@@ -37,6 +40,15 @@ PYTEST_ARGS ?=
 DEMO_ARGS ?=
 QUICKSTART_ARGS ?=
 BENCH_ARGS ?=
+GPU_CHECK_ARGS ?=
+COMPILE_CHECK_ARGS ?=
+# gpu-check uses the machine's own Python, which already has CUDA torch, Triton and transformers (nothing is
+# installed: GPU machines may have no internet); the package is imported from this checkout.
+GPU_PYTHON ?= python3
+# test-triton36: the oldest Triton that pyproject allows, and numpy < 2.4 (Triton 3.6's interpreter fails
+# with numpy >= 2.4: "only 0-dimensional arrays can be converted to Python scalars").
+VENV36 ?= .venv-triton36
+KERNEL_TESTS ?= tests/test_kernel_attention.py tests/test_kernel_rotary.py tests/test_kernel_sba_cope.py tests/test_kernel_errors.py tests/test_aot_compile.py
 
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_NO_INPUT := 1
@@ -61,10 +73,10 @@ OLDEST_DESELECT ?= --deselect tests/test_api.py::test_backend_override_is_valida
 	--deselect tests/test_ecosystem.py::test_ddp_two_cpu_processes_keep_encoding_in_sync
 CROSS_DIR ?= $(OLDEST_VENV)/cross-version
 
-.PHONY: help setup test test-oldest demo quickstart bench matrix clean-venv
+.PHONY: help setup test test-oldest demo quickstart bench matrix clean-venv gpu-check compile-check test-triton36
 
 help:
-	@sed -n '2,7p' Makefile | sed 's/^# *//'
+	@sed -n '2,10p' Makefile | sed 's/^# *//'
 
 setup: $(STAMP)
 
@@ -123,3 +135,19 @@ matrix: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+compile-check: $(STAMP)
+	env -u TRITON_INTERPRET $(PY) -m hf_posenc.kernels.compile_check $(COMPILE_CHECK_ARGS)
+
+$(VENV36)/.done: pyproject.toml
+	$(PYTHON) -m venv $(VENV36)
+	$(VENV36)/bin/python -m pip install $(TORCH_PIP_ARGS) "torch==$(TORCH_CPU_VERSION)"
+	$(VENV36)/bin/python -m pip install "triton==3.6.0" "numpy<2.4"
+	$(VENV36)/bin/python -m pip install -e ".[test]" "triton==3.6.0" "numpy<2.4"
+	@touch $@
+
+test-triton36: $(VENV36)/.done
+	$(VENV36)/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) $(KERNEL_TESTS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import platform
 import re
 import subprocess
@@ -44,3 +45,10 @@ def versions() -> dict:
     except (OSError, subprocess.SubprocessError):
         out["git_commit"] = None
     return out
+
+
+def append_row(path: str | None, row: dict) -> None:
+    """Append ``row`` as one JSON line to ``path`` (no-op for None): a run cut short keeps what it measured."""
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(row, default=str) + "\n")

@@ -44,7 +44,7 @@ METHODS = ("triton", "flex", "sdpa", "eager")
 TERMS = ("none", "alibi", "kerple_log", "kerple_pow", "sandwich", "t5", "fire", "shaw", "fox")
 
 
-from _common import device_name, slug, versions  # noqa: E402  (benchmarks/ is on sys.path)
+from _common import append_row, device_name, slug, versions  # noqa: E402  (benchmarks/ is on sys.path)
 
 
 class Timer:
@@ -199,6 +199,7 @@ def parse_args(argv=None):
     p.add_argument("--budget-ms", type=float, default=200.0, help="timed milliseconds per measurement (about)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-reps", type=int, default=50)
+    p.add_argument("--rows-jsonl", default=None, help="also append each row to this JSON-lines file as measured")
     p.add_argument("--smoke", action="store_true", help="CPU smoke run: tiny shapes, interpreted kernels, no JSON")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/attention_<device>.json)")
     return p.parse_args(argv)
@@ -287,6 +288,7 @@ def main(argv=None) -> int:
 
                     row["rel_err"] = guarded(check)
                 rows.append(row)
+                append_row(args.rows_jsonl, row)
                 print(_line(row), flush=True)
                 term = leaves = None  # free before the next shape
                 if cuda:

@@ -42,7 +42,7 @@ METHODS = ("reference", "compile", "triton", "sdpa")
 LAYOUTS = {"shared": (False, False), "heads": (False, True), "batch_heads": (True, True)}
 
 
-from _common import device_name, slug, versions  # noqa: E402  (benchmarks/ is on sys.path)
+from _common import append_row, device_name, slug, versions  # noqa: E402  (benchmarks/ is on sys.path)
 
 
 # -- timing ---------------------------------------------------------------------------------------------
@@ -197,6 +197,7 @@ def parse_args(argv=None):
     p.add_argument("--tile-elements", type=int, default=None, help="override triton_rotary.TILE_ELEMENTS")
     p.add_argument("--num-warps", type=int, default=None, help="override triton_rotary.NUM_WARPS")
     p.add_argument("--programs-per-sm", type=int, default=None, help="override triton_rotary.PROGRAMS_PER_SM")
+    p.add_argument("--rows-jsonl", default=None, help="also append each row to this JSON-lines file as measured")
     p.add_argument("--smoke", action="store_true", help="CPU smoke run: tiny shapes, interpreted kernel, no JSON")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/rotary_<device>.json)")
     return p.parse_args(argv)
@@ -303,6 +304,7 @@ def main(argv=None) -> int:
                         if row.get("sdpa_ms"):
                             row["rotation_pct_of_attention"] = 100.0 * t / row["sdpa_ms"]
                     rows.append(row)
+                    append_row(args.rows_jsonl, row)
                     times = ", ".join(f"{m} {_fmt(row.get(m + '_ms'))} ms" for m in args.methods)
                     print(f"s={s} B={b} L={length} {mode}: {times}, kernel rel err {err:.1e}", flush=True)
                 q = k = rot = gq = gk = None  # free before the next shape

@@ -46,7 +46,7 @@ METHODS = ("triton", "sdpa", "eager")
 KINDS = ("sba", "cope")
 
 
-from _common import device_name, slug, versions  # noqa: E402  (benchmarks/ is on sys.path)
+from _common import append_row, device_name, slug, versions  # noqa: E402  (benchmarks/ is on sys.path)
 
 
 class Timer:
@@ -163,10 +163,12 @@ def parse_args(argv=None):
     p.add_argument("--budget-ms", type=float, default=200.0, help="timed milliseconds per measurement (about)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-reps", type=int, default=50)
-    p.add_argument("--fwd-blocks", type=_blocks, default=None, help="override GPU_FWD of both kernel modules")
+    p.add_argument("--fwd-blocks", type=_blocks, default=None,
+                   help="override GPU_FWD of both kernel modules (bf16/fp16; float32 uses GPU_FP32)")
     p.add_argument("--bwd-q-blocks", type=_blocks, default=None, help="override GPU_BWD_Q (BLOCK_N shared with kv)")
     p.add_argument("--bwd-kv-blocks", type=_blocks, default=None, help="override GPU_BWD_KV")
     p.add_argument("--carry-slots", type=int, default=None, help="override CARRY_SLOTS (checkpoints per row)")
+    p.add_argument("--rows-jsonl", default=None, help="also append each row to this JSON-lines file as measured")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, interpreted kernels, nothing written")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/sba_cope_<device>.json)")
     return p.parse_args(argv)
@@ -281,6 +283,7 @@ def main(argv=None) -> int:
                         err = guarded(check)
                         row["rel_err"] = None if isinstance(err, OutOfMemory) else err
                     rows.append(row)
+                    append_row(args.rows_jsonl, row)
                     print(_line(row), flush=True)
                     if cuda:
                         torch.cuda.empty_cache()

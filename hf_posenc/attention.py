@@ -34,6 +34,7 @@ from .kernels.attention import (
     kernel_unsupported,
 )
 from .kernels.attention import _triton_import_error as _attention_triton_error
+from .kernels.defaults import cuda_default_backend
 from .ops import expand_kv, masked_softmax
 
 __all__ = ["ATTN_IMPLEMENTATION", "attention_backend", "posenc_attention", "register_with_transformers"]
@@ -83,7 +84,12 @@ def attention_backend(encoding: object | None, device: torch.device | str | None
     if forced is not None:
         return forced
     on_cuda = device is not None and torch.device(device).type == "cuda"
-    return "triton" if kinds and on_cuda and _attention_triton_error() is None else "torch"
+    if not (kinds and on_cuda):
+        return "torch"
+    default = cuda_default_backend(kinds)  # the one table of defaults (hf_posenc/kernels/defaults.py)
+    if default == "triton" and _attention_triton_error() is not None:
+        return "torch"
+    return default
 
 
 def _as_bool_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:

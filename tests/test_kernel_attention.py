@@ -514,3 +514,34 @@ def test_gpu_auto_dispatch_uses_kernel(monkeypatch, name, params):
         ref = model(ids).logits
     assert rel_err(out, ref) < 1e-4
     assert math.isfinite(out.float().sum().item())
+
+
+@pytest.fixture
+def no_tf32(monkeypatch):
+    """float32 means float32 on the GPU: no TF32 in torch's matmuls (the reference) either."""
+    if CUDA:
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("kind", KERNEL_KINDS)
+def test_gpu_odd_shapes(interpret, no_tf32, kind, dtype):
+    """Compiled kernels at the interpreter tests' odd shapes: L = 77, head_dim 40, GQA 4:1, left padding with
+    fully masked rows, a 21-query chunk (Lq < Lk), bidirectional, decode with empty cache slots."""
+    check(kind, SHAPE, dtype, causal=True, seed=11)
+    check(kind, SHAPE_CHUNK, dtype, causal=True, seed=12)
+    check(kind, (2, 4, 2, 45, 77, 40), dtype, causal=False, seed=13)
+    check(kind, (2, 4, 1, 1, 50, 40), dtype, causal=True, seed=14, q_offset=30)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("kind", ["none", "alibi", "kerple_log", "t5", "fire", "shaw", "fox"])
+def test_gpu_long_sequence_16k(interpret, kind):
+    """L = 16384 in bfloat16 (B = 1, H = 4, Hkv = 1, D = 128), padding; and one decode query over 16k keys.
+    The float32 reference holds a few (H, L, L) float32 tensors (~4 GiB each) on the GPU."""
+    check(kind, (1, 4, 1, 16384, 16384, 128), torch.bfloat16, causal=True, seed=15)
+    check(kind, (1, 4, 1, 1, 16384, 128), torch.bfloat16, causal=True, seed=16)

@@ -244,3 +244,15 @@ def test_gpu_auto_dispatch_uses_kernel(monkeypatch):
     assert calls == [1]
     ref_q, ref_k = apply_qk_rotation_reference(q.float(), k.float(), rot)
     assert rel_err(out_q, ref_q) <= 1e-2 and rel_err(out_k, ref_k) <= 1e-2
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("s", [2, 4, 8])
+def test_gpu_odd_and_long(monkeypatch, s, dtype):
+    """Compiled kernel at L = 77, head_dim 40, GQA 4:1 and at L = 16384, D = 128 (rotation gradient included)."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    check_against_reference(SHAPE, s, True, True, dtype, seed=30 + s)
+    check_against_reference((1, 8, 2, 16384, 128), s, False, False, dtype, seed=40 + s)

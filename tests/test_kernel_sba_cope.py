@@ -492,6 +492,7 @@ def _compile_for_sm90(module, kernel_names, call):
     for fn, args, kwargs in captured:
         kwargs = dict(kwargs)
         warps = kwargs.pop("num_warps")
+        stages = kwargs.pop("num_stages", 3)  # the launchers pick them per dtype (Triton's default: 3)
         signature, constexprs = {}, {}
         for i, name in enumerate(fn.arg_names):
             if i < len(args):
@@ -502,7 +503,8 @@ def _compile_for_sm90(module, kernel_names, call):
                 signature[name] = "constexpr"
                 constexprs[(i,)] = kwargs[name]
         compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": warps, "num_stages": stages})
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
             f.flush()
@@ -558,3 +560,49 @@ def test_kernels_compile_for_sm90(monkeypatch):
         stacks.update(_compile_for_sm90(triton_cope, ["_cope_fwd", "_cope_bwd_q", "_cope_bwd_kv"], cope_calls))
         assert len(stacks) == 6, stacks
         print(dtype, d, "local-memory stack per thread (spills):", stacks)
+
+
+@pytest.fixture
+def no_tf32(monkeypatch):
+    """float32 means float32 on the GPU: the kernels' float32 dots use 3xTF32, the reference no TF32."""
+    if CUDA:
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("kind", ["sba", "cope"])
+def test_gpu_odd_shapes(interpret, no_tf32, kind, dtype):
+    """Compiled kernels at L = 77, head_dim 40, GQA 4:1 and 2:1, left padding, Lq < Lk, one decode query,
+    with every gradient (the remainder bias of sba, the table of cope)."""
+    tol = TOL[dtype] * (2 if dtype != torch.float32 else 1)
+    for shape, seed in ((SHAPE, 21), (SHAPE_OFFSET, 22), ((2, 4, 2, 1, 77, 40), 23)):
+        q, k, v, do = make_qkv(shape, dtype, seed=seed)
+        mask = padding_mask(shape)
+        offset = shape[4] - shape[3]
+        d = shape[-1]
+        if kind == "sba":
+            bias = torch.randn(shape[1], d, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+            fn, ref = _sba(mask, d**-0.5, offset, True, "bias")
+            check(run_both(fn, ref, (q, k, v), (bias,), do), tol, ["out", "dq", "dk", "dv", "dbias"])
+        else:
+            fn, ref = _cope(mask, d**-0.5, offset)
+            check(run_both(fn, ref, (q, k, v), (_table(d, 16),), do), tol, ["out", "dq", "dk", "dv", "dtable"])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("kind", ["sba", "cope"])
+def test_gpu_long_sequence_16k(interpret, kind):
+    """L = 16384 in bfloat16 (B = 1, H = 2, Hkv = 1, D = 128); the float32 reference holds a few (H, L, L)
+    float32 tensors (2 GiB each) on the GPU."""
+    shape = (1, 2, 1, 16384, 16384, 128)
+    q, k, v, do = make_qkv(shape, torch.bfloat16, seed=24)
+    if kind == "sba":
+        fn, ref = _sba(None, 128**-0.5, 0, False, "discard")
+        check(run_both(fn, ref, (q, k, v), (), do), 2e-2, ["out", "dq", "dk", "dv"])
+    else:
+        fn, ref = _cope(None, 128**-0.5, 0)
+        check(run_both(fn, ref, (q, k, v), (_table(128, 64),), do), 2e-2, ["out", "dq", "dk", "dv", "dtable"])

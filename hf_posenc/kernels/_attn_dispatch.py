@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from ..backend import forced_backend
+from .defaults import cuda_default_backend
 
 __all__ = ["KERNEL_DTYPES", "MAX_HEAD_DIM", "choose", "common_unsupported", "triton_import_error"]
 
@@ -80,8 +81,11 @@ def common_unsupported(
     return None
 
 
-def choose(reason: Callable[[], str | None], on_cuda: bool) -> str:
+def choose(reason: Callable[[], str | None], on_cuda: bool, kind: str) -> str:
     """``"triton"`` or ``"torch"`` from ``HF_POSENC_BACKEND`` and ``reason()`` (None: the kernel can run).
+
+    Unforced on CUDA, the default of ``kind`` (``"sba"``, ``"cope"``) in
+    :data:`hf_posenc.kernels.defaults.CUDA_DEFAULT_BACKEND` decides whether the kernel is tried at all.
 
     Raises:
         ValueError: ``HF_POSENC_BACKEND=triton`` and the kernel cannot run these inputs.
@@ -94,6 +98,6 @@ def choose(reason: Callable[[], str | None], on_cuda: bool) -> str:
         if why is not None and why != "empty tensors":
             raise ValueError(f"HF_POSENC_BACKEND=triton, but {why}")
         return "torch" if why else "triton"  # empty tensors: nothing to launch
-    if not on_cuda:
+    if not on_cuda or cuda_default_backend(kind) != "triton":
         return "torch"
     return "torch" if reason() is not None else "triton"

@@ -61,6 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._errors import guarded
 from .terms import KERNEL_KINDS, KernelTerm
 
 __all__ = ["FusedAttentionFunction", "fused_attention", "interpreting", "stdlib_matches_mode", "SUPPORTED_DTYPES"]
@@ -72,8 +73,8 @@ MAX_HEAD_DIM = 128
 # head dim 128, i.e. D = 80..128; "narrow": D <= 64). NOT TIMED: no GPU was available when this was written.
 # Chosen offline as the largest tiles whose sm_90 code (Triton 3.9 ptxas, bfloat16, causal, padding mask)
 # needs no register spills (shaw's dQ at D = 128: 16 bytes of stack), by benchmarks/attention_resources.py
-# (compiles without a GPU). A module attribute, so that benchmarks can sweep it on a GPU. Float32 inputs use (32, 32, 4) / (64, 32, 8): they
-# still spill (3xTF32 products): a correctness path, not a fast one.
+# (compiles without a GPU). A module attribute, so that benchmarks can sweep it on a GPU. Float32 inputs use
+# LAUNCH_FLOAT32 below: their dK/dV kernel still spills (3xTF32 products): a correctness path, not a fast one.
 _LIGHT = ("none", "alibi", "kerple_log", "kerple_pow", "fox")
 LAUNCH = {
     "fwd": {"light": {"wide": (128, 64, 8), "narrow": (128, 64, 8)},
@@ -89,7 +90,11 @@ LAUNCH = {
            "fire": {"wide": (32, 32, 8), "narrow": (64, 32, 8)},
            "shaw": {"wide": (32, 32, 8), "narrow": (64, 32, 8)}},
 }
-LAUNCH_FLOAT32 = {"fwd": (32, 32, 4), "dkdv": (64, 32, 8), "dq": (32, 32, 4)}
+# Float32 (3xTF32 products, three times the operand registers): measured with hf_posenc.kernels.compile_check
+# (Triton 3.6, D = 128, causal + padding; bytes of spill stores per thread, sm_90 / sm_80): dK/dV at
+# (64, 32, 8) 2180 / 15232, (32, 32, 8) 1404 / 7616, (32, 16, 8) 1248 / 6292 (chosen; 64 KB of shared memory);
+# dQ at (32, 32, 4) 160 / 192, (32, 32, 8) 0 / 8 (chosen); forward (32, 32, 4) none.
+LAUNCH_FLOAT32 = {"fwd": (32, 32, 4), "dkdv": (32, 16, 8), "dq": (32, 32, 8)}
 NUM_STAGES = 2
 #: queries and keys per tile in the interpreter (each program costs Python time there); at L = 77 the
 #: tests still see two tiles, a partial one, and the causal skipping.
@@ -572,6 +577,10 @@ class _Launch:
             self.ti0 = term.ints["max_relative_position"]
             self.rp = max(16, triton.next_power_of_2(2 * self.ti0 + 1))
 
+    def shapes(self) -> dict:
+        """What a KernelError names: the term and the shapes of q and k/v."""
+        return {"term": self.kind, "q": (self.b, self.h, self.lq, self.d), "k/v": (self.b, self.hkv, self.lk, self.d)}
+
     def consts(self) -> dict:
         return dict(TERM=self.term_id, CAUSAL=self.causal, HAS_VALID=self.has_valid,
                     HEAD_D=self.d, BLOCK_D=self.block_d, F32=self.f32)
@@ -629,7 +638,7 @@ class FusedAttentionFunction(torch.autograd.Function):
             tp_sb = inv.stride(0) if inv.shape[0] > 1 else 0
         L.tp_sb = tp_sb
         grid = (triton.cdiv(L.lq, L.fwd_m), L.b * L.h)
-        _fwd_kernel[grid](
+        guarded(_fwd_kernel, "attention", L.shapes(), q.dtype)[grid](
             q, k, v, o, lse, w, valid_t, *tp,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), svalb, tp_sb,
@@ -659,7 +668,7 @@ class FusedAttentionFunction(torch.autograd.Function):
         if do.stride(-1) != 1:
             do = do.contiguous()
         delta = torch.empty((L.b, L.h, L.lq), dtype=torch.float32, device=dev)
-        _bwd_delta_kernel[(triton.cdiv(L.lq, L.dq_m), L.b * L.h)](
+        guarded(_bwd_delta_kernel, "attention", L.shapes(), q.dtype)[(triton.cdiv(L.lq, L.dq_m), L.b * L.h)](
             o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
             L.h, L.lq, HEAD_D=L.d, BLOCK_D=L.block_d, BLOCK_M=L.dq_m,
         )
@@ -676,7 +685,7 @@ class FusedAttentionFunction(torch.autograd.Function):
         dk = torch.empty((L.b, L.hkv, L.lk, L.d), dtype=k.dtype, device=dev)
         dv = torch.empty((L.b, L.hkv, L.lk, L.d), dtype=v.dtype, device=dev)
         dck = torch.empty((L.b, L.h, L.lk), dtype=torch.float32, device=dev) if L.kind == "fox" else dummy
-        _bwd_dkdv_kernel[(triton.cdiv(L.lk, L.dkdv_n), L.b * L.hkv)](
+        guarded(_bwd_dkdv_kernel, "attention", L.shapes(), q.dtype)[(triton.cdiv(L.lk, L.dkdv_n), L.b * L.hkv)](
             q, k, v, do, lse, delta, dk, dv, valid_t, *tp, dck,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
@@ -691,7 +700,7 @@ class FusedAttentionFunction(torch.autograd.Function):
         hist = (torch.empty((L.b, L.h, n_mblocks, L.nhp), dtype=torch.float32, device=dev)
                 if L.kind in ("t5", "fire") else dummy)
         dqa = torch.empty_like(tensors[0]) if L.kind == "shaw" else dummy
-        _bwd_dq_kernel[(n_mblocks, L.b * L.h)](
+        guarded(_bwd_dq_kernel, "attention", L.shapes(), q.dtype)[(n_mblocks, L.b * L.h)](
             q, k, v, do, lse, delta, dq, valid_t, *tp, rowg[0] if n_rows else dummy,
             rowg[1] if n_rows > 1 else dummy, hist, dqa,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

@@ -74,7 +74,7 @@ def cope_backend(
             )
         return common_unsupported("cope", "cope.triton_cope", q, k, v, mask, q_offset, need_weights, dropout, training)
 
-    return choose(reason, q.device.type == "cuda")
+    return choose(reason, q.device.type == "cuda", "cope")
 
 
 def cope(

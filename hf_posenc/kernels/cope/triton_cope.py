@@ -56,6 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._errors import guarded
 from .._jit import LazyJit, interpreting
 
 __all__ = ["CopeFunction", "cope_triton", "SUPPORTED_DTYPES", "interpreting"]
@@ -74,6 +75,18 @@ _POS_INF = tl.constexpr(float("inf"))
 GPU_FWD = (64, 64, 8)
 GPU_BWD_Q = (64, 32, 8)
 GPU_BWD_KV = (64, 32, 8)
+#: float32 inputs (3xTF32 / TF32 dots, twice the bytes of every tile): (BLOCK_M, BLOCK_N, num_warps) per kernel.
+#: See ``_blocks`` for where the numbers come from.
+#: Measured with hf_posenc.kernels.compile_check (Triton 3.6, sm_90, D = 128, npos 64, mask; shared memory,
+#: spill stores per thread): at 3 stages (Triton's default, before) the forward needed 240-256 KiB and the
+#: query-major backward 384 KiB on sm_90 (over the 227 KiB limit); at 1 stage forward 64x64 65536 B / 2056 B,
+#: 64x32 98304 B / 1112 B (chosen); backward 64x32 x 8 warps 131072 B / 4352 B (query-major) and
+#: 163840 B / 3564 B (key-major), chosen over 32x32 x 4 or 8 warps, which fall back to 32 registers and
+#: spill 19-25 KB per thread.
+GPU_FP32 = {"fwd": (64, 32, 8), "bwd_q": (64, 32, 8), "bwd_kv": (64, 32, 8)}
+#: software-pipelining stages of the key loop (``num_stages``; Triton's default is 3 on sm_80/sm_90, and every
+#: stage holds one more K and V tile in shared memory), per input class.
+NUM_STAGES = {"half": 2, "float32": 1}
 INTERPRETER_BLOCKS = (32, 32)
 CARRY_SLOTS = 64
 CARRY_BUDGET_BYTES = 256 * 1024 * 1024
@@ -488,11 +501,27 @@ def _table_precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
-def _blocks(kind: str) -> tuple[int, int, int]:
+def _blocks(kind: str, dtype: torch.dtype, npos: int = 64) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kind`` ("fwd", "bwd_q", "bwd_kv") for inputs of ``dtype``.
+
+    Chosen offline (no GPU yet; nothing here is timed) from the cubins of ``python -m
+    hf_posenc.kernels.compile_check`` (sm_90 and sm_80, Triton 3.6) at D = 128, the widest head dim: among the
+    few candidates compared (see ``GPU_FP32``), the tiles whose shared memory fits an A100's per-block limit
+    (166912 B) with the fewest register spills. Half precision keeps its tiles (sm_90, Triton 3.9) at 2 stages.
+    """
     if interpreting():
         bm, bn = INTERPRETER_BLOCKS
-        return bm, bn, 1
-    return {"fwd": GPU_FWD, "bwd_q": GPU_BWD_Q, "bwd_kv": GPU_BWD_KV}[kind]
+        return bm, bn, 1, 1
+    if dtype == torch.float32:
+        bm, bn, warps = GPU_FP32[kind]
+        # the (BM, NP) float32 table tiles grow with npos: at NP = 256 and BM = 64 the forward needed 256 KiB and
+        # the query-major backward 384 KiB of shared memory on sm_90 (Triton 3.6); halve BM per doubling of NP.
+        # At NP = 256, BM = 16 (compile_check, Triton 3.6, D = 128): forward 131072 B, query-major backward
+        # 139264 B, key-major 98304 B on sm_90 and sm_80; spill stores 724 / 2908 / 1084 B per thread (sm_90).
+        bm = max(16, bm * 64 // max(64, _np(npos)))
+        return bm, bn, warps, NUM_STAGES["float32"]
+    bm, bn, warps = {"fwd": GPU_FWD, "bwd_q": GPU_BWD_Q, "bwd_kv": GPU_BWD_KV}[kind]
+    return bm, bn, warps, NUM_STAGES["half"]
 
 
 def _mask_args(mask: torch.Tensor | None, q: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
@@ -515,12 +544,13 @@ def _forward(q, k, v, table, mask, scale, q_offset):
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     npos = table.shape[1]
-    bm, bn, warps = _blocks("fwd")
+    bm, bn, warps, stages = _blocks("fwd", q.dtype, npos)
     o = _bhld_out(b, h, lq, d, q)
     lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
     m, sm_b, sm_m, sm_n = _mask_args(mask, q)
     _JIT.bind()
-    _cope_fwd[(triton.cdiv(lq, bm), b * h)](
+    shapes = {"q": q.shape, "k/v": k.shape, "table": table.shape}
+    guarded(_cope_fwd, "cope", shapes, q.dtype)[(triton.cdiv(lq, bm), b * h)](
         q, k, v, table, o, lse, m,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
@@ -528,7 +558,7 @@ def _forward(q, k, v, table, mask, scale, q_offset):
         h, h // hkv, lq, lk, q_offset, scale, npos,
         D=d, BD=max(16, triton.next_power_of_2(d)), BM=bm, BN=bn, NP=_np(npos), HAS_MASK=mask is not None,
         PREC=_precision(q.dtype), UPCAST=interpreting(), MONO=not interpreting(), TPREC=_table_precision(q.dtype),
-        num_warps=warps,
+        num_warps=warps, num_stages=stages,
     )
     return o, lse
 
@@ -546,8 +576,8 @@ def _backward(q, k, v, table, o, lse, do, mask, scale, q_offset):
     npos = table.shape[1]
     np_ = _np(npos)
     bd = max(16, triton.next_power_of_2(d))
-    bm1, bn, warps1 = _blocks("bwd_q")
-    bm2, bn2, warps2 = _blocks("bwd_kv")
+    bm1, bn, warps1, stages1 = _blocks("bwd_q", q.dtype, npos)
+    bm2, bn2, warps2, stages2 = _blocks("bwd_kv", q.dtype, npos)
     if bn2 != bn:
         raise ValueError(f"the two backward kernels must share their key tile (BLOCK_N {bn} != {bn2})")
     cstride, nslot = _carry_layout(lk, bn)
@@ -565,6 +595,7 @@ def _backward(q, k, v, table, o, lse, do, mask, scale, q_offset):
     # (B*Hkv, G, Lq, D): the query heads of each (batch, key/value head) pair, for the table gradient
     q_pairs = q.unflatten(1, (hkv, groups)).flatten(0, 1)
     _JIT.bind()
+    shapes = {"q": q.shape, "k/v": k.shape, "table": table.shape}
     per_pair = groups * 4 * lq * (2 * nslot + 2 * np_ + d)
     per_chunk = max(1, min(b * hkv, CARRY_BUDGET_BYTES // max(1, per_pair)))
     for pair0 in range(0, b * hkv, per_chunk):
@@ -574,7 +605,7 @@ def _backward(q, k, v, table, o, lse, do, mask, scale, q_offset):
         sk = torch.empty_like(gk)
         zqb = torch.empty((nbh, lq, np_), dtype=torch.float32, device=q.device)
         dzqb = torch.empty((nbh, lq, np_), dtype=torch.float32, device=q.device)
-        _cope_bwd_q[(n_mblocks, nbh)](
+        guarded(_cope_bwd_q, "cope", shapes, q.dtype)[(n_mblocks, nbh)](
             q, k, v, table, o, do, lse, dq, dzqb, zqb, zl, delta, dtot, gk, sk, m,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
@@ -583,19 +614,20 @@ def _backward(q, k, v, table, o, lse, do, mask, scale, q_offset):
             h, groups, hkv, pair0, lq, lk, q_offset, scale, npos, cstride, nslot,
             D=d, BD=bd, BM=bm1, BN=bn, NP=np_, LOG2_BN=bn.bit_length() - 1, HAS_MASK=mask is not None,
             PREC=prec, UPCAST=upcast, MONO=not upcast, TPREC=_table_precision(q.dtype), num_warps=warps1,
+            num_stages=stages1,
         )
         # de = Σ over the chunk's queries of q ⊗ dz: one float32 GEMM, (D, rows) @ (rows, npos)
         q_chunk = q_pairs[pair0:pair0 + n_pairs].reshape(nbh * lq, d).float()
         dtable += q_chunk.t() @ dzqb[:, :, :npos].reshape(nbh * lq, npos)
         del q_chunk
-        _cope_bwd_kv[(triton.cdiv(lk, bn), n_pairs)](
+        guarded(_cope_bwd_kv, "cope", shapes, q.dtype)[(triton.cdiv(lk, bn), n_pairs)](
             q, k, v, do, dk, dv, lse, zqb, zl, delta, dtot, gk, sk, m,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), sm_b, sm_m, sm_n,
             h, groups, hkv, pair0, lq, lk, q_offset, scale, npos, cstride, nslot,
             D=d, BD=bd, BM=bm2, BN=bn, NP=np_, HAS_MASK=mask is not None, PREC=prec, UPCAST=upcast,
-            MONO=not upcast, num_warps=warps2,
+            MONO=not upcast, num_warps=warps2, num_stages=stages2,
         )
     return dq, dk, dv, dtable
 

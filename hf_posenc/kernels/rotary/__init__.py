@@ -19,6 +19,7 @@ import functools
 import torch
 
 from ...backend import forced_backend
+from ..defaults import cuda_default_backend
 from .naive import apply_block_rotation_reference
 
 __all__ = [
@@ -115,7 +116,7 @@ def rotation_backend(q: torch.Tensor | None, k: torch.Tensor, rot: torch.Tensor)
         if reason is not None and reason != "empty tensors":
             raise ValueError(f"HF_POSENC_BACKEND=triton, but {reason}")
         return "torch" if reason else "triton"  # empty tensors: nothing to launch
-    if k.device.type != "cuda":
+    if k.device.type != "cuda" or cuda_default_backend("rotary") != "triton":  # hf_posenc/kernels/defaults.py
         return "torch"
     return "torch" if _kernel_unsupported(q, k, rot) else "triton"
 

@@ -45,6 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._errors import guarded
+
 __all__ = ["RotaryQKFunction", "rotary_qk", "rotary_single", "SUPPORTED_BLOCK_SIZES", "SUPPORTED_DTYPES"]
 
 SUPPORTED_BLOCK_SIZES = (2, 4, 8)
@@ -255,7 +257,8 @@ def _launch(
         dr = rot_c  # never written (COMPUTE_DROT is False)
 
     grid = (n_tiles, n_split, n_rot)
-    _kernel()[grid](
+    shapes = {"q": "none" if groups == 0 else xq.shape, "k": xk.shape, "rot": rot.shape}
+    guarded(_kernel(), "rotary", shapes, xk.dtype)[grid](
         xq, xk, oq, ok, yq, yk, rot_c, dr,
         length, groups, hr, nh_bcast, n_pairs, pairs_per_prog, n_rot,
         xq.stride(0), xq.stride(1), xq.stride(2), xk.stride(0), xk.stride(1), xk.stride(2),

@@ -72,6 +72,7 @@ def sba_backend(
     return choose(
         lambda: common_unsupported("sba", "sba.triton_sba", q, k, v, mask, q_offset, need_weights, dropout, training),
         q.device.type == "cuda",
+        "sba",
     )
 
 

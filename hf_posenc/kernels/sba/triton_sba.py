@@ -63,6 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._errors import guarded
 from .._jit import LazyJit, interpreting
 
 __all__ = ["SbaFunction", "sba_triton", "SUPPORTED_DTYPES", "REMAINDERS", "interpreting"]
@@ -83,6 +84,16 @@ _BIG = tl.constexpr(1.0e30)
 GPU_FWD = (64, 64, 8)
 GPU_BWD_Q = (64, 32, 8)
 GPU_BWD_KV = (64, 32, 8)
+#: float32 inputs (3xTF32 / TF32 dots, twice the bytes of every tile): (BLOCK_M, BLOCK_N, num_warps) per kernel.
+#: See ``_blocks`` for where the numbers come from.
+#: Measured with hf_posenc.kernels.compile_check (Triton 3.6, sm_90, D = 128, mask, 1 stage; spill stores per
+#: thread): forward 64x64 820 B, 64x32 688 B (chosen); query-major backward 64x32 1384 B, 32x32 536 B (chosen);
+#: key-major backward 64x32 3400 B (chosen; on sm_80 ptxas falls back to 32 registers: ~21 KB), 32x32
+#: 19464 B (32 registers on sm_90 too). Float32 is the correctness path; these spills are known.
+GPU_FP32 = {"fwd": (64, 32, 8), "bwd_q": (32, 32, 8), "bwd_kv": (64, 32, 8)}
+#: software-pipelining stages of the key loop (``num_stages``; Triton's default is 3 on sm_80/sm_90, and every
+#: stage holds one more K and V tile in shared memory), per input class.
+NUM_STAGES = {"half": 2, "float32": 1}
 #: the same in the interpreter (small tiles: every cross-tile path is exercised by small tests).
 INTERPRETER_BLOCKS = (32, 32)
 #: at most this many carry checkpoints per query row (and head) in the backward.
@@ -408,11 +419,22 @@ def _precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-def _blocks(kind: str, d: int) -> tuple[int, int, int]:
+def _blocks(kind: str, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kind`` ("fwd", "bwd_q", "bwd_kv") for inputs of ``dtype``.
+
+    Chosen offline (no GPU yet; nothing here is timed) from the cubins of ``python -m
+    hf_posenc.kernels.compile_check`` (sm_90 and sm_80, Triton 3.6) at D = 128, the widest head dim: among the
+    few candidates compared (see ``GPU_FP32``), the tiles whose shared memory fits an A100's per-block limit
+    (166912 B) with the fewest register spills. Half precision keeps its tiles (sm_90, Triton 3.9) at 2 stages.
+    """
     if interpreting():
         bm, bn = INTERPRETER_BLOCKS
-        return bm, bn, 1
-    return {"fwd": GPU_FWD, "bwd_q": GPU_BWD_Q, "bwd_kv": GPU_BWD_KV}[kind]
+        return bm, bn, 1, 1
+    if dtype == torch.float32:
+        bm, bn, warps = GPU_FP32[kind]
+        return bm, bn, warps, NUM_STAGES["float32"]
+    bm, bn, warps = {"fwd": GPU_FWD, "bwd_q": GPU_BWD_Q, "bwd_kv": GPU_BWD_KV}[kind]
+    return bm, bn, warps, NUM_STAGES["half"]
 
 
 def _mask_args(mask: torch.Tensor | None, q: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
@@ -437,14 +459,14 @@ def _bhld_out(b: int, h: int, length: int, d: int, like: torch.Tensor) -> torch.
 def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, save_residual):
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
-    bm, bn, warps = _blocks("fwd", d)
+    bm, bn, warps, stages = _blocks("fwd", q.dtype)
     o = _bhld_out(b, h, lq, d, q)
     res = _bhld_out(b, h, lq, d, q) if save_residual else o
     m, sm_b, sm_m, sm_n = _mask_args(mask, q)
     bias_t = bias.contiguous() if bias is not None else q
     _JIT.bind()
     grid = (triton.cdiv(lq, bm), b * h)
-    _sba_fwd[grid](
+    guarded(_sba_fwd, "sba", {"q": q.shape, "k/v": k.shape}, q.dtype)[grid](
         q, k, v, o, res, bias_t, m,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
@@ -452,7 +474,7 @@ def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, sa
         h, h // hkv, lq, lk, q_offset, scale,
         D=d, BD=max(16, triton.next_power_of_2(d)), BM=bm, BN=bn,
         ATTEND_CURRENT=attend_current, REMAINDER=REMAINDERS[remainder], HAS_MASK=mask is not None,
-        SAVE_RES=save_residual, PREC=_precision(q.dtype), UPCAST=interpreting(), num_warps=warps,
+        SAVE_RES=save_residual, PREC=_precision(q.dtype), UPCAST=interpreting(), num_warps=warps, num_stages=stages,
     )
     return o, (res if save_residual else None)
 
@@ -475,8 +497,8 @@ def _backward(q, k, v, o, res, do, mask, scale, q_offset, attend_current, remain
     hkv, lk = k.shape[1], k.shape[2]
     groups = h // hkv
     bd = max(16, triton.next_power_of_2(d))
-    bm1, bn, warps1 = _blocks("bwd_q", d)
-    bm2, bn2, warps2 = _blocks("bwd_kv", d)
+    bm1, bn, warps1, stages1 = _blocks("bwd_q", q.dtype)
+    bm2, bn2, warps2, stages2 = _blocks("bwd_kv", q.dtype)
     if bn2 != bn:
         raise ValueError(f"the two backward kernels must share their key tile (BLOCK_N {bn} != {bn2})")
     cstride, nslot = _carry_layout(lk, bn)
@@ -493,7 +515,7 @@ def _backward(q, k, v, o, res, do, mask, scale, q_offset, attend_current, remain
     for pair0, n_pairs in _chunks(b * hkv, 2 * 4 * nslot * lq * groups):
         ck = torch.empty((n_pairs * groups, nslot, lq), dtype=torch.float32, device=q.device)
         sk = torch.empty_like(ck)
-        _sba_bwd_q[(triton.cdiv(lq, bm1), n_pairs * groups)](
+        guarded(_sba_bwd_q, "sba", {"q": q.shape, "k/v": k.shape}, q.dtype)[(triton.cdiv(lq, bm1), n_pairs * groups)](
             q, k, v, o, resid, do, dq, total, rest, ck, sk, m,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
@@ -502,15 +524,16 @@ def _backward(q, k, v, o, res, do, mask, scale, q_offset, attend_current, remain
             h, groups, hkv, pair0, lq, lk, q_offset, scale, cstride, nslot,
             D=d, BD=bd, BM=bm1, BN=bn, ATTEND_CURRENT=attend_current, REMAINDER=REMAINDERS[remainder],
             HAS_MASK=mask is not None, HAS_RES=res is not None, PREC=prec, UPCAST=upcast, num_warps=warps1,
+            num_stages=stages1,
         )
-        _sba_bwd_kv[(triton.cdiv(lk, bn), n_pairs)](
+        guarded(_sba_bwd_kv, "sba", {"q": q.shape, "k/v": k.shape}, q.dtype)[(triton.cdiv(lk, bn), n_pairs)](
             q, k, v, do, dk, dv, total, ck, sk, m,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), sm_b, sm_m, sm_n,
             h, groups, hkv, pair0, lq, lk, q_offset, scale, cstride, nslot,
             D=d, BD=bd, BM=bm2, BN=bn, ATTEND_CURRENT=attend_current, HAS_MASK=mask is not None,
-            PREC=prec, UPCAST=upcast, num_warps=warps2,
+            PREC=prec, UPCAST=upcast, num_warps=warps2, num_stages=stages2,
         )
     return dq, dk, dv, (rest if remainder != "discard" else None)
 

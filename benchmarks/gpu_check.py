@@ -1,0 +1,232 @@
+"""`make gpu-check`: the GPU tests and every GPU benchmark in one run, one JSON and one table named after the GPU.
+
+    python benchmarks/gpu_check.py            # on a CUDA machine with torch, Triton and transformers installed
+    python benchmarks/gpu_check.py --smoke    # CPU: every stage with tiny shapes in Triton's interpreter
+
+Stages, each a subprocess with its own time limit (the limits add up to under 8 minutes; a stage that runs
+out of time is reported as such, with the rows it had measured):
+
+1. ``pytest -m gpu tests/``: every kernel against its reference on the GPU (forward and every gradient,
+   fp32 with TF32 off, bf16, fp16, odd shapes, GQA, key padding, decode, long L).
+2. ``bench_attention.py``: every term kind, B = 4096 / L, H = 32, D = 128, bf16, L = 1k, 4k, 16k, forward
+   and forward+backward: SDPA flash (causal, no bias: the floor), our Triton kernel, compiled FlexAttention
+   with the same score_mod, the eager reference up to L = 4k.
+3. ``bench_sba_cope.py``: SBA and CoPE against SDPA flash and their eager references.
+4. ``bench_rotary.py``: the rotary kernel against the PyTorch rotation (eager and compiled).
+5. ``bench_train_step.py``: tokens/s of a 12-layer 768-wide Llama training step, unpatched vs alibi, kerple,
+   fox, cope, sba.
+
+Writes ``benchmarks/results/gpu_check_<gpu>.json`` (every row of every stage, versions, the git commit,
+each stage's status and time) and ``gpu_check_<gpu>.md`` (the tables, the design targets met or missed),
+and prints the summary. Nothing is installed and nothing needs the internet. The exit status is 1 when the
+GPU tests failed or a stage crashed; missed speed targets are reported, not failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+#: design targets (../shared/DESIGN.md, "Performance targets"): kernel time / SDPA flash time, fwd+bwd.
+TARGETS = {"alibi": 1.10, "kerple_log": 1.10, "kerple_pow": 1.10, "sandwich": 1.10, "t5": 1.10, "fire": 1.10,
+           "fox": 1.15, "sba": 1.5, "cope": 2.5}
+#: end to end: tokens/s of the patched model / unpatched.
+TRAIN_TARGET = 0.95
+
+
+def stages(smoke: bool, tmp: Path) -> list[dict]:
+    """name, command, time limit (s) and the JSON-lines file of rows of each stage."""
+    py = sys.executable
+    s = []
+    if not smoke:
+        s.append({"name": "pytest -m gpu", "timeout": 200,
+                  "cmd": [py, "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider", "--durations=15",
+                          f"--junitxml={tmp / 'pytest.xml'}", str(ROOT / "tests")]})
+    common = ["--smoke"] if smoke else ["--budget-ms", "40", "--warmup", "2", "--max-reps", "20"]
+    lengths = [] if smoke else ["--lengths", "1024", "4096", "16384"]
+    s.append({"name": "attention", "timeout": 120, "rows": tmp / "attention.jsonl",
+              "cmd": [py, str(BENCH / "bench_attention.py"), *common, *lengths,
+                      *([] if smoke else ["--tokens", "4096", "--eager-max-length", "4096"])]})
+    s.append({"name": "sba_cope", "timeout": 45, "rows": tmp / "sba_cope.jsonl",
+              "cmd": [py, str(BENCH / "bench_sba_cope.py"), *common, *lengths,
+                      *([] if smoke else ["--batches", "1", "--eager-max-length", "4096",
+                                          "--check-max-length", "4096"])]})
+    s.append({"name": "rotary", "timeout": 25, "rows": tmp / "rotary.jsonl",
+              "cmd": [py, str(BENCH / "bench_rotary.py"), *common, *lengths,
+                      *([] if smoke else ["--batches", "1", "4"])]})
+    s.append({"name": "train_step", "timeout": 60, "json": tmp / "train_step.json",
+              "cmd": [py, str(BENCH / "bench_train_step.py"),
+                      *(["--smoke"] if smoke else ["--rounds", "3", "--steps", "3", "--warmup", "2"])]})
+    for st in s:
+        if smoke:  # the interpreter on a CPU: correctness only, no time limit that means anything
+            st["timeout"] *= 30
+        if "rows" in st:
+            st["cmd"] += ["--rows-jsonl", str(st["rows"])]
+            if not smoke:
+                st["cmd"] += ["--out", str(tmp / f"{st['name']}.json")]
+        elif "json" in st and not smoke:
+            st["cmd"] += ["--out", str(st["json"])]
+    return s
+
+
+def run_stage(st: dict, env: dict) -> dict:
+    """Run one stage; its status, seconds, the tail of its output and its rows."""
+    t0 = time.time()
+    try:
+        proc = subprocess.run(st["cmd"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=st["timeout"])
+        status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
+        out = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        status = f"timed out after {st['timeout']} s"
+        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+    rec = {"name": st["name"], "status": status, "seconds": round(time.time() - t0, 1), "command": " ".join(st["cmd"]),
+           "output_tail": out[-4000:], "output": out}
+    if st.get("rows") and Path(st["rows"]).exists():
+        rec["rows"] = [json.loads(line) for line in Path(st["rows"]).read_text().splitlines() if line.strip()]
+    if st.get("json") and Path(st["json"]).exists():
+        rec["rows"] = json.loads(Path(st["json"]).read_text())["results"]
+    return rec
+
+
+def pytest_counts(path: Path, output: str = "") -> dict | None:
+    """passed / failed / errors / skipped from pytest's junit report, or, when pytest was stopped before
+    writing it (the stage's time limit), from the ``-v`` lines it had printed (``partial``: True)."""
+    if not path.exists():
+        if not output:
+            return None
+        words = re.findall(r"::\S+ (PASSED|FAILED|ERROR|SKIPPED)", output)
+        counts = {w: words.count(w) for w in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
+        return {"tests": sum(counts.values()), "failures": counts["FAILED"], "errors": counts["ERROR"],
+                "skipped": counts["SKIPPED"], "passed": counts["PASSED"], "partial": True}
+    suites = ET.parse(path).getroot()
+    suites = [suites] if suites.tag == "testsuite" else list(suites)
+    total = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    total["passed"] = total["tests"] - total["failures"] - total["errors"] - total["skipped"]
+    return total
+
+
+def _r(a, b):
+    return None if not a or not b else a / b
+
+
+def summary(result: dict) -> list[str]:
+    """The markdown summary: stage status, the kernels' ratios against their targets, end-to-end tokens/s."""
+    lines = [f"# gpu-check on {result['device']}", "", f"versions: `{json.dumps(result['versions'])}`", "",
+             "| stage | status | seconds | rows |", "|---|---|---|---|"]
+    for st in result["stages"]:
+        lines.append(f"| {st['name']} | {st['status']} | {st['seconds']} | {len(st.get('rows', []))} |")
+    if result.get("pytest"):
+        p = result["pytest"]
+        lines += ["", f"pytest -m gpu: {p['passed']} passed, {p['failures']} failed, {p['errors']} errors, "
+                      f"{p['skipped']} skipped{' (partial: the stage ran out of time)' if p.get('partial') else ''}"]
+    stages = {st["name"]: st for st in result["stages"]}
+    lines += ["", "## kernels, forward+backward: time / SDPA flash (target) and / FlexAttention",
+              "", "| kernel | B | L | triton ms | sdpa ms | triton/sdpa | target | met | flex ms | triton/flex "
+                  "| eager/triton | peak MB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [dict(r, kernel=r["term"]) for r in stages.get("attention", {}).get("rows", [])]
+    rows += [dict(r, kernel=r["kind"]) for r in stages.get("sba_cope", {}).get("rows", [])]
+    for r in rows:
+        if r.get("mode") != "fwd+bwd":
+            continue
+        ratio = _r(r.get("triton_ms"), r.get("sdpa_ms"))
+        target = TARGETS.get(r["kernel"])
+        met = "-" if ratio is None or target is None else ("yes" if ratio <= target else "NO")
+        flex = _r(r.get("triton_ms"), r.get("flex_ms"))
+        fmt = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+        lines.append(f"| {r['kernel']} | {r.get('batch')} | {r.get('length')} | {fmt(r.get('triton_ms'))} | "
+                     f"{fmt(r.get('sdpa_ms'))} | {fmt(ratio)} | {target or '-'} | {met} | {fmt(r.get('flex_ms'))} | "
+                     f"{fmt(flex)}{' SLOWER' if flex and flex > 1 else ''} | "
+                     f"{fmt(_r(r.get('eager_ms'), r.get('triton_ms')), 1)} | "
+                     f"{fmt(r.get('triton_mb'), 0)} |")
+    rot = stages.get("rotary", {}).get("rows", [])
+    if rot:
+        lines += ["", "## rotary kernel: % of SDPA attention time (target <= 5%)", "",
+                  "| s | B | L | mode | triton ms | % of attention |", "|---|---|---|---|---|---|"]
+        for r in rot:
+            pct = r.get("rotation_pct_of_attention")
+            lines.append(f"| {r.get('s')} | {r.get('B')} | {r.get('L')} | {r.get('mode')} | {r.get('triton_ms')} | "
+                         f"{'-' if pct is None else f'{pct:.1f}'} |")
+    train = stages.get("train_step", {}).get("rows", [])
+    if train:
+        lines += ["", f"## end to end: training step tokens/s (target >= {TRAIN_TARGET} of unpatched)", "",
+                  "| encoding | backend | tokens/s | vs unpatched | met | peak MB |", "|---|---|---|---|---|---|"]
+        for r in train:
+            ratio = r.get("ratio_vs_unpatched")
+            met = "-" if ratio is None or r["encoding"] == "unpatched" else ("yes" if ratio >= TRAIN_TARGET else "NO")
+            lines.append(f"| {r['encoding']} | {r.get('backend') or '-'} | {r['tokens_per_s']:.0f} | "
+                         f"{'-' if ratio is None else f'{ratio:.3f}'} | {met} | {r.get('peak_mb') or '-'} |")
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, interpreted kernels; nothing is written")
+    p.add_argument("--only", nargs="+", default=None, help="run only these stages (by name)")
+    p.add_argument("--out-dir", default=str(BENCH / "results"))
+    args = p.parse_args(argv)
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        print("gpu_check.py needs a CUDA GPU (torch.cuda.is_available() is False); `--smoke` runs every stage "
+              "with tiny shapes on the CPU.", file=sys.stderr)
+        return 2
+    from _common import device_name, slug, versions
+
+    device = torch.device("cuda" if cuda else "cpu")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    if cuda:
+        env.pop("TRITON_INTERPRET", None)
+        env.pop("HF_POSENC_BACKEND", None)  # the defaults are what is measured
+    result = {"device": device_name(device), "versions": versions(), "stages": []}
+    if cuda:
+        props = torch.cuda.get_device_properties(device)
+        result["gpu"] = {"name": props.name, "sm_count": props.multi_processor_count,
+                         "memory_gib": round(props.total_memory / 2**30, 1),
+                         "capability": f"{props.major}.{props.minor}"}
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        tmp = Path(tmp)
+        for st in stages(args.smoke, tmp):
+            if args.only and st["name"] not in args.only:
+                continue
+            print(f"[gpu-check] {st['name']} (limit {st['timeout']} s) ...", flush=True)
+            rec = run_stage(st, env)
+            print(f"[gpu-check] {st['name']}: {rec['status']} in {rec['seconds']} s, {len(rec.get('rows', []))} rows",
+                  flush=True)
+            if rec["status"] != "ok":
+                print(rec["output_tail"][-1500:], flush=True)
+            result["stages"].append(rec)
+        tests = [st for st in result["stages"] if st["name"] == "pytest -m gpu"]
+        result["pytest"] = pytest_counts(tmp / "pytest.xml", tests[0]["output"] if tests else "")
+        for st in result["stages"]:
+            st.pop("output", None)
+    result["seconds"] = round(time.time() - t0, 1)
+    text = "\n".join(summary(result))
+    print("\n" + text)
+    if not args.smoke:
+        out = Path(args.out_dir) / f"gpu_check_{slug(result['device'])}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        out.with_suffix(".md").write_text(text + "\n")
+        print(f"\nwrote {out} and {out.with_suffix('.md')} ({result['seconds']} s)")
+    crashed = [st["name"] for st in result["stages"] if st["status"].startswith("exit")]
+    tests_failed = result["pytest"] is not None and (result["pytest"]["failures"] or result["pytest"]["errors"])
+    return 1 if crashed or tests_failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

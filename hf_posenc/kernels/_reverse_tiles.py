@@ -1,0 +1,118 @@
+"""Tile bookkeeping shared by the tile-wise PyTorch engines of CoPE and stick-breaking attention.
+
+Both encodings need, for every query, sums over its keys taken *from the query backwards* (CoPE's gate
+counts p_ij = Σ_{k=j..i} g_ik, SBA's broken stick Σ_{k=j..i-1} softplus(z_ik)). The engines
+(``hf_posenc/kernels/cope/tiled.py``, ``hf_posenc/kernels/sba/tiled.py``) walk, per block of queries, the
+key blocks right to left, carrying those sums per query across blocks, as the Triton kernels do.
+
+To make every in-tile suffix sum a plain ``cumsum`` (exact, monotone, no flips per tile), the keys and
+values are reversed once per call: reversed index r = Lk - 1 - j. A query block then walks r upwards,
+and "to the right of key j" means "before r" in the walk. Memory: the reversed keys and values, O(L·D),
+and per tile O(B·H·block_m·block_n).
+
+Tiles: for an int ``q_offset`` the walk of the query block [m0, m1) starts at the reversed index of its
+last query's diagonal, so tiles above the diagonal are never visited and only the first tiles of the walk
+need the causal mask; for a tensor ``q_offset`` (a StaticCache; never read as a number, issue 19) the walk
+covers every key and the causal mask is applied in every tile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Geometry", "Tile", "key_tiles", "tile_allowed", "flip_mask_rows", "to_groups", "from_groups"]
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Sizes of one call: batch, query heads, key/value heads, group size, Lq, Lk, head_dim."""
+
+    b: int
+    h: int
+    hkv: int
+    groups: int
+    lq: int
+    lk: int
+    d: int
+
+    @staticmethod
+    def of(q: torch.Tensor, k: torch.Tensor) -> "Geometry":
+        b, h, lq, d = q.shape
+        hkv, lk = k.shape[1], k.shape[2]
+        return Geometry(b, h, hkv, h // hkv, lq, lk, d)
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Reversed key range [r0, r1) of one tile, and whether it needs the causal mask."""
+
+    r0: int
+    r1: int
+    causal: bool
+
+
+def key_tiles(
+    m0: int, m1: int, lk: int, q_offset: int | torch.Tensor, block_n: int, strict: bool
+) -> list[Tile]:
+    """The tiles (reversed key ranges, right to left in key order) walked by the query block [m0, m1).
+
+    Query i is key ``q_offset + i``; it sees keys j <= q_offset + i (j < with ``strict``).
+    """
+    if isinstance(q_offset, torch.Tensor):
+        return [Tile(r0, min(r0 + block_n, lk), True) for r0 in range(0, lk, block_n)]
+    last_key = min(q_offset + m1 - 1 - int(strict), lk - 1)  # the last key any query of the block sees
+    start = lk - 1 - last_key  # its reversed index
+    if last_key < 0:
+        return []
+    # rows before the last one see fewer keys: their first (m1 - 1 - m0) reversed indices are masked
+    ragged = start + (m1 - 1 - m0)
+    return [Tile(r0, min(r0 + block_n, lk), r0 < ragged) for r0 in range(start, lk, block_n)]
+
+
+def tile_allowed(
+    tile: Tile,
+    m0: int,
+    m1: int,
+    lk: int,
+    q_offset: int | torch.Tensor,
+    strict: bool,
+    mask_rows: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """(B|1, 1, 1, BM, BN) bool: the keys of ``tile`` each query of [m0, m1) may use, or None for all.
+
+    ``mask_rows``: the block's mask rows with reversed keys, (B|1, 1, BM, Lk) (see :func:`flip_mask_rows`).
+    """
+    allowed = None
+    if tile.causal:
+        key = (lk - 1) - torch.arange(tile.r0, tile.r1, device=device)
+        off = q_offset.to(device) if isinstance(q_offset, torch.Tensor) else q_offset
+        qidx = torch.arange(m0, m1, device=device) + off
+        allowed = (key[None, :] < qidx[:, None]) if strict else (key[None, :] <= qidx[:, None])
+    if mask_rows is not None:
+        m = mask_rows[..., tile.r0:tile.r1]
+        allowed = m if allowed is None else (m & allowed)
+    return None if allowed is None else allowed.unsqueeze(-3)
+
+
+def flip_mask_rows(mask: torch.Tensor | None, m0: int, m1: int) -> torch.Tensor | None:
+    """Rows [m0, m1) of a (B|1, 1, Lq, Lk) bool mask with the keys reversed: (B|1, 1, BM, Lk)."""
+    if mask is None:
+        return None
+    return mask[:, :, m0:m1].flip(-1)
+
+
+def to_groups(x: torch.Tensor, geo: Geometry, m0: int, m1: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows [m0, m1) of a (B, H, Lq, X) tensor as (B, Hkv, G·BM, X) in ``dtype``: always a new contiguous
+    tensor (callers scale it in place), the query heads of one key/value head stacked, so one matmul serves
+    a whole GQA group."""
+    out = torch.empty(geo.b, geo.hkv, geo.groups * (m1 - m0), x.shape[-1], dtype=dtype, device=x.device)
+    out.view(geo.b, geo.h, m1 - m0, x.shape[-1]).copy_(x[:, :, m0:m1])
+    return out
+
+
+def from_groups(x: torch.Tensor, geo: Geometry, bm: int) -> torch.Tensor:
+    """(B, Hkv, G·BM, X) back to (B, H, BM, X) (a view)."""
+    return x.view(geo.b, geo.h, bm, x.shape[-1])

@@ -1,0 +1,247 @@
+"""CoPE attention tile by tile in plain PyTorch: the engine wherever the Triton kernels do not run.
+
+Math (``hf_posenc/encodings/cope.py``, the paper's eqs. 3-7 with the code's scaling, and ``naive.py``): for
+query i (key index q_i = q_offset + i) and the keys j <= q_i the mask allows, with s the logit scale and e
+the (D, npos) table::
+
+    w_ij = s q_i·k_j,  g_ij = σ(w_ij) (0 off the allowed keys: masked before the sum)
+    p_ij = min(Σ_{k=j..q_i} g_ik, npos - 1)              (j included)
+    z_i  = q_i e  (npos entries),  pos_ij = (p - ⌊p⌋) z_i[⌈p⌉] + (1 - p + ⌊p⌋) z_i[⌊p⌋]
+    o_i  = softmax_j(w_ij + pos_ij) v
+
+Everything in float32 (float64 for float64 inputs).
+
+Forward: per block of ``block_m`` queries (all query heads of a key/value head at once: GQA is never
+expanded), the table z_i = q_i e is computed once, (G·block_m, npos), and gathered per tile; the key tiles
+are walked right to left (``hf_posenc.kernels._reverse_tiles``: keys reversed once, so the in-tile suffix sums
+are one ``cumsum``), carrying per query the gate mass of the keys already walked, with an online softmax
+(running max and sum, rescaled accumulator). Tiles above the diagonal are never visited (int offsets).
+⌈p⌉ is gathered as ⌊p⌋ + 1 from z extended by a copy of its last entry (its weight p - ⌊p⌋ is 0 where
+p is an integer, so the value is the same). Extra memory: O(L·H·(npos + D)) rows and per-tile temporaries,
+never O(L²).
+
+Backward (recomputed; the same walk). With dS = P ⊙ (dP - δ) (dP = do vᵀ, δ_i = do_i·o_i)::
+
+    dp_ij  = dS_ij (z_i[⌈p⌉] - z_i[⌊p⌋])   where p_ij < npos - 1 (0 where clamped)
+    dw_ij  = dS_ij + σ'(w_ij) Σ_{j' <= j} dp_ij'          (p_ij sums the gates of the keys j..q_i)
+    dz_i[t] = Σ_j dS_ij tent(p_ij - t),   dq_i = s Σ_j dw_ij k_j + e dz_i,   de = Σ_i q_i ⊗ dz_i
+    dk_j = s Σ_i dw_ij q_i,   dv_j = Σ_i P_ij do_i
+
+The prefix Σ_{j' <= j} dp runs from the far end of the row, against the walk: it is Dp_i - Σ_{j' > j} dp
+with the row total Dp_i = Σ_j dp_ij. That total needs no extra pass: Dp_i = do_i·U_i - δ_i c_i with
+U_i = Σ_j P_ij Δz_ij v_j and c_i = Σ_j P_ij Δz_ij (Δz = z[⌈p⌉] - z[⌊p⌋] in the window), which the forward
+accumulates beside its output (O(L·H·D), only when a gradient is needed). Left of the window (p clamped:
+p grows monotonically leftwards) the prefix is exactly 0 and is set so. dz is scattered per tile
+(``scatter_add_`` into a (G·block_m, npos + 1) row table), dk and dv are accumulated per tile into one
+(B, Hkv, Lk, D) buffer each: no slices of a full matrix, no (B, H, L, L) tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._reverse_tiles import Geometry, flip_mask_rows, key_tiles, tile_allowed, to_groups
+
+__all__ = ["cope_tiled", "CopeTiledFunction", "BLOCK_M", "BLOCK_N"]
+
+#: default query block and key tile (CPU, 2 threads, H = 8, D = 32: see benchmarks/bench_cope_sba_cpu.py).
+BLOCK_M = 128
+BLOCK_N = 256
+
+
+def _dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _row_table(qb: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """(B, Hkv, R, npos + 1): z = q e with its last entry repeated (the ⌈p⌉ of a clamped p)."""
+    z = qb @ table
+    return torch.cat([z, z[..., -1:]], dim=-1)
+
+
+def _tile(qs, kt, zext, carry, allowed, shape5, top):
+    """One tile: logits w, masked gates, their cumulative sums (reversed keys), positions p, ⌊p⌋ (int64),
+    the interpolation weight, z[⌊p⌋], Δz = z[⌈p⌉] - z[⌊p⌋] and the scores (-inf off the allowed keys)."""
+    w = qs @ kt.transpose(-1, -2)
+    gate = torch.sigmoid(w)
+    if allowed is not None:
+        gate.view(shape5).masked_fill_(~allowed, 0.0)
+    cs = gate.cumsum(-1)
+    p = (cs + carry[..., None]).clamp_(max=top)
+    idx = p.long()  # ⌊p⌋ (p >= 0)
+    frac = p - idx
+    zf = zext.gather(-1, idx)
+    dz = zext.gather(-1, idx + 1).sub_(zf)
+    s = torch.addcmul(zf, frac, dz).add_(w)
+    if allowed is not None:
+        s.view(shape5).masked_fill_(~allowed, float("-inf"))
+    return w, gate, cs, p, idx, frac, dz, s
+
+
+def _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, with_rows):
+    geo = Geometry.of(q, k)
+    dtype = _dtype(q)
+    top = float(table.shape[1] - 1)
+    e = table.to(dtype)
+    kr = k.flip(2).to(dtype)
+    vr = v.flip(2).to(dtype)
+    dev = q.device
+    out = torch.empty(geo.b, geo.h, geo.lq, geo.d, dtype=dtype, device=dev)
+    lse = torch.empty(geo.b, geo.h, geo.lq, dtype=dtype, device=dev)
+    u_rows = torch.empty_like(out) if with_rows else None
+    c_rows = torch.empty_like(lse) if with_rows else None
+    neg_inf = torch.tensor(float("-inf"), dtype=dtype, device=dev)
+    for m0 in range(0, geo.lq, block_m):
+        m1 = min(m0 + block_m, geo.lq)
+        bm = m1 - m0
+        nr = geo.groups * bm
+        qb = to_groups(q, geo, m0, m1, dtype)
+        qs = qb * scale
+        zext = _row_table(qb, e)
+        carry = torch.zeros(geo.b, geo.hkv, nr, dtype=dtype, device=dev)
+        m_i = torch.full_like(carry, float("-inf"))
+        l_i = torch.zeros_like(carry)
+        acc = torch.zeros(geo.b, geo.hkv, nr, geo.d, dtype=dtype, device=dev)
+        if with_rows:
+            u_acc = torch.zeros_like(acc)
+            c_acc = torch.zeros_like(carry)
+        rows = flip_mask_rows(mask, m0, m1)
+        for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, False):
+            allowed = tile_allowed(tile, m0, m1, geo.lk, q_offset, False, rows, dev)
+            shape5 = (geo.b, geo.hkv, geo.groups, bm, tile.r1 - tile.r0)
+            vt = vr[:, :, tile.r0:tile.r1]
+            _, _, cs, p, _, frac, dz, s = _tile(qs, kr[:, :, tile.r0:tile.r1], zext, carry, allowed, shape5, top)
+            m_new = torch.maximum(m_i, s.amax(-1))
+            m_safe = torch.where(m_new == neg_inf, torch.zeros((), dtype=dtype, device=dev), m_new)
+            alpha = torch.exp(m_i - m_safe)
+            pexp = s.sub_(m_safe[..., None]).exp_()
+            l_i.mul_(alpha).add_(pexp.sum(-1))
+            acc.mul_(alpha[..., None]).add_(pexp @ vt)
+            if with_rows:  # U = Σ P Δz v and c = Σ P Δz over the window (p < npos - 1, p not an integer)
+                pw = pexp.mul(dz).masked_fill_((p >= top) | (frac == 0), 0.0)
+                u_acc.mul_(alpha[..., None]).add_(pw @ vt)
+                c_acc.mul_(alpha).add_(pw.sum(-1))
+            m_i = m_new
+            carry.add_(cs[..., -1])
+        has = l_i > 0
+        inv = torch.where(has, 1.0 / torch.where(has, l_i, torch.ones_like(l_i)), torch.zeros_like(l_i))
+        out[:, :, m0:m1] = (acc * inv[..., None]).view(geo.b, geo.h, bm, geo.d)
+        row_lse = torch.where(has, m_i + torch.log(torch.where(has, l_i, torch.ones_like(l_i))), -neg_inf)
+        lse[:, :, m0:m1] = row_lse.view(geo.b, geo.h, bm)
+        if with_rows:
+            u_rows[:, :, m0:m1] = (u_acc * inv[..., None]).view(geo.b, geo.h, bm, geo.d)
+            c_rows[:, :, m0:m1] = (c_acc * inv).view(geo.b, geo.h, bm)
+    return out, lse, u_rows, c_rows
+
+
+def _backward(q, k, v, table, mask, scale, q_offset, block_m, block_n, out, lse, u_rows, c_rows, do):
+    geo = Geometry.of(q, k)
+    dtype = _dtype(q)
+    npos = table.shape[1]
+    top = float(npos - 1)
+    e = table.to(dtype)
+    kr = k.flip(2).to(dtype)
+    vr = v.flip(2).to(dtype)
+    dev = q.device
+    dq = torch.empty(geo.b, geo.h, geo.lq, geo.d, dtype=dtype, device=dev)
+    dkr = torch.zeros(geo.b, geo.hkv, geo.lk, geo.d, dtype=dtype, device=dev)
+    dvr = torch.zeros_like(dkr)
+    de = torch.zeros(geo.d, npos, dtype=dtype, device=dev)
+    for m0 in range(0, geo.lq, block_m):
+        m1 = min(m0 + block_m, geo.lq)
+        bm = m1 - m0
+        nr = geo.groups * bm
+        qb = to_groups(q, geo, m0, m1, dtype)
+        qs = qb * scale
+        zext = _row_table(qb, e)
+        dob = to_groups(do, geo, m0, m1, dtype)
+        delta = (dob * to_groups(out, geo, m0, m1, dtype)).sum(-1)
+        lse_b = to_groups(lse[..., None], geo, m0, m1, dtype)
+        d_total = (dob * to_groups(u_rows, geo, m0, m1, dtype)).sum(-1) - delta * to_groups(
+            c_rows[..., None], geo, m0, m1, dtype
+        )[..., 0]
+        carry = torch.zeros(geo.b, geo.hkv, nr, dtype=dtype, device=dev)
+        right = torch.zeros_like(carry)  # Σ dp over the tiles already walked
+        dqb = torch.zeros(geo.b, geo.hkv, nr, geo.d, dtype=dtype, device=dev)
+        dzext = torch.zeros(geo.b, geo.hkv, nr, npos + 1, dtype=dtype, device=dev)
+        rows = flip_mask_rows(mask, m0, m1)
+        for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, False):
+            allowed = tile_allowed(tile, m0, m1, geo.lk, q_offset, False, rows, dev)
+            shape5 = (geo.b, geo.hkv, geo.groups, bm, tile.r1 - tile.r0)
+            kt, vt = kr[:, :, tile.r0:tile.r1], vr[:, :, tile.r0:tile.r1]
+            w, gate, cs, p, idx, frac, dz, s = _tile(qs, kt, zext, carry, allowed, shape5, top)
+            prob = s.sub_(lse_b).exp_()  # -inf off the allowed keys, lse = +inf on empty rows: 0
+            ds = (dob @ vt.transpose(-1, -2)).sub_(delta[..., None]).mul_(prob)
+            clamped = p >= top
+            dp = (ds * dz).masked_fill_(clamped | (frac == 0), 0.0)
+            dps = dp.cumsum(-1)
+            # Σ_{j' <= j} dp = Dp - Σ_{j' > j} dp, exactly 0 left of the window
+            pre = (dps - dp).add_(right[..., None]).neg_().add_(d_total[..., None]).masked_fill_(clamped, 0.0)
+            dw = gate.mul(1.0 - gate).mul_(pre).add_(ds)
+            dqb.add_(dw @ kt)
+            dkr[:, :, tile.r0:tile.r1].add_(dw.transpose(-1, -2) @ qs)
+            dvr[:, :, tile.r0:tile.r1].add_(prob.transpose(-1, -2) @ dob)
+            dzext.scatter_add_(-1, idx, ds - ds * frac)
+            dzext.scatter_add_(-1, idx + 1, ds.mul_(frac))
+            carry.add_(cs[..., -1])
+            right.add_(dps[..., -1])
+        dzr = dzext[..., :npos].clone()
+        dzr[..., -1] += dzext[..., npos]
+        dqb.mul_(scale).add_(dzr @ e.transpose(0, 1))
+        dq[:, :, m0:m1] = dqb.view(geo.b, geo.h, bm, geo.d)
+        de.add_(qb.reshape(-1, geo.d).transpose(0, 1) @ dzr.reshape(-1, npos))
+    return dq, dkr.flip(2), dvr.flip(2), de
+
+
+class CopeTiledFunction(torch.autograd.Function):
+    """Causal CoPE attention, tile-wise, recomputing in backward; gradients for q, k, v and the table."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, table, mask, scale, q_offset, block_m, block_n):
+        needs = any(ctx.needs_input_grad[:4])
+        out, lse, u_rows, c_rows = _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, needs)
+        if needs:
+            ctx.save_for_backward(q, k, v, table, mask, out, lse, u_rows, c_rows)
+        ctx.args = (scale, q_offset, block_m, block_n)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, table, mask, out, lse, u_rows, c_rows = ctx.saved_tensors
+        scale, q_offset, block_m, block_n = ctx.args
+        dq, dk, dv, de = _backward(q, k, v, table, mask, scale, q_offset, block_m, block_n, out, lse, u_rows,
+                                   c_rows, do)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                de.to(table.dtype) if ctx.needs_input_grad[3] else None, None, None, None, None, None)
+
+
+def cope_tiled(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    table: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    q_offset: int | torch.Tensor = 0,
+    block_m: int = BLOCK_M,
+    block_n: int = BLOCK_N,
+) -> torch.Tensor:
+    """Causal CoPE attention computed tile by tile (any device), recomputed in backward.
+
+    Args:
+        q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D) with H a multiple of Hkv (not expanded); any float dtype
+            (computed in float32, float64 for float64).
+        table: (D, npos) position embeddings e; gets a gradient.
+        mask: (B|1, 1, Lq, Lk) bool (True = may attend; padding) or None. Causality by index is applied in
+            any case.
+        scale: logit scale s (gates σ(s q·k); logits s q·k + q·e[p]).
+        q_offset: query i is key ``q_offset + i``: an int, or a 0-d tensor (a StaticCache), never read as a
+            number (every key tile is then walked, with the causal mask).
+        block_m, block_n: query block and key tile sizes.
+
+    Returns:
+        (B, H, Lq, D) in q's dtype.
+    """
+    if isinstance(q_offset, torch.Tensor):
+        q_offset = q_offset.detach().clone()  # a StaticCache mutates its length in place before backward
+    return CopeTiledFunction.apply(q, k, v, table, mask, float(scale), q_offset, int(block_m), int(block_n))

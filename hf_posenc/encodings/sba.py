@@ -196,17 +196,24 @@ class StickBreaking(PositionEncoding):
             scaling: the model's logit scale.
 
         Returns:
-            out (B, H, Lq, D) in the query's dtype, and the weights (B, H, Lq, Lk) (float32), or None when the
-            fused kernel ran (``hf_posenc.kernels.sba``: on CUDA, or forced with ``HF_POSENC_BACKEND=triton``;
-            it never forms the weights, and is not used when they are requested).
+            out (B, H, Lq, D) in the query's dtype, and the weights (B, H, Lq, Lk) (float32), or None when an
+            engine that never forms them ran: the fused kernel (``hf_posenc.kernels.sba``: on CUDA, or forced
+            with ``HF_POSENC_BACKEND=triton``), or elsewhere the tile-wise PyTorch engine
+            (``hf_posenc.kernels.sba.tiled``; O(L·block) memory). The full-matrix reference below runs only
+            when the weights are requested or with attention dropout while training.
         """
-        from ..kernels.sba import sba_backend, stick_breaking
+        from ..kernels.sba import sba_backend, sba_tiled, stick_breaking
 
         if sba_backend(query, key, value, mask, ctx.q_offset, ctx.need_weights, dropout, training) == "triton":
             bias = self.remainder_bias[layer] if self.remainder == "bias" else None
             out = stick_breaking(
                 query, key, value, mask, scaling, ctx.q_offset, self.attend_current, self.remainder, bias
             )
+            return out, None
+        if not ctx.need_weights and not (dropout > 0.0 and training):
+            # the tile-wise engine: O(L·block) memory, no weights formed
+            bias = self.remainder_bias[layer] if self.remainder == "bias" else None
+            out = sba_tiled(query, key, value, mask, scaling, ctx.q_offset, self.attend_current, self.remainder, bias)
             return out, None
         b, h, q_len, _ = query.shape
         k_len = key.shape[2]

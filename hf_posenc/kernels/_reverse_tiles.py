@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Geometry", "Tile", "key_tiles", "tile_allowed", "flip_mask_rows", "to_groups", "from_groups"]
+__all__ = ["Geometry", "Tile", "key_tiles", "tile_blocked", "blocked_mask_rows", "to_groups", "from_groups", "tile_sizes", "fill_blocked"]
 
 
 @dataclass(frozen=True)
@@ -71,37 +71,40 @@ def key_tiles(
     return [Tile(r0, min(r0 + block_n, lk), r0 < ragged) for r0 in range(start, lk, block_n)]
 
 
-def tile_allowed(
+def tile_blocked(
     tile: Tile,
     m0: int,
     m1: int,
     lk: int,
     q_offset: int | torch.Tensor,
     strict: bool,
-    mask_rows: torch.Tensor | None,
+    blocked_rows: torch.Tensor | None,
     device: torch.device,
 ) -> torch.Tensor | None:
-    """(B|1, 1, 1, BM, BN) bool: the keys of ``tile`` each query of [m0, m1) may use, or None for all.
+    """(B|1, 1, 1, BM, BN) bool: True where a query of [m0, m1) may NOT use a key of ``tile``; None when
+    every query may use every key of it.
 
-    ``mask_rows``: the block's mask rows with reversed keys, (B|1, 1, BM, Lk) (see :func:`flip_mask_rows`).
+    ``blocked_rows``: the block's rows of the inverted mask with reversed keys, (B|1, 1, BM, Lk) (see
+    :func:`blocked_mask_rows`).
     """
-    allowed = None
+    blocked = None
     if tile.causal:
         key = (lk - 1) - torch.arange(tile.r0, tile.r1, device=device)
         off = q_offset.to(device) if isinstance(q_offset, torch.Tensor) else q_offset
         qidx = torch.arange(m0, m1, device=device) + off
-        allowed = (key[None, :] < qidx[:, None]) if strict else (key[None, :] <= qidx[:, None])
-    if mask_rows is not None:
-        m = mask_rows[..., tile.r0:tile.r1]
-        allowed = m if allowed is None else (m & allowed)
-    return None if allowed is None else allowed.unsqueeze(-3)
+        blocked = (key[None, :] >= qidx[:, None]) if strict else (key[None, :] > qidx[:, None])
+    if blocked_rows is not None:
+        m = blocked_rows[..., tile.r0:tile.r1]
+        blocked = m if blocked is None else (m | blocked)
+    return None if blocked is None else blocked.unsqueeze(-3)
 
 
-def flip_mask_rows(mask: torch.Tensor | None, m0: int, m1: int) -> torch.Tensor | None:
-    """Rows [m0, m1) of a (B|1, 1, Lq, Lk) bool mask with the keys reversed: (B|1, 1, BM, Lk)."""
+def blocked_mask_rows(mask: torch.Tensor | None, m0: int, m1: int) -> torch.Tensor | None:
+    """Rows [m0, m1) of a (B|1, 1, Lq, Lk) bool mask (True = may attend), inverted, with the keys reversed:
+    (B|1, 1, BM, Lk), True = blocked."""
     if mask is None:
         return None
-    return mask[:, :, m0:m1].flip(-1)
+    return ~mask[:, :, m0:m1].flip(-1)
 
 
 def to_groups(x: torch.Tensor, geo: Geometry, m0: int, m1: int, dtype: torch.dtype) -> torch.Tensor:
@@ -116,3 +119,25 @@ def to_groups(x: torch.Tensor, geo: Geometry, m0: int, m1: int, dtype: torch.dty
 def from_groups(x: torch.Tensor, geo: Geometry, bm: int) -> torch.Tensor:
     """(B, Hkv, G·BM, X) back to (B, H, BM, X) (a view)."""
     return x.view(geo.b, geo.h, bm, x.shape[-1])
+
+
+#: elements of one (B, H, block_m, block_n) float tile when the key tile is sized automatically.
+TILE_ELEMENTS = 1 << 21
+
+
+def tile_sizes(geo: Geometry, block_m: int, block_n: int | None) -> tuple[int, int]:
+    """(block_m, block_n): ``block_n`` None sizes the key tile to about ``TILE_ELEMENTS`` per float tile
+    (a multiple of 64, at least 64, at most Lk). Key tiles cost no extra work (the walk starts at each query
+    block's diagonal; only the block_m x block_m triangle there is masked work), so they are made as long
+    as memory allows: fewer, larger operations."""
+    if block_n is None:
+        per_key = max(1, geo.b * geo.h * block_m)
+        block_n = max(64, (TILE_ELEMENTS // per_key) // 64 * 64)
+    return block_m, max(1, min(block_n, max(1, geo.lk)))
+
+
+def fill_blocked(x: torch.Tensor, blocked: torch.Tensor | None, value: float) -> torch.Tensor:
+    """Fill, in place, the entries of a (B, Hkv, G·BM, BN) tile that ``blocked`` (B|1, 1, 1, BM, BN) marks."""
+    if blocked is not None:
+        x.view(x.shape[0], x.shape[1], -1, blocked.shape[-2], x.shape[-1]).masked_fill_(blocked, value)
+    return x

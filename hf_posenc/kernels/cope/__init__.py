@@ -3,17 +3,21 @@
 ``cope`` dispatches (``cope_backend`` tells which it will use):
 
 * ``HF_POSENC_BACKEND`` unset: the Triton kernels when the tensors are on a CUDA device and the kernels
-  support the inputs; the PyTorch reference otherwise (CPU tensors, float64, head_dim > 128, attention
-  weights requested, attention dropout while training, the bidirectional ViT variant).
+  support the inputs; the tile-wise PyTorch engine (``tiled.py``) otherwise (CPU tensors, float64,
+  head_dim > 128, attention weights requested, attention dropout while training, the bidirectional ViT variant).
 * ``HF_POSENC_BACKEND=triton``: the kernels, or a ``ValueError`` that says why they cannot run (Triton
   missing, tensors on the CPU without ``TRITON_INTERPRET=1``, one of the cases above). Under
   ``TRITON_INTERPRET=1`` the kernels run on CPU tensors in Triton's interpreter (slow; for tests).
-* ``HF_POSENC_BACKEND=torch`` (or ``flex``: CoPE has no FlexAttention form): the reference.
+* ``HF_POSENC_BACKEND=torch`` (or ``flex``: CoPE has no FlexAttention form): the tile-wise engine.
 
 The kernels are causal (text models). The bidirectional generalisation of the encoding on ViT (raster-order
 counts in both directions, a second table, CLS excluded; see ``hf_posenc/encodings/cope.py``) is computed by
 the reference: on CUDA the encoding uses the reference for it, and forcing ``triton`` on ViT raises.
-Query i is key ``q_offset + i`` (a tensor offset, from a StaticCache, is read with ``int()``).
+The tile-wise engine (``tiled.py``: plain PyTorch, any device, O(L·block) memory, recomputing backward) is
+what runs wherever the kernels do not; the full-matrix reference (``naive.py``) is the test oracle, and what
+the encoding uses only when it must return the probabilities, apply attention dropout, or run on ViT.
+Query i is key ``q_offset + i``; a tensor offset (a StaticCache) is read with ``int()`` by the Triton
+path only (and by the input check, in eager mode on CPU tensors); the tile-wise engine keeps it a tensor.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ import torch
 
 from .._attn_dispatch import choose, common_unsupported
 from .naive import cope_reference
+from .tiled import cope_tiled
 
-__all__ = ["cope", "cope_backend", "cope_reference"]
+__all__ = ["cope", "cope_backend", "cope_reference", "cope_tiled"]
 
 
 def _check(q, k, v, table, mask, q_offset) -> None:
@@ -34,9 +39,14 @@ def _check(q, k, v, table, mask, q_offset) -> None:
         raise ValueError(f"k and v must be (B, Hkv, Lk, D) with q's B and D, got {tuple(k.shape)}, {tuple(v.shape)}")
     if h % k.shape[1]:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({k.shape[1]})")
-    offset = int(q_offset)
-    if offset < 0 or offset + lq > k.shape[2]:
-        raise ValueError(f"q_offset={offset} with {lq} queries needs q_offset + Lq <= Lk={k.shape[2]}")
+    # a tensor offset is checked only where reading it costs no sync and breaks no compiled graph
+    readable = not isinstance(q_offset, torch.Tensor) or (
+        q_offset.device.type == "cpu" and not torch.compiler.is_compiling()
+    )
+    if readable:
+        offset = int(q_offset)
+        if offset < 0 or offset + lq > k.shape[2]:
+            raise ValueError(f"q_offset={offset} with {lq} queries needs q_offset + Lq <= Lk={k.shape[2]}")
     if table.dim() != 2 or table.shape[0] != d or table.shape[1] < 1:
         raise ValueError(f"table must be (head_dim={d}, npos_max), got {tuple(table.shape)}")
     if mask is not None and (mask.dim() != 4 or mask.shape[0] not in (1, b) or mask.shape[1] != 1
@@ -81,7 +91,8 @@ def cope(
     scale: float,
     q_offset: int | torch.Tensor = 0,
 ) -> torch.Tensor:
-    """Causal CoPE attention (see ``hf_posenc/encodings/cope.py`` for the formula), fused on CUDA.
+    """Causal CoPE attention (see ``hf_posenc/encodings/cope.py`` for the formula): fused on CUDA, tile-wise
+    PyTorch elsewhere.
 
     Args:
         q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D) with H a multiple of Hkv (not expanded).
@@ -100,4 +111,4 @@ def cope(
 
         last = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)]
         return cope_triton(*last, table, mask, scale, int(q_offset))
-    return cope_reference(q, k, v, table, mask, scale, q_offset)
+    return cope_tiled(q, k, v, table, mask, scale, q_offset)

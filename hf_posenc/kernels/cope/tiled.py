@@ -40,46 +40,57 @@ from __future__ import annotations
 
 import torch
 
-from .._reverse_tiles import Geometry, flip_mask_rows, key_tiles, tile_allowed, to_groups
+from .._reverse_tiles import (
+    Geometry,
+    blocked_mask_rows,
+    fill_blocked,
+    key_tiles,
+    tile_blocked,
+    tile_sizes,
+    to_groups,
+)
 
 __all__ = ["cope_tiled", "CopeTiledFunction", "BLOCK_M", "BLOCK_N"]
 
-#: default query block and key tile (CPU, 2 threads, H = 8, D = 32: see benchmarks/bench_cope_sba_cpu.py).
+#: default query block; the key tile is sized to about ``_reverse_tiles.TILE_ELEMENTS`` per float tile (None).
 BLOCK_M = 128
-BLOCK_N = 256
+BLOCK_N: int | None = None
 
 
 def _dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _row_table(qb: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """(B, Hkv, R, npos + 1): z = q e with its last entry repeated (the ⌈p⌉ of a clamped p)."""
+def _row_tables(qb: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """z = q e (B, Hkv, R, npos) and its forward differences Δz[t] = z[t + 1] - z[t] (0 at t = npos - 1,
+    where p is clamped and its weight p - ⌊p⌋ is 0), so that pos = z[⌊p⌋] + (p - ⌊p⌋) Δz[⌊p⌋]."""
     z = qb @ table
-    return torch.cat([z, z[..., -1:]], dim=-1)
+    dz = torch.zeros_like(z)
+    dz[..., :-1] = z[..., 1:] - z[..., :-1]
+    return z, dz
 
 
-def _tile(qs, kt, zext, carry, allowed, shape5, top):
-    """One tile: logits w, masked gates, their cumulative sums (reversed keys), positions p, ⌊p⌋ (int64),
-    the interpolation weight, z[⌊p⌋], Δz = z[⌈p⌉] - z[⌊p⌋] and the scores (-inf off the allowed keys)."""
-    w = qs @ kt.transpose(-1, -2)
-    gate = torch.sigmoid(w)
-    if allowed is not None:
-        gate.view(shape5).masked_fill_(~allowed, 0.0)
-    cs = gate.cumsum(-1)
-    p = (cs + carry[..., None]).clamp_(max=top)
+def _tile(qs, kt, zt, zd, carry, blocked, top, with_slope):
+    """One tile: logits w (-inf off the allowed keys), gates, σ' (``with_slope``), the clamped positions p
+    (a cumsum from the right with the carry folded into the first column), ⌊p⌋ (int64), p - ⌊p⌋, Δz[⌊p⌋],
+    the scores w + pos, and the unclamped gate mass up to the tile's left edge (the next carry)."""
+    w = fill_blocked(qs @ kt.transpose(-1, -2), blocked, float("-inf"))
+    gate = torch.sigmoid(w)  # σ(-inf) = 0: masked before the sum
+    slope = torch.addcmul(gate, gate, gate, value=-1.0) if with_slope else None  # σ' = g - g²
+    gate[..., 0] += carry
+    p = gate.cumsum(-1)
+    carry = p[..., -1].clone()
+    p.clamp_(max=top)
     idx = p.long()  # ⌊p⌋ (p >= 0)
-    frac = p - idx
-    zf = zext.gather(-1, idx)
-    dz = zext.gather(-1, idx + 1).sub_(zf)
-    s = torch.addcmul(zf, frac, dz).add_(w)
-    if allowed is not None:
-        s.view(shape5).masked_fill_(~allowed, float("-inf"))
-    return w, gate, cs, p, idx, frac, dz, s
+    frac = torch.frac(p)
+    dz = zd.gather(-1, idx)
+    s = torch.addcmul(zt.gather(-1, idx), frac, dz).add_(w)
+    return w, slope, p, idx, frac, dz, s, carry
 
 
 def _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, with_rows):
     geo = Geometry.of(q, k)
+    block_m, block_n = tile_sizes(geo, block_m, block_n)
     dtype = _dtype(q)
     top = float(table.shape[1] - 1)
     e = table.to(dtype)
@@ -91,13 +102,14 @@ def _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, with_rows)
     u_rows = torch.empty_like(out) if with_rows else None
     c_rows = torch.empty_like(lse) if with_rows else None
     neg_inf = torch.tensor(float("-inf"), dtype=dtype, device=dev)
+    zero = torch.zeros((), dtype=dtype, device=dev)
     for m0 in range(0, geo.lq, block_m):
         m1 = min(m0 + block_m, geo.lq)
         bm = m1 - m0
         nr = geo.groups * bm
         qb = to_groups(q, geo, m0, m1, dtype)
         qs = qb * scale
-        zext = _row_table(qb, e)
+        zt, zd = _row_tables(qb, e)
         carry = torch.zeros(geo.b, geo.hkv, nr, dtype=dtype, device=dev)
         m_i = torch.full_like(carry, float("-inf"))
         l_i = torch.zeros_like(carry)
@@ -105,24 +117,24 @@ def _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, with_rows)
         if with_rows:
             u_acc = torch.zeros_like(acc)
             c_acc = torch.zeros_like(carry)
-        rows = flip_mask_rows(mask, m0, m1)
+        rows = blocked_mask_rows(mask, m0, m1)
         for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, False):
-            allowed = tile_allowed(tile, m0, m1, geo.lk, q_offset, False, rows, dev)
-            shape5 = (geo.b, geo.hkv, geo.groups, bm, tile.r1 - tile.r0)
+            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, False, rows, dev)
             vt = vr[:, :, tile.r0:tile.r1]
-            _, _, cs, p, _, frac, dz, s = _tile(qs, kr[:, :, tile.r0:tile.r1], zext, carry, allowed, shape5, top)
+            _, _, _, _, frac, dz, s, carry = _tile(
+                qs, kr[:, :, tile.r0:tile.r1], zt, zd, carry, blocked, top, False
+            )
             m_new = torch.maximum(m_i, s.amax(-1))
-            m_safe = torch.where(m_new == neg_inf, torch.zeros((), dtype=dtype, device=dev), m_new)
+            m_safe = torch.where(m_new == neg_inf, zero, m_new)
             alpha = torch.exp(m_i - m_safe)
             pexp = s.sub_(m_safe[..., None]).exp_()
             l_i.mul_(alpha).add_(pexp.sum(-1))
             acc.mul_(alpha[..., None]).add_(pexp @ vt)
-            if with_rows:  # U = Σ P Δz v and c = Σ P Δz over the window (p < npos - 1, p not an integer)
-                pw = pexp.mul(dz).masked_fill_((p >= top) | (frac == 0), 0.0)
+            if with_rows:  # U = Σ P Δz v and c = Σ P Δz where p is not an integer (clamped p is)
+                pw = pexp.mul(dz).masked_fill_(frac == 0, 0.0)
                 u_acc.mul_(alpha[..., None]).add_(pw @ vt)
                 c_acc.mul_(alpha).add_(pw.sum(-1))
             m_i = m_new
-            carry.add_(cs[..., -1])
         has = l_i > 0
         inv = torch.where(has, 1.0 / torch.where(has, l_i, torch.ones_like(l_i)), torch.zeros_like(l_i))
         out[:, :, m0:m1] = (acc * inv[..., None]).view(geo.b, geo.h, bm, geo.d)
@@ -136,6 +148,7 @@ def _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, with_rows)
 
 def _backward(q, k, v, table, mask, scale, q_offset, block_m, block_n, out, lse, u_rows, c_rows, do):
     geo = Geometry.of(q, k)
+    block_m, block_n = tile_sizes(geo, block_m, block_n)
     dtype = _dtype(q)
     npos = table.shape[1]
     top = float(npos - 1)
@@ -153,40 +166,39 @@ def _backward(q, k, v, table, mask, scale, q_offset, block_m, block_n, out, lse,
         nr = geo.groups * bm
         qb = to_groups(q, geo, m0, m1, dtype)
         qs = qb * scale
-        zext = _row_table(qb, e)
+        zt, zd = _row_tables(qb, e)
         dob = to_groups(do, geo, m0, m1, dtype)
         delta = (dob * to_groups(out, geo, m0, m1, dtype)).sum(-1)
         lse_b = to_groups(lse[..., None], geo, m0, m1, dtype)
-        d_total = (dob * to_groups(u_rows, geo, m0, m1, dtype)).sum(-1) - delta * to_groups(
+        # Dp_i - (Σ dp over the tiles already walked): the row total from the forward's U, c
+        left = (dob * to_groups(u_rows, geo, m0, m1, dtype)).sum(-1) - delta * to_groups(
             c_rows[..., None], geo, m0, m1, dtype
         )[..., 0]
         carry = torch.zeros(geo.b, geo.hkv, nr, dtype=dtype, device=dev)
-        right = torch.zeros_like(carry)  # Σ dp over the tiles already walked
         dqb = torch.zeros(geo.b, geo.hkv, nr, geo.d, dtype=dtype, device=dev)
-        dzext = torch.zeros(geo.b, geo.hkv, nr, npos + 1, dtype=dtype, device=dev)
-        rows = flip_mask_rows(mask, m0, m1)
+        dz_at = torch.zeros(geo.b, geo.hkv, nr, npos, dtype=dtype, device=dev)  # Σ dS at ⌊p⌋
+        dz_frac = torch.zeros_like(dz_at)  # Σ dS (p - ⌊p⌋) at ⌊p⌋
+        rows = blocked_mask_rows(mask, m0, m1)
         for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, False):
-            allowed = tile_allowed(tile, m0, m1, geo.lk, q_offset, False, rows, dev)
-            shape5 = (geo.b, geo.hkv, geo.groups, bm, tile.r1 - tile.r0)
+            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, False, rows, dev)
             kt, vt = kr[:, :, tile.r0:tile.r1], vr[:, :, tile.r0:tile.r1]
-            w, gate, cs, p, idx, frac, dz, s = _tile(qs, kt, zext, carry, allowed, shape5, top)
+            w, slope, p, idx, frac, dz, s, carry = _tile(qs, kt, zt, zd, carry, blocked, top, True)
             prob = s.sub_(lse_b).exp_()  # -inf off the allowed keys, lse = +inf on empty rows: 0
             ds = (dob @ vt.transpose(-1, -2)).sub_(delta[..., None]).mul_(prob)
-            clamped = p >= top
-            dp = (ds * dz).masked_fill_(clamped | (frac == 0), 0.0)
+            dp = (ds * dz).masked_fill_(frac == 0, 0.0)  # integer p (clamped included): no slope
             dps = dp.cumsum(-1)
-            # Σ_{j' <= j} dp = Dp - Σ_{j' > j} dp, exactly 0 left of the window
-            pre = (dps - dp).add_(right[..., None]).neg_().add_(d_total[..., None]).masked_fill_(clamped, 0.0)
-            dw = gate.mul(1.0 - gate).mul_(pre).add_(ds)
+            # Σ_{j' <= j} dp = Dp - Σ_{j' > j} dp, exactly 0 left of the window (p clamped)
+            pre = torch.sub(left[..., None], dps).add_(dp).masked_fill_(p >= top, 0.0)
+            dw = torch.addcmul(ds, slope, pre)
             dqb.add_(dw @ kt)
             dkr[:, :, tile.r0:tile.r1].add_(dw.transpose(-1, -2) @ qs)
             dvr[:, :, tile.r0:tile.r1].add_(prob.transpose(-1, -2) @ dob)
-            dzext.scatter_add_(-1, idx, ds - ds * frac)
-            dzext.scatter_add_(-1, idx + 1, ds.mul_(frac))
-            carry.add_(cs[..., -1])
-            right.add_(dps[..., -1])
-        dzr = dzext[..., :npos].clone()
-        dzr[..., -1] += dzext[..., npos]
+            dz_at.scatter_add_(-1, idx, ds)
+            dz_frac.scatter_add_(-1, idx, ds.mul_(frac))
+            left = left - dps[..., -1]
+        # dz[t] = Σ dS (1 - frac) at ⌊p⌋ = t, plus Σ dS frac at ⌊p⌋ + 1 = t
+        dzr = dz_at.sub_(dz_frac)
+        dzr[..., 1:] += dz_frac[..., :-1]
         dqb.mul_(scale).add_(dzr @ e.transpose(0, 1))
         dq[:, :, m0:m1] = dqb.view(geo.b, geo.h, bm, geo.d)
         de.add_(qb.reshape(-1, geo.d).transpose(0, 1) @ dzr.reshape(-1, npos))
@@ -223,8 +235,8 @@ def cope_tiled(
     mask: torch.Tensor | None,
     scale: float,
     q_offset: int | torch.Tensor = 0,
-    block_m: int = BLOCK_M,
-    block_n: int = BLOCK_N,
+    block_m: int | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """Causal CoPE attention computed tile by tile (any device), recomputed in backward.
 
@@ -237,11 +249,16 @@ def cope_tiled(
         scale: logit scale s (gates σ(s q·k); logits s q·k + q·e[p]).
         q_offset: query i is key ``q_offset + i``: an int, or a 0-d tensor (a StaticCache), never read as a
             number (every key tile is then walked, with the causal mask).
-        block_m, block_n: query block and key tile sizes.
+        block_m, block_n: query block and key tile sizes (default: the module's ``BLOCK_M``, ``BLOCK_N``,
+            read at each call).
 
     Returns:
         (B, H, Lq, D) in q's dtype.
     """
+    block_m = BLOCK_M if block_m is None else block_m
+    block_n = BLOCK_N if block_n is None else block_n
+    if block_m < 1 or (block_n is not None and block_n < 1):
+        raise ValueError(f"block_m and block_n must be positive (block_n None: sized to memory), got {block_m}, {block_n}")
     if isinstance(q_offset, torch.Tensor):
         q_offset = q_offset.detach().clone()  # a StaticCache mutates its length in place before backward
-    return CopeTiledFunction.apply(q, k, v, table, mask, float(scale), q_offset, int(block_m), int(block_n))
+    return CopeTiledFunction.apply(q, k, v, table, mask, float(scale), q_offset, int(block_m), block_n)

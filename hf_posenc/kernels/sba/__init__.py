@@ -3,16 +3,21 @@
 ``stick_breaking`` dispatches (``sba_backend`` tells which it will use):
 
 * ``HF_POSENC_BACKEND`` unset: the Triton kernels when the tensors are on a CUDA device and the kernels
-  support the inputs; the PyTorch reference otherwise (CPU tensors, float64, head_dim > 128, attention
-  weights requested, attention dropout while training).
+  support the inputs; the tile-wise PyTorch engine (``tiled.py``) otherwise (CPU tensors, float64,
+  head_dim > 128, attention weights requested, attention dropout while training).
 * ``HF_POSENC_BACKEND=triton``: the kernels, or a ``ValueError`` that says why they cannot run (Triton
   missing, tensors on the CPU without ``TRITON_INTERPRET=1``, one of the cases above). Under
   ``TRITON_INTERPRET=1`` the kernels run on CPU tensors in Triton's interpreter (slow; for tests).
-* ``HF_POSENC_BACKEND=torch`` (or ``flex``: stick-breaking has no FlexAttention form): the reference.
+* ``HF_POSENC_BACKEND=torch`` (or ``flex``: stick-breaking has no FlexAttention form): the tile-wise engine.
+
+The tile-wise engine (``tiled.py``: plain PyTorch, any device, O(L·block) memory, recomputing backward) is
+what runs wherever the kernels do not; the full-matrix reference (``naive.py``) is the test oracle, and what
+the encoding uses only when it must return the attention weights or apply attention dropout.
 
 Every option of the encoding runs in-kernel: ``attend_current`` (the diagonal as a breakpoint) and the three
 ``remainder`` modes (``discard``, ``current``, ``bias``). Causal only: sba is text-only (the encoding refuses
-ViT). Query i is key ``q_offset + i`` (a tensor offset, from a StaticCache, is read with ``int()``).
+ViT). Query i is key ``q_offset + i``; a tensor offset (a StaticCache) is read with ``int()`` by the Triton
+path only (and by the input check, in eager mode on CPU tensors); the tile-wise engine keeps it a tensor.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ import torch
 
 from .._attn_dispatch import choose, common_unsupported
 from .naive import sba_reference
+from .tiled import sba_tiled
 
-__all__ = ["sba_backend", "sba_reference", "stick_breaking"]
+__all__ = ["sba_backend", "sba_reference", "sba_tiled", "stick_breaking"]
 
 _REMAINDERS = ("discard", "current", "bias")
 
@@ -36,9 +42,14 @@ def _check(q, k, v, mask, q_offset, remainder, bias) -> None:
         raise ValueError(f"k and v must be (B, Hkv, Lk, D) with q's B and D, got {tuple(k.shape)}, {tuple(v.shape)}")
     if h % k.shape[1]:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({k.shape[1]})")
-    offset = int(q_offset)
-    if offset < 0 or offset + lq > k.shape[2]:
-        raise ValueError(f"q_offset={offset} with {lq} queries needs q_offset + Lq <= Lk={k.shape[2]}")
+    # a tensor offset is checked only where reading it costs no sync and breaks no compiled graph
+    readable = not isinstance(q_offset, torch.Tensor) or (
+        q_offset.device.type == "cpu" and not torch.compiler.is_compiling()
+    )
+    if readable:
+        offset = int(q_offset)
+        if offset < 0 or offset + lq > k.shape[2]:
+            raise ValueError(f"q_offset={offset} with {lq} queries needs q_offset + Lq <= Lk={k.shape[2]}")
     if mask is not None and (mask.dim() != 4 or mask.shape[0] not in (1, b) or mask.shape[1] != 1
                              or mask.shape[2:] != (lq, k.shape[2])):
         raise ValueError(f"mask must be (B|1, 1, Lq, Lk) = ({b}|1, 1, {lq}, {k.shape[2]}), got {tuple(mask.shape)}")
@@ -81,7 +92,8 @@ def stick_breaking(
     remainder: str = "discard",
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Stick-breaking attention (see ``hf_posenc/encodings/sba.py`` for the formula), fused on CUDA.
+    """Stick-breaking attention (see ``hf_posenc/encodings/sba.py`` for the formula): fused on CUDA, tile-wise
+    PyTorch elsewhere.
 
     Args:
         q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D) with H a multiple of Hkv (not expanded).
@@ -102,4 +114,4 @@ def stick_breaking(
 
         last = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)]
         return sba_triton(*last, mask, scale, int(q_offset), attend_current, remainder, bias)
-    return sba_reference(q, k, v, mask, scale, q_offset, attend_current, remainder, bias)
+    return sba_tiled(q, k, v, mask, scale, q_offset, attend_current, remainder, bias)

@@ -35,33 +35,35 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from .._reverse_tiles import Geometry, flip_mask_rows, key_tiles, tile_allowed, to_groups
+from .._reverse_tiles import Geometry, blocked_mask_rows, fill_blocked, key_tiles, tile_blocked, tile_sizes, to_groups
 
 __all__ = ["sba_tiled", "SbaTiledFunction", "BLOCK_M", "BLOCK_N"]
 
-#: default query block and key tile (CPU, 2 threads, H = 8, D = 32: see benchmarks/bench_cope_sba_cpu.py).
+#: default query block; the key tile is sized to about ``_reverse_tiles.TILE_ELEMENTS`` per float tile (None).
 BLOCK_M = 128
-BLOCK_N = 256
+BLOCK_N: int | None = None
 #: softplus is linear above this (the code's threshold; ``hf_posenc.encodings.sba.SOFTPLUS_THRESHOLD``).
 _THRESHOLD = 15.0
 #: a stick carry above this leaves exp(-carry) below the smallest float32 subnormal.
 _EXHAUSTED = 110.0
+#: log-weights at or below this give exactly 0 (exp(-87) < 1.7e-38, the float32 normal range): no subnormal
+#: numbers enter the products (on CPUs every operation on a subnormal is several times slower).
+_LOG_FLOOR = -87.0
 
 
 def _dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _tile(qs, kt, c, allowed, shape5):
-    """z, masked softplus, its cumulative sum (reversed keys), and A for one tile."""
-    z = qs @ kt.transpose(-1, -2)
-    sp = F.softplus(z, beta=1.0, threshold=_THRESHOLD)
-    if allowed is not None:
-        sp.view(shape5).masked_fill_(~allowed, 0.0)
+def _tile(qs, kt, c, blocked):
+    """One tile: logits z (-inf off the breakpoints), softplus, its cumulative sum from the right *including
+    the carry* c (reversed keys: a plain cumsum; the carry is folded into the first column, so that column
+    of the returned softplus holds sp + c) and the weights A = exp(z - Σ_{k >= j} sp)."""
+    z = fill_blocked(qs @ kt.transpose(-1, -2), blocked, float("-inf"))
+    sp = F.softplus(z, beta=1.0, threshold=_THRESHOLD)  # softplus(-inf) = 0: blocked keys break nothing
+    sp[..., 0] += c
     cs = sp.cumsum(-1)
-    a = (z - cs).sub_(c[..., None]).exp_()
-    if allowed is not None:
-        a.view(shape5).masked_fill_(~allowed, 0.0)
+    a = F.threshold_(z - cs, _LOG_FLOOR, float("-inf")).exp_()
     return z, sp, cs, a
 
 
@@ -74,6 +76,7 @@ def _own_values(v: torch.Tensor, geo: Geometry, m0: int, m1: int, q_offset, dtyp
 
 def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n):
     geo = Geometry.of(q, k)
+    block_m, block_n = tile_sizes(geo, block_m, block_n)
     dtype = _dtype(q)
     kr = k.flip(2).to(dtype)
     vr = v.flip(2).to(dtype)
@@ -85,13 +88,12 @@ def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, bl
         qs = to_groups(q, geo, m0, m1, dtype).mul_(scale)
         c = torch.zeros(geo.b, geo.hkv, geo.groups * bm, dtype=dtype, device=q.device)
         acc = torch.zeros(geo.b, geo.hkv, geo.groups * bm, geo.d, dtype=dtype, device=q.device)
-        rows = flip_mask_rows(mask, m0, m1)
+        rows = blocked_mask_rows(mask, m0, m1)
         for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, strict):
-            allowed = tile_allowed(tile, m0, m1, geo.lk, q_offset, strict, rows, q.device)
-            shape5 = (geo.b, geo.hkv, geo.groups, bm, tile.r1 - tile.r0)
-            _, _, cs, a = _tile(qs, kr[:, :, tile.r0:tile.r1], c, allowed, shape5)
+            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, strict, rows, q.device)
+            _, _, cs, a = _tile(qs, kr[:, :, tile.r0:tile.r1], c, blocked)
             acc.add_(a @ vr[:, :, tile.r0:tile.r1])
-            c.add_(cs[..., -1])
+            c = cs[..., -1].clone()
         if remainder == "current":
             acc.add_(torch.exp(-c)[..., None] * _own_values(v, geo, m0, m1, q_offset, dtype))
         elif remainder == "bias":
@@ -105,6 +107,7 @@ def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, bl
 
 def _backward(q, k, v, o, do, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n):
     geo = Geometry.of(q, k)
+    block_m, block_n = tile_sizes(geo, block_m, block_n)
     dtype = _dtype(q)
     kr = k.flip(2).to(dtype)
     vr = v.flip(2).to(dtype)
@@ -118,31 +121,30 @@ def _backward(q, k, v, o, do, mask, bias, scale, q_offset, attend_current, remai
         bm = m1 - m0
         qs = to_groups(q, geo, m0, m1, dtype).mul_(scale)
         dob = to_groups(do, geo, m0, m1, dtype)
-        total = (dob * to_groups(o, geo, m0, m1, dtype)).sum(-1)  # T_i = do_i · o_i
+        # T_i - S_i: the output's do-product less the g already walked (S starts at 0)
+        t_minus_s = (dob * to_groups(o, geo, m0, m1, dtype)).sum(-1)
         c = torch.zeros(geo.b, geo.hkv, geo.groups * bm, dtype=dtype, device=q.device)
-        s_g = torch.zeros_like(c)
         dqb = torch.zeros(geo.b, geo.hkv, geo.groups * bm, geo.d, dtype=dtype, device=q.device)
-        rows = flip_mask_rows(mask, m0, m1)
+        rows = blocked_mask_rows(mask, m0, m1)
         for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, strict):
-            allowed = tile_allowed(tile, m0, m1, geo.lk, q_offset, strict, rows, q.device)
-            shape5 = (geo.b, geo.hkv, geo.groups, bm, tile.r1 - tile.r0)
+            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, strict, rows, q.device)
             kt, vt = kr[:, :, tile.r0:tile.r1], vr[:, :, tile.r0:tile.r1]
-            z, sp, cs, a = _tile(qs, kt, c, allowed, shape5)
+            z, sp, cs, a = _tile(qs, kt, c, blocked)
             g = a * (dob @ vt.transpose(-1, -2))
             gs = g.cumsum(-1)
-            # P = T - (S + Σ_{j' > j in the tile} g); 0 where the stick right of j is exhausted
-            pref = (gs - g).add_(s_g[..., None]).neg_().add_(total[..., None])
-            right = (cs - sp).add_(c[..., None])  # Σ sp over the breakpoints right of j
-            pref.masked_fill_(right > _EXHAUSTED, 0.0)
-            if allowed is not None:
-                pref.view(shape5).masked_fill_(~allowed, 0.0)
-            dsp = torch.where(z > _THRESHOLD, torch.ones((), dtype=dtype, device=z.device), torch.sigmoid(z))
-            dz = g.sub_(dsp.mul_(pref))  # g is not needed after this (gs holds its sums)
+            # P = T - S - Σ_{j' > j in the tile} g
+            pref = torch.sub(t_minus_s[..., None], gs).add_(g)
+            # Σ sp over the breakpoints right of j (carry included; column 0 of sp holds sp + c)
+            right = cs - sp
+            right[..., 0] = c
+            pref.masked_fill_(right > _EXHAUSTED, 0.0)  # no stick left: P below e^-110, exactly 0
+            # dz = g - sp'(z) P, sp' = σ (1 - σ(15) < 3.1e-7 above the linear threshold; blocked: σ(-inf) = 0)
+            dz = torch.addcmul(g, torch.sigmoid(z), pref, value=-1.0)
             dqb.add_(dz @ kt)
             dkr[:, :, tile.r0:tile.r1].add_(dz.transpose(-1, -2) @ qs)
             dvr[:, :, tile.r0:tile.r1].add_(a.transpose(-1, -2) @ dob)
-            c.add_(cs[..., -1])
-            s_g.add_(gs[..., -1])
+            c = cs[..., -1].clone()
+            t_minus_s = t_minus_s - gs[..., -1]
         dq[:, :, m0:m1] = dqb.mul_(scale).view(geo.b, geo.h, bm, geo.d)
         if remainder != "discard":
             weighted = torch.exp(-c)[..., None] * dob  # r_i do_i, (B, Hkv, G·BM, D)
@@ -191,8 +193,8 @@ def sba_tiled(
     attend_current: bool = False,
     remainder: str = "discard",
     bias: torch.Tensor | None = None,
-    block_m: int = BLOCK_M,
-    block_n: int = BLOCK_N,
+    block_m: int | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """Stick-breaking attention computed tile by tile (any device), recomputed in backward.
 
@@ -206,13 +208,18 @@ def sba_tiled(
             read as a number (every key tile is then walked, with the causal mask).
         attend_current: whether the query's own key is a breakpoint.
         remainder: ``"discard"``, ``"current"`` or ``"bias"``; bias: (H, D) for ``"bias"``.
-        block_m, block_n: query block and key tile sizes.
+        block_m, block_n: query block and key tile sizes (default: the module's ``BLOCK_M``, ``BLOCK_N``,
+            read at each call).
 
     Returns:
         (B, H, Lq, D) in q's dtype.
     """
+    block_m = BLOCK_M if block_m is None else block_m
+    block_n = BLOCK_N if block_n is None else block_n
+    if block_m < 1 or (block_n is not None and block_n < 1):
+        raise ValueError(f"block_m and block_n must be positive (block_n None: sized to memory), got {block_m}, {block_n}")
     if isinstance(q_offset, torch.Tensor):
         q_offset = q_offset.detach().clone()  # a StaticCache mutates its length in place before backward
     return SbaTiledFunction.apply(
-        q, k, v, mask, bias, float(scale), q_offset, bool(attend_current), remainder, int(block_m), int(block_n)
+        q, k, v, mask, bias, float(scale), q_offset, bool(attend_current), remainder, int(block_m), block_n
     )

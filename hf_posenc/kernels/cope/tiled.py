@@ -54,23 +54,33 @@ __all__ = ["cope_tiled", "CopeTiledFunction", "BLOCK_M", "BLOCK_N"]
 
 #: default query block; the key tile is sized to about ``_reverse_tiles.TILE_ELEMENTS`` per float tile (None).
 BLOCK_M = 128
-BLOCK_N: int | None = None
+BLOCK_N: int | None = 256
 
 
 def _dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _row_tables(qb: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """z = q e (B, Hkv, R, npos) and its forward differences Δz[t] = z[t + 1] - z[t] (0 at t = npos - 1,
-    where p is clamped and its weight p - ⌊p⌋ is 0), so that pos = z[⌊p⌋] + (p - ⌊p⌋) Δz[⌊p⌋]."""
+def _row_tables(qb: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """(B, Hkv, R, npos, 2): z = q e and its forward differences Δz[t] = z[t + 1] - z[t] (0 at t = npos - 1,
+    where p is clamped and its weight p - ⌊p⌋ is 0), so that pos = z[⌊p⌋] + (p - ⌊p⌋) Δz[⌊p⌋]. The pairs
+    are adjacent in memory: for float32, one gather of a float64 view fetches both (see :func:`_gather2`)."""
     z = qb @ table
-    dz = torch.zeros_like(z)
-    dz[..., :-1] = z[..., 1:] - z[..., :-1]
-    return z, dz
+    pairs = torch.zeros(z.shape + (2,), dtype=z.dtype, device=z.device)
+    pairs[..., 0] = z
+    pairs[..., :-1, 1] = z[..., 1:] - z[..., :-1]
+    return pairs
 
 
-def _tile(qs, kt, zt, zd, carry, blocked, top, with_slope):
+def _gather2(pairs: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(z[idx], Δz[idx]) from the (..., npos, 2) table: one gather of 8-byte pairs for float32."""
+    if pairs.dtype == torch.float32:
+        both = pairs.view(torch.float64).squeeze(-1).gather(-1, idx).view(torch.float32)
+        return both[..., 0::2], both[..., 1::2]
+    return pairs[..., 0].gather(-1, idx), pairs[..., 1].gather(-1, idx)
+
+
+def _tile(qs, kt, pairs, carry, blocked, top, with_slope):
     """One tile: logits w (-inf off the allowed keys), gates, σ' (``with_slope``), the clamped positions p
     (a cumsum from the right with the carry folded into the first column), ⌊p⌋ (int64), p - ⌊p⌋, Δz[⌊p⌋],
     the scores w + pos, and the unclamped gate mass up to the tile's left edge (the next carry)."""
@@ -83,8 +93,8 @@ def _tile(qs, kt, zt, zd, carry, blocked, top, with_slope):
     p.clamp_(max=top)
     idx = p.long()  # ⌊p⌋ (p >= 0)
     frac = torch.frac(p)
-    dz = zd.gather(-1, idx)
-    s = torch.addcmul(zt.gather(-1, idx), frac, dz).add_(w)
+    zf, dz = _gather2(pairs, idx)
+    s = torch.addcmul(zf, frac, dz).add_(w)
     return w, slope, p, idx, frac, dz, s, carry
 
 
@@ -109,7 +119,7 @@ def _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, with_rows)
         nr = geo.groups * bm
         qb = to_groups(q, geo, m0, m1, dtype)
         qs = qb * scale
-        zt, zd = _row_tables(qb, e)
+        pairs = _row_tables(qb, e)
         carry = torch.zeros(geo.b, geo.hkv, nr, dtype=dtype, device=dev)
         m_i = torch.full_like(carry, float("-inf"))
         l_i = torch.zeros_like(carry)
@@ -121,17 +131,15 @@ def _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, with_rows)
         for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, False):
             blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, False, rows, dev)
             vt = vr[:, :, tile.r0:tile.r1]
-            _, _, _, _, frac, dz, s, carry = _tile(
-                qs, kr[:, :, tile.r0:tile.r1], zt, zd, carry, blocked, top, False
-            )
+            _, _, _, _, frac, dz, s, carry = _tile(qs, kr[:, :, tile.r0:tile.r1], pairs, carry, blocked, top, False)
             m_new = torch.maximum(m_i, s.amax(-1))
             m_safe = torch.where(m_new == neg_inf, zero, m_new)
             alpha = torch.exp(m_i - m_safe)
             pexp = s.sub_(m_safe[..., None]).exp_()
             l_i.mul_(alpha).add_(pexp.sum(-1))
             acc.mul_(alpha[..., None]).add_(pexp @ vt)
-            if with_rows:  # U = Σ P Δz v and c = Σ P Δz where p is not an integer (clamped p is)
-                pw = pexp.mul(dz).masked_fill_(frac == 0, 0.0)
+            if with_rows:  # U = Σ P Δz v and c = Σ P Δz (Δz = 0 where p is clamped)
+                pw = pexp.mul(dz)
                 u_acc.mul_(alpha[..., None]).add_(pw @ vt)
                 c_acc.mul_(alpha).add_(pw.sum(-1))
             m_i = m_new
@@ -166,7 +174,7 @@ def _backward(q, k, v, table, mask, scale, q_offset, block_m, block_n, out, lse,
         nr = geo.groups * bm
         qb = to_groups(q, geo, m0, m1, dtype)
         qs = qb * scale
-        zt, zd = _row_tables(qb, e)
+        pairs = _row_tables(qb, e)
         dob = to_groups(do, geo, m0, m1, dtype)
         delta = (dob * to_groups(out, geo, m0, m1, dtype)).sum(-1)
         lse_b = to_groups(lse[..., None], geo, m0, m1, dtype)
@@ -182,13 +190,15 @@ def _backward(q, k, v, table, mask, scale, q_offset, block_m, block_n, out, lse,
         for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, False):
             blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, False, rows, dev)
             kt, vt = kr[:, :, tile.r0:tile.r1], vr[:, :, tile.r0:tile.r1]
-            w, slope, p, idx, frac, dz, s, carry = _tile(qs, kt, zt, zd, carry, blocked, top, True)
+            # rows whose positions are all clamped from here on (carry >= npos - 1): Σ_{j' <= j} dp is exactly 0
+            left = torch.where(carry >= top, 0.0, left)
+            w, slope, p, idx, frac, dz, s, carry = _tile(qs, kt, pairs, carry, blocked, top, True)
             prob = s.sub_(lse_b).exp_()  # -inf off the allowed keys, lse = +inf on empty rows: 0
             ds = (dob @ vt.transpose(-1, -2)).sub_(delta[..., None]).mul_(prob)
-            dp = (ds * dz).masked_fill_(frac == 0, 0.0)  # integer p (clamped included): no slope
+            dp = ds * dz  # Δz = 0 where p is clamped
             dps = dp.cumsum(-1)
-            # Σ_{j' <= j} dp = Dp - Σ_{j' > j} dp, exactly 0 left of the window (p clamped)
-            pre = torch.sub(left[..., None], dps).add_(dp).masked_fill_(p >= top, 0.0)
+            # Σ_{j' <= j} dp = Dp - Σ_{j' > j} dp
+            pre = torch.sub(left[..., None], dps).add_(dp)
             dw = torch.addcmul(ds, slope, pre)
             dqb.add_(dw @ kt)
             dkr[:, :, tile.r0:tile.r1].add_(dw.transpose(-1, -2) @ qs)

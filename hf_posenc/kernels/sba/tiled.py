@@ -32,6 +32,8 @@ buffer each: no atomics, no slices of a full matrix). Remainder gradients: d b_h
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.nn import functional as F
 
@@ -41,14 +43,16 @@ __all__ = ["sba_tiled", "SbaTiledFunction", "BLOCK_M", "BLOCK_N"]
 
 #: default query block; the key tile is sized to about ``_reverse_tiles.TILE_ELEMENTS`` per float tile (None).
 BLOCK_M = 128
-BLOCK_N: int | None = None
+BLOCK_N: int | None = 256
 #: softplus is linear above this (the code's threshold; ``hf_posenc.encodings.sba.SOFTPLUS_THRESHOLD``).
 _THRESHOLD = 15.0
 #: a stick carry above this leaves exp(-carry) below the smallest float32 subnormal.
 _EXHAUSTED = 110.0
-#: log-weights at or below this give exactly 0 (exp(-87) < 1.7e-38, the float32 normal range): no subnormal
-#: numbers enter the products (on CPUs every operation on a subnormal is several times slower).
-_LOG_FLOOR = -87.0
+#: weights below exp(floor) -- about the smallest normal number, 1.2e-38 in float32 -- are set to exactly 0:
+#: on CPUs exp takes a slow path (10-30x, measured with torch 2.13) for every input below -87.3 (and -inf),
+#: and products of subnormal numbers are as slow, so the log-weights are clamped at the floor before the exp
+#: and what comes out at the floor is zeroed (float32 would round most of those weights to 0 anyway).
+_LOG_FLOOR = {torch.float32: -87.0, torch.float64: -707.0}
 
 
 def _dtype(x: torch.Tensor) -> torch.dtype:
@@ -63,7 +67,9 @@ def _tile(qs, kt, c, blocked):
     sp = F.softplus(z, beta=1.0, threshold=_THRESHOLD)  # softplus(-inf) = 0: blocked keys break nothing
     sp[..., 0] += c
     cs = sp.cumsum(-1)
-    a = F.threshold_(z - cs, _LOG_FLOOR, float("-inf")).exp_()
+    floor = _LOG_FLOOR[z.dtype]
+    a = torch.sub(z, cs).clamp_(min=floor).exp_()
+    a = F.threshold_(a, math.exp(floor) * 1.0001, 0.0)
     return z, sp, cs, a
 
 
@@ -132,12 +138,11 @@ def _backward(q, k, v, o, do, mask, bias, scale, q_offset, attend_current, remai
             z, sp, cs, a = _tile(qs, kt, c, blocked)
             g = a * (dob @ vt.transpose(-1, -2))
             gs = g.cumsum(-1)
-            # P = T - S - Σ_{j' > j in the tile} g
+            # P = T - S - Σ_{j' > j in the tile} g; rows with no stick left at the tile's right edge
+            # (c > 110: every P of the row is below e^-110) take T - S = 0, so that their P is the tiny
+            # -Σ g + g rather than the rounding noise of T - S
+            t_minus_s = torch.where(c > _EXHAUSTED, 0.0, t_minus_s)
             pref = torch.sub(t_minus_s[..., None], gs).add_(g)
-            # Σ sp over the breakpoints right of j (carry included; column 0 of sp holds sp + c)
-            right = cs - sp
-            right[..., 0] = c
-            pref.masked_fill_(right > _EXHAUSTED, 0.0)  # no stick left: P below e^-110, exactly 0
             # dz = g - sp'(z) P, sp' = σ (1 - σ(15) < 3.1e-7 above the linear threshold; blocked: σ(-inf) = 0)
             dz = torch.addcmul(g, torch.sigmoid(z), pref, value=-1.0)
             dqb.add_(dz @ kt)

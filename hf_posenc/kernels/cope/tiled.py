@@ -16,9 +16,9 @@ expanded), the table z_i = q_i e is computed once, (G·block_m, npos), and gathe
 are walked right to left (``hf_posenc.kernels._reverse_tiles``: keys reversed once, so the in-tile suffix sums
 are one ``cumsum``), carrying per query the gate mass of the keys already walked, with an online softmax
 (running max and sum, rescaled accumulator). Tiles above the diagonal are never visited (int offsets).
-⌈p⌉ is gathered as ⌊p⌋ + 1 from z extended by a copy of its last entry (its weight p - ⌊p⌋ is 0 where
-p is an integer, so the value is the same). Extra memory: O(L·H·(npos + D)) rows and per-tile temporaries,
-never O(L²).
+pos is computed as z[⌊p⌋] + (p - ⌊p⌋) Δz[⌊p⌋] with Δz[t] = z[t + 1] - z[t] (0 at npos - 1): the same value as
+the interpolation between ⌊p⌋ and ⌈p⌉, with one gather (z and Δz stored as adjacent pairs). Extra memory:
+O(L·H·(npos + D)) rows and per-tile temporaries, never O(L²).
 
 Backward (recomputed; the same walk). With dS = P ⊙ (dP - δ) (dP = do vᵀ, δ_i = do_i·o_i)::
 
@@ -29,11 +29,14 @@ Backward (recomputed; the same walk). With dS = P ⊙ (dP - δ) (dP = do vᵀ, �
 
 The prefix Σ_{j' <= j} dp runs from the far end of the row, against the walk: it is Dp_i - Σ_{j' > j} dp
 with the row total Dp_i = Σ_j dp_ij. That total needs no extra pass: Dp_i = do_i·U_i - δ_i c_i with
-U_i = Σ_j P_ij Δz_ij v_j and c_i = Σ_j P_ij Δz_ij (Δz = z[⌈p⌉] - z[⌊p⌋] in the window), which the forward
-accumulates beside its output (O(L·H·D), only when a gradient is needed). Left of the window (p clamped:
-p grows monotonically leftwards) the prefix is exactly 0 and is set so. dz is scattered per tile
-(``scatter_add_`` into a (G·block_m, npos + 1) row table), dk and dv are accumulated per tile into one
-(B, Hkv, Lk, D) buffer each: no slices of a full matrix, no (B, H, L, L) tensor.
+U_i = Σ_j P_ij Δz_ij v_j and c_i = Σ_j P_ij Δz_ij, which the forward accumulates beside its output
+(O(L·H·D), only when a gradient is needed). Once a row's carry reaches npos - 1 every further position is
+clamped (p grows monotonically leftwards) and its prefix is exactly 0: the row's running total is then set
+to 0 rather than left as rounding noise. At an integer p the slope used is the one of the segment above
+(Δz[p]); the reference's ⌈p⌉ = ⌊p⌋ there gives 0 -- both are one-sided derivatives of the piecewise-linear
+interpolation, and an interior integer p needs gates of exactly 0 or 1. dz is scattered per tile
+(``scatter_add_`` of dS and dS·(p - ⌊p⌋) at ⌊p⌋ into two (G·block_m, npos) row tables), dk and dv are
+accumulated per tile into one (B, Hkv, Lk, D) buffer each: no slices of a full matrix, no (B, H, L, L) tensor.
 """
 
 from __future__ import annotations

@@ -15,16 +15,18 @@ expanded), the key tiles of ``block_n`` keys are walked right to left (``hf_pose
 the keys are reversed once, so the in-tile suffix sums are one ``cumsum``), carrying per query the stick
 broken so far, c_i = Σ sp over the keys already walked. In a tile: z, sp (0 off the breakpoints), its
 cumulative sum, log A = z - cumsum - c, A v accumulated, c += Σ_tile sp. Tiles above the diagonal are never
-visited (int offsets). Extra memory: the float32 output and per-tile temporaries, O(L·D + B·H·block_m·block_n).
+visited (int offsets). Weights below e^-87 are 0 (see ``_LOG_FLOOR``). Extra memory: the float32 output and per-tile temporaries, O(L·D + B·H·block_m·block_n).
 
 Backward (recomputed; the same walk): with g_ij = A_ij (do_i·v_j) and T_i = do_i·o_i (the float32 output,
 saved), the logit gradient is
 
     dz_ij = g_ij - sp'(z_ij) P_ij,     P_ij = r_i (do_i·u_i) + Σ_{j' <= j} g_ij' = T_i - Σ_{j' > j} g_ij'
 
-and the walk carries S_i = Σ g over the tiles already walked. As in the Triton kernels, where the stick
-right of j is exhausted (Σ_{k > j} sp > 110: every A_ij' with j' <= j and r_i are below e^-110, zero in
-float32) P_ij is set to exactly 0 rather than T - S (rounding noise). dq_i = s Σ_j dz_ij k_j,
+and the walk carries S_i = Σ g over the tiles already walked. As in the Triton kernels, where the stick right
+of key j is exhausted (Σ_{k > j} sp > 110: every A_ij' with j' <= j, and r_i, are below e^-110) P_ij is set
+to exactly 0 rather than left as the rounding noise of T - S; a row exhausted at a tile's right edge also
+takes T_i - S_i = 0 from there on. sp' = σ (above the linear threshold 15 the code's 1;
+1 - σ(15) < 3.1e-7). dq_i = s Σ_j dz_ij k_j,
 dk_j = s Σ_i dz_ij q_i and dv_j = Σ_i A_ij do_i are accumulated per tile (dk, dv into one (B, Hkv, Lk, D)
 buffer each: no atomics, no slices of a full matrix). Remainder gradients: d b_h = Σ_i r_i do_i and, for
 "current", dv_{q_i} += r_i do_i.
@@ -143,6 +145,10 @@ def _backward(q, k, v, o, do, mask, bias, scale, q_offset, attend_current, remai
             # -Σ g + g rather than the rounding noise of T - S
             t_minus_s = torch.where(c > _EXHAUSTED, 0.0, t_minus_s)
             pref = torch.sub(t_minus_s[..., None], gs).add_(g)
+            # and per key, as the kernels do: where Σ sp right of j > 110 (column 0 of sp holds sp + c)
+            right = cs - sp
+            right[..., 0] = c
+            pref.masked_fill_(right > _EXHAUSTED, 0.0)
             # dz = g - sp'(z) P, sp' = σ (1 - σ(15) < 3.1e-7 above the linear threshold; blocked: σ(-inf) = 0)
             dz = torch.addcmul(g, torch.sigmoid(z), pref, value=-1.0)
             dqb.add_(dz @ kt)

@@ -257,3 +257,18 @@ def test_model_gradients_engine_equal_reference(encoding, params):
     assert g_e.keys() == g_r.keys() and any("pos_emb" in n or "remainder_bias" in n for n in g_e)
     for name in g_e:
         assert rel_err(g_e[name], g_r[name]) < 5e-5, name
+
+
+@pytest.mark.parametrize("encoding", ["cope", "sba"])
+def test_memory_precheck_only_where_the_reference_runs(monkeypatch, encoding):
+    """The O(L^2) pre-check (hf_posenc.memory) does not refuse the tile-wise engine; it still guards the
+    reference, which output_attentions selects."""
+    from hf_posenc.memory import ReferenceMemoryError
+
+    model = make_model("llama", encoding=encoding)
+    monkeypatch.setenv("HF_POSENC_MEMORY_BUDGET", "1MiB")
+    ids = make_ids(1, 1700)  # the reference estimate must pass the pre-check floor of 256 MiB
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+        with pytest.raises(ReferenceMemoryError, match=f"{encoding}: the PyTorch reference"):
+            model(ids, output_attentions=True)

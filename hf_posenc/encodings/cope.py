@@ -235,6 +235,19 @@ class Cope(PositionEncoding):
                     nn.init.normal_(weight, mean=0.0, std=std)
             self.register_parameter(name, weight)
 
+    def _needs_reference(self, need_weights: bool, dropout: float, training: bool) -> bool:
+        """Whether ``attend`` runs the full-matrix reference (the probabilities requested, attention dropout while
+        training, the bidirectional ViT variant) rather than a kernel or the tile-wise engine."""
+        return self.info.family == "vit" or need_weights or (dropout > 0.0 and training)
+
+    def _check_reference_memory(self, op: str, args: tuple) -> None:
+        """The memory pre-check of the O(L^2) reference, only where the reference will run."""
+        if op == "attend" and len(args) >= 9 and not self._needs_reference(
+            bool(getattr(args[0], "need_weights", False)), args[7], args[8]
+        ):
+            return
+        super()._check_reference_memory(op, args)
+
     def attend(
         self,
         ctx: PosContext,
@@ -269,7 +282,7 @@ class Cope(PositionEncoding):
         )
         if backend == "triton":
             return cope(query, key, value, self.pos_emb[layer], mask, scaling, ctx.q_offset), None
-        if self.info.family != "vit" and not ctx.need_weights and not (dropout > 0.0 and training):
+        if not self._needs_reference(ctx.need_weights, dropout, training):
             # the tile-wise engine: O(L·block) memory, no probabilities formed
             return cope_tiled(query, key, value, self.pos_emb[layer], mask, scaling, ctx.q_offset), None
         b, h, q_len, _ = query.shape

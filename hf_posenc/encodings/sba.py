@@ -176,6 +176,19 @@ class StickBreaking(PositionEncoding):
                 "supported; use it on llama or gpt2"
             )
 
+    def _needs_reference(self, need_weights: bool, dropout: float, training: bool) -> bool:
+        """Whether ``attend`` runs the full-matrix reference (the weights requested, attention dropout while
+        training) rather than a kernel or the tile-wise engine."""
+        return need_weights or (dropout > 0.0 and training)
+
+    def _check_reference_memory(self, op: str, args: tuple) -> None:
+        """The memory pre-check of the O(L^2) reference, only where the reference will run."""
+        if op == "attend" and len(args) >= 9 and not self._needs_reference(
+            bool(getattr(args[0], "need_weights", False)), args[7], args[8]
+        ):
+            return
+        super()._check_reference_memory(op, args)
+
     def attend(
         self,
         ctx: PosContext,
@@ -210,7 +223,7 @@ class StickBreaking(PositionEncoding):
                 query, key, value, mask, scaling, ctx.q_offset, self.attend_current, self.remainder, bias
             )
             return out, None
-        if not ctx.need_weights and not (dropout > 0.0 and training):
+        if not self._needs_reference(ctx.need_weights, dropout, training):
             # the tile-wise engine: O(L·block) memory, no weights formed
             bias = self.remainder_bias[layer] if self.remainder == "bias" else None
             out = sba_tiled(query, key, value, mask, scaling, ctx.q_offset, self.attend_current, self.remainder, bias)

@@ -199,7 +199,8 @@ def test_tensor_offsets_are_never_read_as_numbers(monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, guard(name))
     ins = [t.clone().requires_grad_() for t in (q, k, v)]
     table = torch.randn(8, 4, requires_grad=True)
-    loss = cope_tiled(*ins, table, None, 0.3, offset).sum() + sba_tiled(*ins, None, 0.3, offset, remainder="current").sum()
+    loss = cope_tiled(*ins, table, None, 0.3, offset).sum()
+    loss = loss + sba_tiled(*ins, None, 0.3, offset, remainder="current").sum()
     loss.backward()
     monkeypatch.undo()
     assert all(torch.isfinite(t.grad).all() for t in ins)
@@ -251,7 +252,8 @@ def test_model_gradients_engine_equal_reference(encoding, params):
         model.zero_grad()
         out = model(ids, attention_mask=mask, labels=ids, output_attentions=weights)
         out.loss.backward()
-        grads.append((out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        named = model.named_parameters()
+        grads.append((out.loss.detach(), {n: p.grad.clone() for n, p in named if p.grad is not None}))
     (loss_e, g_e), (loss_r, g_r) = grads
     torch.testing.assert_close(loss_e, loss_r, rtol=1e-5, atol=1e-6)
     assert g_e.keys() == g_r.keys() and any("pos_emb" in n or "remainder_bias" in n for n in g_e)

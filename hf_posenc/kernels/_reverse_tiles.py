@@ -22,7 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Geometry", "Tile", "key_tiles", "tile_blocked", "blocked_mask_rows", "to_groups", "from_groups", "tile_sizes", "fill_blocked"]
+__all__ = [
+    "Geometry", "Tile", "blocked_mask_rows", "fill_blocked", "from_groups", "key_tiles", "tile_blocked", "tile_sizes",
+    "to_groups",
+]
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ expanded), the table z_i = q_i e is computed once, (G·block_m, npos), and gathe
 are walked right to left (``hf_posenc.kernels._reverse_tiles``: keys reversed once, so the in-tile suffix sums
 are one ``cumsum``), carrying per query the gate mass of the keys already walked, with an online softmax
 (running max and sum, rescaled accumulator). Tiles above the diagonal are never visited (int offsets).
-pos is computed as z[⌊p⌋] + (p - ⌊p⌋) Δz[⌊p⌋] with Δz[t] = z[t + 1] - z[t] (0 at npos - 1): the same value as
-the interpolation between ⌊p⌋ and ⌈p⌉, with one gather (z and Δz stored as adjacent pairs). Extra memory:
+pos is computed as z[⌊p⌋] + (p - ⌊p⌋) Δz[⌊p⌋] with Δz[t] = z[t + 1] - z[t] (0 at npos - 1): the same value
+as the interpolation between ⌊p⌋ and ⌈p⌉, with one gather (z and Δz stored as adjacent pairs). Extra memory:
 O(L·H·(npos + D)) rows and per-tile temporaries, never O(L²).
 
 Backward (recomputed; the same walk). With dS = P ⊙ (dP - δ) (dP = do vᵀ, δ_i = do_i·o_i)::
@@ -66,8 +66,8 @@ def _dtype(x: torch.Tensor) -> torch.dtype:
 
 def _row_tables(qb: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """(B, Hkv, R, npos, 2): z = q e and its forward differences Δz[t] = z[t + 1] - z[t] (0 at t = npos - 1,
-    where p is clamped and its weight p - ⌊p⌋ is 0), so that pos = z[⌊p⌋] + (p - ⌊p⌋) Δz[⌊p⌋]. The pairs
-    are adjacent in memory: for float32, one gather of a float64 view fetches both (see :func:`_gather2`)."""
+    where p is clamped and its weight p - ⌊p⌋ is 0), so that pos = z[⌊p⌋] + (p - ⌊p⌋) Δz[⌊p⌋]. The
+    pairs are adjacent in memory: for float32, one gather of a float64 view fetches both (see :func:`_gather2`)."""
     z = qb @ table
     pairs = torch.zeros(z.shape + (2,), dtype=z.dtype, device=z.device)
     pairs[..., 0] = z
@@ -271,7 +271,9 @@ def cope_tiled(
     block_m = BLOCK_M if block_m is None else block_m
     block_n = BLOCK_N if block_n is None else block_n
     if block_m < 1 or (block_n is not None and block_n < 1):
-        raise ValueError(f"block_m and block_n must be positive (block_n None: sized to memory), got {block_m}, {block_n}")
+        raise ValueError(
+            f"block_m and block_n must be positive (block_n None: sized to memory), got {block_m}, {block_n}"
+        )
     if isinstance(q_offset, torch.Tensor):
         q_offset = q_offset.detach().clone()  # a StaticCache mutates its length in place before backward
     return CopeTiledFunction.apply(q, k, v, table, mask, float(scale), q_offset, int(block_m), block_n)

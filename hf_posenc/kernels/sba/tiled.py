@@ -15,7 +15,8 @@ expanded), the key tiles of ``block_n`` keys are walked right to left (``hf_pose
 the keys are reversed once, so the in-tile suffix sums are one ``cumsum``), carrying per query the stick
 broken so far, c_i = Σ sp over the keys already walked. In a tile: z, sp (0 off the breakpoints), its
 cumulative sum, log A = z - cumsum - c, A v accumulated, c += Σ_tile sp. Tiles above the diagonal are never
-visited (int offsets). Weights below e^-87 are 0 (see ``_LOG_FLOOR``). Extra memory: the float32 output and per-tile temporaries, O(L·D + B·H·block_m·block_n).
+visited (int offsets). Weights below e^-87 are 0 (see ``_LOG_FLOOR``). Extra memory: the float32 output and
+per-tile temporaries, O(L·D + B·H·block_m·block_n).
 
 Backward (recomputed; the same walk): with g_ij = A_ij (do_i·v_j) and T_i = do_i·o_i (the float32 output,
 saved), the logit gradient is
@@ -228,7 +229,9 @@ def sba_tiled(
     block_m = BLOCK_M if block_m is None else block_m
     block_n = BLOCK_N if block_n is None else block_n
     if block_m < 1 or (block_n is not None and block_n < 1):
-        raise ValueError(f"block_m and block_n must be positive (block_n None: sized to memory), got {block_m}, {block_n}")
+        raise ValueError(
+            f"block_m and block_n must be positive (block_n None: sized to memory), got {block_m}, {block_n}"
+        )
     if isinstance(q_offset, torch.Tensor):
         q_offset = q_offset.detach().clone()  # a StaticCache mutates its length in place before backward
     return SbaTiledFunction.apply(

@@ -20,8 +20,8 @@ embedding -- the same width, depth, heads and CoPE table size (its feed-forward 
 Time: median over interleaved rounds (A B A B ...: every model once per round, in turn) after a warmup
 step, as a ratio to the unpatched model in the same run. Other processes on the machine skew the absolute
 times; the interleaving keeps the ratios comparable (the load average is recorded). Peak memory: each model
-runs one training step in a fresh subprocess; peak = maximum resident set size (``ru_maxrss``) during the
-step minus the resident size before it (model, inputs and one earlier step already in memory).
+runs one training step in a fresh subprocess; peak = the peak resident size during the step (VmHWM, reset
+just before it) minus the resident size before it (model, inputs and one earlier step already in memory).
 
 ``--blocks BMxBN ...`` times the hf_posenc engines at several (query block, key tile) sizes (module
 attributes ``BLOCK_M``/``BLOCK_N`` of ``hf_posenc.kernels.{sba,cope}.tiled``). Prints a markdown table and
@@ -34,7 +34,6 @@ import argparse
 import copy
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -109,6 +108,21 @@ def rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def peak_rss() -> int:
+    """This process's peak resident size (VmHWM): per address space, so not inherited from the parent as
+    ``ru_maxrss`` is (Linux keeps ru_maxrss across fork and exec), and reset by :func:`reset_peak`."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmHWM in /proc/self/status")
+
+
+def reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size
+
+
 def child_memory(name: str, length: int, threads: int) -> None:
     """(subprocess) peak extra bytes of one training step, printed as JSON."""
     torch.set_num_threads(threads)
@@ -116,11 +130,10 @@ def child_memory(name: str, length: int, threads: int) -> None:
     model = build(name, length).train()
     ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(1))
     step(model, name, ids)  # gradients allocated, lazy inits done
+    reset_peak()
     before = rss()
-    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     step(model, name, ids)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"peak_extra_bytes": peak - before, "maxrss_grew": peak > peak_before}))
+    print(json.dumps({"peak_extra_bytes": peak_rss() - before}))
 
 
 def measure_memory(name: str, length: int, threads: int) -> int | None:
@@ -141,6 +154,7 @@ def main() -> None:
     parser.add_argument("--blocks", nargs="*", default=[], help="extra BMxBN tile sizes to time (e.g. 128x256)")
     parser.add_argument("--no-xt", action="store_true", help="skip x-transformers even if importable")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--no-time", action="store_true", help="peak memory only (no timing rounds)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--child-memory", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -168,12 +182,12 @@ def main() -> None:
     for length in args.lengths:
         ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(1))
         models = {}
-        for name in names:
+        for name in ([] if args.no_time else names):
             set_blocks(name)
             models[name] = build(name, length).train()
             step(models[name], name, ids)  # warmup
         times: dict[str, list[float]] = {name: [] for name in names}
-        for _ in range(args.repeats):
+        for _ in range(0 if args.no_time else args.repeats):
             for name in names:
                 set_blocks(name)
                 t0 = time.perf_counter()
@@ -182,11 +196,12 @@ def main() -> None:
             print(f"L={length}: " + ", ".join(f"{n} {times[n][-1]:.2f}s" for n in names), file=sys.stderr, flush=True)
         del models
         memory = {name: (None if args.no_memory else measure_memory(name, length, args.threads)) for name in names}
-        base_t = statistics.median(times[BASELINE])
+        base_t = statistics.median(times[BASELINE]) if times[BASELINE] else None
         for name in names:
-            med = statistics.median(times[name])
+            med = statistics.median(times[name]) if times[name] else None
             results.append({
-                "model": name, "length": length, "step_s": med, "ratio": med / base_t, "samples_s": times[name],
+                "model": name, "length": length, "step_s": med, "ratio": med / base_t if med else None,
+                "samples_s": times[name],
                 "peak_extra_bytes": memory[name],
                 "memory_ratio": (memory[name] / memory[BASELINE]) if memory[name] and memory[BASELINE] else None,
             })
@@ -202,18 +217,21 @@ def main() -> None:
     for r in results:
         mem = "-" if r["peak_extra_bytes"] is None else f"{r['peak_extra_bytes'] / 1e6:.0f}"
         mratio = "-" if r["memory_ratio"] is None else f"{r['memory_ratio']:.2f}x"
-        print(f"| {r['model']} | {r['length']} | {r['step_s']:.3f} | {r['ratio']:.2f}x | {mem} | {mratio} |")
+        t = "-" if r["step_s"] is None else f"{r['step_s']:.3f}"
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        print(f"| {r['model']} | {r['length']} | {t} | {ratio} | {mem} | {mratio} |")
     by = {(r["model"], r["length"]): r for r in results}
     comparisons = []
     for length in args.lengths:
         ours, theirs = by.get(("cope", length)), by.get((XT, length))
         if ours and theirs:
-            comp = {"length": length, "speedup": theirs["step_s"] / ours["step_s"]}
+            comp = {"length": length, "speedup": theirs["step_s"] / ours["step_s"] if ours["step_s"] else None}
             if ours["peak_extra_bytes"] and theirs["peak_extra_bytes"]:
                 comp["memory_fraction"] = ours["peak_extra_bytes"] / theirs["peak_extra_bytes"]
             comparisons.append(comp)
             mem = f", memory {comp['memory_fraction']:.3f} of theirs" if "memory_fraction" in comp else ""
-            print(f"\ncope vs x-transformers CoPE at L={length}: {comp['speedup']:.1f}x faster{mem}")
+            speed = f"{comp['speedup']:.1f}x faster" if comp["speedup"] else "not timed"
+            print(f"\ncope vs x-transformers CoPE at L={length}: {speed}{mem}")
 
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"cope_sba_cpu_{slug(dev)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

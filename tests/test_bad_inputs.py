@@ -641,8 +641,8 @@ def test_reference_over_the_memory_budget_names_what_it_needs(monkeypatch):
     with pytest.raises(ReferenceMemoryError, match=r"cope: the PyTorch reference \(attention at B=1, H=4, Lq=2048, "
                                                    r"Lk=2048\) would need about \d+\.\d GiB.*over the memory budget of 100 MiB "
                                                    r"\(HF_POSENC_MEMORY_BUDGET=100MiB\)"):
-        with torch.no_grad():
-            model(make_ids(1, 2048))
+        with torch.no_grad():  # the probabilities: cope's full-matrix reference (not the tile-wise engine)
+            model(make_ids(1, 2048), output_attentions=True)
     monkeypatch.setenv("HF_POSENC_MEMORY_BUDGET", "none")
     with torch.no_grad():
         assert torch.isfinite(model(make_ids(1, 300)).logits).all()
@@ -654,7 +654,7 @@ def test_memory_budget_that_is_not_a_size(monkeypatch, text):
     model = hf_posenc.patch_model(llama(max_position_embeddings=4096), "cope")
     with pytest.raises(ValueError, match=r"HF_POSENC_MEMORY_BUDGET=.* is not a size; use e.g. 24GiB"):
         with torch.no_grad():
-            model(make_ids(1, 1024))
+            model(make_ids(1, 1024), output_attentions=True)
 
 
 def test_parse_size():

@@ -124,12 +124,17 @@ def test_cope_matches_loop(q_len, k_len, npos):
     q_offset = k_len - q_len
     q, k, v = double_inputs(2, 4, 2, q_len, k_len, 4, scale=1.5)
     mask = text_mask(2, q_len, k_len, q_offset)
-    ctx = PosContext(encoding=enc, info=info, q_offset=q_offset)
-    out, probs = enc.attend(ctx, 1, q, k, v, mask, 0.5, 0.0, False)
     want_out, want_probs = cope_loop(q, k, v, mask, 0.5, enc.pos_emb[1].detach(), q_offset)
-    assert out.dtype == torch.float64
-    assert (out - want_out).abs().max() < 1e-12
-    assert (probs - want_probs).abs().max() < 1e-12
+    # the tile-wise engine (no probabilities), and the reference when the probabilities are requested
+    for need_weights in (False, True):
+        ctx = PosContext(encoding=enc, info=info, q_offset=q_offset, need_weights=need_weights)
+        out, probs = enc.attend(ctx, 1, q, k, v, mask, 0.5, 0.0, False)
+        assert out.dtype == torch.float64
+        assert (out - want_out).abs().max() < 1e-12
+        if need_weights:
+            assert (probs - want_probs).abs().max() < 1e-12
+        else:
+            assert probs is None
 
 
 def test_cope_masked_keys_are_not_counted():
@@ -237,10 +242,13 @@ def test_sba_matches_loop(remainder, attend_current, q_len, k_len):
     q_offset = k_len - q_len
     q, k, v = double_inputs(2, 4, 2, q_len, k_len, 4, scale=1.5)
     mask = text_mask(2, q_len, k_len, q_offset)
-    ctx = PosContext(encoding=enc, info=info, q_offset=q_offset)
-    out, weights = enc.attend(ctx, 1, q, k, v, mask, 0.5, 0.0, False)
     bias = enc.remainder_bias[1].detach() if remainder == "bias" else None
     want_out, want_w = sba_loop(q, k, v, mask, 0.5, q_offset, attend_current, remainder, bias)
+    ctx = PosContext(encoding=enc, info=info, q_offset=q_offset)  # the tile-wise engine: no weights
+    out, weights = enc.attend(ctx, 1, q, k, v, mask, 0.5, 0.0, False)
+    assert weights is None and (out - want_out).abs().max() < 1e-12
+    ctx = PosContext(encoding=enc, info=info, q_offset=q_offset, need_weights=True)  # the reference
+    out, weights = enc.attend(ctx, 1, q, k, v, mask, 0.5, 0.0, False)
     assert (out - want_out).abs().max() < 1e-12
     assert (weights - want_w).abs().max() < 1e-12
     sums = weights.sum(-1)
@@ -261,9 +269,15 @@ def test_sba_extreme_logits_stay_finite(dtype):
     k[..., 0] = torch.tensor([1e4, -1e4, 1e4, -1e4, -1e4, 1e4]) * 2  # logits ±1e4 at scaling 0.5
     v = torch.randn(1, 2, 6, 4)
     q, k, v = (t.to(dtype).requires_grad_(True) for t in (q, k, v))
-    ctx = PosContext(encoding=enc, info=info)
+    ctx = PosContext(encoding=enc, info=info)  # the tile-wise engine
+    tiled, _ = enc.attend(ctx, 0, q, k, v, None, 0.5, 0.0, False)
+    tiled.float().square().sum().backward()
+    assert torch.isfinite(tiled).all() and all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    q.grad = k.grad = v.grad = None
+    ctx = PosContext(encoding=enc, info=info, need_weights=True)  # the reference, with the weights
     out, weights = enc.attend(ctx, 0, q, k, v, None, 0.5, 0.0, False)
     assert torch.isfinite(out).all() and torch.isfinite(weights).all()
+    torch.testing.assert_close(tiled, out)
     # query 4 (keys 0..3, nearest first: 3 at -1e4, 2 at +1e4): key 2 takes the whole stick
     assert weights[0, 0, 4].tolist() == [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
     # query 2: keys 1 (-1e4), 0 (+1e4) -> key 0
@@ -318,6 +332,30 @@ def test_sba_vit_matches_grid_order_loop(remainder, attend_current):
             want_out[bb, hh, i] += left * enc.remainder_bias[1, hh].detach()
     assert (weights - want_w).abs().max() < 1e-12
     assert (out - want_out).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("attend_current", [False, True], ids=["no-diag", "diag"])
+def test_sba_bidirectional_text_matches_sequence_order_loop(attend_current):
+    """BERT generalisation (sba module docstring): own key, then keys by |i - j|, the left one first at equal
+    distance -- against the product form in float64, and every key of the row takes part (not causal)."""
+    info = ModelInfo("bert", 8, 2, 2, 4, 2, False, 64)
+    enc = build(StickBreaking, "sba", info, remainder="current", attend_current=attend_current).double()
+    n = 6
+    q, k, v = double_inputs(1, 2, 2, n, n, 4, scale=1.5)
+    out, weights = enc.attend(PosContext(encoding=enc, info=info), 0, q, k, v, None, 0.5, 0.0, False)
+    want_w = torch.zeros_like(weights)
+    for hh, i in itertools.product(range(2), range(n)):
+        order = [i] + sorted((j for j in range(n) if j != i), key=lambda j: (abs(i - j), j))
+        brk = order if attend_current else order[1:]
+        left = 1.0
+        for j in brk:
+            beta = sigmoid(0.5 * float(q[0, hh, i] @ k[0, hh, j]))
+            want_w[0, hh, i, j] = beta * left
+            left *= 1 - beta
+        want_w[0, hh, i, i] += left
+    assert (weights - want_w).abs().max() < 1e-12
+    assert (out - weights @ v).abs().max() < 1e-12
+    assert (weights[0, :, 0, 1:] > 0).all()  # the first token attends to later ones
 
 
 def test_sba_runs_on_vit():

@@ -240,6 +240,19 @@ class Cope(PositionEncoding):
                     nn.init.normal_(weight, mean=0.0, std=std)
             self.register_parameter(name, weight)
 
+    def _needs_reference(self, need_weights: bool, dropout: float, training: bool) -> bool:
+        """Whether ``attend`` runs the full-matrix reference (the probabilities requested, attention dropout while
+        training, the bidirectional ViT variant) rather than a kernel or the tile-wise engine."""
+        return self.info.family == "vit" or need_weights or (dropout > 0.0 and training)
+
+    def _check_reference_memory(self, op: str, args: tuple) -> None:
+        """The memory pre-check of the O(L^2) reference, only where the reference will run."""
+        if op == "attend" and len(args) >= 9 and not self._needs_reference(
+            bool(getattr(args[0], "need_weights", False)), args[7], args[8]
+        ):
+            return
+        super()._check_reference_memory(op, args)
+
     def attend(
         self,
         ctx: PosContext,
@@ -261,17 +274,22 @@ class Cope(PositionEncoding):
 
         Returns:
             out (B, H, Lq, D) in the query's dtype, and the probabilities (B, H, Lq, Lk) (float32), or None
-            when the fused causal kernel ran (``hf_posenc.kernels.cope``: on CUDA, or forced with
-            ``HF_POSENC_BACKEND=triton``; it never forms the probabilities, and is not used when they are
-            requested; the bidirectional ViT variant always runs here).
+            when an engine that never forms them ran: the fused causal kernel (``hf_posenc.kernels.cope``: on
+            CUDA, or forced with ``HF_POSENC_BACKEND=triton``), or elsewhere the tile-wise PyTorch engine
+            (``hf_posenc.kernels.cope.tiled``; O(L·block) memory). The full-matrix reference below runs
+            only when the probabilities are requested, with attention dropout while training, and for the
+            bidirectional ViT variant.
         """
-        from ..kernels.cope import cope, cope_backend
+        from ..kernels.cope import cope, cope_backend, cope_tiled
 
         backend = cope_backend(
             query, key, value, mask, ctx.q_offset, ctx.need_weights, dropout, training, causal=self.info.causal
         )
         if backend == "triton":
             return cope(query, key, value, self.pos_emb[layer], mask, scaling, ctx.q_offset), None
+        if not self._needs_reference(ctx.need_weights, dropout, training):
+            # the tile-wise engine: O(L·block) memory, no probabilities formed
+            return cope_tiled(query, key, value, self.pos_emb[layer], mask, scaling, ctx.q_offset), None
         b, h, q_len, _ = query.shape
         k_len = key.shape[2]
         groups = h // key.shape[1]

@@ -55,6 +55,10 @@ their distance to it on the patch grid and breaks the stick nearest first:
 (:func:`stick_breaking_grid_attention`; same remainder options). On a 1 × n grid without the CLS token this
 is the text rule run in both directions at once, nearest key first; the ties (keys at equal distance on
 both sides) take raster order, which makes the rule deterministic but not mirror-symmetric.
+
+Bidirectional text (BERT), the same generalisation in one dimension (:func:`sequence_key_ranks`): the query's
+own key first, then the keys by |i − j|, the left key before the right one at equal distance; no token is
+special (BERT's [CLS] is an ordinary position 0).
 """
 
 from __future__ import annotations
@@ -169,6 +173,15 @@ def grid_key_ranks(grid: tuple[int, int], device: torch.device) -> torch.Tensor:
     return order.argsort(dim=-1)
 
 
+def sequence_key_ranks(length: int, device: torch.device) -> torch.Tensor:
+    """(L, L) long: ``ranks[i, j]`` = the place of key j in query i's breaking order on a bidirectional
+    sequence: its own key, then the keys by |i - j|, the left one first at equal distance."""
+    idx = torch.arange(length, device=device)
+    score = (idx[:, None] - idx[None, :]).abs() * (length + 1) + idx[None, :]
+    score.fill_diagonal_(-1)
+    return score.argsort(dim=-1).argsort(dim=-1)
+
+
 def stick_breaking_grid_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -240,6 +253,19 @@ class StickBreaking(PositionEncoding):
         if self.remainder == "bias":
             self.remainder_bias = nn.Parameter(torch.zeros(info.num_layers, info.num_heads, info.head_dim))
 
+    def _needs_reference(self, need_weights: bool, dropout: float, training: bool) -> bool:
+        """Whether ``attend`` runs the full-matrix reference (the weights requested, attention dropout while
+        training) rather than a kernel or the tile-wise engine."""
+        return need_weights or (dropout > 0.0 and training)
+
+    def _check_reference_memory(self, op: str, args: tuple) -> None:
+        """The memory pre-check of the O(L^2) reference, only where the reference will run."""
+        if op == "attend" and len(args) >= 9 and not self._needs_reference(
+            bool(getattr(args[0], "need_weights", False)), args[7], args[8]
+        ):
+            return
+        super()._check_reference_memory(op, args)
+
     def attend(
         self,
         ctx: PosContext,
@@ -260,19 +286,26 @@ class StickBreaking(PositionEncoding):
             scaling: the model's logit scale.
 
         Returns:
-            out (B, H, Lq, D) in the query's dtype, and the weights (B, H, Lq, Lk) (float32), or None when the
-            fused kernel ran (``hf_posenc.kernels.sba``: on CUDA, or forced with ``HF_POSENC_BACKEND=triton``;
-            it never forms the weights, and is not used when they are requested).
+            out (B, H, Lq, D) in the query's dtype, and the weights (B, H, Lq, Lk) (float32), or None when an
+            engine that never forms them ran: the fused kernel (``hf_posenc.kernels.sba``: on CUDA, or forced
+            with ``HF_POSENC_BACKEND=triton``), or elsewhere the tile-wise PyTorch engine
+            (``hf_posenc.kernels.sba.tiled``; O(L·block) memory). The full-matrix reference below runs only
+            when the weights are requested or with attention dropout while training.
         """
-        if ctx.grid is not None:
+        if ctx.grid is not None or not self.info.causal:  # ViT's grid, or bidirectional text (BERT)
             return self._attend_grid(ctx, layer, query, key, value, mask, scaling, dropout, training)
-        from ..kernels.sba import sba_backend, stick_breaking
+        from ..kernels.sba import sba_backend, sba_tiled, stick_breaking
 
         if sba_backend(query, key, value, mask, ctx.q_offset, ctx.need_weights, dropout, training) == "triton":
             bias = self.remainder_bias[layer] if self.remainder == "bias" else None
             out = stick_breaking(
                 query, key, value, mask, scaling, ctx.q_offset, self.attend_current, self.remainder, bias
             )
+            return out, None
+        if not self._needs_reference(ctx.need_weights, dropout, training):
+            # the tile-wise engine: O(L·block) memory, no weights formed
+            bias = self.remainder_bias[layer] if self.remainder == "bias" else None
+            out = sba_tiled(query, key, value, mask, scaling, ctx.q_offset, self.attend_current, self.remainder, bias)
             return out, None
         b, h, q_len, _ = query.shape
         k_len = key.shape[2]
@@ -302,11 +335,14 @@ class StickBreaking(PositionEncoding):
         dropout: float,
         training: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """ViT: stick-breaking over each query's keys in grid-distance order (module docstring); the PyTorch
-        reference on every device. Shapes as for ``attend``; the weights are returned."""
+        """ViT: stick-breaking over each query's keys in grid-distance order; bidirectional text (BERT): in
+        sequence-distance order (module docstring); the PyTorch reference on every device. Shapes as for ``attend``; the weights are returned."""
         groups = query.shape[1] // key.shape[1]
         dtype = _compute_dtype(query.dtype)
-        ranks = grid_key_ranks(ctx.grid, query.device)[-query.shape[2]:, -key.shape[2]:]
+        if ctx.grid is not None:
+            ranks = grid_key_ranks(ctx.grid, query.device)[-query.shape[2]:, -key.shape[2]:]
+        else:
+            ranks = sequence_key_ranks(key.shape[2], query.device)[-query.shape[2]:]
         bias = self.remainder_bias[layer].to(dtype) if self.remainder == "bias" else None
         out, weights = stick_breaking_grid_attention(
             query.to(dtype), expand_kv(key, groups).to(dtype), expand_kv(value, groups).to(dtype), mask, scaling,

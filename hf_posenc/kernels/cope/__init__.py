@@ -3,16 +3,19 @@
 ``cope`` dispatches (``cope_backend`` tells which it will use):
 
 * ``HF_POSENC_BACKEND`` unset: the Triton kernels when the tensors are on a CUDA device and the kernels
-  support the inputs; the PyTorch reference otherwise (CPU tensors, float64, head_dim > 128, attention
-  weights requested, attention dropout while training, the bidirectional ViT variant).
+  support the inputs; the tile-wise PyTorch engine (``tiled.py``) otherwise (CPU tensors, float64,
+  head_dim > 128, attention weights requested, attention dropout while training, the bidirectional ViT variant).
 * ``HF_POSENC_BACKEND=triton``: the kernels, or a ``ValueError`` that says why they cannot run (Triton
   missing, tensors on the CPU without ``TRITON_INTERPRET=1``, one of the cases above). Under
   ``TRITON_INTERPRET=1`` the kernels run on CPU tensors in Triton's interpreter (slow; for tests).
-* ``HF_POSENC_BACKEND=torch`` (or ``flex``: CoPE has no FlexAttention form): the reference.
+* ``HF_POSENC_BACKEND=torch`` (or ``flex``: CoPE has no FlexAttention form): the tile-wise engine.
 
 The kernels are causal (text models). The bidirectional generalisation of the encoding on ViT (raster-order
 counts in both directions, a second table, CLS excluded; see ``hf_posenc/encodings/cope.py``) is computed by
 the reference: on CUDA the encoding uses the reference for it, and forcing ``triton`` on ViT raises.
+The tile-wise engine (``tiled.py``: plain PyTorch, any device, O(L·block) memory, recomputing backward) is
+what runs wherever the kernels do not; the full-matrix reference (``naive.py``) is the test oracle, and what
+the encoding uses only when it must return the probabilities, apply attention dropout, or run on ViT.
 Query i is key ``q_offset + i`` (a tensor offset, from a StaticCache, is loaded
 by the kernels on the device, never read on the host).
 """
@@ -24,8 +27,9 @@ import torch
 from ...ops import eager_value_checks
 from .._attn_dispatch import choose, common_unsupported
 from .naive import cope_reference
+from .tiled import cope_tiled
 
-__all__ = ["cope", "cope_backend", "cope_reference"]
+__all__ = ["cope", "cope_backend", "cope_reference", "cope_tiled"]
 
 
 def _check(q, k, v, table, mask, q_offset) -> None:
@@ -86,7 +90,8 @@ def cope(
     scale: float,
     q_offset: int | torch.Tensor = 0,
 ) -> torch.Tensor:
-    """Causal CoPE attention (see ``hf_posenc/encodings/cope.py`` for the formula), fused on CUDA.
+    """Causal CoPE attention (see ``hf_posenc/encodings/cope.py`` for the formula): fused on CUDA, tile-wise
+    PyTorch elsewhere.
 
     Args:
         q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D) with H a multiple of Hkv (not expanded).
@@ -105,4 +110,4 @@ def cope(
 
         last = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)]
         return cope_triton(*last, table, mask, scale, q_offset)
-    return cope_reference(q, k, v, table, mask, scale, q_offset)
+    return cope_tiled(q, k, v, table, mask, scale, q_offset)

@@ -3,16 +3,20 @@
 ``stick_breaking`` dispatches (``sba_backend`` tells which it will use):
 
 * ``HF_POSENC_BACKEND`` unset: the Triton kernels when the tensors are on a CUDA device and the kernels
-  support the inputs; the PyTorch reference otherwise (CPU tensors, float64, head_dim > 128, attention
-  weights requested, attention dropout while training).
+  support the inputs; the tile-wise PyTorch engine (``tiled.py``) otherwise (CPU tensors, float64,
+  head_dim > 128, attention weights requested, attention dropout while training).
 * ``HF_POSENC_BACKEND=triton``: the kernels, or a ``ValueError`` that says why they cannot run (Triton
   missing, tensors on the CPU without ``TRITON_INTERPRET=1``, one of the cases above). Under
   ``TRITON_INTERPRET=1`` the kernels run on CPU tensors in Triton's interpreter (slow; for tests).
-* ``HF_POSENC_BACKEND=torch`` (or ``flex``: stick-breaking has no FlexAttention form): the reference.
+* ``HF_POSENC_BACKEND=torch`` (or ``flex``: stick-breaking has no FlexAttention form): the tile-wise engine.
+
+The tile-wise engine (``tiled.py``: plain PyTorch, any device, O(L·block) memory, recomputing backward) is
+what runs wherever the kernels do not; the full-matrix reference (``naive.py``) is the test oracle, and what
+the encoding uses only when it must return the attention weights or apply attention dropout.
 
 Every option of the encoding runs in-kernel: ``attend_current`` (the diagonal as a breakpoint) and the three
-``remainder`` modes (``discard``, ``current``, ``bias``). Causal only: sba is text-only (the encoding refuses
-ViT). Query i is key ``q_offset + i`` (a tensor offset, from a StaticCache, is loaded
+``remainder`` modes (``discard``, ``current``, ``bias``). Causal only: the kernels and the engine serve text; the encoding's
+grid-ordered generalisation on ViT runs its own reference. Query i is key ``q_offset + i`` (a tensor offset, from a StaticCache, is loaded
 by the kernels on the device, never read on the host).
 """
 
@@ -23,8 +27,9 @@ import torch
 from ...ops import eager_value_checks
 from .._attn_dispatch import choose, common_unsupported
 from .naive import sba_reference
+from .tiled import sba_tiled
 
-__all__ = ["sba_backend", "sba_reference", "stick_breaking"]
+__all__ = ["sba_backend", "sba_reference", "sba_tiled", "stick_breaking"]
 
 _REMAINDERS = ("discard", "current", "bias")
 
@@ -87,7 +92,8 @@ def stick_breaking(
     remainder: str = "discard",
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Stick-breaking attention (see ``hf_posenc/encodings/sba.py`` for the formula), fused on CUDA.
+    """Stick-breaking attention (see ``hf_posenc/encodings/sba.py`` for the formula): fused on CUDA, tile-wise
+    PyTorch elsewhere.
 
     Args:
         q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D) with H a multiple of Hkv (not expanded).
@@ -108,4 +114,4 @@ def stick_breaking(
 
         last = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)]
         return sba_triton(*last, mask, scale, q_offset, attend_current, remainder, bias)
-    return sba_reference(q, k, v, mask, scale, q_offset, attend_current, remainder, bias)
+    return sba_tiled(q, k, v, mask, scale, q_offset, attend_current, remainder, bias)

@@ -1,0 +1,146 @@
+"""Tile bookkeeping shared by the tile-wise PyTorch engines of CoPE and stick-breaking attention.
+
+Both encodings need, for every query, sums over its keys taken *from the query backwards* (CoPE's gate
+counts p_ij = Σ_{k=j..i} g_ik, SBA's broken stick Σ_{k=j..i-1} softplus(z_ik)). The engines
+(``hf_posenc/kernels/cope/tiled.py``, ``hf_posenc/kernels/sba/tiled.py``) walk, per block of queries, the
+key blocks right to left, carrying those sums per query across blocks, as the Triton kernels do.
+
+To make every in-tile suffix sum a plain ``cumsum`` (exact, monotone, no flips per tile), the keys and
+values are reversed once per call: reversed index r = Lk - 1 - j. A query block then walks r upwards,
+and "to the right of key j" means "before r" in the walk. Memory: the reversed keys and values, O(L·D),
+and per tile O(B·H·block_m·block_n).
+
+Tiles: for an int ``q_offset`` the walk of the query block [m0, m1) starts at the reversed index of its
+last query's diagonal, so tiles above the diagonal are never visited and only the first tiles of the walk
+need the causal mask; for a tensor ``q_offset`` (a StaticCache; never read as a number, issue 19) the walk
+covers every key and the causal mask is applied in every tile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "Geometry", "Tile", "blocked_mask_rows", "fill_blocked", "from_groups", "key_tiles", "tile_blocked", "tile_sizes",
+    "to_groups",
+]
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Sizes of one call: batch, query heads, key/value heads, group size, Lq, Lk, head_dim."""
+
+    b: int
+    h: int
+    hkv: int
+    groups: int
+    lq: int
+    lk: int
+    d: int
+
+    @staticmethod
+    def of(q: torch.Tensor, k: torch.Tensor) -> "Geometry":
+        b, h, lq, d = q.shape
+        hkv, lk = k.shape[1], k.shape[2]
+        return Geometry(b, h, hkv, h // hkv, lq, lk, d)
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Reversed key range [r0, r1) of one tile, and whether it needs the causal mask."""
+
+    r0: int
+    r1: int
+    causal: bool
+
+
+def key_tiles(
+    m0: int, m1: int, lk: int, q_offset: int | torch.Tensor, block_n: int, strict: bool
+) -> list[Tile]:
+    """The tiles (reversed key ranges, right to left in key order) walked by the query block [m0, m1).
+
+    Query i is key ``q_offset + i``; it sees keys j <= q_offset + i (j < with ``strict``).
+    """
+    if isinstance(q_offset, torch.Tensor):
+        return [Tile(r0, min(r0 + block_n, lk), True) for r0 in range(0, lk, block_n)]
+    last_key = min(q_offset + m1 - 1 - int(strict), lk - 1)  # the last key any query of the block sees
+    start = lk - 1 - last_key  # its reversed index
+    if last_key < 0:
+        return []
+    # rows before the last one see fewer keys: their first (m1 - 1 - m0) reversed indices are masked
+    ragged = start + (m1 - 1 - m0)
+    return [Tile(r0, min(r0 + block_n, lk), r0 < ragged) for r0 in range(start, lk, block_n)]
+
+
+def tile_blocked(
+    tile: Tile,
+    m0: int,
+    m1: int,
+    lk: int,
+    q_offset: int | torch.Tensor,
+    strict: bool,
+    blocked_rows: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """(B|1, 1, 1, BM, BN) bool: True where a query of [m0, m1) may NOT use a key of ``tile``; None when
+    every query may use every key of it.
+
+    ``blocked_rows``: the block's rows of the inverted mask with reversed keys, (B|1, 1, BM, Lk) (see
+    :func:`blocked_mask_rows`).
+    """
+    blocked = None
+    if tile.causal:
+        key = (lk - 1) - torch.arange(tile.r0, tile.r1, device=device)
+        off = q_offset.to(device) if isinstance(q_offset, torch.Tensor) else q_offset
+        qidx = torch.arange(m0, m1, device=device) + off
+        blocked = (key[None, :] >= qidx[:, None]) if strict else (key[None, :] > qidx[:, None])
+    if blocked_rows is not None:
+        m = blocked_rows[..., tile.r0:tile.r1]
+        blocked = m if blocked is None else (m | blocked)
+    return None if blocked is None else blocked.unsqueeze(-3)
+
+
+def blocked_mask_rows(mask: torch.Tensor | None, m0: int, m1: int) -> torch.Tensor | None:
+    """Rows [m0, m1) of a (B|1, 1, Lq, Lk) bool mask (True = may attend), inverted, with the keys reversed:
+    (B|1, 1, BM, Lk), True = blocked."""
+    if mask is None:
+        return None
+    return ~mask[:, :, m0:m1].flip(-1)
+
+
+def to_groups(x: torch.Tensor, geo: Geometry, m0: int, m1: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows [m0, m1) of a (B, H, Lq, X) tensor as (B, Hkv, G·BM, X) in ``dtype``: always a new contiguous
+    tensor (callers scale it in place), the query heads of one key/value head stacked, so one matmul serves
+    a whole GQA group."""
+    out = torch.empty(geo.b, geo.hkv, geo.groups * (m1 - m0), x.shape[-1], dtype=dtype, device=x.device)
+    out.view(geo.b, geo.h, m1 - m0, x.shape[-1]).copy_(x[:, :, m0:m1])
+    return out
+
+
+def from_groups(x: torch.Tensor, geo: Geometry, bm: int) -> torch.Tensor:
+    """(B, Hkv, G·BM, X) back to (B, H, BM, X) (a view)."""
+    return x.view(geo.b, geo.h, bm, x.shape[-1])
+
+
+#: elements of one (B, H, block_m, block_n) float tile when the key tile is sized automatically.
+TILE_ELEMENTS = 1 << 21
+
+
+def tile_sizes(geo: Geometry, block_m: int, block_n: int | None) -> tuple[int, int]:
+    """(block_m, block_n): ``block_n`` None sizes the key tile to about ``TILE_ELEMENTS`` per float tile
+    (a multiple of 64, at least 64, at most Lk). Key tiles cost no extra work (the walk starts at each query
+    block's diagonal; only the block_m x block_m triangle there is masked work), so they are made as long
+    as memory allows: fewer, larger operations."""
+    if block_n is None:
+        per_key = max(1, geo.b * geo.h * block_m)
+        block_n = max(64, (TILE_ELEMENTS // per_key) // 64 * 64)
+    return block_m, max(1, min(block_n, max(1, geo.lk)))
+
+
+def fill_blocked(x: torch.Tensor, blocked: torch.Tensor | None, value: float) -> torch.Tensor:
+    """Fill, in place, the entries of a (B, Hkv, G·BM, BN) tile that ``blocked`` (B|1, 1, 1, BM, BN) marks."""
+    if blocked is not None:
+        x.view(x.shape[0], x.shape[1], -1, blocked.shape[-2], x.shape[-1]).masked_fill_(blocked, value)
+    return x

@@ -1,0 +1,239 @@
+"""Stick-breaking attention tile by tile in plain PyTorch: the engine wherever the Triton kernels do not run.
+
+Math (``hf_posenc/encodings/sba.py``, the paper's eq. for A_ij in log space, and ``naive.py``): for query i
+(key index q_i = q_offset + i), its breakpoints j (keys j < q_i, or j <= q_i with ``attend_current``, that
+the mask allows), z_ij = s q_i·k_j and sp = softplus with the code's linear branch above 15::
+
+    A_ij = exp(z_ij - Σ_{k >= j, k breakpoint} sp(z_ik)),     o_i = Σ_j A_ij v_j  [+ r_i u_i]
+    r_i  = exp(-Σ_j sp(z_ij))                                   (the remaining stick)
+
+with u_i = v_{q_i} (``remainder="current"``), the per-head vector b_h (``"bias"``), or no term
+(``"discard"``, the default). Everything in float32 (float64 for float64 inputs).
+
+Forward: per block of ``block_m`` queries (all query heads of a key/value head at once: GQA is never
+expanded), the key tiles of ``block_n`` keys are walked right to left (``hf_posenc.kernels._reverse_tiles``:
+the keys are reversed once, so the in-tile suffix sums are one ``cumsum``), carrying per query the stick
+broken so far, c_i = Σ sp over the keys already walked. In a tile: z, sp (0 off the breakpoints), its
+cumulative sum, log A = z - cumsum - c, A v accumulated, c += Σ_tile sp. Tiles above the diagonal are never
+visited (int offsets). Weights below e^-87 are 0 (see ``_LOG_FLOOR``). Extra memory: the float32 output and
+per-tile temporaries, O(L·D + B·H·block_m·block_n).
+
+Backward (recomputed; the same walk): with g_ij = A_ij (do_i·v_j) and T_i = do_i·o_i (the float32 output,
+saved), the logit gradient is
+
+    dz_ij = g_ij - sp'(z_ij) P_ij,     P_ij = r_i (do_i·u_i) + Σ_{j' <= j} g_ij' = T_i - Σ_{j' > j} g_ij'
+
+and the walk carries S_i = Σ g over the tiles already walked. As in the Triton kernels, where the stick right
+of key j is exhausted (Σ_{k > j} sp > 110: every A_ij' with j' <= j, and r_i, are below e^-110) P_ij is set
+to exactly 0 rather than left as the rounding noise of T - S; a row exhausted at a tile's right edge also
+takes T_i - S_i = 0 from there on. sp' = σ (above the linear threshold 15 the code's 1;
+1 - σ(15) < 3.1e-7). dq_i = s Σ_j dz_ij k_j,
+dk_j = s Σ_i dz_ij q_i and dv_j = Σ_i A_ij do_i are accumulated per tile (dk, dv into one (B, Hkv, Lk, D)
+buffer each: no atomics, no slices of a full matrix). Remainder gradients: d b_h = Σ_i r_i do_i and, for
+"current", dv_{q_i} += r_i do_i.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.nn import functional as F
+
+from .._reverse_tiles import Geometry, blocked_mask_rows, fill_blocked, key_tiles, tile_blocked, tile_sizes, to_groups
+
+__all__ = ["sba_tiled", "SbaTiledFunction", "BLOCK_M", "BLOCK_N"]
+
+#: default query block; the key tile is sized to about ``_reverse_tiles.TILE_ELEMENTS`` per float tile (None).
+BLOCK_M = 128
+BLOCK_N: int | None = 256
+#: softplus is linear above this (the code's threshold; ``hf_posenc.encodings.sba.SOFTPLUS_THRESHOLD``).
+_THRESHOLD = 15.0
+#: a stick carry above this leaves exp(-carry) below the smallest float32 subnormal.
+_EXHAUSTED = 110.0
+#: weights below exp(floor) -- about the smallest normal number, 1.2e-38 in float32 -- are set to exactly 0:
+#: on CPUs exp takes a slow path (10-30x, measured with torch 2.13) for every input below -87.3 (and -inf),
+#: and products of subnormal numbers are as slow, so the log-weights are clamped at the floor before the exp
+#: and what comes out at the floor is zeroed (float32 would round most of those weights to 0 anyway).
+_LOG_FLOOR = {torch.float32: -87.0, torch.float64: -707.0}
+
+
+def _dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _tile(qs, kt, c, blocked):
+    """One tile: logits z (-inf off the breakpoints), softplus, its cumulative sum from the right *including
+    the carry* c (reversed keys: a plain cumsum; the carry is folded into the first column, so that column
+    of the returned softplus holds sp + c) and the weights A = exp(z - Σ_{k >= j} sp)."""
+    z = fill_blocked(qs @ kt.transpose(-1, -2), blocked, float("-inf"))
+    sp = F.softplus(z, beta=1.0, threshold=_THRESHOLD)  # softplus(-inf) = 0: blocked keys break nothing
+    sp[..., 0] += c
+    cs = sp.cumsum(-1)
+    floor = _LOG_FLOOR[z.dtype]
+    a = torch.sub(z, cs).clamp_(min=floor).exp_()
+    a = F.threshold_(a, math.exp(floor) * 1.0001, 0.0)
+    return z, sp, cs, a
+
+
+def _own_values(v: torch.Tensor, geo: Geometry, m0: int, m1: int, q_offset, dtype) -> torch.Tensor:
+    """(B, Hkv, G·BM, D): v at each query's own key (``remainder="current"``), repeated over the group."""
+    off = q_offset.to(v.device) if isinstance(q_offset, torch.Tensor) else q_offset
+    own = v.index_select(2, torch.arange(m0, m1, device=v.device) + off).to(dtype)  # (B, Hkv, BM, D)
+    return own[:, :, None].expand(geo.b, geo.hkv, geo.groups, m1 - m0, geo.d).reshape(geo.b, geo.hkv, -1, geo.d)
+
+
+def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n):
+    geo = Geometry.of(q, k)
+    block_m, block_n = tile_sizes(geo, block_m, block_n)
+    dtype = _dtype(q)
+    kr = k.flip(2).to(dtype)
+    vr = v.flip(2).to(dtype)
+    out = torch.empty(geo.b, geo.h, geo.lq, geo.d, dtype=dtype, device=q.device)
+    strict = not attend_current
+    for m0 in range(0, geo.lq, block_m):
+        m1 = min(m0 + block_m, geo.lq)
+        bm = m1 - m0
+        qs = to_groups(q, geo, m0, m1, dtype).mul_(scale)
+        c = torch.zeros(geo.b, geo.hkv, geo.groups * bm, dtype=dtype, device=q.device)
+        acc = torch.zeros(geo.b, geo.hkv, geo.groups * bm, geo.d, dtype=dtype, device=q.device)
+        rows = blocked_mask_rows(mask, m0, m1)
+        for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, strict):
+            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, strict, rows, q.device)
+            _, _, cs, a = _tile(qs, kr[:, :, tile.r0:tile.r1], c, blocked)
+            acc.add_(a @ vr[:, :, tile.r0:tile.r1])
+            c = cs[..., -1].clone()
+        if remainder == "current":
+            acc.add_(torch.exp(-c)[..., None] * _own_values(v, geo, m0, m1, q_offset, dtype))
+        elif remainder == "bias":
+            rest = torch.exp(-c).view(geo.b, geo.hkv, geo.groups, bm, 1)
+            acc.view(geo.b, geo.hkv, geo.groups, bm, geo.d).add_(
+                rest * bias.to(dtype).view(1, geo.hkv, geo.groups, 1, geo.d)
+            )
+        out[:, :, m0:m1] = acc.view(geo.b, geo.h, bm, geo.d)
+    return out
+
+
+def _backward(q, k, v, o, do, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n):
+    geo = Geometry.of(q, k)
+    block_m, block_n = tile_sizes(geo, block_m, block_n)
+    dtype = _dtype(q)
+    kr = k.flip(2).to(dtype)
+    vr = v.flip(2).to(dtype)
+    dq = torch.empty(geo.b, geo.h, geo.lq, geo.d, dtype=dtype, device=q.device)
+    dkr = torch.zeros(geo.b, geo.hkv, geo.lk, geo.d, dtype=dtype, device=q.device)
+    dvr = torch.zeros_like(dkr)
+    dbias = torch.zeros(geo.h, geo.d, dtype=dtype, device=q.device) if remainder == "bias" else None
+    strict = not attend_current
+    for m0 in range(0, geo.lq, block_m):
+        m1 = min(m0 + block_m, geo.lq)
+        bm = m1 - m0
+        qs = to_groups(q, geo, m0, m1, dtype).mul_(scale)
+        dob = to_groups(do, geo, m0, m1, dtype)
+        # T_i - S_i: the output's do-product less the g already walked (S starts at 0)
+        t_minus_s = (dob * to_groups(o, geo, m0, m1, dtype)).sum(-1)
+        c = torch.zeros(geo.b, geo.hkv, geo.groups * bm, dtype=dtype, device=q.device)
+        dqb = torch.zeros(geo.b, geo.hkv, geo.groups * bm, geo.d, dtype=dtype, device=q.device)
+        rows = blocked_mask_rows(mask, m0, m1)
+        for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, strict):
+            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, strict, rows, q.device)
+            kt, vt = kr[:, :, tile.r0:tile.r1], vr[:, :, tile.r0:tile.r1]
+            z, sp, cs, a = _tile(qs, kt, c, blocked)
+            g = a * (dob @ vt.transpose(-1, -2))
+            gs = g.cumsum(-1)
+            # P = T - S - Σ_{j' > j in the tile} g; rows with no stick left at the tile's right edge
+            # (c > 110: every P of the row is below e^-110) take T - S = 0, so that their P is the tiny
+            # -Σ g + g rather than the rounding noise of T - S
+            t_minus_s = torch.where(c > _EXHAUSTED, 0.0, t_minus_s)
+            pref = torch.sub(t_minus_s[..., None], gs).add_(g)
+            # and per key, as the kernels do: where Σ sp right of j > 110 (column 0 of sp holds sp + c)
+            right = cs - sp
+            right[..., 0] = c
+            pref.masked_fill_(right > _EXHAUSTED, 0.0)
+            # dz = g - sp'(z) P, sp' = σ (1 - σ(15) < 3.1e-7 above the linear threshold; blocked: σ(-inf) = 0)
+            dz = torch.addcmul(g, torch.sigmoid(z), pref, value=-1.0)
+            dqb.add_(dz @ kt)
+            dkr[:, :, tile.r0:tile.r1].add_(dz.transpose(-1, -2) @ qs)
+            dvr[:, :, tile.r0:tile.r1].add_(a.transpose(-1, -2) @ dob)
+            c = cs[..., -1].clone()
+            t_minus_s = t_minus_s - gs[..., -1]
+        dq[:, :, m0:m1] = dqb.mul_(scale).view(geo.b, geo.h, bm, geo.d)
+        if remainder != "discard":
+            weighted = torch.exp(-c)[..., None] * dob  # r_i do_i, (B, Hkv, G·BM, D)
+            if remainder == "bias":
+                dbias.add_(weighted.view(geo.b, geo.h, bm, geo.d).sum(dim=(0, 2)))
+            else:  # o_i += r_i v_{q_i}: the query's own key, reversed index Lk - 1 - q_i
+                own = weighted.view(geo.b, geo.hkv, geo.groups, bm, geo.d).sum(2)
+                off = q_offset.to(q.device) if isinstance(q_offset, torch.Tensor) else q_offset
+                ridx = (geo.lk - 1 - off) - torch.arange(m0, m1, device=q.device)
+                dvr.index_add_(2, ridx, own)
+    return dq, dkr.flip(2), dvr.flip(2), dbias
+
+
+class SbaTiledFunction(torch.autograd.Function):
+    """Stick-breaking attention, tile-wise, recomputing in backward; gradients for q, k, v and the bias."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n):
+        out = _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n)
+        if any(ctx.needs_input_grad[i] for i in (0, 1, 2, 4)):
+            ctx.save_for_backward(q, k, v, out, mask, bias)
+        ctx.args = (scale, q_offset, attend_current, remainder, block_m, block_n)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, out, mask, bias = ctx.saved_tensors
+        scale, q_offset, attend_current, remainder, block_m, block_n = ctx.args
+        dq, dk, dv, dbias = _backward(
+            q, k, v, out, do, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n
+        )
+        return (
+            dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None,
+            None if dbias is None or not ctx.needs_input_grad[4] else dbias.to(bias.dtype),
+            None, None, None, None, None, None,
+        )
+
+
+def sba_tiled(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    q_offset: int | torch.Tensor = 0,
+    attend_current: bool = False,
+    remainder: str = "discard",
+    bias: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Stick-breaking attention computed tile by tile (any device), recomputed in backward.
+
+    Args:
+        q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D) with H a multiple of Hkv (not expanded); any float dtype
+            (computed in float32, float64 for float64).
+        mask: (B|1, 1, Lq, Lk) bool (True = may attend; padding) or None. Causality by index is applied
+            in any case.
+        scale: logit scale s.
+        q_offset: query i is key ``q_offset + i``: an int, or a 0-d tensor (a StaticCache), which is never
+            read as a number (every key tile is then walked, with the causal mask).
+        attend_current: whether the query's own key is a breakpoint.
+        remainder: ``"discard"``, ``"current"`` or ``"bias"``; bias: (H, D) for ``"bias"``.
+        block_m, block_n: query block and key tile sizes (default: the module's ``BLOCK_M``, ``BLOCK_N``,
+            read at each call).
+
+    Returns:
+        (B, H, Lq, D) in q's dtype.
+    """
+    block_m = BLOCK_M if block_m is None else block_m
+    block_n = BLOCK_N if block_n is None else block_n
+    if block_m < 1 or (block_n is not None and block_n < 1):
+        raise ValueError(
+            f"block_m and block_n must be positive (block_n None: sized to memory), got {block_m}, {block_n}"
+        )
+    if isinstance(q_offset, torch.Tensor):
+        q_offset = q_offset.detach().clone()  # a StaticCache mutates its length in place before backward
+    return SbaTiledFunction.apply(
+        q, k, v, mask, bias, float(scale), q_offset, bool(attend_current), remainder, int(block_m), block_n
+    )

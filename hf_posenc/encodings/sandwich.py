@@ -73,7 +73,8 @@ class Sandwich(PositionEncoding):
         if ctx.grid is not None:
             return None
         q_len, k_len = query.shape[2], key.shape[2]
-        length = max(k_len, int(ctx.q_offset) + q_len)
+        # every |qi − j| < Lk + Lq whenever the queries sit among the keys (q_offset + Lq <= Lk); no int(q_offset)
+        length = k_len + q_len
         memo_key = ("sandwich_table", length, query.device)
         if memo_key not in ctx.memo:
             ctx.memo[memo_key] = self.distance_table(length, query.device)

@@ -23,8 +23,8 @@ from hf_posenc.kernels.attention.tiled import TILED_KINDS, tiled_attention
 from conftest import make_model
 from test_kernel_attention import MODEL_CASES, MODEL_IDS, SHAPE, SHAPE_CHUNK, _kink_free, _padded_batch, make_inputs, make_term, rel_err
 
-TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
-TOL_TERM = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+TOL = {torch.float64: 2e-5, torch.float32: 2e-5, torch.bfloat16: 2e-2}
+TOL_TERM = {torch.float64: 1e-4, torch.float32: 1e-4, torch.bfloat16: 3e-2}
 BLOCKS = dict(block_q=16, block_k=24)
 
 
@@ -42,7 +42,8 @@ def _check(kind, shape, dtype, causal, q_offset=None, tensor_offset=False, paddi
     kw = dict(scale=d**-0.5, causal=causal, key_valid=valid)
     off = torch.tensor(q_offset) if tensor_offset else q_offset
     out, grads = _run(tiled_attention, q, k, v, term, leaves, gout, q_offset=off, **kw, **BLOCKS)
-    ref, ref_grads = _run(attention_reference, q.float(), k.float(), v.float(), term, leaves, gout.float(),
+    up = (lambda x: x.double()) if dtype == torch.float64 else (lambda x: x.float())
+    ref, ref_grads = _run(attention_reference, up(q), up(k), up(v), term, leaves, up(gout),
                           q_offset=q_offset, **kw)
     assert out.dtype == dtype and out.shape == (b, h, lq, d)
     errors = {"out": rel_err(out, ref)}
@@ -64,6 +65,12 @@ def test_engine_matches_reference(kind):
     _check(kind, SHAPE, torch.float32, causal=True)
     _check(kind, SHAPE, torch.bfloat16, causal=True)
     _check(kind, SHAPE, torch.float32, causal=False)
+
+
+@pytest.mark.parametrize("kind", ["kerple_log", "t5", "fire", "fox"])
+def test_engine_online_softmax_path_float64(kind):
+    """float64 inputs take the online softmax over key tiles (no fused kernel), against the reference."""
+    _check(kind, SHAPE, torch.float64, causal=True)
 
 
 @pytest.mark.parametrize("kind", TILED_KINDS)
@@ -90,22 +97,29 @@ def test_engine_default_blocks_single_key_tile():
     assert all(rel_err(a, b) < 1e-4 for a, b in zip(grads, ref_grads))
 
 
-def test_engine_builds_no_full_matrix(monkeypatch):
-    """No tile is wider than block_q x block_k, and causal tiles above the diagonal are never built."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fused-kernel-tiles", "online-softmax-tiles"])
+def test_engine_builds_no_full_matrix(monkeypatch, dtype):
+    """Every tile has at most block_q rows (and, on the online-softmax path, block_k columns); causal tiles
+    right of their queries' diagonal are never built. float32 on the CPU runs each query block through
+    torch's fused kernel against all the keys it sees; float64 takes the online softmax over key tiles."""
     seen = []
-    real = tiled_module._tile_mask
+    real = tiled_module._apply_mask
 
-    def spy(plan, qi, q0, k0, k1, valid, n):
-        seen.append((q0, n, k0, k1))
-        return real(plan, qi, q0, k0, k1, valid, n)
+    def spy(s, plan, qi, q0, k0, k1, valid):
+        seen.append((q0, s.shape[-2], k0, k1))
+        return real(s, plan, qi, q0, k0, k1, valid)
 
-    monkeypatch.setattr(tiled_module, "_tile_mask", spy)
-    q, k, v, gout, valid, g = make_inputs((1, 2, 2, 64, 64, 8), torch.float32, 0, False, device="cpu")
+    monkeypatch.setattr(tiled_module, "_apply_mask", spy)
+    q, k, v, gout, valid, g = make_inputs((1, 2, 2, 64, 64, 8), dtype, 0, False, device="cpu")
     term, _ = make_term("alibi", (1, 2, 2, 64, 64, 8), 0, g, device="cpu")
     tiled_attention(q, k, v, term, scale=1.0, causal=True, block_q=16, block_k=16)
-    assert all(n <= 16 and k1 - k0 <= 16 for _, n, k0, k1 in seen)
-    assert all(k0 < q0 + n for q0, n, k0, _ in seen)  # no tile lies wholly right of its queries' diagonal
-    assert len(seen) == 1 + 2 + 3 + 4  # 4 query blocks see 1, 2, 3, 4 key tiles
+    assert all(n <= 16 for _, n, _, _ in seen)
+    assert all(k0 < q0 + n and k1 <= q0 + n for q0, n, k0, k1 in seen)  # nothing right of the diagonal
+    if dtype == torch.float64:
+        assert all(k1 - k0 <= 16 for _, _, k0, k1 in seen)
+        assert len(seen) == 1 + 2 + 3 + 4  # 4 query blocks see 1, 2, 3, 4 key tiles
+    else:
+        assert [(k0, k1) for _, _, k0, k1 in seen] == [(0, 16), (0, 32), (0, 48), (0, 64)]
 
 
 def test_engine_refuses_bad_input():

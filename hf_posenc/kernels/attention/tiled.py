@@ -99,14 +99,15 @@ def _fire_tile(t: dict[str, torch.Tensor], qi: torch.Tensor, kj: torch.Tensor, q
     return fire_interpolate(table, u).movedim(0, 1)
 
 
-def _diagonal_sums(ds: torch.Tensor) -> torch.Tensor:
-    """ds (H, n, m) -> (H, n + m − 1): entry c = Σ_{i − j = c − (m − 1)} ds[:, i, j] (sums along diagonals).
+def _antidiagonal_sums(ds: torch.Tensor) -> torch.Tensor:
+    """ds (H, n, m) -> (H, n + m − 1): entry c = Σ_{i + j = c} ds[:, i, j].
 
-    Skew trick: each row written reversed into a zero buffer of row length m + n; read back with row length
-    m + n − 1, row i is shifted right by i, so column c collects i + (m − 1 − j)."""
+    The Toeplitz tiles run with their query rows reversed (row i' is query q1 − 1 − i'), so the diagonals
+    of constant δ = qi − j are these anti-diagonals. Skew trick: the rows written into a zero buffer of row
+    length m + n and read back with row length m + n − 1: row i is shifted right by i."""
     h, n, m = ds.shape
     buf = ds.new_zeros(h, n, m + n)
-    buf[:, :, :m].copy_(ds.flip(-1))
+    buf[:, :, :m].copy_(ds)
     skew = buf.view(h, n * (m + n))[:, : n * (m + n - 1)].view(h, n, m + n - 1)
     return skew.sum(1)
 
@@ -139,30 +140,32 @@ class _Plan:
         return k_len
 
 
+def _rows(x: torch.Tensor, reverse: bool, dim: int = -2) -> torch.Tensor:
+    """``x`` with its query rows (dimension ``dim``) reversed when ``reverse`` (the Toeplitz tiles' order)."""
+    return x.flip(dim) if reverse else x
+
+
 def _query_index(q_off: int | torch.Tensor, q0: int, q1: int, device: torch.device) -> torch.Tensor:
     """Key index (n,) int64 of the queries q0 .. q1 − 1."""
     return torch.arange(q0, q1, device=device) + q_off
 
 
-def _tile_mask(
-    plan: _Plan, qi: torch.Tensor, q0: int, k0: int, k1: int, valid: torch.Tensor | None, n: int
-) -> torch.Tensor | None:
-    """True where a tile (B|1, 1, n, m) is masked, or None when nothing is."""
-    masked = None
-    m = k1 - k0
+def _apply_mask(
+    s: torch.Tensor, plan: _Plan, qi: torch.Tensor, q0: int, k0: int, k1: int, valid: torch.Tensor | None
+) -> torch.Tensor:
+    """Fill the masked logits of a tile s (B|1, H, n, m) (keys k0 .. k1 − 1, queries at key indices ``qi``,
+    in any row order) with −inf, in place (made B wide first when the padding differs per batch).
+    With an int offset only the columns right of the block's first query are compared (the causal window)."""
+    if valid is not None and valid.shape[0] > s.shape[0]:
+        s = s.expand(valid.shape[0], *s.shape[1:]).contiguous()
     if plan.causal:
-        if plan.q_offset is not None:
-            first = plan.q_offset + q0  # key index of the tile's first query
-            if k1 - 1 > first:  # some key right of some query's diagonal
-                masked = torch.ones(n, m, dtype=torch.bool, device=qi.device).triu(first - k0 + 1)
-        else:
-            masked = torch.arange(k0, k1, device=qi.device)[None, :] > qi[:, None]
-        if masked is not None:
-            masked = masked[None, None]
+        c0 = k0 if plan.q_offset is None else max(k0, plan.q_offset + q0 + 1)
+        if c0 < k1:
+            cols = torch.arange(c0, k1, device=s.device)
+            s[..., c0 - k0 :].masked_fill_(cols[None, :] > qi[:, None], float("-inf"))
     if valid is not None:
-        inv = ~valid[:, None, None, k0:k1]
-        masked = inv if masked is None else masked | inv
-    return masked
+        s.masked_fill_(~valid[:, None, None, k0:k1], float("-inf"))
+    return s
 
 
 class _Tile:
@@ -190,10 +193,9 @@ class _Tile:
     def bias(self, qi: torch.Tensor, q0: int, q1: int, k0: int, k1: int, ctx_q: torch.Tensor | None):
         """The additive term of the tile, broadcastable to (B, H, n, m), or None."""
         n, m = q1 - q0, k1 - k0
-        if self.kind in _TOEPLITZ:
-            base = self.q_len - 1 - q0 + k0
-            rows = self.rev.unfold(-1, m, 1)[:, base - n + 1 : base + 1]  # row r: F at δ index base − r ..
-            return rows.flip(-2)[None]  # (1, H, n, m)
+        if self.kind in _TOEPLITZ:  # rows reversed: row i' is query q1 − 1 − i', T[i', j] = rev[t0 + i' + j]
+            t0 = self.q_len - q1 + k0
+            return self.rev.unfold(-1, m, 1)[None, :, t0 : t0 + n]  # (1, H, n, m), a strided view
         if self.kind == "fox":
             if isinstance(self.q_off, torch.Tensor):
                 cq = self.c.index_select(-1, qi)
@@ -236,6 +238,47 @@ def _ungroup(x: torch.Tensor, h: int) -> torch.Tensor:
     return x if h == hkv else x.reshape(b, h, gn * hkv // h, e)
 
 
+def _flash_available(plan: _Plan, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the tiles can go through torch's fused CPU attention kernel (additive float mask per tile):
+    CPU float32 compute, and a term without a value term (shaw's needs the probabilities)."""
+    return device.type == "cpu" and dtype == torch.float32 and plan.kind != "shaw" and hasattr(
+        torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _flash_mask(tile: "_Tile", plan: _Plan, qi: torch.Tensor, q0: int, q1: int, k_stop: int,
+                valid: torch.Tensor | None, b: int, h: int) -> torch.Tensor:
+    """The tile's additive float mask (B, H, n, k_stop): the term plus −inf where masked (for the fused kernel)."""
+    n = q1 - q0
+    bias = tile.bias(qi, q0, q1, 0, k_stop, None)
+    if bias is None:
+        mask = torch.zeros(1, 1, n, k_stop, dtype=tile.dtype, device=tile.device)
+    else:
+        mask = bias.contiguous()  # Toeplitz: a copy of the strided view; fox, fire: a fresh tensor
+    return _apply_mask(mask, plan, qi, q0, 0, k_stop, valid).expand(b, h, n, k_stop)
+
+
+def _empty_rows(plan: _Plan, qi: torch.Tensor, valid: torch.Tensor | None, k_stop: int) -> torch.Tensor | None:
+    """(B|1, 1, n, 1) bool: query rows that see no key (left padding), or None when every row sees one."""
+    if valid is None:
+        return None
+    v = valid[:, :k_stop]
+    if plan.causal:
+        seen_any = torch.cat([v.new_zeros(v.shape[0], 1), v.cumsum(-1) > 0], dim=-1)  # [b, t]: a valid key < t
+        idx = (qi + 1).clamp(0, k_stop)
+        return ~seen_any.index_select(-1, idx)[:, None, :, None]
+    return ~v.any(-1)[:, None, None, None].expand(-1, 1, qi.shape[0], 1)
+
+
+_flash_fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_flash_bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _expand_heads(x: torch.Tensor, h: int) -> torch.Tensor:
+    """(B, Hkv, L, D) -> (B, H, L, D) (a broadcast view made contiguous: the fused kernel takes no GQA)."""
+    b, hkv, n, d = x.shape
+    return x if hkv == h else x[:, :, None].expand(b, hkv, h // hkv, n, d).reshape(b, h, n, d)
+
+
 class TiledAttentionFunction(torch.autograd.Function):
     """Forward: online softmax over key tiles per query block. Backward: tiles recomputed from the saved
     log-sum-exp; gradients of q, k, v and every term tensor (see the module docstring)."""
@@ -247,11 +290,34 @@ class TiledAttentionFunction(torch.autograd.Function):
         tile = _Tile(plan, tensors, q_off, q_len, k_len, dtype, query.device)
         out = q.new_empty(b, h, q_len, d)
         lse = q.new_empty(b, h, q_len)
+        flash = _flash_available(plan, query.device, dtype)
+        rev = plan.kind in _TOEPLITZ
+        if flash:
+            kx, vx = _expand_heads(k, h), _expand_heads(v, h)
         for q0 in range(0, q_len, plan.block_q):
+            if not flash:
+                break
+            q1 = min(q0 + plan.block_q, q_len)
+            qi = _rows(_query_index(q_off, q0, q1, query.device), rev, 0)
+            k_stop = plan.key_stop(q1, k_len)
+            if k_stop == 0:
+                out[:, :, q0:q1] = 0.0
+                lse[:, :, q0:q1] = float("inf")
+                continue
+            mask = _flash_mask(tile, plan, qi, q0, q1, k_stop, valid, b, h)
+            o, l = _flash_fwd(_rows(q[:, :, q0:q1], rev), kx[:, :, :k_stop], vx[:, :, :k_stop], 0.0, False,
+                              attn_mask=mask, scale=1.0)
+            empty = _empty_rows(plan, qi, valid, k_stop)
+            if empty is not None:
+                o = o.masked_fill(empty, 0.0)
+                l = l.masked_fill(empty[..., 0], float("inf"))
+            out[:, :, q0:q1] = _rows(o, rev)
+            lse[:, :, q0:q1] = _rows(l, rev, -1)
+        for q0 in range(0, q_len if not flash else 0, plan.block_q):
             q1 = min(q0 + plan.block_q, q_len)
             n = q1 - q0
-            qi = _query_index(q_off, q0, q1, query.device)
-            qb = q[:, :, q0:q1]
+            qi = _rows(_query_index(q_off, q0, q1, query.device), rev, 0)
+            qb = _rows(q[:, :, q0:q1], rev)
             qg = _group(qb, hkv)
             qa = qb @ tile.a_key.T if plan.kind == "shaw" else None  # scale · q · a^K (B, H, n, 2K + 1)
             k_stop = plan.key_stop(q1, k_len)
@@ -264,9 +330,7 @@ class TiledAttentionFunction(torch.autograd.Function):
                 bias = tile.bias(qi, q0, q1, k0, k1, qa)
                 if bias is not None:
                     s = s + bias if s.shape != torch.broadcast_shapes(s.shape, bias.shape) else s.add_(bias)
-                masked = _tile_mask(plan, qi, q0, k0, k1, valid, n)
-                if masked is not None:
-                    s.masked_fill_(masked, float("-inf"))
+                s = _apply_mask(s, plan, qi, q0, k0, k1, valid)
                 new_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
                 safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
                 p = s.sub_(safe).exp_()
@@ -280,9 +344,10 @@ class TiledAttentionFunction(torch.autograd.Function):
                     acc.add_(_shaw_buckets(tile, p, qi, k0, k1) @ tile.a_value)
                 row_max = new_max
             empty = row_sum == 0
-            out[:, :, q0:q1] = acc / torch.where(empty, torch.ones_like(row_sum), row_sum)
+            out[:, :, q0:q1] = _rows(acc / torch.where(empty, torch.ones_like(row_sum), row_sum), rev)
             safe_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
-            lse[:, :, q0:q1] = torch.where(empty, torch.full_like(row_sum, float("inf")), safe_max + row_sum.log())[..., 0]
+            lse_rows = torch.where(empty, torch.full_like(row_sum, float("inf")), safe_max + row_sum.log())[..., 0]
+            lse[:, :, q0:q1] = _rows(lse_rows, rev, -1)
         ctx.plan = plan
         ctx.save_for_backward(query, key, value, valid, q_off_tensor, out, lse, *tensors)
         return out.to(query.dtype)
@@ -306,16 +371,38 @@ class TiledAttentionFunction(torch.autograd.Function):
         fire_grads = [None] * len(tensors)
         d_akey = torch.zeros_like(tile.a_key) if plan.kind == "shaw" else None
         d_avalue = torch.zeros_like(tile.a_value) if plan.kind == "shaw" else None
-        for q0 in range(0, q_len, plan.block_q):
+        flash = not want_term and _flash_available(plan, query.device, dtype)
+        rev = plan.kind in _TOEPLITZ
+        if flash:  # no term gradient: the fused kernel's backward per query block
+            kx, vx = _expand_heads(k, h), _expand_heads(v, h)
+            dkx = torch.zeros_like(kx) if h != hkv else dk
+            dvx = torch.zeros_like(vx) if h != hkv else dv
+            for q0 in range(0, q_len, plan.block_q):
+                q1 = min(q0 + plan.block_q, q_len)
+                qi = _rows(_query_index(q_off, q0, q1, query.device), rev, 0)
+                k_stop = plan.key_stop(q1, k_len)
+                if k_stop == 0:
+                    continue
+                mask = _flash_mask(tile, plan, qi, q0, q1, k_stop, valid, b, h)
+                gq, gk, gv = _flash_bwd(_rows(do[:, :, q0:q1], rev), _rows(q[:, :, q0:q1], rev), kx[:, :, :k_stop],
+                                        vx[:, :, :k_stop], _rows(out[:, :, q0:q1], rev), _rows(lse[:, :, q0:q1], rev, -1),
+                                        0.0, False, attn_mask=mask, scale=1.0)
+                dq[:, :, q0:q1] = _rows(gq, rev)
+                dkx[:, :, :k_stop] += gk
+                dvx[:, :, :k_stop] += gv
+            if h != hkv:
+                dk = dkx.view(b, hkv, h // hkv, k_len, d).sum(2)
+                dv = dvx.view(b, hkv, h // hkv, k_len, d).sum(2)
+        for q0 in range(0, q_len if not flash else 0, plan.block_q):
             q1 = min(q0 + plan.block_q, q_len)
             n = q1 - q0
-            qi = _query_index(q_off, q0, q1, query.device)
-            qb = q[:, :, q0:q1]
+            qi = _rows(_query_index(q_off, q0, q1, query.device), rev, 0)
+            qb = _rows(q[:, :, q0:q1], rev)
             qg = _group(qb, hkv)
-            dob = do[:, :, q0:q1]
+            dob = _rows(do[:, :, q0:q1], rev)
             dog = _group(dob, hkv)
-            lse_b = lse[:, :, q0:q1, None]
-            delta_b = delta[:, :, q0:q1]
+            lse_b = _rows(lse[:, :, q0:q1, None], rev)
+            delta_b = _rows(delta[:, :, q0:q1], rev)
             qa = qb @ tile.a_key.T if plan.kind == "shaw" else None
             dv_table = dob @ tile.a_value.T if plan.kind == "shaw" else None  # dO · a^V (B, H, n, 2K + 1)
             dqa = torch.zeros_like(qa) if plan.kind == "shaw" else None
@@ -327,9 +414,7 @@ class TiledAttentionFunction(torch.autograd.Function):
                 bias = tile.bias(qi, q0, q1, k0, k1, qa)
                 if bias is not None:
                     s = s + bias if s.shape != torch.broadcast_shapes(s.shape, bias.shape) else s.add_(bias)
-                masked = _tile_mask(plan, qi, q0, k0, k1, valid, n)
-                if masked is not None:
-                    s.masked_fill_(masked, float("-inf"))
+                s = _apply_mask(s, plan, qi, q0, k0, k1, valid)
                 p = s.sub_(lse_b).exp_()  # (B, H, n, m); rows that see no key have lse = +inf -> 0
                 pg = _group(p, hkv)
                 dv[:, :, k0:k1] += pg.transpose(-1, -2) @ dog
@@ -342,14 +427,9 @@ class TiledAttentionFunction(torch.autograd.Function):
                 dsg = _group(ds, hkv)
                 dq_b += dsg @ kb
                 dk[:, :, k0:k1] += dsg.transpose(-1, -2) @ qg
-                if g_dist is not None:
-                    # tile diagonal i − j = c − (m − 1) is δ index e = q0 − k0 + Lk − m + c; rev is reversed
-                    m = k1 - k0
-                    e0 = q0 + k_len - k1
-                    sums = _diagonal_sums(ds.sum(0))  # (H, n + m − 1)
-                    width = n + m - 1
-                    n_all = g_dist.shape[-1]
-                    g_dist[:, n_all - e0 - width : n_all - e0] += sums.flip(-1)
+                if g_dist is not None:  # rows reversed: anti-diagonal c is rev index t0 + c (see Tile.bias)
+                    t0 = q_len - q1 + k0
+                    g_dist[:, t0 : t0 + n + (k1 - k0) - 1] += _antidiagonal_sums(ds.sum(0))
                 elif dc is not None:
                     dc[..., k0:k1] -= ds.sum(-2)
                     rows = ds.sum(-1)
@@ -361,7 +441,7 @@ class TiledAttentionFunction(torch.autograd.Function):
                     _fire_tile_grads(plan, tensors, need, qi, k0, k1, q0, q1, ds, fire_grads)
                 elif plan.kind == "shaw":
                     dqa.scatter_add_(-1, tile._shaw_index(qi, k0, k1, ds.shape[:2]), ds)
-            dq[:, :, q0:q1] = _ungroup(dq_b, h)
+            dq[:, :, q0:q1] = _rows(_ungroup(dq_b, h), rev)
             if plan.kind == "shaw":  # qa = scale · q a^Kᵀ: dq += scale · dqa a^K (× scale below), da^K += dqaᵀ (scale q)
                 dq[:, :, q0:q1] += dqa @ tile.a_key
                 d_akey += (dqa.transpose(-1, -2) @ qb).sum((0, 1))

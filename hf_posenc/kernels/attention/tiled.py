@@ -9,20 +9,29 @@ in plain PyTorch, on any device (CPU, MPS, CUDA without Triton). Query i is key 
     backward: dS_ij = P_ij (dP_ij − Δ_i), Δ_i = dO_i · o_i; dq = scale dS k, dk = scale dSᵀ q, dv = Pᵀ dO
 
 Tiling. The queries are split into blocks of ``block_q`` rows; each block runs against the keys it can
-see (causal with an int ``q_offset``: keys up to its last query; the tiles above the diagonal are never
-built), in key blocks of ``block_k`` with an online softmax (running max and sum in float32). On the CPU a
-few large products win, so the defaults are one block of 256 queries against all its keys at once (up to
-4096: longer sequences take several key blocks). Every tile is computed in float32 (float64 inputs stay
-float64), whatever the input dtype; the output is cast back. Memory: O(block_q · block_k) per (B, H) for
-the tile, plus O(L · D) for q, k, v, the output and the log-sum-exp; never (B, H, Lq, Lk).
+see (causal with an int ``q_offset``: keys up to its last query; the tiles right of the diagonal are never
+built). On the CPU in float32 (every term but shaw) each block is one call of torch's fused CPU attention
+kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp) with the
+block's term as an additive float mask (B, H, block_q, keys seen), built from the term's small tensors:
+few large products win on the CPU. Elsewhere (other devices, float64, shaw) the block loops over key tiles
+of ``block_k`` with an online softmax (running max and sum). Every tile is computed in float32 (float64
+inputs stay float64), whatever the input dtype; the output is cast back. Memory: O(block_q · Lk) per head
+for the tile, plus O(L · D) for q, k, v (k, v expanded to the query heads on the fused-kernel path, which
+takes no GQA), the output and the log-sum-exp; never (B, H, Lq, Lk).
 
-Backward: a ``torch.autograd.Function`` saves q, k, v, the output and the log-sum-exp, and recomputes each
-tile's probabilities. The term's gradient is reduced per tile from dS, never through a full bias:
+Toeplitz tiles run with their query rows reversed (row i' is query q1 − 1 − i'): the tile is then a plain
+strided view of the reversed per-distance vector (``unfold``), copied once into the mask, and the lines of
+constant distance are its anti-diagonals.
+
+Backward: a ``torch.autograd.Function`` saves q, k, v, the output and the log-sum-exp. When no term tensor
+needs a gradient (alibi, sandwich, a frozen term) and the forward used the fused kernel, each block runs
+the fused kernel's backward with the same mask. Otherwise each tile's probabilities are recomputed and the
+term's gradient is reduced per tile from dS, never through a full bias:
 
 * Toeplitz terms (``alibi``, ``kerple_log``, ``kerple_pow``, ``sandwich``, ``t5``: functions of the
   distance δ = qi − j only): forward, the per-distance values F (H, Lq + Lk − 1) are computed once from the
   term's small tensors and each tile is a strided (Toeplitz) view of them; backward, dS of each tile is
-  summed along its diagonals into a per-distance gradient (H, Lq + Lk − 1), and one autograd call carries
+  summed along its lines of constant distance into a per-distance gradient (H, Lq + Lk − 1), and one autograd call carries
   that vector to the term's tensors (slopes, r1/r2, the sandwich table, the t5 table).
 * ``fox``: B = c[qi] − c[j]; dc_j = −Σ_i dS_ij (per key), dc_qi = Σ_j dS_ij (per query).
 * ``fire``: each tile's bias is rebuilt from the table, c and inv_norm with autograd and differentiated with
@@ -30,11 +39,14 @@ tile's probabilities. The term's gradient is reduced per tile from dS, never thr
 * ``shaw``: the key term gathers q · a^K (B, H, n, 2K + 1) at each pair's relative bucket; its gradient
   and the value term's bucket sums of P are scatter-added per tile into (B, H, n, 2K + 1).
 
-GQA: key/value heads are never expanded (the G query heads of a group are stacked into one product).
+GQA: on the online-softmax path key/value heads are never expanded (the G query heads of a group are
+stacked into one product); the fused-kernel path expands them (O(L · D) per head).
 Masks: causal and a per-batch key-valid vector (padding), the kernels' form; a row that sees no key gives
 0. A ``q_offset`` that is a 0-d tensor (StaticCache) stays a tensor (no host sync): the causal mask is then
 computed per tile from it and no tile can be skipped (fine for decode, where Lq is small). There is no
-attention dropout here: :func:`tiled_attention` raises on ``dropout``; the caller runs the reference.
+attention dropout here: the dispatcher (hf_posenc.attention) runs the full-matrix reference when a model
+trains with attention dropout. Known cost: on a CPU shared by many processes, the per-block torch ops wait
+on OpenMP thread scheduling (many small parallel regions), which the single fused SDPA call does not.
 """
 
 from __future__ import annotations

@@ -267,6 +267,8 @@ def _tiled_torch_attention(
     if dropout > 0 and training:
         return None  # the engine has no attention dropout: the reference drops the probabilities
     mask = _as_bool_mask(attention_mask)
+    if mask is not None and (mask.dim() != 4 or tuple(mask.shape[-2:]) != (query.shape[2], key.shape[2])):
+        return None  # a mask that does not fit the keys: the reference reports it as it always did
     term = ctx.encoding("kernel_term", ctx, layer, query, key, value, mask)
     if term is None:
         return None

@@ -7,8 +7,13 @@ The encoding's terms reach it through ``kwargs["posenc_ctx"]`` (a :class:`PosCon
 
 Backends of the attention itself (:func:`attention_backend`; ``HF_POSENC_BACKEND`` in :mod:`hf_posenc.backend`):
 
-* ``torch``: ``scaled_dot_product_attention`` with the encoding's score bias, or the encoding's own
-  reference (``attend``). Encodings without a term inside the attention (absolute, rotary) always use SDPA.
+* ``torch``: for an encoding with a kernel term, the tile-wise PyTorch engine
+  (:func:`hf_posenc.kernels.attention.tiled_attention`: online softmax over key tiles, O(L·block) memory,
+  the term's gradients reduced per tile). The full-matrix references (``scaled_dot_product_attention`` with
+  the encoding's score bias, or the encoding's own ``attend``) run only where the engine does not apply:
+  attention dropout while training, ``output_attentions``, a mask that is not causal + key padding (packed
+  sequences, a custom 4D mask), ViT's 2D grid (the terms are 1D), and encodings without a kernel term.
+  Encodings without a term inside the attention (absolute, rotary) always use SDPA.
 * ``triton``: the fused kernels of :mod:`hf_posenc.kernels.attention` with the encoding's ``kernel_term``.
   Chosen by default when the tensors are on CUDA, Triton imports and the encoding has a kernel term.
 * ``flex``: torch's FlexAttention with the term as a score_mod (only when forced).
@@ -35,6 +40,7 @@ from .kernels.attention import (
 )
 from .kernels.attention import _triton_import_error as _attention_triton_error
 from .kernels.defaults import cuda_default_backend
+from .kernels.attention.tiled import tiled_attention, tiled_unsupported
 from .ops import expand_kv, masked_softmax
 
 __all__ = ["ATTN_IMPLEMENTATION", "attention_backend", "posenc_attention", "register_with_transformers"]
@@ -261,6 +267,39 @@ def _kernel_attention(
     return run(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset, key_valid=key_valid, **extra)
 
 
+def _tiled_torch_attention(
+    ctx: PosContext,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    causal: bool,
+    q_offset: int | torch.Tensor,
+    scaling: float,
+    dropout: float,
+    training: bool,
+) -> torch.Tensor | None:
+    """out (B, H, Lq, D) from the tile-wise PyTorch engine with the encoding's ``kernel_term``, or None where
+    the engine does not apply and the full-matrix reference runs instead (documented in the module
+    docstring: dropout while training, no term for this model, a mask that is not causal + key padding)."""
+    if not getattr(unwrap(ctx.encoding), "kernel_kinds", ()):
+        return None
+    if dropout > 0 and training:
+        return None  # the engine has no attention dropout: the reference drops the probabilities
+    mask = _as_bool_mask(attention_mask)
+    if mask is not None and (mask.dim() != 4 or tuple(mask.shape[-2:]) != (query.shape[2], key.shape[2])):
+        return None  # a mask that does not fit the keys: the reference reports it as it always did
+    term = ctx.encoding("kernel_term", ctx, layer, query, key, value, mask)
+    if term is None:
+        return None
+    key_valid, reason = _key_validity(ctx, mask, causal, query.shape[2], key.shape[2], q_offset)
+    if reason is not None or tiled_unsupported(query, key, value, term) is not None:
+        return None
+    return tiled_attention(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset,
+                           key_valid=key_valid)
+
+
 def posenc_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -304,6 +343,12 @@ def posenc_attention(
     if backend != "torch" and not need_weights:
         out = _kernel_attention(
             backend, posenc_ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling, dropout, training
+        )
+        if out is not None:
+            return out.transpose(1, 2).contiguous(), None
+    if posenc_ctx is not None and not need_weights:
+        out = _tiled_torch_attention(
+            posenc_ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling, dropout, training
         )
         if out is not None:
             return out.transpose(1, 2).contiguous(), None

@@ -3,7 +3,9 @@
 * ``terms.py``: :class:`KernelTerm`, what an encoding hands over (``kernel_term`` on the encoding);
 * ``naive.py``: :func:`attention_reference`, the PyTorch reference of every term (float32, O(L²));
 * ``triton_attention.py``: :func:`fused_attention`, the Triton kernels (forward and backward, O(L) memory);
-* ``flex.py``: :func:`flex_attention_term`, torch's FlexAttention with the same terms as a score_mod.
+* ``flex.py``: :func:`flex_attention_term`, torch's FlexAttention with the same terms as a score_mod;
+* ``tiled.py``: :func:`tiled_attention`, the tile-wise PyTorch engine (any device, O(L·block) memory): the
+  default of the ``torch`` backend for every encoding with a kernel term.
 
 The one dispatch point is :func:`hf_posenc.attention.posenc_attention`: the kernel when the tensors are on
 CUDA, Triton imports and the encoding has a kernel term; the reference otherwise; ``HF_POSENC_BACKEND``
@@ -19,17 +21,21 @@ import torch
 
 from .naive import attention_reference, term_bias
 from .terms import FLEX_KINDS, KERNEL_KINDS, KernelTerm
+from .tiled import TILED_KINDS, tiled_attention, tiled_unsupported
 
 __all__ = [
     "FLEX_KINDS",
     "KERNEL_KINDS",
     "KernelTerm",
+    "TILED_KINDS",
     "attention_reference",
     "flex_attention_term",
     "flex_unsupported",
     "fused_attention",
     "kernel_unsupported",
     "term_bias",
+    "tiled_attention",
+    "tiled_unsupported",
 ]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -1,0 +1,579 @@
+"""Tile-wise PyTorch attention with a position term: the engine wherever the Triton kernels do not run.
+
+Same contract and math as the Triton kernels (``triton_attention.py``) and the reference (``naive.py``),
+in plain PyTorch, on any device (CPU, MPS, CUDA without Triton). Query i is key qi = q_offset + i::
+
+    s_ij  = scale · q_i · k_j + B_h(i, j)          (shaw: scale · q_i · (k_j + a^K_ij))
+    s_ij  = −inf where masked (causal j > qi, key j invalid)
+    P     = softmax_j(s);  o_i = Σ_j P_ij v_j      (shaw: + Σ_j P_ij a^V_ij)
+    backward: dS_ij = P_ij (dP_ij − Δ_i), Δ_i = dO_i · o_i; dq = scale dS k, dk = scale dSᵀ q, dv = Pᵀ dO
+
+Tiling. The queries are split into blocks of ``block_q`` rows; each block runs against the keys it can
+see (causal with an int ``q_offset``: keys up to its last query; the tiles right of the diagonal are never
+built). On the CPU in float32 (every term but shaw) each block is one call of torch's fused CPU attention
+kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp) with the
+block's term as an additive float mask (B, H, block_q, keys seen), built from the term's small tensors:
+few large products win on the CPU. Elsewhere (other devices, float64, shaw) the block loops over key tiles
+of ``block_k`` with an online softmax (running max and sum). Every tile is computed in float32 (float64
+inputs stay float64), whatever the input dtype; the output is cast back. Memory: O(block_q · Lk) per head
+for the tile, plus O(L · D) for q, k, v (k, v expanded to the query heads on the fused-kernel path, which
+takes no GQA), the output and the log-sum-exp; never (B, H, Lq, Lk).
+
+Toeplitz tiles run with their query rows reversed (row i' is query q1 − 1 − i'): the tile is then a plain
+strided view of the reversed per-distance vector (``unfold``), copied once into the mask, and the lines of
+constant distance are its anti-diagonals.
+
+Backward: a ``torch.autograd.Function`` saves q, k, v, the output and the log-sum-exp. When no term tensor
+needs a gradient (alibi, sandwich, a frozen term) and the forward used the fused kernel, each block runs
+the fused kernel's backward with the same mask. Otherwise each tile's probabilities are recomputed and the
+term's gradient is reduced per tile from dS, never through a full bias:
+
+* Toeplitz terms (``alibi``, ``kerple_log``, ``kerple_pow``, ``sandwich``, ``t5``: functions of the
+  distance δ = qi − j only): forward, the per-distance values F (H, Lq + Lk − 1) are computed once from the
+  term's small tensors and each tile is a strided (Toeplitz) view of them; backward, dS of each tile is
+  summed along its lines of constant distance into a per-distance gradient (H, Lq + Lk − 1), and one autograd call carries
+  that vector to the term's tensors (slopes, r1/r2, the sandwich table, the t5 table).
+* ``fox``: B = c[qi] − c[j]; dc_j = −Σ_i dS_ij (per key), dc_qi = Σ_j dS_ij (per query).
+* ``fire``: each tile's bias is rebuilt from the table, c and inv_norm with autograd and differentiated with
+  dS (the tile, never the full matrix).
+* ``shaw``: the key term gathers q · a^K (B, H, n, 2K + 1) at each pair's relative bucket; its gradient
+  and the value term's bucket sums of P are scatter-added per tile into (B, H, n, 2K + 1).
+
+GQA: on the online-softmax path key/value heads are never expanded (the G query heads of a group are
+stacked into one product); the fused-kernel path expands them (O(L · D) per head).
+Masks: causal and a per-batch key-valid vector (padding), the kernels' form; a row that sees no key gives
+0. A ``q_offset`` that is a 0-d tensor (StaticCache) stays a tensor (no host sync): the causal mask is then
+computed per tile from it and no tile can be skipped (fine for decode, where Lq is small). There is no
+attention dropout here: the dispatcher (hf_posenc.attention) runs the full-matrix reference when a model
+trains with attention dropout. Known cost: on a CPU shared by many processes, the per-block torch ops wait
+on OpenMP thread scheduling (many small parallel regions), which the single fused SDPA call does not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .naive import fire_interpolate
+from .terms import KernelTerm
+
+__all__ = ["TILED_KINDS", "TiledAttentionFunction", "tiled_attention", "tiled_unsupported"]
+
+#: every kind the tile-wise engine implements (all the kernel kinds).
+TILED_KINDS = ("none", "alibi", "kerple_log", "kerple_pow", "sandwich", "t5", "fire", "shaw", "fox")
+_TOEPLITZ = ("alibi", "kerple_log", "kerple_pow", "sandwich", "t5")
+#: default query rows per block, and keys per block (one key block up to this many keys).
+BLOCK_Q = 256
+BLOCK_K = 4096
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def distance_values(term: KernelTerm, delta: torch.Tensor) -> torch.Tensor:
+    """The Toeplitz term at distances ``delta`` (N,) (δ = qi − j, integer-valued) -> (H, N), in the term's
+    compute dtype (float32, float64 for float64 tensors), differentiable in the term's tensors."""
+    kind, t = term.kind, term.tensors
+    if kind == "alibi":
+        slopes = t["slopes"]
+        dist = delta.abs().to(_compute_dtype(slopes.dtype))
+        return -slopes.to(dist.dtype)[:, None] * dist
+    if kind in ("kerple_log", "kerple_pow"):
+        r1, r2 = t["r1"], t["r2"]
+        dtype = _compute_dtype(r1.dtype)
+        r1, r2 = r1.to(dtype)[:, None], r2.to(dtype)[:, None]
+        dist = delta.abs().to(dtype)[None]
+        if kind == "kerple_log":
+            return -r1 * torch.log1p(r2 * dist)
+        safe = torch.where(dist > 0, dist, torch.ones_like(dist))
+        return torch.where(dist > 0, -r1 * safe.pow(r2), torch.zeros_like(r1 * dist))
+    if kind == "sandwich":
+        table = t["table"]
+        table = table.to(_compute_dtype(table.dtype))
+        return table[:, delta.abs().long().clamp(max=table.shape[1] - 1)]
+    if kind == "t5":
+        table, buckets = t["table"], t["buckets"].long()
+        table = table.to(_compute_dtype(table.dtype))
+        m = (buckets.shape[0] - 1) // 2
+        return table[buckets[(-delta.long()).clamp(-m, m) + m]].T
+    raise ValueError(f"{kind!r} is not a Toeplitz term")
+
+
+def _fire_tile(t: dict[str, torch.Tensor], qi: torch.Tensor, kj: torch.Tensor, q0: int, q1: int) -> torch.Tensor:
+    """FIRE's bias (B|1, H, n, m) for queries qi (n,) (key indices; rows q0:q1 of inv_norm) and keys kj (m,)."""
+    table = t["table"]
+    dtype = _compute_dtype(table.dtype)
+    table, c, inv_norm = table.to(dtype), t["c"].to(dtype), t["inv_norm"].to(dtype)
+    n = table.shape[1]
+    delta = (qi[:, None] - kj[None, :]).clamp(min=0).to(dtype)
+    psi = torch.log1p(c * delta)
+    u = psi[None] * inv_norm[:, q0:q1, None] * ((n - 1) / t["x_max"].to(dtype).detach())
+    return fire_interpolate(table, u).movedim(0, 1)
+
+
+def _antidiagonal_sums(ds: torch.Tensor) -> torch.Tensor:
+    """ds (H, n, m) -> (H, n + m − 1): entry c = Σ_{i + j = c} ds[:, i, j].
+
+    The Toeplitz tiles run with their query rows reversed (row i' is query q1 − 1 − i'), so the diagonals
+    of constant δ = qi − j are these anti-diagonals. Skew trick: the rows written into a zero buffer of row
+    length m + n and read back with row length m + n − 1: row i is shifted right by i."""
+    h, n, m = ds.shape
+    buf = ds.new_zeros(h, n, m + n)
+    buf[:, :, :m].copy_(ds)
+    skew = buf.view(h, n * (m + n))[:, : n * (m + n - 1)].view(h, n, m + n - 1)
+    return skew.sum(1)
+
+
+class _Plan:
+    """What one call needs besides q, k, v: shapes, the term's detached precomputation, tile geometry."""
+
+    def __init__(
+        self,
+        kind: str,
+        names: tuple[str, ...],
+        ints: dict[str, int],
+        scale: float,
+        causal: bool,
+        q_offset: int | None,
+        block_q: int,
+        block_k: int,
+    ) -> None:
+        self.kind, self.names, self.ints = kind, names, ints
+        self.scale, self.causal, self.q_offset = scale, causal, q_offset
+        self.block_q, self.block_k = block_q, block_k
+
+    def term(self, tensors: tuple[torch.Tensor, ...]) -> KernelTerm:
+        return KernelTerm(self.kind, dict(zip(self.names, tensors)), dict(self.ints))
+
+    def key_stop(self, q1: int, k_len: int) -> int:
+        """Keys the queries before ``q1`` may see: all of them unless causal with an int offset."""
+        if self.causal and self.q_offset is not None:
+            return max(0, min(k_len, self.q_offset + q1))
+        return k_len
+
+
+def _rows(x: torch.Tensor, reverse: bool, dim: int = -2) -> torch.Tensor:
+    """``x`` with its query rows (dimension ``dim``) reversed when ``reverse`` (the Toeplitz tiles' order)."""
+    return x.flip(dim) if reverse else x
+
+
+def _query_index(q_off: int | torch.Tensor, q0: int, q1: int, device: torch.device) -> torch.Tensor:
+    """Key index (n,) int64 of the queries q0 .. q1 − 1."""
+    return torch.arange(q0, q1, device=device) + q_off
+
+
+def _apply_mask(
+    s: torch.Tensor, plan: _Plan, qi: torch.Tensor, q0: int, k0: int, k1: int, valid: torch.Tensor | None
+) -> torch.Tensor:
+    """Fill the masked logits of a tile s (B|1, H, n, m) (keys k0 .. k1 − 1, queries at key indices ``qi``,
+    in any row order) with −inf, in place (made B wide first when the padding differs per batch).
+    With an int offset only the columns right of the block's first query are compared (the causal window)."""
+    if valid is not None and valid.shape[0] > s.shape[0]:
+        s = s.expand(valid.shape[0], *s.shape[1:]).contiguous()
+    if plan.causal:
+        c0 = k0 if plan.q_offset is None else max(k0, plan.q_offset + q0 + 1)
+        if c0 < k1:
+            cols = torch.arange(c0, k1, device=s.device)
+            s[..., c0 - k0 :].masked_fill_(cols[None, :] > qi[:, None], float("-inf"))
+    if valid is not None:
+        s.masked_fill_(~valid[:, None, None, k0:k1], float("-inf"))
+    return s
+
+
+class _Tile:
+    """The term's contribution to one (query block, key block) tile, and the reduction of its gradient."""
+
+    def __init__(self, plan: _Plan, tensors: tuple[torch.Tensor, ...], q_off: int | torch.Tensor,
+                 q_len: int, k_len: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.plan, self.kind = plan, plan.kind
+        self.t = dict(zip(plan.names, tensors))
+        self.q_off, self.q_len, self.k_len = q_off, q_len, k_len
+        self.dtype, self.device = dtype, device
+        if self.kind in _TOEPLITZ:
+            # δ = q_offset + r for r = i − j = −(Lk − 1) .. Lq − 1, indexed by e = r + Lk − 1
+            self.delta = torch.arange(-(k_len - 1), q_len, device=device) + q_off
+            with torch.no_grad():
+                values = distance_values(plan.term(tensors), self.delta).to(dtype)
+            self.rev = values.flip(-1).contiguous()  # rev[t] = F[N − 1 − t]
+        elif self.kind == "fox":
+            self.c = self.t["c"].detach().to(dtype)
+        elif self.kind == "shaw":
+            self.kmax = plan.ints["max_relative_position"]
+            self.a_key = self.t["key_table"].detach().to(dtype)
+            self.a_value = self.t["value_table"].detach().to(dtype)
+
+    def bias(self, qi: torch.Tensor, q0: int, q1: int, k0: int, k1: int, ctx_q: torch.Tensor | None):
+        """The additive term of the tile, broadcastable to (B, H, n, m), or None."""
+        n, m = q1 - q0, k1 - k0
+        if self.kind in _TOEPLITZ:  # rows reversed: row i' is query q1 − 1 − i', T[i', j] = rev[t0 + i' + j]
+            t0 = self.q_len - q1 + k0
+            return self.rev.unfold(-1, m, 1)[None, :, t0 : t0 + n]  # (1, H, n, m), a strided view
+        if self.kind == "fox":
+            if isinstance(self.q_off, torch.Tensor):
+                cq = self.c.index_select(-1, qi)
+            else:
+                cq = self.c[..., self.q_off + q0 : self.q_off + q1]
+            return cq[..., :, None] - self.c[..., None, k0:k1]
+        if self.kind == "fire":
+            kj = torch.arange(k0, k1, device=self.device)
+            return _fire_tile(self.t, qi, kj, q0, q1).to(self.dtype)
+        if self.kind == "shaw":
+            return ctx_q.gather(-1, self._shaw_index(qi, k0, k1, ctx_q.shape[:2]))  # scale · q · a^K
+        return None
+
+    def _shaw_index(self, qi: torch.Tensor, k0: int, k1: int, bh: torch.Size) -> torch.Tensor:
+        rel = torch.arange(k0, k1, device=self.device)[None, :] - qi[:, None]
+        idx = rel.clamp(-self.kmax, self.kmax) + self.kmax
+        return idx.expand(*bh, *idx.shape)
+
+
+def _prepare(query, key, value, plan: _Plan, tensors):
+    dtype = _compute_dtype(query.dtype)
+    b, h, q_len, d = query.shape
+    hkv, k_len = key.shape[1], key.shape[2]
+    q = query.to(dtype) * plan.scale
+    k = key.to(dtype)
+    v = value.to(dtype)
+    return dtype, b, h, hkv, q_len, k_len, d, q, k, v
+
+
+def _group(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """(B, H, n, X) -> (B, Hkv, G·n, X): the G query heads of each key/value head stacked (h = kv·G + g)."""
+    b, h, n, e = x.shape
+    if h == hkv:
+        return x
+    return x.reshape(b, hkv, (h // hkv) * n, e)
+
+
+def _ungroup(x: torch.Tensor, h: int) -> torch.Tensor:
+    b, hkv, gn, e = x.shape
+    return x if h == hkv else x.reshape(b, h, gn * hkv // h, e)
+
+
+def _flash_available(plan: _Plan, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the tiles can go through torch's fused CPU attention kernel (additive float mask per tile):
+    CPU float32 compute, and a term without a value term (shaw's needs the probabilities)."""
+    return device.type == "cpu" and dtype == torch.float32 and plan.kind != "shaw" and hasattr(
+        torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _flash_mask(tile: "_Tile", plan: _Plan, qi: torch.Tensor, q0: int, q1: int, k_stop: int,
+                valid: torch.Tensor | None, b: int, h: int) -> torch.Tensor:
+    """The tile's additive float mask (B, H, n, k_stop): the term plus −inf where masked (for the fused kernel)."""
+    n = q1 - q0
+    bias = tile.bias(qi, q0, q1, 0, k_stop, None)
+    if bias is None:
+        mask = torch.zeros(1, 1, n, k_stop, dtype=tile.dtype, device=tile.device)
+    else:
+        mask = bias.contiguous()  # Toeplitz: a copy of the strided view; fox, fire: a fresh tensor
+    return _apply_mask(mask, plan, qi, q0, 0, k_stop, valid).expand(b, h, n, k_stop)
+
+
+def _empty_rows(plan: _Plan, qi: torch.Tensor, valid: torch.Tensor | None, k_stop: int) -> torch.Tensor | None:
+    """(B|1, 1, n, 1) bool: query rows that see no key (left padding), or None when every row sees one."""
+    if valid is None:
+        return None
+    v = valid[:, :k_stop]
+    if plan.causal:
+        seen_any = torch.cat([v.new_zeros(v.shape[0], 1), v.cumsum(-1) > 0], dim=-1)  # [b, t]: a valid key < t
+        idx = (qi + 1).clamp(0, k_stop)
+        return ~seen_any.index_select(-1, idx)[:, None, :, None]
+    return ~v.any(-1)[:, None, None, None].expand(-1, 1, qi.shape[0], 1)
+
+
+_flash_fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_flash_bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _expand_heads(x: torch.Tensor, h: int) -> torch.Tensor:
+    """(B, Hkv, L, D) -> (B, H, L, D) (a broadcast view made contiguous: the fused kernel takes no GQA)."""
+    b, hkv, n, d = x.shape
+    return x if hkv == h else x[:, :, None].expand(b, hkv, h // hkv, n, d).reshape(b, h, n, d)
+
+
+class TiledAttentionFunction(torch.autograd.Function):
+    """Forward: online softmax over key tiles per query block. Backward: tiles recomputed from the saved
+    log-sum-exp; gradients of q, k, v and every term tensor (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, valid, q_off_tensor, plan: _Plan, *tensors):
+        dtype, b, h, hkv, q_len, k_len, d, q, k, v = _prepare(query, key, value, plan, tensors)
+        q_off = plan.q_offset if plan.q_offset is not None else q_off_tensor
+        tile = _Tile(plan, tensors, q_off, q_len, k_len, dtype, query.device)
+        out = q.new_empty(b, h, q_len, d)
+        lse = q.new_empty(b, h, q_len)
+        flash = _flash_available(plan, query.device, dtype)
+        rev = plan.kind in _TOEPLITZ
+        if flash:
+            kx, vx = _expand_heads(k, h), _expand_heads(v, h)
+        for q0 in range(0, q_len, plan.block_q):
+            if not flash:
+                break
+            q1 = min(q0 + plan.block_q, q_len)
+            qi = _rows(_query_index(q_off, q0, q1, query.device), rev, 0)
+            k_stop = plan.key_stop(q1, k_len)
+            if k_stop == 0:
+                out[:, :, q0:q1] = 0.0
+                lse[:, :, q0:q1] = float("inf")
+                continue
+            mask = _flash_mask(tile, plan, qi, q0, q1, k_stop, valid, b, h)
+            o, l = _flash_fwd(_rows(q[:, :, q0:q1], rev), kx[:, :, :k_stop], vx[:, :, :k_stop], 0.0, False,
+                              attn_mask=mask, scale=1.0)
+            empty = _empty_rows(plan, qi, valid, k_stop)
+            if empty is not None:
+                o = o.masked_fill(empty, 0.0)
+                l = l.masked_fill(empty[..., 0], float("inf"))
+            out[:, :, q0:q1] = _rows(o, rev)
+            lse[:, :, q0:q1] = _rows(l, rev, -1)
+        for q0 in range(0, q_len if not flash else 0, plan.block_q):
+            q1 = min(q0 + plan.block_q, q_len)
+            n = q1 - q0
+            qi = _rows(_query_index(q_off, q0, q1, query.device), rev, 0)
+            qb = _rows(q[:, :, q0:q1], rev)
+            qg = _group(qb, hkv)
+            qa = qb @ tile.a_key.T if plan.kind == "shaw" else None  # scale · q · a^K (B, H, n, 2K + 1)
+            k_stop = plan.key_stop(q1, k_len)
+            row_max = q.new_full((b, h, n, 1), float("-inf"))
+            row_sum = q.new_zeros(b, h, n, 1)
+            acc = q.new_zeros(b, h, n, d)
+            for k0 in range(0, k_stop, plan.block_k):
+                k1 = min(k0 + plan.block_k, k_stop)
+                s = _ungroup(qg @ k[:, :, k0:k1].transpose(-1, -2), h)  # (B, H, n, m)
+                bias = tile.bias(qi, q0, q1, k0, k1, qa)
+                if bias is not None:
+                    s = s + bias if s.shape != torch.broadcast_shapes(s.shape, bias.shape) else s.add_(bias)
+                s = _apply_mask(s, plan, qi, q0, k0, k1, valid)
+                new_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
+                safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+                p = s.sub_(safe).exp_()
+                if k0 > 0:
+                    alpha = torch.exp(row_max - safe)
+                    row_sum.mul_(alpha)
+                    acc.mul_(alpha)
+                row_sum.add_(p.sum(-1, keepdim=True))
+                acc.add_(_ungroup(_group(p, hkv) @ v[:, :, k0:k1] if h != hkv else p @ v[:, :, k0:k1], h))
+                if plan.kind == "shaw":
+                    acc.add_(_shaw_buckets(tile, p, qi, k0, k1) @ tile.a_value)
+                row_max = new_max
+            empty = row_sum == 0
+            out[:, :, q0:q1] = _rows(acc / torch.where(empty, torch.ones_like(row_sum), row_sum), rev)
+            safe_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+            lse_rows = torch.where(empty, torch.full_like(row_sum, float("inf")), safe_max + row_sum.log())[..., 0]
+            lse[:, :, q0:q1] = _rows(lse_rows, rev, -1)
+        ctx.plan = plan
+        ctx.save_for_backward(query, key, value, valid, q_off_tensor, out, lse, *tensors)
+        return out.to(query.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, valid, q_off_tensor, out, lse, *tensors = ctx.saved_tensors
+        plan: _Plan = ctx.plan
+        dtype, b, h, hkv, q_len, k_len, d, q, k, v = _prepare(query, key, value, plan, tensors)
+        q_off = plan.q_offset if plan.q_offset is not None else q_off_tensor
+        tile = _Tile(plan, tensors, q_off, q_len, k_len, dtype, query.device)
+        do = grad_out.to(dtype)
+        delta = (do * out).sum(-1, keepdim=True)  # (B, H, Lq, 1)
+        dq = torch.zeros_like(q)
+        dk = torch.zeros_like(k)
+        dv = torch.zeros_like(v)
+        need = ctx.needs_input_grad[6:]
+        want_term = any(need)
+        g_dist = q.new_zeros(tile.rev.shape) if plan.kind in _TOEPLITZ and want_term else None
+        dc = torch.zeros_like(tile.c) if plan.kind == "fox" and want_term else None
+        fire_grads = [None] * len(tensors)
+        d_akey = torch.zeros_like(tile.a_key) if plan.kind == "shaw" else None
+        d_avalue = torch.zeros_like(tile.a_value) if plan.kind == "shaw" else None
+        flash = not want_term and _flash_available(plan, query.device, dtype)
+        rev = plan.kind in _TOEPLITZ
+        if flash:  # no term gradient: the fused kernel's backward per query block
+            kx, vx = _expand_heads(k, h), _expand_heads(v, h)
+            dkx = torch.zeros_like(kx) if h != hkv else dk
+            dvx = torch.zeros_like(vx) if h != hkv else dv
+            for q0 in range(0, q_len, plan.block_q):
+                q1 = min(q0 + plan.block_q, q_len)
+                qi = _rows(_query_index(q_off, q0, q1, query.device), rev, 0)
+                k_stop = plan.key_stop(q1, k_len)
+                if k_stop == 0:
+                    continue
+                mask = _flash_mask(tile, plan, qi, q0, q1, k_stop, valid, b, h)
+                gq, gk, gv = _flash_bwd(_rows(do[:, :, q0:q1], rev), _rows(q[:, :, q0:q1], rev), kx[:, :, :k_stop],
+                                        vx[:, :, :k_stop], _rows(out[:, :, q0:q1], rev), _rows(lse[:, :, q0:q1], rev, -1),
+                                        0.0, False, attn_mask=mask, scale=1.0)
+                dq[:, :, q0:q1] = _rows(gq, rev)
+                dkx[:, :, :k_stop] += gk
+                dvx[:, :, :k_stop] += gv
+            if h != hkv:
+                dk = dkx.view(b, hkv, h // hkv, k_len, d).sum(2)
+                dv = dvx.view(b, hkv, h // hkv, k_len, d).sum(2)
+        for q0 in range(0, q_len if not flash else 0, plan.block_q):
+            q1 = min(q0 + plan.block_q, q_len)
+            n = q1 - q0
+            qi = _rows(_query_index(q_off, q0, q1, query.device), rev, 0)
+            qb = _rows(q[:, :, q0:q1], rev)
+            qg = _group(qb, hkv)
+            dob = _rows(do[:, :, q0:q1], rev)
+            dog = _group(dob, hkv)
+            lse_b = _rows(lse[:, :, q0:q1, None], rev)
+            delta_b = _rows(delta[:, :, q0:q1], rev)
+            qa = qb @ tile.a_key.T if plan.kind == "shaw" else None
+            dv_table = dob @ tile.a_value.T if plan.kind == "shaw" else None  # dO · a^V (B, H, n, 2K + 1)
+            dqa = torch.zeros_like(qa) if plan.kind == "shaw" else None
+            dq_b = q.new_zeros(b, hkv, qg.shape[2], d)
+            for k0 in range(0, plan.key_stop(q1, k_len), plan.block_k):
+                k1 = min(k0 + plan.block_k, plan.key_stop(q1, k_len))
+                kb, vb = k[:, :, k0:k1], v[:, :, k0:k1]
+                s = _ungroup(qg @ kb.transpose(-1, -2), h)
+                bias = tile.bias(qi, q0, q1, k0, k1, qa)
+                if bias is not None:
+                    s = s + bias if s.shape != torch.broadcast_shapes(s.shape, bias.shape) else s.add_(bias)
+                s = _apply_mask(s, plan, qi, q0, k0, k1, valid)
+                p = s.sub_(lse_b).exp_()  # (B, H, n, m); rows that see no key have lse = +inf -> 0
+                pg = _group(p, hkv)
+                dv[:, :, k0:k1] += pg.transpose(-1, -2) @ dog
+                dp = _ungroup(dog @ vb.transpose(-1, -2), h)
+                if plan.kind == "shaw":
+                    idx = tile._shaw_index(qi, k0, k1, dp.shape[:2])
+                    dp.add_(dv_table.gather(-1, idx))
+                    d_avalue += (_shaw_buckets(tile, p, qi, k0, k1).transpose(-1, -2) @ dob).sum((0, 1))
+                ds = dp.sub_(delta_b).mul_(p)  # dS: the gradient of the logits
+                dsg = _group(ds, hkv)
+                dq_b += dsg @ kb
+                dk[:, :, k0:k1] += dsg.transpose(-1, -2) @ qg
+                if g_dist is not None:  # rows reversed: anti-diagonal c is rev index t0 + c (see Tile.bias)
+                    t0 = q_len - q1 + k0
+                    g_dist[:, t0 : t0 + n + (k1 - k0) - 1] += _antidiagonal_sums(ds.sum(0))
+                elif dc is not None:
+                    dc[..., k0:k1] -= ds.sum(-2)
+                    rows = ds.sum(-1)
+                    if isinstance(q_off, torch.Tensor):
+                        dc.index_add_(-1, qi, rows)
+                    else:
+                        dc[..., q_off + q0 : q_off + q1] += rows
+                elif plan.kind == "fire" and want_term:
+                    _fire_tile_grads(plan, tensors, need, qi, k0, k1, q0, q1, ds, fire_grads)
+                elif plan.kind == "shaw":
+                    dqa.scatter_add_(-1, tile._shaw_index(qi, k0, k1, ds.shape[:2]), ds)
+            dq[:, :, q0:q1] = _rows(_ungroup(dq_b, h), rev)
+            if plan.kind == "shaw":  # qa = scale · q a^Kᵀ: dq += scale · dqa a^K (× scale below), da^K += dqaᵀ (scale q)
+                dq[:, :, q0:q1] += dqa @ tile.a_key
+                d_akey += (dqa.transpose(-1, -2) @ qb).sum((0, 1))
+        dq = dq * plan.scale
+        grads = _term_grads(plan, tensors, need, tile, g_dist, dc, fire_grads, d_akey, d_avalue)
+        return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None, *grads)
+
+
+def _shaw_buckets(tile: _Tile, p: torch.Tensor, qi: torch.Tensor, k0: int, k1: int) -> torch.Tensor:
+    """Σ_j P_ij over the keys of each relative bucket: (B, H, n, 2K + 1)."""
+    idx = tile._shaw_index(qi, k0, k1, p.shape[:2])
+    return p.new_zeros(*p.shape[:3], 2 * tile.kmax + 1).scatter_add_(-1, idx, p)
+
+
+def _fire_tile_grads(plan, tensors, need, qi, k0, k1, q0, q1, ds, grads) -> None:
+    """Add the gradient of FIRE's tile bias (rebuilt with autograd from the small tensors) to ``grads``."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(bool(w)) for t, w in zip(tensors, need)]
+        t = dict(zip(plan.names, leaves))
+        kj = torch.arange(k0, k1, device=ds.device)
+        bias = _fire_tile(t, qi, kj, q0, q1)
+        grad = ds if bias.shape[0] == ds.shape[0] else ds.sum(0, keepdim=True)
+        wanted = [x for x, w in zip(leaves, need) if w]
+        got = torch.autograd.grad(bias, wanted, grad.to(bias.dtype), allow_unused=True)
+    it = iter(got)
+    for i, w in enumerate(need):
+        if w:
+            g = next(it)
+            if g is not None:
+                grads[i] = g if grads[i] is None else grads[i] + g
+
+
+def _term_grads(plan, tensors, need, tile, g_dist, dc, fire_grads, d_akey, d_avalue) -> list:
+    """The gradients of the term tensors, in ``plan.names`` order."""
+    grads: list = [None] * len(tensors)
+    if plan.kind in _TOEPLITZ and g_dist is not None:
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(bool(w)) for t, w in zip(tensors, need)]
+            values = distance_values(plan.term(tuple(leaves)), tile.delta)
+            wanted = [x for x, w in zip(leaves, need) if w]
+            got = torch.autograd.grad(values, wanted, g_dist.flip(-1).to(values.dtype), allow_unused=True)
+        it = iter(got)
+        for i, w in enumerate(need):
+            if w:
+                grads[i] = next(it)
+    elif plan.kind == "fox" and dc is not None:
+        grads[plan.names.index("c")] = dc
+    elif plan.kind == "fire":
+        grads = fire_grads
+    elif plan.kind == "shaw":
+        grads[plan.names.index("key_table")] = d_akey
+        grads[plan.names.index("value_table")] = d_avalue
+    return [None if g is None else g.to(t.dtype) for g, t in zip(grads, tensors)]
+
+
+def tiled_unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, term: KernelTerm) -> str | None:
+    """None when :func:`tiled_attention` takes these inputs, else the reason (a sentence)."""
+    key = term.key if term.key is not None else key
+    value = term.value if term.value is not None else value
+    if term.kind not in TILED_KINDS:
+        return f"the tile-wise attention has no {term.kind!r} term"
+    if not all(t.is_floating_point() for t in (query, key, value)):
+        return "q, k and v must be floating point"
+    if len({query.device, key.device, value.device}) > 1:
+        return "query, key and value are on different devices"
+    if key.shape[-1] != query.shape[-1] or value.shape[-1] != query.shape[-1]:
+        return "the tile-wise attention needs one head_dim for q, k and v"
+    if query.shape[1] % key.shape[1]:
+        return f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]})"
+    heads = term.num_heads
+    if heads is not None and heads != query.shape[1]:
+        return f"the {term.kind} term is built for {heads} heads, the queries have {query.shape[1]}"
+    return None
+
+
+def tiled_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    term: KernelTerm,
+    *,
+    scale: float,
+    causal: bool,
+    q_offset: int | torch.Tensor = 0,
+    key_valid: torch.Tensor | None = None,
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+) -> torch.Tensor:
+    """Attention with ``term``, tile by tile; same contract as ``naive.attention_reference``.
+
+    Args:
+        query: (B, H, Lq, D); key, value: (B, Hkv, Lk, D), H a multiple of Hkv (term.key / term.value
+            replace them when set). Any float dtype; computed in float32 (float64 stays float64).
+        term: the position term.
+        scale: logit scale (applied to q . k, and to q . a^K for shaw; not to the other terms).
+        causal: query i sees keys j <= q_offset + i only.
+        q_offset: key index of the first query: an int, or a 0-d integer tensor (kept a tensor).
+        key_valid: (B|1, Lk) bool, False on keys no query may see (padding), or None.
+        block_q, block_k: query rows per block, keys per tile (>= 1).
+
+    Returns:
+        (B, H, Lq, D) in the query's dtype; rows without any visible key are 0.
+
+    Raises:
+        ValueError: the term does not fit the inputs (see :func:`tiled_unsupported`), or bad block sizes.
+    """
+    if not (isinstance(block_q, int) and isinstance(block_k, int) and block_q >= 1 and block_k >= 1):
+        raise ValueError(f"block_q and block_k must be positive ints, got {block_q!r}, {block_k!r}")
+    key = term.key if term.key is not None else key
+    value = term.value if term.value is not None else value
+    reason = tiled_unsupported(query, key, value, term)
+    if reason is not None:
+        raise ValueError(reason)
+    off_tensor = isinstance(q_offset, torch.Tensor)
+    term.check(query, key, 0 if off_tensor else q_offset)
+    if not off_tensor and not isinstance(q_offset, int):
+        raise TypeError(f"q_offset must be an int or a 0-d tensor, got {type(q_offset).__name__}")
+    names = tuple(term.tensors)
+    plan = _Plan(term.kind, names, dict(term.ints), float(scale), bool(causal),
+                 None if off_tensor else q_offset, block_q, block_k)
+    valid = None if key_valid is None else key_valid.to(device=query.device, dtype=torch.bool)
+    q_off_t = q_offset.to(device=query.device, dtype=torch.long).reshape(()) if off_tensor else None
+    return TiledAttentionFunction.apply(query, key, value, valid, q_off_t, plan, *term.tensors.values())

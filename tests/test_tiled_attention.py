@@ -1,0 +1,194 @@
+"""The tile-wise PyTorch attention engine (``kernels/attention/tiled.py``) against the full-matrix reference,
+and the ``torch`` backend's dispatch to it in patched models.
+
+Engine tests compare the forward output and every gradient (q, k, v and the term's learned tensors) with
+``attention_reference`` on the inputs of tests/test_kernel_attention.py (L = 77, head_dim = 40, GQA 4:1,
+left padding with fully masked query rows), with small blocks so that every path runs: several query
+blocks, several key tiles per block (online softmax), the diagonal tile, skipped tiles; float32 and
+bfloat16; causal and bidirectional; a chunk of queries after a cache with an int or a 0-d tensor offset.
+Model tests: a patched Llama on the engine (the default on the CPU) against the same model on the
+references (logits, loss, every parameter's gradient).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_posenc import attention as attention_module
+from hf_posenc.kernels.attention import KERNEL_KINDS, KernelTerm, attention_reference
+from hf_posenc.kernels.attention import tiled as tiled_module
+from hf_posenc.kernels.attention.tiled import TILED_KINDS, tiled_attention
+
+from conftest import make_model
+from test_kernel_attention import MODEL_CASES, MODEL_IDS, SHAPE, SHAPE_CHUNK, _kink_free, _padded_batch, make_inputs, make_term, rel_err
+
+TOL = {torch.float64: 2e-5, torch.float32: 2e-5, torch.bfloat16: 2e-2}
+TOL_TERM = {torch.float64: 1e-4, torch.float32: 1e-4, torch.bfloat16: 3e-2}
+BLOCKS = dict(block_q=16, block_k=24)
+
+
+def _run(fn, q, k, v, term, leaves, gout, **kw):
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = fn(q, k, v, term, **kw)
+    return out, list(torch.autograd.grad(out, [q, k, v, *leaves], gout))
+
+
+def _check(kind, shape, dtype, causal, q_offset=None, tensor_offset=False, padding=True):
+    b, h, hkv, lq, lk, d = shape
+    q_offset = lk - lq if q_offset is None else q_offset
+    q, k, v, gout, valid, g = make_inputs(shape, dtype, 0, padding, device="cpu")
+    term, leaves = make_term(kind, shape, q_offset, g, device="cpu")
+    kw = dict(scale=d**-0.5, causal=causal, key_valid=valid)
+    off = torch.tensor(q_offset) if tensor_offset else q_offset
+    out, grads = _run(tiled_attention, q, k, v, term, leaves, gout, q_offset=off, **kw, **BLOCKS)
+    up = (lambda x: x.double()) if dtype == torch.float64 else (lambda x: x.float())
+    ref, ref_grads = _run(attention_reference, up(q), up(k), up(v), term, leaves, up(gout),
+                          q_offset=q_offset, **kw)
+    assert out.dtype == dtype and out.shape == (b, h, lq, d)
+    errors = {"out": rel_err(out, ref)}
+    for name, got, want in zip(["dq", "dk", "dv"] + [f"term{i}" for i in range(len(leaves))], grads, ref_grads):
+        assert got.dtype == want.dtype or name in ("dq", "dk", "dv")
+        errors[name] = rel_err(got, want)
+    for name, err in errors.items():
+        limit = TOL_TERM[dtype] if name.startswith("term") else TOL[dtype] * (1 if name == "out" else 2)
+        assert err <= limit, f"{kind} {dtype} causal={causal}: {name} rel err {err:.2e} > {limit:.0e} ({errors})"
+
+
+def test_engine_covers_every_kernel_kind():
+    assert set(TILED_KINDS) == set(KERNEL_KINDS)
+
+
+@pytest.mark.parametrize("kind", TILED_KINDS)
+def test_engine_matches_reference(kind):
+    """Causal, GQA 4:1, left padding (rows that see no key), fp32 and bf16; bidirectional in fp32."""
+    _check(kind, SHAPE, torch.float32, causal=True)
+    _check(kind, SHAPE, torch.bfloat16, causal=True)
+    _check(kind, SHAPE, torch.float32, causal=False)
+
+
+@pytest.mark.parametrize("kind", ["kerple_log", "t5", "fire", "fox"])
+def test_engine_online_softmax_path_float64(kind):
+    """float64 inputs take the online softmax over key tiles (no fused kernel), against the reference."""
+    _check(kind, SHAPE, torch.float64, causal=True)
+
+
+@pytest.mark.parametrize("kind", TILED_KINDS)
+@pytest.mark.parametrize("tensor_offset", [False, True], ids=["int-offset", "tensor-offset"])
+def test_engine_chunk_after_cache(kind, tensor_offset):
+    """21 queries after 56 cached keys (Lq < Lk), the offset an int or a 0-d tensor (StaticCache)."""
+    _check(kind, SHAPE_CHUNK, torch.float32, causal=True, tensor_offset=tensor_offset)
+
+
+@pytest.mark.parametrize("kind", ["kerple_pow", "t5", "shaw", "fox"])
+def test_engine_decode_with_empty_cache_slots(kind):
+    """One query at key 40 of 77 slots (a StaticCache): the slots after it are masked by causality."""
+    _check(kind, (2, 4, 2, 1, 77, 40), torch.float32, causal=True, q_offset=40, tensor_offset=True, padding=False)
+
+
+def test_engine_default_blocks_single_key_tile():
+    """The default blocks (all keys in one tile at this length) against the reference."""
+    q, k, v, gout, valid, g = make_inputs(SHAPE, torch.float32, 1, True, device="cpu")
+    term, leaves = make_term("kerple_log", SHAPE, 0, g, device="cpu")
+    kw = dict(scale=0.2, causal=True, q_offset=0, key_valid=valid)
+    out, grads = _run(tiled_attention, q, k, v, term, leaves, gout, **kw)
+    ref, ref_grads = _run(attention_reference, q, k, v, term, leaves, gout, **kw)
+    assert rel_err(out, ref) < 2e-5
+    assert all(rel_err(a, b) < 1e-4 for a, b in zip(grads, ref_grads))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fused-kernel-tiles", "online-softmax-tiles"])
+def test_engine_builds_no_full_matrix(monkeypatch, dtype):
+    """Every tile has at most block_q rows (and, on the online-softmax path, block_k columns); causal tiles
+    right of their queries' diagonal are never built. float32 on the CPU runs each query block through
+    torch's fused kernel against all the keys it sees; float64 takes the online softmax over key tiles."""
+    seen = []
+    real = tiled_module._apply_mask
+
+    def spy(s, plan, qi, q0, k0, k1, valid):
+        seen.append((q0, s.shape[-2], k0, k1))
+        return real(s, plan, qi, q0, k0, k1, valid)
+
+    monkeypatch.setattr(tiled_module, "_apply_mask", spy)
+    q, k, v, gout, valid, g = make_inputs((1, 2, 2, 64, 64, 8), dtype, 0, False, device="cpu")
+    term, _ = make_term("alibi", (1, 2, 2, 64, 64, 8), 0, g, device="cpu")
+    tiled_attention(q, k, v, term, scale=1.0, causal=True, block_q=16, block_k=16)
+    assert all(n <= 16 for _, n, _, _ in seen)
+    assert all(k0 < q0 + n and k1 <= q0 + n for q0, n, k0, k1 in seen)  # nothing right of the diagonal
+    if dtype == torch.float64:
+        assert all(k1 - k0 <= 16 for _, _, k0, k1 in seen)
+        assert len(seen) == 1 + 2 + 3 + 4  # 4 query blocks see 1, 2, 3, 4 key tiles
+    else:
+        assert [(k0, k1) for _, _, k0, k1 in seen] == [(0, 16), (0, 32), (0, 48), (0, 64)]
+
+
+def test_engine_refuses_bad_input():
+    q = torch.randn(1, 4, 8, 16)
+    k = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="block_q"):
+        tiled_attention(q, k, k, KernelTerm.none(), scale=1.0, causal=True, block_q=0)
+    with pytest.raises(ValueError, match="heads"):
+        tiled_attention(q, k, k, KernelTerm.alibi(torch.ones(3)), scale=1.0, causal=True)
+    with pytest.raises(ValueError, match="multiple"):
+        tiled_attention(q, torch.randn(1, 3, 8, 16), torch.randn(1, 3, 8, 16), KernelTerm.none(), scale=1.0, causal=True)
+    with pytest.raises(TypeError, match="q_offset"):
+        tiled_attention(q, k, k, KernelTerm.none(), scale=1.0, causal=True, q_offset=1.5)
+
+
+# -- patched models ----------------------------------------------------------------------------------
+
+
+def _spy_engine(monkeypatch):
+    calls = []
+    real = attention_module.tiled_attention
+
+    def spy(*args, **kwargs):
+        calls.append(args[3].kind)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_module, "tiled_attention", spy)
+    return calls
+
+
+@pytest.mark.parametrize("name, params", MODEL_CASES, ids=MODEL_IDS)
+def test_model_engine_matches_reference(monkeypatch, name, params):
+    """A one-layer Llama (GQA 2:1, left-padded batch, train mode): the engine, the default of the torch
+    backend on the CPU, against the full-matrix references (the engine switched off), logits, loss and the
+    gradient of every parameter, the encoding's included (fire: kink-free MLP, see test_kernel_attention)."""
+    monkeypatch.setenv("HF_POSENC_BACKEND", "torch")
+    ids, mask = _padded_batch()
+    results = {}
+    for engine in (True, False):
+        calls = _spy_engine(monkeypatch)
+        if not engine:
+            monkeypatch.setattr(attention_module, "_tiled_torch_attention", lambda *a, **k: None)
+        model = _kink_free(make_model("llama", encoding=name, train=True, config_overrides={"num_hidden_layers": 1},
+                                      **params))
+        out = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False)
+        out.loss.backward()
+        assert bool(calls) == engine
+        results[engine] = (out.logits.detach(), out.loss.detach(),
+                           {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    (ref, ref_loss, ref_grads), (got, loss, grads) = results[False], results[True]
+    assert rel_err(got, ref) < 1e-5 and abs(loss - ref_loss) < 1e-5
+    assert grads.keys() == ref_grads.keys()
+    scale = max(g.norm() for g in ref_grads.values())
+    for n, g in grads.items():
+        tol = 1e-3 if n.endswith(("log_c", "log_threshold")) else 2e-5
+        err = rel_err(g, ref_grads[n], floor=1e-3 * scale)
+        assert err < tol, f"{name}: gradient of {n} rel err {err:.1e}"
+
+
+def test_model_dropout_and_weights_use_the_reference(monkeypatch):
+    """Attention dropout while training and output_attentions are the reference's (documented paths)."""
+    calls = _spy_engine(monkeypatch)
+    model = make_model("llama", encoding="kerple", train=True, config_overrides={"attention_dropout": 0.1})
+    ids = torch.randint(0, 50, (1, 9))
+    model(input_ids=ids, use_cache=False)
+    assert calls == []
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=False, output_attentions=True)
+    assert calls == [] and out.attentions[0] is not None
+    model(input_ids=ids, use_cache=False)
+    assert calls  # eval: no dropout, the engine

@@ -199,16 +199,28 @@ def test_support_follows_the_family_kinds():
         families = get_encoding(name).families
         assert set(DECODERS) <= set(families), name  # every encoding works on every causal decoder
         assert ("bert" in families) == ("vit" in families), name
-    assert "bert" not in get_encoding("sba").families
     table = hf_posenc.support_matrix().splitlines()[0]
     assert all(f" {fam} " in table for fam in FAMILIES)
 
 
 def test_unsupported_encoding_on_bert_lists_the_families():
-    model = make_model("bert")
-    allowed = ", ".join(get_encoding("sba").families)
-    with pytest.raises(ValueError, match=rf"encoding 'sba' does not support bert; it supports: {allowed}"):
-        hf_posenc.patch_model(model, "sba")
+    """Every built-in encoding runs on BERT; one registered for causal text only is refused, naming its families."""
+    from dataclasses import dataclass
+
+    from hf_posenc.encodings.alibi import Alibi
+    from hf_posenc.registry import _REGISTRY, register_encoding
+
+    @register_encoding("_causal_only_alibi", params=dataclass(type("P", (), {})), kind="score bias", summary="test",
+                       paper="none", families=DECODERS)
+    class CausalOnly(Alibi):
+        pass
+
+    try:
+        allowed = ", ".join(get_encoding("_causal_only_alibi").families)
+        with pytest.raises(ValueError, match=rf"encoding '_causal_only_alibi' does not support bert; it supports: {allowed}"):
+            hf_posenc.patch_model(make_model("bert"), "_causal_only_alibi")
+    finally:
+        _REGISTRY.pop("_causal_only_alibi", None)
 
 
 def test_refused_configurations():

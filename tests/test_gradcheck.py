@@ -49,7 +49,8 @@ VIT = dict(hidden_size=8, intermediate_size=8, num_hidden_layers=2, num_attentio
 
 
 class AttentionLayers(nn.Module):
-    """Every patched attention layer of a model, at the attention level: prepare -> attention -> finish."""
+    """Every patched attention layer of a model, at the attention level: prepare -> attention -> finish (and,
+    for an encoding that reads each layer's MLP output, that output)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -69,6 +70,8 @@ class AttentionLayers(nn.Module):
             qq, kk, vv = ctx.prepare(attn.posenc_layer, hidden, q, k, v)
             out, _ = posenc_attention(attn, qq, kk, vv, mask, scaling=attn.scaling, posenc_ctx=ctx)
             outs.append(ctx.finish(attn.posenc_layer, hidden, out))
+            if getattr(unwrap(self.enc), "reads_mlp_output", False):  # tape: the MLP hook's call, ``hidden`` as
+                ctx.encoding("mlp_output", ctx, attn.posenc_layer, hidden)  # the layer's MLP output
         if getattr(unwrap(self.enc), "adds_embeddings", False):
             outs.append(ctx.encoding("embed", ctx, torch.float64, q.device))
         return tuple(outs)

@@ -242,8 +242,8 @@ class Cope(PositionEncoding):
 
     def _needs_reference(self, need_weights: bool, dropout: float, training: bool) -> bool:
         """Whether ``attend`` runs the full-matrix reference (the probabilities requested, attention dropout while
-        training, the bidirectional ViT variant) rather than a kernel or the tile-wise engine."""
-        return self.info.family == "vit" or need_weights or (dropout > 0.0 and training)
+        training, the bidirectional variant on ViT and BERT) rather than a kernel or the causal tile-wise engine."""
+        return not self.info.causal or need_weights or (dropout > 0.0 and training)
 
     def _check_reference_memory(self, op: str, args: tuple) -> None:
         """The memory pre-check of the O(L^2) reference, only where the reference will run."""

@@ -302,6 +302,10 @@ def _rope_facts(config: Any, head_dim: int, num_layers: int) -> dict[str, Any]:
     if partial is None:
         partial = getattr(config, "partial_rotary_factor", None) or getattr(config, "rotary_pct", None)
     rotary_dim = int(head_dim * partial) if partial is not None and int(head_dim * partial) != head_dim else None
+    if rope.get("rope_type") == "proportional":
+        # transformers' proportional RoPE reads partial_rotary_factor itself and returns head_dim / 2
+        # frequencies, the unrotated ones as zeros: every dim goes through the rotation
+        rotary_dim = None
     return {
         "rope_theta": rope.get("rope_theta"),
         "rope_type": rope.get("rope_type"),

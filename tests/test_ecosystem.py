@@ -296,19 +296,24 @@ def test_ddp_two_cpu_processes_keep_encoding_in_sync(tmp_path):
     if Path("/sys/class/net/lo").exists():
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     store = tmp_path / "store"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(TESTS / "_ddp_worker.py"), str(store), str(tmp_path)],
-            env=dict(env, RANK=str(rank)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for rank in range(2)
-    ]
+    # Each rank writes to its own log file, not a pipe: read one after the other, a full pipe of one rank
+    # would block it while the other waits for it in a collective.
+    logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]
+    procs = []
+    for rank in range(2):
+        with open(logs[rank], "w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(TESTS / "_ddp_worker.py"), str(store), str(tmp_path)],
+                env=dict(env, RANK=str(rank)), stdout=log, stderr=subprocess.STDOUT, text=True,
+            ))
     try:
-        outs = [p.communicate(timeout=240)[0] for p in procs]
+        for p in procs:
+            p.wait(timeout=240)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+    outs = [log.read_text() for log in logs]
     for rank, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"rank {rank} failed:\n{out[-3000:]}"
     r0, r1 = (load_file(tmp_path / f"rank{r}.safetensors") for r in range(2))

@@ -37,6 +37,10 @@ from conftest import (
 
 FP32_ATOL = 1e-4  # cache == full forward
 PAD_ATOL = 1e-5  # left padding == alone
+#: the fast path (tile-wise engine / kernels) against the probabilities' reference path: FIRE's fast term
+#: interpolates its MLP on a 256-point grid, exact except in the cells that hold a ReLU kink (encodings/fire.py,
+#: ``kernel_term``), so it gets a looser bound there.
+FAST_ATOL = {"fire": 1e-4}
 SAME_ATOL = 1e-5  # two computations of the same values by different paths (logits are O(5) here)
 
 
@@ -410,12 +414,13 @@ def test_output_attentions(family, encoding):
     one = not replaces_softmax(encoding)
     cfg = model.config
     layers, heads = cfg.num_hidden_layers, cfg.num_attention_heads
+    atol = FAST_ATOL.get(encoding, PAD_ATOL)
     with torch.no_grad():
         if family == "vit":
             inputs = model_inputs(family)
             fast = model(**inputs).logits
             out = model(**inputs, output_attentions=True)
-            assert max_diff(out.logits, fast) < PAD_ATOL
+            assert max_diff(out.logits, fast) < atol
             assert len(out.attentions) == layers
             n = (32 // 8) ** 2 + 1
             for probs in out.attentions:
@@ -430,7 +435,7 @@ def test_output_attentions(family, encoding):
         if family not in DECODERS:  # bidirectional text (BERT): every real key, no cache
             out = model(ids, attention_mask=mask, position_ids=pos, output_attentions=True)
             real = mask.bool()
-            assert max_diff(out.logits[real], fast[real]) < PAD_ATOL
+            assert max_diff(out.logits[real], fast[real]) < atol
             assert len(out.attentions) == layers
             for probs in out.attentions:
                 assert probs.shape == (2, heads, length, length)
@@ -439,7 +444,7 @@ def test_output_attentions(family, encoding):
         past = DynamicCache(config=cfg)
         out = model(ids, attention_mask=mask, position_ids=pos, past_key_values=past, output_attentions=True)
         real = mask.bool()
-        assert max_diff(out.logits[real], fast[real]) < PAD_ATOL
+        assert max_diff(out.logits[real], fast[real]) < atol
         assert len(out.attentions) == layers
         causal = torch.ones(length, length, dtype=torch.bool).tril()
         allowed = causal[None] & real[:, None, :]

@@ -64,7 +64,7 @@ def patch_model(
 
     The validated config, every parameter with its default filled in, is written to
     ``model.config.position_encoding``. Patching a patched model again switches it to the new encoding.
-    The model's config becomes ``PosEnc<Family>Config`` (``model_type`` ``posenc_<family>``, see
+    The model's config becomes ``<Config>WithPosEnc`` (``model_type`` ``posenc_<family>``, see
     :mod:`hf_posenc.auto`), so that ``save_pretrained`` writes a checkpoint that transformers' Auto classes load
     patched (after ``import hf_posenc`` or with ``trust_remote_code=True``) and never as the unpatched family;
     rope on Llama at the model's own frequencies keeps ``LlamaConfig`` (nothing is added to the model).

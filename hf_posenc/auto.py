@@ -2,11 +2,11 @@
 
 For every family ``F`` (``hf_posenc.registry.FAMILIES``) this module builds
 
-- ``PosEnc<F>Config``: a subclass of the family's config class whose ``model_type`` is ``posenc_<F>``
+- ``<Config>WithPosEnc`` (``LlamaConfigWithPosEnc``): a subclass of the family's config class whose ``model_type`` is ``posenc_<F>``
   (``posenc_llama``, ``posenc_gpt2``, ...). It adds nothing to the config's fields; ``position_encoding``
   rides along as before.
-- ``PosEnc<Head>`` for every head class that transformers maps to the family in one of its ``AutoModel*``
-  classes (``PosEncLlamaForCausalLM``, ``PosEncViTForImageClassification``, ...): loaders whose
+- ``<Head>WithPosEnc`` for every head class that transformers maps to the family in one of its ``AutoModel*``
+  classes (``LlamaForCausalLMWithPosEnc``, ``ViTForImageClassificationWithPosEnc``, ...): loaders whose
   ``from_pretrained`` is :func:`hf_posenc.from_pretrained` with the family's head class, and whose
   ``_from_config`` (``AutoModel*.from_config``) builds the family's head and patches it from
   ``config.position_encoding``. What they return is the family's own class, patched (``type(model)`` is
@@ -17,7 +17,7 @@ For every family ``F`` (``hf_posenc.registry.FAMILIES``) this module builds
 tokenizer or image processor) and adds PEFT's default LoRA targets for the new model types (new keys in PEFT's
 tables, the family's entry copied; no existing entry changes).
 
-``hf_posenc.patch_model`` gives the patched model's own config copy the class ``PosEnc<F>Config``
+``hf_posenc.patch_model`` gives the patched model's own config copy the class ``<Config>WithPosEnc``
 (:func:`mark_config`): ``save_pretrained`` then writes ``model_type: posenc_<F>``, an ``auto_map`` naming the
 loaders, and the small module :mod:`hf_posenc.hf_posenc_loader` beside the weights (transformers' custom-code
 mechanism, ``custom_object_save``). A checkpoint saved this way is never read as the unpatched family:
@@ -83,11 +83,11 @@ def _native_config_class(family: str) -> type:
 
 
 def config_class(family: str) -> type:
-    """``PosEnc<F>Config`` for ``family`` (built once)."""
+    """``<Config>WithPosEnc`` for ``family`` (built once)."""
     if family not in _CONFIGS:
         native = _native_config_class(family)
         cls = type(
-            f"PosEnc{native.__name__}",
+            f"{native.__name__}WithPosEnc",
             (native,),
             {
                 "model_type": PREFIX + family,
@@ -103,7 +103,7 @@ def config_class(family: str) -> type:
 
 
 def _loader_class(head: type, config_cls: type) -> type:
-    """``PosEnc<Head>``: ``from_pretrained`` / ``_from_config`` give ``head`` patched by hf_posenc."""
+    """``<Head>WithPosEnc``: ``from_pretrained`` / ``_from_config`` give ``head`` patched by hf_posenc."""
 
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
         from .api import from_pretrained as load
@@ -136,7 +136,7 @@ def _loader_class(head: type, config_cls: type) -> type:
         )
 
     return type(
-        f"PosEnc{head.__name__}",
+        f"{head.__name__}WithPosEnc",
         (head,),
         {
             "config_class": config_cls,
@@ -150,7 +150,7 @@ def _loader_class(head: type, config_cls: type) -> type:
 
 
 def loader_classes(family: str) -> dict[str, type]:
-    """``{Auto class name: PosEnc<Head>}`` for every head class transformers maps to ``family``."""
+    """``{Auto class name: <Head>WithPosEnc}`` for every head class transformers maps to ``family``."""
     if family not in _HEADS:
         import transformers
 
@@ -162,8 +162,8 @@ def loader_classes(family: str) -> dict[str, type]:
             if isinstance(head_name, (list, tuple)):
                 head_name = head_name[0] if head_name else None
             head = getattr(transformers, head_name, None) if isinstance(head_name, str) else None
-            if head is None:
-                continue
+            if head is None or getattr(head, "config_class", None) is not _native_config_class(family):
+                continue  # (a few mappings list another model's class under a family's key)
             if head_name not in built:
                 built[head_name] = _loader_class(head, config_cls)
             heads[auto_name] = built[head_name]
@@ -196,7 +196,7 @@ def _rope_is_native(config: Any, params: dict) -> bool:
 
 
 def mark_config(config: Any) -> None:
-    """Give a patched model's own config (already un-shared) the class ``PosEnc<F>Config`` and the ``auto_map``
+    """Give a patched model's own config (already un-shared) the class ``<Config>WithPosEnc`` and the ``auto_map``
     of the family's loaders, or, for rope on Llama at its own frequencies, the family's plain config class.
     Instance-level: the config object's class changes, no class does."""
     family = family_of(getattr(config, "model_type", None))

@@ -268,3 +268,64 @@ def test_peft_default_targets_and_adapter_round_trip(tmp_path):
     want = _logits(lora, "llama")
     again = hf_posenc.load_adapter(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
     torch.testing.assert_close(_logits(again, "llama"), want)
+
+
+def test_every_head_class_builds_saves_and_loads_patched(tmp_path):
+    """Every head class registered for every family: AutoModel*.from_config builds it patched, and the Auto
+    class loads its checkpoint back with the same weights (the encoding's included)."""
+    import transformers
+
+    count = 0
+    for family in FAMILIES:
+        config = make_model(family, encoding="alibi").config
+        for auto_name, loader in loader_classes(family).items():
+            auto = getattr(transformers, auto_name)
+            torch.manual_seed(0)
+            built = auto.from_config(config)
+            assert isinstance(built, loader.__bases__[0]) and not isinstance(built, loader) and hf_posenc.describe(built)["encoding"] == "alibi"
+            path = tmp_path / f"{family}-{auto_name}"
+            built.save_pretrained(path)
+            assert json.loads((path / "config.json").read_text())["auto_map"][auto_name] == (
+                f"hf_posenc_loader.{loader.__name__}"
+            )
+            loaded = auto.from_pretrained(path)
+            assert type(loaded) is type(built) and hf_posenc.describe(loaded)["encoding"] == "alibi"
+            want, got = built.state_dict(), loaded.state_dict()
+            assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+            count += 1
+    assert count >= 2 * len(FAMILIES)
+
+
+def test_trainer_load_best_model_at_end(tmp_path):
+    from accelerate.state import AcceleratorState
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from conftest import make_ids
+
+    class Tokens(torch.utils.data.Dataset):
+        ids = make_ids(8, 12, seed=3)
+
+        def __len__(self) -> int:
+            return len(self.ids)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        model = make_model("llama", encoding="kerple", train=True)
+        args = TrainingArguments(
+            output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2, use_cpu=True,
+            report_to="none", eval_strategy="steps", eval_steps=1, save_steps=1, load_best_model_at_end=True,
+            metric_for_best_model="loss", greater_is_better=False, remove_unused_columns=False, disable_tqdm=True,
+            save_only_model=True,
+        )
+        trainer = Trainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=Tokens())
+        trainer.train()
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    best = Path(trainer.state.best_model_checkpoint)
+    assert json.loads((best / "config.json").read_text())["model_type"] == "posenc_llama"
+    assert hf_posenc.describe(trainer.model)["encoding"] == "kerple"
+    loaded = AutoModelForCausalLM.from_pretrained(best)
+    torch.testing.assert_close(_logits(loaded, "llama"), _logits(trainer.model, "llama"), rtol=0, atol=0)

@@ -329,3 +329,18 @@ def test_trainer_load_best_model_at_end(tmp_path):
     assert hf_posenc.describe(trainer.model)["encoding"] == "kerple"
     loaded = AutoModelForCausalLM.from_pretrained(best)
     torch.testing.assert_close(_logits(loaded, "llama"), _logits(trainer.model, "llama"), rtol=0, atol=0)
+
+
+def test_image_processor_of_the_family_when_its_files_name_none(tmp_path):
+    from transformers import AutoImageProcessor, ViTImageProcessor
+
+    got = {}
+    for name, model in (("patched", make_model("vit", encoding="rope2d")), ("plain", make_model("vit"))):
+        model.save_pretrained(tmp_path / name)
+        ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(tmp_path / name)
+        cfg_file = tmp_path / name / "preprocessor_config.json"
+        cfg = json.loads(cfg_file.read_text())
+        del cfg["image_processor_type"]  # the class then comes from the config class
+        cfg_file.write_text(json.dumps(cfg))
+        got[name] = AutoImageProcessor.from_pretrained(tmp_path / name)
+    assert type(got["patched"]) is type(got["plain"])

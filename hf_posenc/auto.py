@@ -274,12 +274,17 @@ def _register_preprocessor(family: str, config_cls: type) -> None:
             native = IMAGE_PROCESSOR_MAPPING[_native_config_class(family)]
         finally:
             hf_logging.set_verbosity(level)
-        if isinstance(native, dict):
-            AutoImageProcessor.register(config_cls, image_processor_classes=native, exist_ok=True)
-        elif isinstance(native, (list, tuple)):
-            AutoImageProcessor.register(config_cls, *native, exist_ok=True)
-        else:
-            AutoImageProcessor.register(config_cls, slow_image_processor_class=native, exist_ok=True)
+        try:
+            if isinstance(native, dict):
+                AutoImageProcessor.register(config_cls, image_processor_classes=native, exist_ok=True)
+            elif isinstance(native, (list, tuple)):
+                AutoImageProcessor.register(config_cls, *native, exist_ok=True)
+            else:
+                AutoImageProcessor.register(config_cls, slow_image_processor_class=native, exist_ok=True)
+        except ImportError as e:
+            # transformers 5.17 without torchvision: AutoImageProcessor itself is unusable (each of its methods
+            # raises this ImportError), for the plain ViT too; nothing to register into.
+            logger.debug("AutoImageProcessor not registered for %s: %s", config_cls.model_type, e)
 
 
 def _register_peft_targets() -> None:

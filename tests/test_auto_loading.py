@@ -335,12 +335,16 @@ def test_image_processor_of_the_family_when_its_files_name_none(tmp_path):
     from transformers import AutoImageProcessor, ViTImageProcessor
 
     got = {}
-    for name, model in (("patched", make_model("vit", encoding="rope2d")), ("plain", make_model("vit"))):
+    for name, model in (("plain", make_model("vit")), ("patched", make_model("vit", encoding="rope2d"))):
         model.save_pretrained(tmp_path / name)
         ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(tmp_path / name)
         cfg_file = tmp_path / name / "preprocessor_config.json"
         cfg = json.loads(cfg_file.read_text())
         del cfg["image_processor_type"]  # the class then comes from the config class
         cfg_file.write_text(json.dumps(cfg))
-        got[name] = AutoImageProcessor.from_pretrained(tmp_path / name)
+        try:
+            got[name] = AutoImageProcessor.from_pretrained(tmp_path / name)
+        except ImportError as e:  # transformers 5.17 without torchvision: no AutoImageProcessor for ViT at all
+            assert name == "plain", e
+            pytest.skip(f"AutoImageProcessor is unusable here: {e}")
     assert type(got["patched"]) is type(got["plain"])

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .auto import mark_config
+from .auto import check_config_class, mark_config
 from .attention import ATTN_IMPLEMENTATION, attention_backend, register_with_transformers
 from .config import CONFIG_KEY, PosEncConfig
 from .encodings.base import unwrap
@@ -93,6 +93,7 @@ def patch_model(
             f"encoding {spec.name!r} does not support {family.family}; it supports: {', '.join(spec.families)}"
         )
     base = family.base_model(model)
+    check_config_class(model.config)
     unshare_config(model)
     info = family.info(model.config)
     if info.num_kv_heads < 1 or info.num_heads % info.num_kv_heads:

@@ -40,7 +40,10 @@ from .registry import FAMILIES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PREFIX", "LOADER_MODULE", "family_of", "config_class", "loader_classes", "mark_config", "register"]
+__all__ = [
+    "PREFIX", "LOADER_MODULE", "family_of", "config_class", "loader_classes", "check_config_class", "mark_config",
+    "register",
+]
 
 #: ``model_type`` of the registered types: ``PREFIX + family``.
 PREFIX = "posenc_"
@@ -195,6 +198,21 @@ def _rope_is_native(config: Any, params: dict) -> bool:
     return rope.get("rope_type", "default") == "default" and native_theta is not None and float(native_theta) == float(theta)
 
 
+def check_config_class(config: Any) -> None:
+    """``ValueError`` unless ``config`` is the family's own config class or ``<Config>WithPosEnc``: the class of
+    any other (a subclass from remote code, ...) cannot be swapped without losing what it adds, and its
+    checkpoint would load unpatched. Called by ``patch_model`` before it changes anything."""
+    family = family_of(getattr(config, "model_type", None))
+    if family not in FAMILIES:
+        return
+    native, ours = _native_config_class(family), config_class(family)
+    if type(config) not in (native, ours):
+        raise ValueError(
+            f"hf_posenc patches {family} models whose config is a {native.__name__}; this one is a "
+            f"{type(config).__name__} (config subclasses are not supported: build the model from a {native.__name__})"
+        )
+
+
 def mark_config(config: Any) -> None:
     """Give a patched model's own config (already un-shared) the class ``<Config>WithPosEnc`` and the ``auto_map``
     of the family's loaders, or, for rope on Llama at its own frequencies, the family's plain config class.
@@ -216,13 +234,9 @@ def mark_config(config: Any) -> None:
         elif "auto_map" in vars(config):
             delattr(config, "auto_map")  # written only when set: a plain Llama checkpoint has none
         return
+    check_config_class(config)
     if type(config) is native:
         config.__class__ = ours
-    elif type(config) is not ours:
-        raise ValueError(
-            f"hf_posenc expects a {native.__name__} on this {family} model, got {type(config).__name__} "
-            "(config subclasses are not supported)"
-        )
     for auto_name, cls in loader_classes(family).items():
         auto_map[auto_name] = f"{loader_file}.{cls.__name__}"
     config.auto_map = auto_map

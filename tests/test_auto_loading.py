@@ -348,3 +348,17 @@ def test_image_processor_of_the_family_when_its_files_name_none(tmp_path):
             assert name == "plain", e
             pytest.skip(f"AutoImageProcessor is unusable here: {e}")
     assert type(got["patched"]) is type(got["plain"])
+
+
+def test_config_subclass_is_refused_before_anything_changes():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import make_config
+
+    class MyLlamaConfig(LlamaConfig):
+        pass
+
+    model = LlamaForCausalLM(MyLlamaConfig(**make_config("llama").to_dict()))
+    with pytest.raises(ValueError, match="config subclasses are not supported"):
+        hf_posenc.patch_model(model, "alibi")
+    assert not hasattr(model.model, "posenc") and "position_encoding" not in model.config.to_dict()

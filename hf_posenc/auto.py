@@ -2,7 +2,8 @@
 
 For every family ``F`` (``hf_posenc.registry.FAMILIES``) this module builds
 
-- ``<Config>WithPosEnc`` (``LlamaConfigWithPosEnc``): a subclass of the family's config class whose ``model_type`` is ``posenc_<F>``
+- ``<Config>WithPosEnc`` (``LlamaConfigWithPosEnc``): a subclass of the family's config class whose
+  ``model_type`` is ``posenc_<F>``
   (``posenc_llama``, ``posenc_gpt2``, ...). It adds nothing to the config's fields; ``position_encoding``
   rides along as before.
 - ``<Head>WithPosEnc`` for every head class that transformers maps to the family in one of its ``AutoModel*``
@@ -112,7 +113,9 @@ def _loader_class(head: type, config_cls: type) -> type:
         from .api import from_pretrained as load
 
         if model_args:
-            raise TypeError(f"{cls.__name__}.from_pretrained takes no positional model arguments, got {len(model_args)}")
+            raise TypeError(
+                f"{cls.__name__}.from_pretrained takes no positional model arguments, got {len(model_args)}"
+            )
         kwargs.pop("trust_remote_code", None)  # already resolved by the Auto class that called us
         if config is not None and not isinstance(config, config_cls):
             raise ValueError(
@@ -147,7 +150,7 @@ def _loader_class(head: type, config_cls: type) -> type:
             "_from_config": classmethod(_from_config),
             "__init__": __init__,
             "__module__": LOADER_MODULE,
-            "__doc__": f"Loads {head.__name__} checkpoints of model type {config_cls.model_type!r}, patched by hf_posenc.",
+            "__doc__": f"Loads {head.__name__} checkpoints of model type {config_cls.model_type!r}, patched.",
         },
     )
 
@@ -195,7 +198,9 @@ def _rope_is_native(config: Any, params: dict) -> bool:
     if not isinstance(rope, dict):
         return False
     native_theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
-    return rope.get("rope_type", "default") == "default" and native_theta is not None and float(native_theta) == float(theta)
+    if rope.get("rope_type", "default") != "default" or native_theta is None:
+        return False
+    return float(native_theta) == float(theta)
 
 
 def check_config_class(config: Any) -> None:

@@ -268,6 +268,12 @@ def test_peft_default_targets_and_adapter_round_trip(tmp_path):
     want = _logits(lora, "llama")
     again = hf_posenc.load_adapter(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
     torch.testing.assert_close(_logits(again, "llama"), want)
+    # PEFT's own Auto loader builds the base with the class it recorded (LlamaForCausalLM, directly: unpatched);
+    # hf_posenc's adapter check stops it instead of a silently wrong model
+    auto_mapping = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["auto_mapping"]
+    assert auto_mapping["base_model_class"] == "LlamaForCausalLM"
+    with pytest.raises(ValueError, match="not patched"):
+        peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter")
 
 
 def test_every_head_class_builds_saves_and_loads_patched(tmp_path):

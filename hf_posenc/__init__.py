@@ -6,7 +6,11 @@ from .config import PosEncConfig
 from .registry import list_encodings, register_encoding
 from .training import check_adapter, install_peft_hooks as _install_peft_hooks, load_adapter, trainable_modules
 
-_install_peft_hooks()  # the adapter checks of PeftModel.save_pretrained / load_adapter (see hf_posenc.training)
+from .auto import register as _register_auto
+
+_install_peft_hooks()
+_register_auto()  # posenc_<family> model types with transformers' Auto classes (see hf_posenc.auto)
+from . import hf_posenc_loader as _hf_posenc_loader  # noqa: E402,F401  (save_pretrained copies its file)  # the adapter checks of PeftModel.save_pretrained / load_adapter (see hf_posenc.training)
 
 __version__ = "0.1.0"
 

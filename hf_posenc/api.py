@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from .auto import check_config_class, mark_config
 from .attention import ATTN_IMPLEMENTATION, attention_backend, register_with_transformers
 from .config import CONFIG_KEY, PosEncConfig
 from .encodings.base import unwrap
@@ -64,6 +65,10 @@ def patch_model(
 
     The validated config, every parameter with its default filled in, is written to
     ``model.config.position_encoding``. Patching a patched model again switches it to the new encoding.
+    The model's config becomes ``<Config>WithPosEnc`` (``model_type`` ``posenc_<family>``, see
+    :mod:`hf_posenc.auto`), so that ``save_pretrained`` writes a checkpoint that transformers' Auto classes load
+    patched (after ``import hf_posenc`` or with ``trust_remote_code=True``) and never as the unpatched family;
+    rope on Llama at the model's own frequencies keeps ``LlamaConfig`` (nothing is added to the model).
     The model gets its own copy of its config, so other models built from the same config are untouched.
     Under PEFT, patch the base model before wrapping it: a ``PeftModel`` raises ``TypeError``, a model that
     already holds PEFT layers ``ValueError``.
@@ -89,6 +94,7 @@ def patch_model(
             f"encoding {spec.name!r} does not support {family.family}; it supports: {', '.join(spec.families)}"
         )
     base = family.base_model(model)
+    check_config_class(model.config)
     unshare_config(model)
     info = family.info(model.config)
     if info.num_kv_heads < 1 or info.num_heads % info.num_kv_heads:
@@ -110,6 +116,7 @@ def patch_model(
     base.posenc_layers = layers
     register_with_transformers()
     setattr(model.config, CONFIG_KEY, config.to_dict())
+    mark_config(model.config)  # save_pretrained writes model_type posenc_<family> (rope on Llama: plain Llama)
     model.config._attn_implementation = ATTN_IMPLEMENTATION
     if getattr(base, "_attn_implementation", None) is not None:
         base._attn_implementation = ATTN_IMPLEMENTATION
@@ -270,15 +277,20 @@ def _model_class(config: Any, model_class: type | None) -> type:
     return cls
 
 
-def from_pretrained(path: str | os.PathLike, model_class: type | None = None, **kwargs: Any):
+def from_pretrained(path: str | os.PathLike, model_class: type | None = None, config: Any = None, **kwargs: Any):
     """Load a checkpoint saved from a patched model: patched again, every weight restored.
 
     Args:
         path: a local directory written by ``save_pretrained`` of a patched model (safetensors).
         model_class: the transformers class to build (default: the one named in the config).
+        config: the checkpoint's config, already loaded (default: read from ``path``).
         **kwargs: passed to ``model_class.from_pretrained`` (``dtype``, ``device_map``, ...).
             With ``output_loading_info=True`` returns ``(model, info)``, where ``info`` lists the keys
             missing from or unexpected in the checkpoint once the encoding is restored (empty when all match).
+
+    Reads both formats: ``model_type`` ``posenc_<family>`` (what hf_posenc writes now) and the family's own
+    ``model_type`` plus ``position_encoding`` (checkpoints of hf_posenc 0.1); the model it returns saves in the
+    new format.
 
     Safetensors only: a directory with only pickled weights (``pytorch_model.bin``, ...) and
     ``use_safetensors=False`` are refused, and nothing is ever unpickled. A checkpoint that does not match its
@@ -309,7 +321,8 @@ def from_pretrained(path: str | os.PathLike, model_class: type | None = None, **
         )
     # Before transformers sees the directory: a checkpoint with only pickled weights is refused here.
     files = _safetensors_files(path)
-    config = AutoConfig.from_pretrained(path)
+    if config is None:
+        config = AutoConfig.from_pretrained(path)
     stored = getattr(config, CONFIG_KEY, None)
     if stored is None:
         raise ValueError(

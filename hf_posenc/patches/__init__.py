@@ -34,7 +34,10 @@ if tuple(_PATCHES) != FAMILIES:
 
 
 def get_family(model_type: str | None) -> FamilyPatch:
-    """The patch for ``model_type``; ``ValueError`` naming the supported families otherwise."""
+    """The patch for ``model_type`` (a family's, or hf_posenc's own ``posenc_<family>``); ``ValueError`` naming
+    the supported families otherwise."""
+    if isinstance(model_type, str) and model_type.startswith("posenc_"):
+        model_type = model_type[len("posenc_"):]
     try:
         return _PATCHES[model_type]
     except KeyError:

@@ -237,6 +237,8 @@ class FamilyPatch:
         if isinstance(model, self.base_class):
             return model
         base = getattr(model, self.base_attr, None)
+        if not isinstance(base, self.base_class):  # heads that name it otherwise (LlamaForQuestionAnswering:
+            base = getattr(model, "base_model", None)  # .transformer): transformers' base_model_prefix
         if not isinstance(base, self.base_class):
             raise ValueError(
                 f"{type(model).__name__} has model_type {self.family!r} but no {self.base_class.__name__} at "

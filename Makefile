@@ -76,7 +76,7 @@ CROSS_DIR ?= $(OLDEST_VENV)/cross-version
 .PHONY: help setup test test-oldest demo quickstart bench matrix clean-venv gpu-check compile-check test-triton36
 
 help:
-	@sed -n '2,10p' Makefile | sed 's/^# *//'
+	@sed -n '2,13p' Makefile | sed 's/^# *//'
 
 setup: $(STAMP)
 

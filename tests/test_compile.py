@@ -139,9 +139,17 @@ def check_static_decode(family: str, encoding: str, backend: str) -> None:
     assert EOS_ID not in got[:, ids.shape[1]:]
 
 
+#: the families added after Llama, GPT-2 and ViT (the decoders that share patches/decoder.py, and BERT).
+NEW_FAMILIES = ("mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "gpt_neox", "bert")
 FORWARD = combos(("llama", "gpt2")) + combos(("vit",), VIT_ENCODINGS)
-#: the default suite's forward matrix: every encoding on Llama and GPT-2, three kinds of ViT encoding.
-FORWARD_DEFAULT = combos(("llama", "gpt2")) + combos(("vit",), ("learned", "rope2d", "liere"))
+#: the default suite's forward matrix: every encoding on Llama and GPT-2, three kinds of ViT encoding, and one
+#: encoding of a different kind on each newer family (their whole matrix runs under the slow marker).
+FORWARD_DEFAULT = (
+    combos(("llama", "gpt2")) + combos(("vit",), ("learned", "rope2d", "liere"))
+    + [pytest.param(f, e, id=f"{f}-{e}") for f, e in (
+        ("mistral", "alibi"), ("qwen2", "fox"), ("qwen3", "rope"), ("gemma3_text", "cope"), ("phi3", "learned"),
+        ("gpt_neox", "kerple"), ("bert", "t5"))]
+)
 
 
 # -- default suite -------------------------------------------------------------------------------------
@@ -194,6 +202,14 @@ def test_value_checks_step_aside_under_compile():
 
 
 # -- slow: the inductor matrix -------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@SLOW
+@pytest.mark.parametrize("family,encoding", combos(NEW_FAMILIES))
+def test_forward_is_one_graph_on_every_family(family, encoding):
+    """The graph-capture check of the default suite for every encoding on each newer family."""
+    check_forward(family, encoding, "eager")
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""hf_posenc: swap the position encoding of Hugging Face Llama, GPT-2 and ViT models with one call."""
+"""hf_posenc: swap the position encoding of Hugging Face models (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3,
+GPT-NeoX, GPT-2, BERT, ViT) with one call."""
 
 from . import encodings as _encodings  # noqa: F401  (registers every encoding)
 from .api import describe, encoding_module, from_pretrained, patch_model, support_matrix
@@ -7,10 +8,10 @@ from .registry import list_encodings, register_encoding
 from .training import check_adapter, install_peft_hooks as _install_peft_hooks, load_adapter, trainable_modules
 
 from .auto import register as _register_auto
+from . import hf_posenc_loader as _hf_posenc_loader  # noqa: F401  (save_pretrained copies its file beside the weights)
 
-_install_peft_hooks()
+_install_peft_hooks()  # the adapter checks of PeftModel.save_pretrained / load_adapter (see hf_posenc.training)
 _register_auto()  # posenc_<family> model types with transformers' Auto classes (see hf_posenc.auto)
-from . import hf_posenc_loader as _hf_posenc_loader  # noqa: E402,F401  (save_pretrained copies its file)  # the adapter checks of PeftModel.save_pretrained / load_adapter (see hf_posenc.training)
 
 __version__ = "0.1.0"
 

@@ -58,7 +58,8 @@ def patch_model(
     """Swap the position encoding of ``model`` in place and return it.
 
     Args:
-        model: a Llama, GPT-2 or ViT model from transformers (base model or any head class).
+        model: a transformers model of a supported family (``hf_posenc.registry.FAMILIES``; base model or any
+            head class).
         name: the encoding: a registered name, a dict ``{"name": ..., **params}`` or a ``PosEncConfig``.
             With None, ``model.config.position_encoding`` is read: the config key drives the swap.
         **params: the encoding's parameters (see ``hf_posenc.list_encodings()`` and the README).

@@ -31,7 +31,6 @@ writes JSON (default ``benchmarks/results/cope_sba_cpu_<device-name>.json``).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "Geometry", "Tile", "blocked_mask_rows", "fill_blocked", "from_groups", "key_tiles", "tile_blocked", "tile_sizes",
-    "to_groups",
+    "Geometry", "Tile", "blocked_mask_rows", "call_options", "fill_blocked", "from_groups", "key_tiles", "tile_blocked",
+    "tile_sizes", "to_groups",
 ]
 
 
@@ -144,3 +144,20 @@ def fill_blocked(x: torch.Tensor, blocked: torch.Tensor | None, value: float) ->
     if blocked is not None:
         x.view(x.shape[0], x.shape[1], -1, blocked.shape[-2], x.shape[-1]).masked_fill_(blocked, value)
     return x
+
+
+def call_options(
+    block_m: int | None, block_n: int | None, default_m: int, default_n: int | None, q_offset: int | torch.Tensor
+) -> tuple[int, int | None, int | torch.Tensor]:
+    """The (block_m, block_n, q_offset) an engine's autograd Function is applied with: the module defaults where
+    None is given (``block_n`` None: sized to memory), checked positive, and a tensor offset snapshotted (a
+    StaticCache mutates its length in place before backward). Raises ``ValueError`` for a non-positive size."""
+    block_m = default_m if block_m is None else block_m
+    block_n = default_n if block_n is None else block_n
+    if block_m < 1 or (block_n is not None and block_n < 1):
+        raise ValueError(
+            f"block_m and block_n must be positive (block_n None: sized to memory), got {block_m}, {block_n}"
+        )
+    if isinstance(q_offset, torch.Tensor):
+        q_offset = q_offset.detach().clone()
+    return int(block_m), block_n, q_offset

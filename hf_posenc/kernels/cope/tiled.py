@@ -45,6 +45,7 @@ import torch
 
 from .._reverse_tiles import (
     Geometry,
+    call_options,
     blocked_mask_rows,
     fill_blocked,
     key_tiles,
@@ -268,12 +269,5 @@ def cope_tiled(
     Returns:
         (B, H, Lq, D) in q's dtype.
     """
-    block_m = BLOCK_M if block_m is None else block_m
-    block_n = BLOCK_N if block_n is None else block_n
-    if block_m < 1 or (block_n is not None and block_n < 1):
-        raise ValueError(
-            f"block_m and block_n must be positive (block_n None: sized to memory), got {block_m}, {block_n}"
-        )
-    if isinstance(q_offset, torch.Tensor):
-        q_offset = q_offset.detach().clone()  # a StaticCache mutates its length in place before backward
-    return CopeTiledFunction.apply(q, k, v, table, mask, float(scale), q_offset, int(block_m), block_n)
+    block_m, block_n, q_offset = call_options(block_m, block_n, BLOCK_M, BLOCK_N, q_offset)
+    return CopeTiledFunction.apply(q, k, v, table, mask, float(scale), q_offset, block_m, block_n)

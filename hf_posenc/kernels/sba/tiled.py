@@ -40,7 +40,9 @@ import math
 import torch
 from torch.nn import functional as F
 
-from .._reverse_tiles import Geometry, blocked_mask_rows, fill_blocked, key_tiles, tile_blocked, tile_sizes, to_groups
+from .._reverse_tiles import (
+    Geometry, blocked_mask_rows, call_options, fill_blocked, key_tiles, tile_blocked, tile_sizes, to_groups,
+)
 
 __all__ = ["sba_tiled", "SbaTiledFunction", "BLOCK_M", "BLOCK_N"]
 
@@ -226,14 +228,7 @@ def sba_tiled(
     Returns:
         (B, H, Lq, D) in q's dtype.
     """
-    block_m = BLOCK_M if block_m is None else block_m
-    block_n = BLOCK_N if block_n is None else block_n
-    if block_m < 1 or (block_n is not None and block_n < 1):
-        raise ValueError(
-            f"block_m and block_n must be positive (block_n None: sized to memory), got {block_m}, {block_n}"
-        )
-    if isinstance(q_offset, torch.Tensor):
-        q_offset = q_offset.detach().clone()  # a StaticCache mutates its length in place before backward
+    block_m, block_n, q_offset = call_options(block_m, block_n, BLOCK_M, BLOCK_N, q_offset)
     return SbaTiledFunction.apply(
-        q, k, v, mask, bias, float(scale), q_offset, bool(attend_current), remainder, int(block_m), block_n
+        q, k, v, mask, bias, float(scale), q_offset, bool(attend_current), remainder, block_m, block_n
     )

@@ -24,7 +24,7 @@ from .registry import FAMILIES, get_encoding, list_encodings
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["patch_model", "from_pretrained", "describe", "support_matrix", "encoding_module"]
+__all__ = ["patch_model", "from_pretrained", "describe", "support_matrix", "encoding_module", "layer_encodings"]
 
 
 def _check_not_peft(model: Any) -> None:
@@ -137,6 +137,22 @@ def _patched_base(model: nn.Module) -> nn.Module:
 def encoding_module(model: nn.Module) -> nn.Module:
     """The encoding module of a patched model (``<base>.posenc``)."""
     return _patched_base(model).posenc
+
+
+def layer_encodings(model: nn.Module) -> list[tuple[nn.Module, int]]:
+    """Per layer of a patched model, in layer order: ``(encoding, local_layer)``.
+
+    ``encoding`` is the (unwrapped) encoding module that runs in that layer and ``local_layer`` the index
+    that this encoding gives the layer (its per-layer parameters are indexed by it). With a single encoding
+    that is ``(model's encoding, i)`` for layer ``i``; with a plan (a list of encodings, see
+    :func:`patch_model`) each layer gets its entry's encoding, and the entry counts only its own layers.
+    """
+    base = _patched_base(model)
+    enc = unwrap(base.posenc)
+    entries = getattr(enc, "layer_entries", None)
+    if entries is None:
+        return [(enc, i) for i in range(base.posenc_info.num_layers)]
+    return [(unwrap(enc.entries[group]), local) for group, local in entries]
 
 
 def describe(model: nn.Module) -> dict[str, Any]:

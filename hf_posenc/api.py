@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -15,8 +16,9 @@ from torch import nn
 
 from .auto import check_config_class, mark_config
 from .attention import ATTN_IMPLEMENTATION, attention_backend, register_with_transformers
-from .config import CONFIG_KEY, PosEncConfig
-from .encodings.base import unwrap
+from .config import CONFIG_KEY, PosEncConfig, coerce_plan, is_plan
+from .encodings.base import ModelInfo, unwrap
+from .encodings.plan import PlanEncoding, layer_info, plan_groups
 from .patches import get_family
 from .patches.base import tap_mlp_outputs, unshare_config
 from .patches.generation import install_static_cache_shape
@@ -53,19 +55,26 @@ def _check_model(model: Any) -> None:
 
 
 def patch_model(
-    model: nn.Module, name: "str | Mapping[str, Any] | PosEncConfig | None" = None, **params: Any
+    model: nn.Module, name: "str | Mapping[str, Any] | PosEncConfig | list | None" = None, **params: Any
 ) -> nn.Module:
     """Swap the position encoding of ``model`` in place and return it.
 
     Args:
         model: a transformers model of a supported family (``hf_posenc.registry.FAMILIES``; base model or any
             head class).
-        name: the encoding: a registered name, a dict ``{"name": ..., **params}`` or a ``PosEncConfig``.
+        name: the encoding: a registered name, a dict ``{"name": ..., **params}`` or a ``PosEncConfig``; or a
+            plan, a list of those, one per layer, repeated over the depth (its length must divide the number
+            of layers): ``["rope", "rope", "rope", "nope"]`` (see :mod:`hf_posenc.encodings.plan`).
             With None, ``model.config.position_encoding`` is read: the config key drives the swap.
-        **params: the encoding's parameters (see ``hf_posenc.list_encodings()`` and the README).
+        **params: the encoding's parameters (see ``hf_posenc.list_encodings()`` and the README); with a plan,
+            give them per entry instead. Every encoding also takes ``window`` (a sliding window: each query
+            sees its last ``window`` keys, itself included).
 
     The validated config, every parameter with its default filled in, is written to
-    ``model.config.position_encoding``. Patching a patched model again switches it to the new encoding.
+    ``model.config.position_encoding``: a dict for one encoding, a list of one dict per layer for a plan (a
+    plan whose entries are all the same is the plain encoding, stored as a dict). Encodings that act on the
+    embeddings (``sinusoidal``, ``learned``) act once per model and cannot be mixed with others in a plan.
+    Patching a patched model again switches it to the new encoding.
     The model's config becomes ``<Config>WithPosEnc`` (``model_type`` ``posenc_<family>``, see
     :mod:`hf_posenc.auto`), so that ``save_pretrained`` writes a checkpoint that transformers' Auto classes load
     patched (after ``import hf_posenc`` or with ``trust_remote_code=True``) and never as the unpatched family;
@@ -78,6 +87,7 @@ def patch_model(
         _check_not_peft(model)
     _check_model(model)
     family = get_family(getattr(model.config, "model_type", None))
+    stored = False
     if name is None:
         name = getattr(model.config, CONFIG_KEY, None)
         if name is None:
@@ -86,43 +96,97 @@ def patch_model(
             )
         if params:
             raise ValueError("parameters were given without an encoding name; pass the name too")
+        stored = True
         if isinstance(name, Mapping):  # a stored config, maybe from a newer hf_posenc: unknown keys warn
             name = PosEncConfig.from_dict(name, unknown="warn")
-    config = PosEncConfig.coerce(name, **params)
-    spec = config.spec
-    if family.family not in spec.families:
-        raise ValueError(
-            f"encoding {spec.name!r} does not support {family.family}; it supports: {', '.join(spec.families)}"
-        )
     base = family.base_model(model)
     check_config_class(model.config)
-    unshare_config(model)
     info = family.info(model.config)
     if info.num_kv_heads < 1 or info.num_heads % info.num_kv_heads:
         raise ValueError(
             f"the model has {info.num_heads} query heads and {info.num_kv_heads} key/value heads; grouped-query "
             "attention needs the query heads to be a multiple of the key/value heads"
         )
-    config = spec.cls.resolve(config, info)
-    encoding = spec.cls(config, info)
-    if not isinstance(getattr(base, "posenc", None), nn.Module):
-        encoding.adopt_native(family.native_weights(base))
+    if is_plan(name):
+        if params:
+            raise ValueError(
+                f"parameters ({', '.join(sorted(params))}) were given beside a plan; give them in its entries, "
+                "e.g. [{'name': 'rope', 'theta': 1e6}, 'nope']"
+            )
+        configs = coerce_plan(name, info.num_layers, unknown="warn" if stored else "error")
+    else:
+        configs = [PosEncConfig.coerce(name, **params)] * info.num_layers
+    for config in configs:
+        if family.family not in config.spec.families:
+            raise ValueError(
+                f"encoding {config.name!r} does not support {family.family}; it supports: "
+                f"{', '.join(config.spec.families)}"
+            )
+    configs = _resolve_plan(configs, info)
+    distinct, layer_entries = plan_groups(configs)
+    unshare_config(model)
+    if len(distinct) == 1:
+        config = distinct[0]
+        encoding = config.spec.cls(config, info)
+        if not isinstance(getattr(base, "posenc", None), nn.Module):
+            encoding.adopt_native(family.native_weights(base))
+        reads_mlp = [getattr(encoding, "reads_mlp_output", False)] * info.num_layers
+        stored_config: Any = config.to_dict()
+    else:
+        embedding = sorted({c.name for c in distinct if getattr(c.spec.cls, "adds_embeddings", False)})
+        if embedding:
+            raise ValueError(
+                f"{', '.join(map(repr, embedding))} act(s) on the token embeddings, once per model, not per layer, so "
+                "it cannot be mixed with other encodings in a plan; use it alone, or a relative encoding per layer"
+            )
+        entries = []
+        for index, config in enumerate(distinct):
+            layers_of = [layer for layer, (e, _) in enumerate(layer_entries) if e == index]
+            entries.append(config.spec.cls(config, layer_info(info, layers_of)))
+        encoding = PlanEncoding(configs, info, entries, layer_entries)
+        reads_mlp = [getattr(entries[e], "reads_mlp_output", False) for e, _ in layer_entries]
+        stored_config = [c.to_dict() for c in configs]
     reference = next((p for p in base.parameters() if p.is_floating_point()), None)
     if reference is not None:
         encoding.to(device=reference.device, dtype=reference.dtype)
     layers = family.install(base)
-    tap_mlp_outputs(base, layers if getattr(encoding, "reads_mlp_output", False) else [])
+    tap_mlp_outputs(base, [(i, layer) for i, layer in enumerate(layers) if reads_mlp[i]])
     base.posenc = encoding
     base.posenc_info = info
     base.posenc_layers = layers
     register_with_transformers()
-    setattr(model.config, CONFIG_KEY, config.to_dict())
+    setattr(model.config, CONFIG_KEY, stored_config)
     mark_config(model.config)  # save_pretrained writes model_type posenc_<family> (rope on Llama: plain Llama)
     model.config._attn_implementation = ATTN_IMPLEMENTATION
     if getattr(base, "_attn_implementation", None) is not None:
         base._attn_implementation = ATTN_IMPLEMENTATION
     install_static_cache_shape(model)  # state channels in a StaticCache allocated early (prefill_chunk_size)
     return model
+
+
+def _resolve_one(config: PosEncConfig, info: ModelInfo) -> PosEncConfig:
+    """``config`` with the parameters left to the model filled in (``resolve``), its window kept."""
+    resolved = config.spec.cls.resolve(config, info)
+    if resolved.window != config.window:
+        resolved = dataclasses.replace(resolved, window=config.window)
+    return resolved
+
+
+def _resolve_plan(configs: list[PosEncConfig], info: ModelInfo) -> list[PosEncConfig]:
+    """Per layer, the resolved config: each distinct entry is resolved against the layers it runs in. Entries
+    that resolve to the same config (``"rope"`` and ``{"name": "rope", "theta": <the model's>}``) become one, so
+    the stored plan rebuilds the same modules; they are then resolved again together."""
+    for _ in range(3):
+        distinct, layer_entries = plan_groups(configs)
+        resolved = []
+        for index, config in enumerate(distinct):
+            layers_of = [layer for layer, (e, _) in enumerate(layer_entries) if e == index]
+            resolved.append(_resolve_one(config, layer_info(info, layers_of) if len(distinct) > 1 else info))
+        new = [resolved[e] for e, _ in layer_entries]
+        if len(plan_groups(new)[0]) == len(distinct):
+            return new
+        configs = new
+    return new
 
 
 def _patched_base(model: nn.Module) -> nn.Module:
@@ -160,22 +224,31 @@ def describe(model: nn.Module) -> dict[str, Any]:
 
     Returns a dict with keys ``encoding``, ``params``, ``kind``, ``family``, ``layers`` (names of the
     patched attention modules, relative to the base model), ``backend`` and ``parameters`` (the number of
-    parameters the encoding holds).
+    parameters the encoding holds); ``window`` when the encoding has a sliding window. For a plan, ``encoding``
+    and ``kind`` are ``"plan"``, ``params`` is empty and ``plan`` lists, per layer, its ``layer`` (module name),
+    ``encoding``, ``params``, ``window`` and ``backend``.
     """
     base = _patched_base(model)
     enc = base.posenc
     inner = unwrap(enc)
-    spec = get_encoding(inner.name)
     device = next((p.device for p in base.parameters()), torch.device("cpu"))
-    return {
-        "encoding": spec.name,
-        "params": dict(inner.posenc_config.params),
-        "kind": spec.kind,
-        "family": base.posenc_info.family,
-        "layers": list(base.posenc_layers),
-        "backend": _backend_summary(inner, device),
-        "parameters": sum(p.numel() for p in enc.parameters()),
-    }
+    out: dict[str, Any] = {"family": base.posenc_info.family, "layers": list(base.posenc_layers),
+                           "parameters": sum(p.numel() for p in enc.parameters())}
+    if isinstance(inner, PlanEncoding):
+        per_layer = []
+        for name, (module, _) in zip(base.posenc_layers, layer_encodings(model)):
+            config = module.posenc_config
+            per_layer.append({"layer": name, "encoding": config.name, "params": dict(config.params),
+                              "window": config.window, "backend": _backend_summary(module, device)})
+        backends = sorted({entry["backend"] for entry in per_layer})
+        return {"encoding": "plan", "params": {}, "kind": "plan", **out, "backend": ", ".join(backends),
+                "plan": per_layer}
+    spec = get_encoding(inner.name)
+    out = {"encoding": spec.name, "params": dict(inner.posenc_config.params), "kind": spec.kind, **out,
+           "backend": _backend_summary(inner, device)}
+    if inner.posenc_config.window is not None:
+        out["window"] = inner.posenc_config.window
+    return out
 
 
 def _backend_summary(encoding: nn.Module, device: torch.device) -> str:
@@ -346,12 +419,15 @@ def from_pretrained(path: str | os.PathLike, model_class: type | None = None, co
             f"{path}: the config has no {CONFIG_KEY!r}; it was not saved from a model patched by hf_posenc "
             "(load it with transformers, then call hf_posenc.patch_model)"
         )
+    family = get_family(getattr(config, "model_type", None))
     try:
         # keys a newer hf_posenc wrote warn and are dropped; an unknown encoding or a bad value is an error
-        pe_config = PosEncConfig.from_dict(stored, unknown="warn")
+        if is_plan(stored):
+            pe_config: Any = coerce_plan(stored, family.info(config).num_layers, unknown="warn")
+        else:
+            pe_config = PosEncConfig.from_dict(stored, unknown="warn")
     except (ValueError, TypeError) as e:
         raise type(e)(f"{path}: the checkpoint's {CONFIG_KEY} cannot be used by this hf_posenc: {e}") from None
-    family = get_family(getattr(config, "model_type", None))
     cls = _model_class(config, model_class)
     try:
         model = _load_checked(path, files, config, pe_config, family, cls, kwargs)
@@ -386,7 +462,7 @@ def _state_problems(expected: Mapping[str, torch.Tensor], found: Mapping[str, to
     return problems
 
 
-def _load_checked(path: Path, files: list[Path], config: Any, pe_config: PosEncConfig, family: Any, cls: type,
+def _load_checked(path: Path, files: list[Path], config: Any, pe_config: Any, family: Any, cls: type,
                   kwargs: dict[str, Any]) -> nn.Module:
     """Build ``cls`` from the checkpoint, patch it and restore the encoding's weights; ``ValueError`` naming the
     keys when the checkpoint does not match its config (the model is then dropped, never returned)."""
@@ -415,10 +491,9 @@ def _load_checked(path: Path, files: list[Path], config: Any, pe_config: PosEncC
     state = _encoding_state(path)
     problems = _state_problems(module.state_dict(), state)
     if problems:
-        raise ValueError(
-            f"{path}: the encoding weights do not match {pe_config.name!r} as its config describes it "
-            f"({pe_config.params}): {'; '.join(problems)}"
-        )
+        what = (f"{pe_config.name!r} as its config describes it ({pe_config.params})"
+                if isinstance(pe_config, PosEncConfig) else f"the plan {[c.name for c in pe_config]}")
+        raise ValueError(f"{path}: the encoding weights do not match {what}: {'; '.join(problems)}")
     module.load_state_dict(state)
     # Weights the class does not use (a head, when loading the base model of a causal-LM checkpoint) are
     # left out, as transformers does.

@@ -30,7 +30,7 @@ import torch
 from torch.nn import functional as F
 
 from .backend import forced_backend
-from .encodings.base import PLAIN_CAUSAL, PosContext, unwrap
+from .encodings.base import PLAIN_CAUSAL, PosContext, unwrap, vit_token_coords
 from .kernels.attention import (
     FLEX_KINDS,
     flex_attention_term,
@@ -135,6 +135,56 @@ def _needs_causal_mask(q_len: int, k_len: int, q_offset: int | torch.Tensor) -> 
     if isinstance(q_offset, torch.Tensor):
         return True
     return q_len > 1 or k_len > q_offset + q_len
+
+
+def layer_window(ctx: PosContext | None) -> int | None:
+    """The sliding window of the encoding that ``ctx`` runs (its config's ``window``), or None."""
+    if ctx is None:
+        return None
+    config = getattr(unwrap(ctx.encoding), "posenc_config", None)
+    return getattr(config, "window", None)
+
+
+def window_band(
+    window: int, causal: bool, q_len: int, k_len: int, q_offset: int | torch.Tensor, device: torch.device,
+    grid: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """(1, 1, Lq, Lk) bool: the keys a sliding window of ``window`` lets each query see (query i is key
+    qi = q_offset + i). Causal text: qi - window < j (its last ``window`` keys, itself included, with the causal
+    mask; as transformers' ``sliding_window_overlay``); bidirectional text: |qi - j| < window; ViT's grid: both
+    the row and the column offsets below ``window``, the CLS token seeing and seen by every token."""
+    if grid is not None:
+        coords = vit_token_coords(grid, device)
+        q, k = coords[-q_len:], coords[-k_len:]
+        near = ((q[:, None, 0] - k[None, :, 0]).abs() < window) & ((q[:, None, 1] - k[None, :, 1]).abs() < window)
+        is_cls = torch.zeros(coords.shape[0], dtype=torch.bool, device=device)
+        is_cls[0] = True
+        band = near | is_cls[-q_len:, None] | is_cls[None, -k_len:]
+        return band[None, None]
+    q_idx = torch.arange(q_len, device=device)[:, None] + q_offset
+    k_idx = torch.arange(k_len, device=device)[None, :]
+    band = (k_idx > q_idx - window) if causal else ((q_idx - k_idx).abs() < window)
+    return band[None, None]
+
+
+def _windowed_mask(
+    ctx: PosContext, window: int, attention_mask: torch.Tensor | None, causal: bool, q_len: int, k_len: int,
+    q_offset: int | torch.Tensor, device: torch.device,
+) -> torch.Tensor:
+    """The attention mask (B|1, 1, Lq, Lk) bool with the sliding window applied, built once per forward for a
+    given mask (the layers of an encoding share it)."""
+    memo_key = ("window_mask", window, causal, q_len, k_len, _offset_key(q_offset),
+                None if attention_mask is None else (attention_mask.data_ptr(), tuple(attention_mask.shape)))
+    cached = ctx.memo.get(memo_key)
+    if cached is not None:
+        return cached
+    band = window_band(window, causal, q_len, k_len, q_offset, device, ctx.grid)
+    mask = _full_mask(attention_mask, causal, q_len, k_len, q_offset, device)
+    if mask is None and causal:  # one query at the end of the keys: causality holds without a mask
+        mask = _causal_mask(q_len, k_len, q_offset, device)[None, None]
+    out = band if mask is None else mask & band
+    ctx.memo[memo_key] = out
+    return out
 
 
 def _eager(
@@ -309,6 +359,7 @@ def posenc_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     posenc_ctx: PosContext | None = None,
+    posenc_layer: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention with the position terms of ``posenc_ctx`` (none when it is None).
@@ -323,7 +374,11 @@ def posenc_attention(
         attention_mask: None, or (B|1, 1, Lq, Lk) bool (True = attend) or additive float.
         dropout: attention dropout probability (already 0 in eval).
         scaling: logit scale (default 1/sqrt(D)).
-        posenc_ctx: the per-forward context built by the patched model.
+        posenc_ctx: the per-forward context built by the patched model (under a plan, the layer's, from
+            :meth:`PosContext.at`).
+        posenc_layer: the layer's index for its encoding (default: ``module.posenc_layer``).
+
+    A sliding ``window`` in the encoding's config is applied as a band on the mask (:func:`window_band`).
 
     Returns:
         out (B, Lq, H, D), and the probabilities (B, H, Lq, Lk) when ``posenc_ctx.need_weights`` else None.
@@ -335,9 +390,13 @@ def posenc_attention(
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({key.shape[1]})")
     scaling = d**-0.5 if scaling is None else scaling
     causal = bool(getattr(module, "is_causal", False))
-    layer = getattr(module, "posenc_layer", 0)
+    layer = getattr(module, "posenc_layer", 0) if posenc_layer is None else posenc_layer
     # Index of the first query among the keys: the cache length before this forward.
     q_offset = posenc_ctx.q_offset if posenc_ctx is not None else k_len - q_len
+    window = layer_window(posenc_ctx)
+    if window is not None:
+        attention_mask = _windowed_mask(posenc_ctx, window, attention_mask, causal, q_len, k_len, q_offset,
+                                        query.device)
     training = module.training
     need_weights = bool(posenc_ctx is not None and posenc_ctx.need_weights)
     if backend != "torch" and not need_weights:

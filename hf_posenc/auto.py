@@ -188,8 +188,11 @@ def all_classes() -> dict[str, type]:
 
 def _rope_is_native(config: Any, params: dict) -> bool:
     """rope computes Llama's own function: the ``half`` layout (transformers' ``rotate_half``) and a ``theta``
-    that is None (the model's own, scaled rotary) or the config's ``rope_theta`` with default (unscaled) rotary."""
+    that is None (the model's own, scaled rotary) or the config's ``rope_theta`` with default (unscaled) rotary;
+    no sliding window, no scaling and no partial rotary of its own."""
     if params.get("layout", "half") != "half":
+        return False
+    if any(params.get(key) is not None for key in ("window", "scaling", "partial_rotary_factor")):
         return False
     theta = params.get("theta")
     if theta is None:
@@ -227,7 +230,10 @@ def mark_config(config: Any) -> None:
         return
     native, ours = _native_config_class(family), config_class(family)
     stored = getattr(config, CONFIG_KEY, None) or {}
-    plain = family == "llama" and stored.get("name") == "rope" and _rope_is_native(config, stored)
+    plain = (
+        family == "llama" and isinstance(stored, dict) and stored.get("name") == "rope"
+        and _rope_is_native(config, stored)
+    )
     loader_file = LOADER_MODULE.rsplit(".", 1)[-1]
     auto_map = dict(getattr(config, "auto_map", None) or {})
     auto_map = {k: v for k, v in auto_map.items() if not (isinstance(v, str) and v.startswith(loader_file + "."))}

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from .registry import EncodingSpec, get_encoding
 
-__all__ = ["PosEncConfig", "CONFIG_KEY"]
+__all__ = ["PosEncConfig", "CONFIG_KEY", "WINDOW_HELP", "check_window", "coerce_plan", "is_plan"]
 
 #: The attribute of a transformers config that holds the encoding, as a plain dict.
 CONFIG_KEY = "position_encoding"
@@ -61,6 +61,27 @@ def _check_value(spec: EncodingSpec, f: dataclasses.Field, value: Any) -> Any:
     return value
 
 
+#: help text of ``window``, the parameter every encoding takes (shown by ``hf-posenc list -v``).
+WINDOW_HELP = (
+    "sliding window of this encoding's layers: each query sees only its last `window` keys, itself included "
+    "(the keys transformers' sliding_window gives Mistral); on bidirectional models the keys less than `window` "
+    "positions away on either side (per grid axis on ViT); None: every key"
+)
+
+
+def check_window(window: Any, where: str = "window") -> int | None:
+    """``window``: None or an int >= 1 (a bool, a float or a string is refused)."""
+    window = _plain(window)
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise TypeError(f"{where} must be an int >= 1 (keys each query sees, itself included) or None, got "
+                        f"{type(window).__name__} ({window!r})")
+    if window < 1:
+        raise ValueError(f"{where} must be >= 1 (keys each query sees, itself included), got {window}")
+    return window
+
+
 @dataclass(frozen=True)
 class PosEncConfig:
     """A position encoding: its registered ``name`` and its parameters, validated against the registry.
@@ -68,15 +89,28 @@ class PosEncConfig:
     ``params`` always holds every parameter of the encoding, with defaults filled in. A value of ``None``
     means "resolved from the model when patching"; :func:`hf_posenc.patch_model` writes the resolved
     values to ``model.config.position_encoding``.
+
+    ``window`` (every encoding takes it; see :data:`WINDOW_HELP`) limits the keys each query of the encoding's
+    layers sees; it may be given among ``params`` too. It is stored in ``to_dict`` only when set, so configs
+    without a window keep their form.
     """
 
     name: str
     params: Mapping[str, Any] = field(default_factory=dict)
+    window: int | None = None
 
     def __post_init__(self) -> None:
         spec = get_encoding(self.name)
         if not isinstance(self.params, Mapping):
             raise TypeError(f"params must be a mapping, got {type(self.params).__name__}")
+        if "window" in self.params:
+            params = dict(self.params)
+            given = params.pop("window")
+            if self.window is not None and given != self.window:
+                raise ValueError(f"window given twice, as {self.window!r} and {given!r}")
+            object.__setattr__(self, "params", params)
+            object.__setattr__(self, "window", given)
+        object.__setattr__(self, "window", check_window(self.window, f"window of encoding {self.name!r}"))
         known = {f.name: f for f in spec.param_fields()}
         unknown = sorted(set(self.params) - set(known))
         if unknown:
@@ -97,12 +131,17 @@ class PosEncConfig:
         return get_encoding(self.name)
 
     def replace(self, **params: Any) -> "PosEncConfig":
-        """A copy with some parameters changed (validated again)."""
-        return PosEncConfig(self.name, {**self.params, **params})
+        """A copy with some parameters changed (validated again); ``window`` may be among them."""
+        window = params.pop("window", self.window)
+        return PosEncConfig(self.name, {**self.params, **params}, window)
 
     def to_dict(self) -> dict[str, Any]:
-        """The form stored in ``config.position_encoding``: ``{"name": ..., **params}``."""
-        return {"name": self.name, **self.params}
+        """The form stored in ``config.position_encoding``: ``{"name": ..., **params}`` (and ``"window"`` when
+        set)."""
+        out = {"name": self.name, **self.params}
+        if self.window is not None:
+            out["window"] = self.window
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, unknown: str = "error") -> "PosEncConfig":
@@ -123,7 +162,7 @@ class PosEncConfig:
             raise ValueError(f"{CONFIG_KEY} must have a 'name' key, got keys {sorted(data)}")
         params = {k: v for k, v in data.items() if k != "name"}
         if unknown == "warn":
-            known = get_encoding(data["name"]).param_names()
+            known = [*get_encoding(data["name"]).param_names(), "window"]
             extra = sorted(set(params) - set(known), key=str)
             if extra:
                 warnings.warn(
@@ -149,3 +188,42 @@ class PosEncConfig:
         raise TypeError(
             f"encoding must be a name (str), a dict with a 'name' key, or a PosEncConfig; got {type(name).__name__}"
         )
+
+
+def is_plan(value: Any) -> bool:
+    """Whether ``value`` is a plan: a list or tuple of encodings (names, dicts or ``PosEncConfig``)."""
+    return isinstance(value, (list, tuple))
+
+
+def coerce_plan(plan: Any, num_layers: int, *, unknown: str = "error") -> list[PosEncConfig]:
+    """One :class:`PosEncConfig` per layer from a plan: a list of entries (a name, a dict
+    ``{"name": ..., **params}`` or a ``PosEncConfig`` each), repeated over the depth.
+
+    Args:
+        plan: the list; its length must divide ``num_layers``.
+        num_layers: the model's number of layers.
+        unknown: for dict entries, as in :meth:`PosEncConfig.from_dict` (``"warn"`` for a stored plan).
+
+    Raises:
+        ValueError: an empty list, or a length that does not divide ``num_layers``; errors of the entries,
+            naming the entry.
+    """
+    if not is_plan(plan):
+        raise TypeError(f"a plan is a list of encodings, got {type(plan).__name__}")
+    if not plan:
+        raise ValueError("a plan needs at least one encoding; got an empty list")
+    if num_layers % len(plan):
+        raise ValueError(
+            f"a plan of {len(plan)} encodings is repeated over the depth, so its length must divide the number of "
+            f"layers ({num_layers}); got {len(plan)}"
+        )
+    entries = []
+    for i, entry in enumerate(plan):
+        try:
+            if isinstance(entry, Mapping) and not isinstance(entry, PosEncConfig):
+                entries.append(PosEncConfig.from_dict(entry, unknown=unknown))
+            else:
+                entries.append(PosEncConfig.coerce(entry))
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"plan entry {i} ({entry!r}): {e}") from None
+    return [entries[layer % len(entries)] for layer in range(num_layers)]

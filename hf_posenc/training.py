@@ -127,6 +127,13 @@ def trainable_modules(model: nn.Module) -> list[str]:
 # -- the adapter marker ----------------------------------------------------------------------------
 
 
+def _encoding_names(stored: Any) -> str:
+    """The encoding name of a stored ``position_encoding`` (a dict), or the plan's names (a list of dicts)."""
+    if isinstance(stored, list):
+        return "plan [" + ", ".join(str(e.get("name")) if isinstance(e, dict) else repr(e) for e in stored) + "]"
+    return repr(stored.get("name")) if isinstance(stored, dict) else repr(stored)
+
+
 def _normalise(value: Any) -> Any:
     """JSON round trip, so that tuples and lists (and int/float keys) compare equal."""
     return json.loads(json.dumps(value, sort_keys=True))
@@ -270,7 +277,7 @@ def check_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> None:
             return
         raise ValueError(
             f"the adapter in {adapter_dir} does not carry the encoding's weights (it was trained without "
-            f"modules_to_save=hf_posenc.trainable_modules(model)), and the base model's {wanted.get('name')!r} "
+            f"modules_to_save=hf_posenc.trainable_modules(model)), and the base model's {_encoding_names(wanted)} "
             "weights differ from those of the model it was trained on: load that base model (saved with "
             "save_pretrained, restored with hf_posenc.from_pretrained), or train with trainable_modules so that "
             "the adapter stores the encoding"

@@ -16,6 +16,7 @@ as PEFT's ``ModulesToSaveWrapper`` route to the copy that is being trained.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -91,6 +92,25 @@ class PosContext:
     memo: dict = field(default_factory=dict)
 
     # -- helpers used by the patched attention modules ------------------------------------------
+    def at(self, layer: int) -> "tuple[PosContext, int]":
+        """(the context of model layer ``layer``, the layer's index for its encoding).
+
+        With one encoding: ``(self, layer)``. With a plan (``hf_posenc.encodings.plan``): a context whose
+        ``encoding`` is that layer's entry (fetched through the called module, so that a PEFT wrapper's trained
+        copy is used), with the entry's model description and a memo of its own (built once per forward and
+        shared by the entry's layers), and the layer's index among the entry's layers."""
+        entries = getattr(unwrap(self.encoding), "layer_entries", None)
+        if entries is None:
+            return self, layer
+        index, local = entries[layer]
+        key = ("plan_entry", index)
+        sub = self.memo.get(key)
+        if sub is None:
+            entry = self.encoding("entry", index)
+            sub = dataclasses.replace(self, encoding=entry, info=unwrap(entry).info, memo={})
+            self.memo[key] = sub
+        return sub, local
+
     def prepare(
         self, layer: int, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -181,7 +181,8 @@ class _MlpTap:
         ctx, self.ctx = self.ctx, None
         if ctx is None or not isinstance(output, torch.Tensor):
             return None
-        return ctx.encoding("mlp_output", ctx, self.layer, output)
+        ctx, layer = ctx.at(self.layer)  # under a plan: the layer's own encoding and its index there
+        return ctx.encoding("mlp_output", ctx, layer, output)
 
 
 def _layer_mlp(base: nn.Module, name: str) -> nn.Module | None:
@@ -200,17 +201,18 @@ def _layer_mlp(base: nn.Module, name: str) -> nn.Module | None:
     return None
 
 
-def tap_mlp_outputs(base: nn.Module, layer_names: list[str]) -> None:
+def tap_mlp_outputs(base: nn.Module, layers: list[tuple[int, str]]) -> None:
     """Give an encoding that reads each layer's MLP output (``reads_mlp_output``) that output.
 
-    ``layer_names`` are the patched attention modules (relative to ``base``), in layer order; the MLP is found
+    ``layers`` are (model layer index, patched attention module name relative to ``base``) of the layers whose
+    encoding reads it (every layer with one encoding; under a plan, the layers of such entries); the MLP is found
     by :func:`_layer_mlp` (e.g. Llama's ``LlamaDecoderLayer.mlp``, GPT-2's ``GPT2Block.mlp``, ViT's
     ``ViTLayer.mlp``, BERT's ``BertLayer.output.dense``). Hooks installed by an earlier patch are removed first.
     """
     for handle in getattr(base, "_hf_posenc_mlp_taps", ()):
         handle.remove()
     handles = []
-    for i, name in enumerate(layer_names):
+    for i, name in layers:
         mlp = _layer_mlp(base, name)
         if mlp is None:
             raise ValueError(

@@ -110,6 +110,7 @@ class PosEncBertSelfAttention(BertSelfAttention):
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         ctx = require_ctx(kwargs, "BertSelfAttention")
+        ctx, layer = ctx.at(self.posenc_layer)  # under a plan: this layer's encoding, its index there
         if kwargs.get("encoder_hidden_states") is not None:
             raise ValueError("a patched BERT self-attention module got encoder_hidden_states")
         input_shape = hidden_states.shape[:-1]
@@ -117,7 +118,7 @@ class PosEncBertSelfAttention(BertSelfAttention):
         query = self.query(hidden_states).view(hidden_shape).transpose(1, 2)
         key = self.key(hidden_states).view(hidden_shape).transpose(1, 2)
         value = self.value(hidden_states).view(hidden_shape).transpose(1, 2)
-        query, key, value = ctx.prepare(self.posenc_layer, hidden_states, query, key, value)
+        query, key, value = ctx.prepare(layer, hidden_states, query, key, value)
         out, weights = posenc_attention(
             self,
             query,
@@ -127,8 +128,9 @@ class PosEncBertSelfAttention(BertSelfAttention):
             dropout=self.dropout.p if self.training else 0.0,
             scaling=self.scaling,
             posenc_ctx=ctx,
+            posenc_layer=layer,
         )
-        out = ctx.finish(self.posenc_layer, hidden_states, out)
+        out = ctx.finish(layer, hidden_states, out)
         return out.reshape(*input_shape, -1).contiguous(), weights
 
 

@@ -256,10 +256,11 @@ class PatchedDecoderAttention:
         self, hidden_states: torch.Tensor, *, attention_mask: torch.Tensor | None = None, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         ctx = require_ctx(kwargs, type(self).__bases__[-1].__name__)
+        ctx, layer = ctx.at(self.posenc_layer)  # under a plan: this layer's encoding, its index there
         cache = pop_cache(kwargs)
         input_shape = hidden_states.shape[:-1]
         query, key, value = self.posenc_layout.project(self, hidden_states)
-        query, key, value = ctx.prepare(self.posenc_layer, hidden_states, query, key, value)
+        query, key, value = ctx.prepare(layer, hidden_states, query, key, value)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         out, weights = posenc_attention(
@@ -271,8 +272,9 @@ class PatchedDecoderAttention:
             dropout=float(getattr(self, "attention_dropout", 0.0)) if self.training else 0.0,
             scaling=self.scaling,
             posenc_ctx=ctx,
+            posenc_layer=layer,
         )
-        out = ctx.finish(self.posenc_layer, hidden_states, out)
+        out = ctx.finish(layer, hidden_states, out)
         out = getattr(self, self.posenc_layout.output)(out.reshape(*input_shape, -1).contiguous())
         return out, weights
 

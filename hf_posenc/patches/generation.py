@@ -32,24 +32,34 @@ __all__ = ["cached_kv_widths", "install_static_cache_shape"]
 _ATTR = "_get_static_cache_init_shape"
 
 
-def cached_kv_widths(base: nn.Module) -> tuple[int, int]:
+def cached_kv_widths(base: nn.Module) -> tuple[int, int] | None:
     """The (key, value) widths that a patched base model stores in its KV cache: ``head_dim`` plus whatever
-    the encoding's ``prepare`` appends, measured on layer 0 with zero tokens in the model's dtype (every
-    layer of an encoding appends the same channels; later TAPE layers need the previous layer's output)."""
-    info, enc = base.posenc_info, base.posenc
+    the encoding's ``prepare`` appends, measured on the encoding's first layer with zero tokens in the model's
+    dtype (every layer of an encoding appends the same channels; later TAPE layers need the previous layer's
+    output). Under a plan the layers of different entries may store different widths: None then."""
+    info = base.posenc_info
     d = info.head_dim
-    if not getattr(unwrap(enc), "prepares_qkv", False):
-        return d, d
     ref = next((p for p in base.parameters() if p.is_floating_point()), None)
     dtype = ref.dtype if ref is not None else torch.float32
     device = ref.device if ref is not None else torch.device("cpu")
-    ctx = PosContext(encoding=enc, info=info, position_ids=torch.zeros(1, 0, dtype=torch.long, device=device))
-    hidden = torch.zeros(1, 0, info.hidden_size, dtype=dtype, device=device)
-    q = torch.zeros(1, info.num_heads, 0, d, dtype=dtype, device=device)
-    kv = torch.zeros(1, info.num_kv_heads, 0, d, dtype=dtype, device=device)
-    with torch.no_grad():
-        _, k, v = ctx.prepare(0, hidden, q, kv, kv)
-    return k.shape[-1], v.shape[-1]
+    root = PosContext(encoding=base.posenc, info=info, position_ids=torch.zeros(1, 0, dtype=torch.long, device=device))
+    entries = getattr(unwrap(base.posenc), "layer_entries", None)
+    first_layers = list(range(info.num_layers)) if entries is None else [
+        layer for layer, (e, local) in enumerate(entries) if local == 0
+    ]
+    widths = set()
+    for layer in first_layers[:1] if entries is None else first_layers:
+        ctx, local = root.at(layer)
+        if not getattr(unwrap(ctx.encoding), "prepares_qkv", False):
+            widths.add((d, d))
+            continue
+        hidden = torch.zeros(1, 0, info.hidden_size, dtype=dtype, device=device)
+        q = torch.zeros(1, info.num_heads, 0, d, dtype=dtype, device=device)
+        kv = torch.zeros(1, info.num_kv_heads, 0, d, dtype=dtype, device=device)
+        with torch.no_grad():
+            _, k, v = ctx.prepare(local, hidden, q, kv, kv)
+        widths.add((k.shape[-1], v.shape[-1]))
+    return widths.pop() if len(widths) == 1 else None
 
 
 def _static_cache_init_shape(self: nn.Module) -> Any:

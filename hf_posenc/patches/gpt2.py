@@ -101,6 +101,7 @@ class PosEncGPT2Attention(GPT2Attention):
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         ctx = require_ctx(kwargs, "GPT2Attention")
+        ctx, layer = ctx.at(self.posenc_layer)  # under a plan: this layer's encoding, its index there
         past_key_values = pop_cache(kwargs)
         if encoder_hidden_states is not None:
             raise ValueError("a patched GPT-2 self-attention module got encoder_hidden_states")
@@ -109,7 +110,7 @@ class PosEncGPT2Attention(GPT2Attention):
         query = query.view(shape).transpose(1, 2)
         key = key.view(shape).transpose(1, 2)
         value = value.view(shape).transpose(1, 2)
-        query, key, value = ctx.prepare(self.posenc_layer, hidden_states, query, key, value)
+        query, key, value = ctx.prepare(layer, hidden_states, query, key, value)
         if past_key_values is not None:
             cache = past_key_values
             if isinstance(cache, EncoderDecoderCache):
@@ -124,8 +125,9 @@ class PosEncGPT2Attention(GPT2Attention):
             dropout=self.attn_dropout.p if self.training else 0.0,
             scaling=self.scaling,
             posenc_ctx=ctx,
+            posenc_layer=layer,
         )
-        out = ctx.finish(self.posenc_layer, hidden_states, out)
+        out = ctx.finish(layer, hidden_states, out)
         out = self.c_proj(out.reshape(*out.shape[:-2], -1).contiguous())
         out = self.resid_dropout(out)
         return out, weights

@@ -101,12 +101,13 @@ class PosEncViTAttention(ViTAttention):
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         ctx = require_ctx(kwargs, "ViTAttention")
+        ctx, layer = ctx.at(self.posenc_layer)  # under a plan: this layer's encoding, its index there
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        query, key, value = ctx.prepare(self.posenc_layer, hidden_states, query, key, value)
+        query, key, value = ctx.prepare(layer, hidden_states, query, key, value)
         out, weights = posenc_attention(
             self,
             query,
@@ -116,8 +117,9 @@ class PosEncViTAttention(ViTAttention):
             dropout=self.attention_dropout if self.training else 0.0,
             scaling=self.scaling,
             posenc_ctx=ctx,
+            posenc_layer=layer,
         )
-        out = ctx.finish(self.posenc_layer, hidden_states, out)
+        out = ctx.finish(layer, hidden_states, out)
         out = self.o_proj(out.reshape(*input_shape, -1).contiguous())
         return out, weights
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -159,12 +160,15 @@ def test_gpt2_runs_past_n_positions_with_relative_encodings():
     assert out.shape == (1, 40, 61) and torch.isfinite(out).all()
 
 
-def test_rope_scaling_type_not_implemented_is_an_error():
-    """linear, llama3, yarn, longrope and proportional are reproduced (tests/test_rope2d_comrope.py);
-    dynamic NTK scaling is not, and says which types are."""
-    m = _llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
-    with pytest.raises(ValueError, match="rope_type='dynamic'.*supported: 'default', 'linear'"):
-        hf_posenc.patch_model(m, "rope")
+def test_rope_reproduces_dynamic_ntk_scaling():
+    """A Llama with dynamic NTK scaling, patched with rope: the native logits, within and past
+    max_position_embeddings (transformers recomputes the frequencies from the length there)."""
+    native = _llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}).eval()
+    patched = copy.deepcopy(native)
+    hf_posenc.patch_model(patched, "rope")
+    for length in (8, 3 * native.config.max_position_embeddings):
+        ids = torch.randint(3, 61, (1, length))
+        torch.testing.assert_close(patched(ids).logits, native(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_learned_on_vit_takes_no_max_positions():

@@ -84,11 +84,12 @@ def test_unknown_parameter_typed_by_a_user_is_an_error(how):
     "name, exc, pattern",
     [
         (3, TypeError, r"a name \(str\), a dict with a 'name' key, or a PosEncConfig; got int"),
-        (["rope"], TypeError, r"got list"),
+        ([], ValueError, r"a plan needs at least one encoding"),
+        ([3], TypeError, r"plan entry 0 \(3\): encoding must be a name"),
         ({"theta": 2.0}, ValueError, r"must have a 'name' key, got keys \['theta'\]"),
         ({"name": 5}, TypeError, r"encoding name must be a str, got int"),
     ],
-    ids=["int", "list", "dict-without-name", "dict-with-int-name"],
+    ids=["int", "empty-plan", "plan-of-int", "dict-without-name", "dict-with-int-name"],
 )
 def test_encoding_of_the_wrong_type(name, exc, pattern):
     with pytest.raises(exc, match=pattern):

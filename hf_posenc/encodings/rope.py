@@ -33,18 +33,41 @@ does; the other d - R dims pass through. This follows the model (with an explici
 whose layers have their own rotary (Gemma 3: local layers at base 10000, global layers at 1e6 with their
 scaling) get each layer's own frequencies when ``theta`` is None.
 
-``dynamic`` (NTK scaling recomputed from the longest sequence seen so far, a state that a KV cache and a
-batch do not share) is not implemented and raises ``ValueError``, as does any other type; an explicit
-``theta`` gives plain rotary at that base on any model, ignoring the model's scaling. In the resolved
-config ``theta`` stays None for scaled types: the scaling's factors live in the model's config, which is
-saved with it, and are read again whenever the model is patched.
+``dynamic`` (NTK scaling recomputed from the sequence length): transformers recomputes the frequencies
+whenever a forward's largest position id + 1 exceeds the longest seen so far, and resets them below the
+original length. hf_posenc computes them per forward from that forward's largest position id + 1 (as
+transformers' ``_compute_dynamic_ntk_parameters`` does, through ``ROPE_INIT_FUNCTIONS``), which is what
+transformers computes whenever lengths grow (prefill then decoding, or one forward); it holds no state between
+forwards. An explicit ``theta`` gives plain rotary at that base on any model, ignoring the model's scaling. In
+the resolved config ``theta`` stays None for scaled types: the scaling's factors live in the model's config,
+which is saved with it, and are read again whenever the model is patched.
+
+Parameters for long-context recipes, on every family:
+
+* ``partial_rotary_factor`` f in (0, 1]: the first R = int(f x d) dims of each head rotate, with theta_i =
+  base^(-2i/R) (the frequencies of the rotated width, as transformers computes them for GPT-NeoX and Phi:
+  ``_compute_default_rope_parameters``, dim = int(head_dim * partial_rotary_factor)); the other d - R dims pass
+  through, as in NoPE. None (default): the model's own (GPT-NeoX's ``rotary_pct``, Phi's
+  ``partial_rotary_factor``), 1 on the other families -- so that rope on GPT-NeoX reproduces the model; the
+  issue that introduced it asks for a default of 1, which is what every family without a partial rotary gets.
+  R must be even (a rotation acts on pairs).
+* ``scaling``: a dict in transformers' ``rope_parameters`` form (``{"rope_type": "yarn", "factor": 4.0,
+  "original_max_position_embeddings": 2048}``), for any ``rope_type`` in transformers' ``ROPE_INIT_FUNCTIONS``
+  (linear, dynamic, yarn, longrope, llama3, proportional). The frequencies and the attention scaling come from
+  that function, at base ``theta`` (default: the model's ``rope_theta``, else 10000), with the model's
+  ``max_position_embeddings`` where the function reads it (GPT-2: ``n_positions``; ViT: the patch count + 1),
+  so on Llama rope with ``scaling`` gives the logits of a native Llama whose config carries those
+  ``rope_parameters``. On ViT the positions are the raster indices of the patches, so a length in ``scaling``
+  counts patches in raster order.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -61,7 +84,7 @@ def rope_inv_freq(dim: int, base: float) -> torch.Tensor:
 
 
 #: the model's ``rope_type`` values that rope reproduces (besides ``default``).
-SCALED_ROPE_TYPES = ("linear", "llama3", "yarn", "longrope", "proportional")
+SCALED_ROPE_TYPES = ("linear", "llama3", "yarn", "longrope", "proportional", "dynamic")
 
 
 def model_rope_frequencies(
@@ -71,12 +94,33 @@ def model_rope_frequencies(
     given ones: a layer's own), computed by transformers' ``ROPE_INIT_FUNCTIONS`` as ``LlamaRotaryEmbedding``
     computes them (``seq_len``: the length passed to the function, for longrope's long factors). R is the
     number of rotated dims (``info.rotary_dim``; the head dim unless the rotary is partial)."""
-    from transformers import LlamaConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     params = info.rope_parameters if rope_parameters is None else rope_parameters
     rotary_dim = info.rotary_dim or info.head_dim
     rope_type = params["rope_type"]
+    config, init = rope_init_function(info, params)
+    inv_freq, scaling = init(config, None, seq_len=seq_len)
+    if inv_freq.shape != (rotary_dim // 2,):
+        raise ValueError(
+            f"the model's rope_parameters ({rope_type!r}) give {inv_freq.numel()} frequencies for {rotary_dim} "
+            f"rotated dims of head_dim={info.head_dim}; rope needs one per pair of rotated dims"
+        )
+    return inv_freq.float(), float(scaling)
+
+
+def rope_init_function(info: ModelInfo, rope_parameters: dict) -> tuple[Any, Any]:
+    """(a transformers config carrying ``rope_parameters`` for this model's shape, transformers' own
+    ``ROPE_INIT_FUNCTIONS[rope_type]``): what ``LlamaRotaryEmbedding`` calls. The rotated width is
+    ``info.rotary_dim`` (given to the function as ``partial_rotary_factor``, in ``rope_parameters`` and on the
+    config, where transformers releases read it)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = copy.deepcopy(dict(rope_parameters))
+    rotary_dim = info.rotary_dim or info.head_dim
+    extra = {}
+    if rotary_dim != info.head_dim and "partial_rotary_factor" not in params:
+        params["partial_rotary_factor"] = rotary_dim / info.head_dim
+        extra["partial_rotary_factor"] = rotary_dim / info.head_dim
     hf_logger = logging.getLogger("transformers")
     level = hf_logger.level
     hf_logger.setLevel(logging.ERROR)  # the model's config already warned about its rope_parameters
@@ -87,17 +131,12 @@ def model_rope_frequencies(
             num_key_value_heads=info.num_kv_heads,
             head_dim=info.head_dim,
             max_position_embeddings=info.max_positions,
-            rope_parameters=copy.deepcopy(params),
+            rope_parameters=params,
+            **extra,
         )
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, seq_len=seq_len)
     finally:
         hf_logger.setLevel(level)
-    if inv_freq.shape != (rotary_dim // 2,):
-        raise ValueError(
-            f"the model's rope_parameters ({rope_type!r}) give {inv_freq.numel()} frequencies for {rotary_dim} "
-            f"rotated dims of head_dim={info.head_dim}; rope needs one per pair of rotated dims"
-        )
-    return inv_freq.float(), float(scaling)
+    return config, ROPE_INIT_FUNCTIONS[params["rope_type"]]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
@@ -111,6 +150,30 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: 
     x1, x2 = x[..., 0::2], x[..., 1::2]
     out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return out.flatten(-2)
+
+
+def _check_scaling(scaling: dict) -> None:
+    """``scaling``: a JSON-able dict with a ``rope_type`` that transformers' ``ROPE_INIT_FUNCTIONS`` has."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    import json
+
+    where = "parameter 'scaling' of encoding 'rope'"
+    if not all(isinstance(k, str) for k in scaling):
+        raise TypeError(f"{where} must have str keys, got {sorted(map(repr, scaling))}")
+    try:
+        json.dumps(scaling)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{where} must hold JSON values (it is stored in the model's config): {e}") from None
+    kinds = sorted(ROPE_INIT_FUNCTIONS)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in kinds:
+        raise ValueError(
+            f"{where} needs 'rope_type', one of transformers' {', '.join(map(repr, kinds))}; got {kind!r} (for plain "
+            "rotary leave scaling None)"
+        )
+    if "partial_rotary_factor" in scaling:
+        raise ValueError(f"{where}: give partial_rotary_factor as rope's own parameter, not inside scaling")
 
 
 @dataclass
@@ -130,6 +193,28 @@ class RopeParams:
         type=str,
         choices=("half", "interleaved"),
     )
+    partial_rotary_factor: float | None = param(
+        None,
+        "fraction of each head's dims that rotate, in (0, 1]: the first int(factor x head_dim) dims rotate, with "
+        "frequencies for that width (as transformers' GPT-NeoX and Phi), the rest pass through as in NoPE; None: "
+        "the model's own (GPT-NeoX rotary_pct, Phi partial_rotary_factor), 1 elsewhere",
+        type=float,
+        optional=True,
+        gt=0.0,
+        le=1.0,
+    )
+    scaling: dict | None = param(
+        None,
+        "RoPE scaling in transformers' rope_parameters form, e.g. {'rope_type': 'yarn', 'factor': 4.0, "
+        "'original_max_position_embeddings': 2048}, computed by transformers' ROPE_INIT_FUNCTIONS (any rope_type it "
+        "has, dynamic included) at base theta; None: none (or the model's own, with theta None)",
+        type=dict,
+        optional=True,
+    )
+
+    def __post_init__(self) -> None:
+        if self.scaling is not None:
+            _check_scaling(self.scaling)
 
 
 @register_encoding(
@@ -144,18 +229,31 @@ class Rope(PositionEncoding):
 
     rotates_qk = True
     prepares_qkv = True  # so that the layer index reaches the rotation (per-layer bases: Gemma 3)
-    # (R_m q)^T (R_n k) = q^T R_(n-m) k. Not across longrope's switch between its short and long factors,
-    # which depends on the largest absolute position (a model config choice, not the default).
+    # (R_m q)^T (R_n k) = q^T R_(n-m) k. Not across longrope's switch between its short and long factors, nor
+    # with dynamic scaling past the original length: both depend on the largest absolute position (a scaling
+    # choice, not the default).
     relative = True
 
     @classmethod
     def resolve(cls, config: PosEncConfig, info: ModelInfo) -> PosEncConfig:
         p = dict(config.params)
+        if p["scaling"] is not None:
+            scaling = dict(p["scaling"])
+            if "type" in scaling and "rope_type" not in scaling:  # transformers' older key
+                scaling["rope_type"] = scaling.pop("type")
+            given = scaling.pop("rope_theta", None)
+            if given is not None and p["theta"] is not None and float(given) != float(p["theta"]):
+                raise ValueError(f"rope: theta={p['theta']} and scaling's rope_theta={given} differ; give one")
+            theta = p["theta"] if p["theta"] is not None else given
+            if theta is None:
+                theta = float(info.rope_theta) if info.rope_theta is not None else 10000.0
+            p["theta"], p["scaling"] = float(theta), scaling
+            return PosEncConfig(config.name, p)
         if p["theta"] is None:
             if info.layer_rope_parameters is not None:  # per-layer rotary: every layer's own is checked
                 for params in info.layer_rope_parameters:
                     kind = params.get("rope_type", "default")
-                    if kind not in ("default", *SCALED_ROPE_TYPES):
+                    if kind not in ("default", *SCALED_ROPE_TYPES) or kind == "dynamic":
                         raise ValueError(
                             f"a layer's rope_parameters use rope_type={kind!r}, which hf_posenc's rope does not "
                             f"implement; supported: 'default', {', '.join(repr(t) for t in SCALED_ROPE_TYPES)}. "
@@ -181,9 +279,22 @@ class Rope(PositionEncoding):
         #: per-layer rotary (theta None on a model whose layers differ): one such tuple per layer.
         self._layers: list[tuple[torch.Tensor, torch.Tensor | None, float, int | None]] | None = None
         #: partial rotary: the leading dims of each head that are rotated (the model's own choice).
-        self.rotary_dim = info.rotary_dim or info.head_dim
-        if config.params["theta"] is None and info.layer_rope_parameters is not None:
+        factor = config.params.get("partial_rotary_factor")
+        self.rotary_dim = int(info.head_dim * factor) if factor is not None else (info.rotary_dim or info.head_dim)
+        info = dataclasses.replace(info, rotary_dim=self.rotary_dim if self.rotary_dim != info.head_dim else None)
+        #: dynamic NTK scaling: the config that transformers' function reads, and that function (per forward).
+        self._dynamic: tuple[Any, Any] | None = None
+        scaling = config.params.get("scaling")
+        if scaling is not None:
+            params = {**scaling, "rope_theta": config.params["theta"] or 10000.0}
+            if params["rope_type"] == "dynamic":
+                self._dynamic = rope_init_function(info, params)
+            else:
+                self._scaled = self._model_frequencies(info, params)
+        elif config.params["theta"] is None and info.layer_rope_parameters is not None:
             self._layers = [self._model_frequencies(info, params) for params in info.layer_rope_parameters]
+        elif config.params["theta"] is None and info.rope_type == "dynamic" and info.rope_parameters is not None:
+            self._dynamic = rope_init_function(info, info.rope_parameters)
         elif config.params["theta"] is None and info.rope_type in SCALED_ROPE_TYPES:
             self._scaled = self._model_frequencies(info, info.rope_parameters)
 
@@ -207,16 +318,22 @@ class Rope(PositionEncoding):
     def check_model(self, info: ModelInfo) -> None:
         if info.head_dim % 2:
             raise ValueError(f"rope needs an even head_dim, got {info.head_dim}")
-        rotary_dim = info.rotary_dim or info.head_dim
+        factor = self.posenc_config.params.get("partial_rotary_factor")
+        rotary_dim = int(info.head_dim * factor) if factor is not None else (info.rotary_dim or info.head_dim)
         if rotary_dim % 2 or not 0 < rotary_dim <= info.head_dim:
+            given = f" (partial_rotary_factor={factor} x head_dim={info.head_dim})" if factor is not None else ""
             raise ValueError(
-                f"rope needs an even number of rotated dims in 2 .. head_dim={info.head_dim}, got {rotary_dim}"
+                f"rope needs an even number of rotated dims in 2 .. head_dim={info.head_dim}, got {rotary_dim}{given}"
             )
 
     def _frequencies(
         self, positions: torch.Tensor, device: torch.device, layer: int = 0
     ) -> tuple[torch.Tensor, float]:
         """(inv_freq (R/2,) float32 on ``device``, attention scaling) for a forward at ``positions`` in ``layer``."""
+        if self._dynamic is not None:  # NTK: from this forward's largest position id + 1 (a tensor: no sync)
+            hf_config, init = self._dynamic
+            inv_freq, scaling = init(hf_config, device, seq_len=positions.max().to(device) + 1)
+            return inv_freq.to(device=device, dtype=torch.float32), float(scaling)
         scaled = self._scaled if self._layers is None else self._layers[layer]
         if scaled is None:
             theta = self.posenc_config.params["theta"]

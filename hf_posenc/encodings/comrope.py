@@ -47,6 +47,9 @@ than per token (unscaled positions gave a median angle near 2.9 rad per token: n
 model without a maximum position needs ``position_scale``. With one axis both variants give every block
 to it, so ``ap`` is a learned block rotation exp(x S_j) per block and ``ld`` the same with a learned
 scalar per block. ``position_scale`` overrides the scale on every axis (1.0 gives unscaled positions).
+
+RoPE scaling (``rope``'s ``scaling``) is not taken: ComRoPE's angle matrices are trained, not a frequency
+schedule that transformers' scaling functions could rescale; a sliding ``window`` applies.
 """
 
 from __future__ import annotations

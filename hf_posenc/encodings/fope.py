@@ -64,6 +64,9 @@ any resolution runs without interpolation. The CLS token is not transformed. FoP
 rotations (|C + iS| ≠ 1 in general) and not relative: the products of two series have cross terms.
 The cos/sin of the angles are computed in float32 once per forward; each layer mixes them with its
 coefficients (shared coefficients: once per forward, unless trained) and applies C, S in float32.
+
+RoPE scaling (``rope``'s ``scaling``) is not taken: FoPE replaces the frequencies by its own Fourier series and
+clips those below ``train_length``'s period, which is its own answer to extension; a sliding ``window`` applies.
 """
 
 from __future__ import annotations

@@ -49,6 +49,10 @@ axial split of the pairs among the axes then gives that axis all of them (the sa
 angle-matrix variant with N = 1).
 
 Angles and rotations are computed in float32 (float64 stays float64), whatever the parameters' dtype.
+
+RoPE scaling (``rope``'s ``scaling``, transformers' ``rope_parameters``) is not taken: rope2d's frequencies
+are its own per-axis schedule (``base``), which no transformers scaling function describes; a sliding ``window``
+(every encoding's) applies per grid axis on ViT.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ Backends of the attention itself (:func:`attention_backend`; ``HF_POSENC_BACKEND
   (:func:`hf_posenc.kernels.attention.tiled_attention`: online softmax over key tiles, O(L·block) memory,
   the term's gradients reduced per tile). The full-matrix references (``scaled_dot_product_attention`` with
   the encoding's score bias, or the encoding's own ``attend``) run only where the engine does not apply:
-  attention dropout while training, ``output_attentions``, a mask that is not causal + key padding (packed
+  attention dropout while training, ``output_attentions``, ``torch.compile`` (dynamo cannot trace the
+  engine's autograd Function), a mask that is not causal + key padding (packed
   sequences, a custom 4D mask), ViT's 2D grid (the terms are 1D), and encodings without a kernel term.
   Encodings without a term inside the attention (absolute, rotary) always use SDPA.
 * ``triton``: the fused kernels of :mod:`hf_posenc.kernels.attention` with the encoding's ``kernel_term``.
@@ -337,6 +338,11 @@ def _tiled_torch_attention(
         return None
     if dropout > 0 and training:
         return None  # the engine has no attention dropout: the reference drops the probabilities
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace the engine's autograd.Function with its plan object (a graph break, an error under
+        # fullgraph=True, torch 2.13): compiled models run the reference. With an attention mask this was
+        # already so (its form cannot be checked without reading it).
+        return None
     mask = _as_bool_mask(attention_mask)
     if mask is not None and (mask.dim() != 4 or tuple(mask.shape[-2:]) != (query.shape[2], key.shape[2])):
         return None  # a mask that does not fit the keys: the reference reports it as it always did

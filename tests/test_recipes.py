@@ -115,7 +115,8 @@ def test_mixed_trainable_plan_saves_loads_and_caches(family, tmp_path):
 
 
 def test_plan_with_state_channels_and_static_cache():
-    """fox_pro (state channels in k/v), rope and alibi in one plan: the static cache gives the dynamic cache's tokens."""
+    """fox_pro (state channels in k/v), rope and alibi in one plan: the static cache gives the dynamic cache's
+    tokens."""
     model = _model("llama", ["fox_pro", "rope", "alibi", "nope"])
     ids = make_ids(1, 8)
     kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
@@ -360,3 +361,41 @@ def test_recipes_on_every_family(family):
             full = model(gen.sequences).logits
         for step, logits in enumerate(gen.logits):
             torch.testing.assert_close(logits[0], full[0, 3 + step], rtol=1e-4, atol=1e-4)
+
+
+# -- the ecosystem: PEFT and torch.compile with a plan -------------------------------------------------------
+
+
+def test_plan_under_peft_trains_each_entry_and_reloads(tmp_path):
+    """LoRA with modules_to_save=trainable_modules: the plan's copy is trained (every entry's parameters get
+    gradients, the original's none), and the adapter reproduces the model on a base patched with the plan."""
+    from peft import PeftModel
+
+    from test_ecosystem import inputs, lora, logits, loss_of, shifted_encoding
+
+    plan = ["kerple", "fire"]
+    model = make_model("llama", encoding=plan, train=True)
+    pm = lora(model, "llama", modules_to_save=hf_posenc.trainable_modules(model))
+    wrapper = hf_posenc.encoding_module(pm.get_base_model())
+    trained, original = wrapper.modules_to_save["default"], wrapper.original_module
+    batch = inputs("llama")
+    loss_of("llama", pm, batch).backward()
+    assert all(p.grad is None for p in original.parameters())
+    for entry in trained.entries:
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in entry.parameters())
+    torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.1).step()
+    expected = logits(pm, batch)
+    pm.save_pretrained(tmp_path / "adapter")
+    base = shifted_encoding(make_model("llama", encoding=plan))
+    assert torch.equal(logits(PeftModel.from_pretrained(base, tmp_path / "adapter"), batch), expected)
+
+
+def test_plan_with_window_compiles_as_one_graph():
+    """A plan with a window and a trainable entry: torch.compile(fullgraph=True) gives the eager logits."""
+    torch._dynamo.reset()
+    model = _model("llama", [{"name": "rope", "window": 3}, "kerple"], layers=2)
+    ids = make_ids(2, 9)
+    with torch.no_grad():
+        want = model(ids).logits
+        got = torch.compile(model, fullgraph=True, backend="eager")(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -566,7 +566,9 @@ def test_rope_reproduces_scaled_llama(rope_type, length):
     """rope on a Llama with rope_parameters of each supported type gives exactly the unpatched logits,
     within and past max_position_embeddings (16) and, for longrope, on both sides of the switch (8)."""
     native, patched = scaled_llama(rope_type), hf_posenc.patch_model(scaled_llama(rope_type), "rope")
-    assert patched.config.position_encoding == {"name": "rope", "theta": None, "layout": "half"}
+    assert patched.config.position_encoding == {
+        "name": "rope", "theta": None, "layout": "half", "partial_rotary_factor": None, "scaling": None
+    }
     ids = torch.randint(3, 61, (2, length), generator=torch.Generator().manual_seed(length))
     with torch.no_grad():
         assert torch.equal(patched(ids).logits, native(ids).logits)

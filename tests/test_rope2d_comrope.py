@@ -608,13 +608,3 @@ def test_rope_explicit_theta_ignores_the_scaling():
     ids = torch.randint(3, 61, (1, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert (plain(ids).logits - native(ids).logits).abs().max() > 1e-3
-
-
-def test_rope_dynamic_is_a_clear_error():
-    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
-    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                      rope_parameters=rope)
-    m = LlamaForCausalLM(cfg)
-    match = r"rope_type='dynamic'.*'linear', 'llama3', 'yarn', 'longrope'.*explicit theta"
-    with pytest.raises(ValueError, match=match):
-        hf_posenc.patch_model(m, "rope")

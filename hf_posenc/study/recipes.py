@@ -1,0 +1,170 @@
+"""Study entries beyond one encoding: plans, windows, partial rotary, scaled rope, and scaling at evaluation only.
+
+An ``--encodings`` spec (see :func:`hf_posenc.study.train.split_encodings`) is one of:
+
+* ``name`` or ``name:key=value,...``: one encoding; every encoding takes ``window=N``, rope takes
+  ``partial_rotary_factor=F`` and ``scaling={'rope_type':'yarn','factor':2.0}`` (a Python literal; no commas
+  inside a value on the command line, so write scaling from Python, or use ``eval_scaling``);
+* a plan: entries joined by ``/``, each an encoding spec as above, ``name*K`` repeating an entry K times:
+  ``rope*3/nope`` (SmolLM3's 3:1), ``rope:window=16*3/nope`` (RNoPE-SWA); repeated over the depth like
+  any plan (its length must divide ``--layers``);
+* ``eval_scaling=TYPE`` on a rope entry (``rope:eval_scaling=yarn``): the model is trained with plain rope and,
+  at each evaluation length L longer than the training length T, rope is re-patched with transformers' ``TYPE``
+  scaling (``yarn`` or ``linear``, i.e. position interpolation) of factor L / T and
+  ``original_max_position_embeddings`` T -- the usual "train short, extend with YaRN" baseline. The model is not
+  retrained; at L <= T it is the plain model. The weights of the other entries of a plan are carried over to the
+  re-patched model (rope has none; the plan's structure is unchanged).
+
+Each entry gets a readable label for the table and the plot (:func:`entry_label`): ``rope×3/nope``,
+``rope(window=16)×3/nope``, ``rope + YaRN at eval``.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import PosEncConfig
+
+__all__ = ["EVAL_SCALINGS", "StudyEntry", "apply_eval_scaling", "entry_label", "parse_study_entry"]
+
+#: scaling types the study can apply at evaluation only (transformers' ``rope_type`` names).
+EVAL_SCALINGS = ("yarn", "linear")
+_EVAL_NAMES = {"yarn": "YaRN", "linear": "PI"}
+
+
+@dataclass(frozen=True)
+class StudyEntry:
+    """One entry of a study: the encoding (one config, or a plan: one config per plan entry), the scaling applied
+    at evaluation only (or None) and the label shown in the table and the plot."""
+
+    encoding: PosEncConfig | list[PosEncConfig]
+    eval_scaling: str | None
+    label: str
+
+    @property
+    def is_plan(self) -> bool:
+        return isinstance(self.encoding, list)
+
+    @property
+    def names(self) -> list[str]:
+        return [c.name for c in self.encoding] if self.is_plan else [self.encoding.name]
+
+
+def _value(text: str) -> Any:
+    lowered = text.strip().lower()
+    if lowered in ("true", "false", "none"):
+        return {"true": True, "false": False, "none": None}[lowered]
+    try:
+        return ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+        return text.strip()
+
+
+def _parse_one(spec: str, where: str) -> tuple[PosEncConfig, str | None]:
+    """``name`` or ``name:key=value,...`` -> (config, eval_scaling)."""
+    name, _, rest = spec.partition(":")
+    params: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"--encodings {where!r}: parameters are key=value pairs separated by commas")
+        params[key.strip()] = _value(value)
+    eval_scaling = params.pop("eval_scaling", None)
+    config = PosEncConfig.coerce(name.strip(), **params)
+    if eval_scaling is not None:
+        if config.name != "rope":
+            raise ValueError(f"--encodings {where!r}: eval_scaling applies to rope only, not {config.name!r}")
+        if eval_scaling not in EVAL_SCALINGS:
+            raise ValueError(
+                f"--encodings {where!r}: eval_scaling must be one of {', '.join(EVAL_SCALINGS)}, got {eval_scaling!r}"
+            )
+        if config.params.get("scaling") is not None:
+            raise ValueError(f"--encodings {where!r}: give scaling or eval_scaling, not both")
+    return config, eval_scaling
+
+
+def _short(config: PosEncConfig) -> str:
+    """``name`` or ``name(key=value, ...)`` with the parameters that differ from the defaults."""
+    defaults = PosEncConfig(config.name).params
+    changed = {k: v for k, v in config.params.items() if v != defaults.get(k)}
+    if config.window is not None:
+        changed["window"] = config.window
+    if not changed:
+        return config.name
+    return f"{config.name}(" + ", ".join(f"{k}={v}" for k, v in changed.items()) + ")"
+
+
+def entry_label(encoding: PosEncConfig | list[PosEncConfig], eval_scaling: str | None = None) -> str:
+    """A readable label: runs of a plan's equal entries compressed (``rope×3/nope``), parameters that differ from
+    the defaults in parentheses, the scaling at evaluation named (``rope + YaRN at eval``)."""
+    if isinstance(encoding, list):
+        runs: list[list[Any]] = []
+        for config in encoding:
+            text = _short(config)
+            if runs and runs[-1][0] == text:
+                runs[-1][1] += 1
+            else:
+                runs.append([text, 1])
+        label = "/".join(text if n == 1 else f"{text}×{n}" for text, n in runs)
+    else:
+        label = _short(encoding)
+    if eval_scaling is not None:
+        label += f" + {_EVAL_NAMES.get(eval_scaling, eval_scaling)} at eval"
+    return label
+
+
+def parse_study_entry(spec: str) -> StudyEntry:
+    """A ``--encodings`` spec (see the module docstring) -> :class:`StudyEntry`; ``ValueError``/``TypeError``
+    naming the spec for a bad one."""
+    if "/" not in spec and "*" not in spec.partition(":")[0]:
+        config, eval_scaling = _parse_one(spec, spec)
+        return StudyEntry(config, eval_scaling, entry_label(config, eval_scaling))
+    entries: list[PosEncConfig] = []
+    scalings = set()
+    for piece in spec.split("/"):
+        piece = piece.strip()
+        if not piece:
+            raise ValueError(f"--encodings {spec!r}: empty plan entry between slashes; write e.g. rope*3/nope")
+        body, star, count = piece.rpartition("*")
+        if star and count.strip().isdigit() and body:
+            repeat, piece = int(count), body
+            if repeat < 1:
+                raise ValueError(f"--encodings {spec!r}: a repeat count must be >= 1, got {repeat}")
+        else:
+            repeat = 1
+        config, eval_scaling = _parse_one(piece, spec)
+        scalings.add(eval_scaling)
+        entries.extend([config] * repeat)
+    scalings.discard(None)
+    if len(scalings) > 1:
+        raise ValueError(f"--encodings {spec!r}: one eval_scaling per plan, got {sorted(scalings)}")
+    eval_scaling = next(iter(scalings), None)
+    return StudyEntry(entries, eval_scaling, entry_label(entries, eval_scaling))
+
+
+def _scaled(config: PosEncConfig, eval_scaling: str, train_len: int, length: int) -> PosEncConfig:
+    if config.name != "rope" or length <= train_len:
+        return config
+    scaling = {"rope_type": eval_scaling, "factor": length / train_len}
+    if eval_scaling == "yarn":
+        scaling["original_max_position_embeddings"] = train_len
+    return config.replace(scaling=scaling)
+
+
+def apply_eval_scaling(model: Any, entry: StudyEntry, train_len: int, length: int) -> dict[str, Any]:
+    """Re-patch ``model`` (trained with ``entry``) for evaluation at ``length``: its rope entries with
+    ``entry.eval_scaling`` of factor length / train_len (none at length <= train_len). Returns the
+    ``position_encoding`` the evaluation ran with."""
+    from ..api import encoding_module, patch_model
+
+    if entry.eval_scaling is None:
+        raise ValueError("this study entry has no eval_scaling")
+    trained = {k: v.clone() for k, v in encoding_module(model).state_dict().items()}
+    if entry.is_plan:
+        patch_model(model, [_scaled(c, entry.eval_scaling, train_len, length) for c in entry.encoding])
+    else:
+        patch_model(model, _scaled(entry.encoding, entry.eval_scaling, train_len, length))
+    encoding_module(model).load_state_dict(trained)  # the other entries' trained weights (rope has none)
+    return model.config.position_encoding

@@ -17,7 +17,8 @@ each with ``"encoding"`` (the layer's encoding name), ``"kind"`` and the fields 
     ``"distance"`` as above and ``"similarity"``: per head, trace(T^q_{N-1}^T T^k_{N-1-d}) / head_dim, the
     score q^T k that a query and a key with equal unit content would keep, averaged over directions. T_p is
     read column by column by feeding the identity basis e_1 .. e_D through the encoding's own transform at
-    position p (exact for every transform); with grouped-query attention query head h pairs with key/value
+    position p (exact for every transform; dimensions left unrotated, as under partial rotary, add 1 at every
+    distance); with grouped-query attention query head h pairs with key/value
     head h // (H / Hkv), as in the attention. One entry (``"shared": true``) when every head has the same
     values. For plain RoPE it is mean_k cos(d * theta_k). ViT: from the centre patch to every patch
     (heads x rows x cols), as for score biases.
@@ -261,6 +262,10 @@ def _last_query_gates(ctx: PosContext, query: torch.Tensor, key: torch.Tensor, m
     return gates[0, :, 0], allowed[0, :, 0]
 
 
+#: The encodings whose own quantities are recorded, and the operation of theirs that the hooks read.
+_RECORDED = {"fox": "prepare", "fox_pro": "prepare", "cope": "attend", "sba": "attend"}
+
+
 class _Recorder:
     """Forward hooks on the encoding modules: the quantities of the data-dependent encodings, per layer."""
 
@@ -290,7 +295,7 @@ class _Recorder:
             return
         from .encodings.fox import forget_bias
 
-        ctx, layer, hidden = args[1], args[2], args[3]
+        layer, hidden = args[2], args[3]
         log_gates = enc.log_gates(layer, hidden)[0].double()  # (L, S, H)
         slot = self._slot(enc, layer)
         slot["forget_gates"] = log_gates[:, 0].exp().T.tolist()  # (H, L)
@@ -321,7 +326,7 @@ class _Recorder:
         if not args or args[0] != "attend":
             return
         ctx, layer, query, key, _value, mask, scaling = args[1:8]
-        gates, allowed = _last_query_gates(ctx, query, key, mask, scaling, enc.info.causal)
+        gates, _ = _last_query_gates(ctx, query, key, mask, scaling, enc.info.causal)
         k_len = key.shape[2]
         if enc.info.causal:  # breakpoints: keys before the query (and the query itself with attend_current)
             last = ctx.q_offset + query.shape[2] - 1
@@ -381,7 +386,13 @@ def _data_dependent(model: nn.Module, base: nn.Module, layers: list[tuple[nn.Mod
     for i in dd:
         enc, local = layers[i]
         entry = {"attention": attentions[i][0].double().tolist()}
-        entry.update(recorder.found.get((id(enc), local), {}))
+        found = recorder.found.get((id(enc), local), {})
+        if enc.name in _RECORDED and not found:
+            raise RuntimeError(
+                f"layer {i} ({enc.name}): the forward never called the encoding module with this layer's "
+                f"{_RECORDED[enc.name]!r} operation, so its quantities could not be recorded"
+            )
+        entry.update(found)
         entries[i] = entry
     return entries, note
 

@@ -42,7 +42,8 @@ def small_model(family: str, length: int, layers: int = LAYERS, seed: int = 0) -
         raise ValueError(f"unknown family {family!r}; allowed: {', '.join(FAMILIES)}")
     import transformers as tf
 
-    common = dict(hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=HEADS, intermediate_size=4 * HIDDEN)
+    common = {"hidden_size": HIDDEN, "num_hidden_layers": layers, "num_attention_heads": HEADS,
+              "intermediate_size": 4 * HIDDEN}
     text = dict(common, vocab_size=VOCAB, max_position_embeddings=length)
     decoder = dict(text, num_key_value_heads=HEADS, bos_token_id=None, eos_token_id=None, pad_token_id=None,
                    tie_word_embeddings=False)
@@ -57,8 +58,8 @@ def small_model(family: str, length: int, layers: int = LAYERS, seed: int = 0) -
                      dict(text, bos_token_id=None, eos_token_id=None, tie_word_embeddings=False)),
         "bert": (tf.BertConfig, tf.BertForMaskedLM, dict(text, pad_token_id=0)),
         "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel,
-                 dict(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=layers, n_head=HEADS, n_inner=4 * HIDDEN,
-                      n_positions=length, bos_token_id=None, eos_token_id=None)),
+                 {"vocab_size": VOCAB, "n_embd": HIDDEN, "n_layer": layers, "n_head": HEADS, "n_inner": 4 * HIDDEN,
+                  "n_positions": length, "bos_token_id": None, "eos_token_id": None}),
         "vit": (tf.ViTConfig, tf.ViTForImageClassification,
                 dict(common, image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, num_channels=3, num_labels=2)),
     }

@@ -13,7 +13,6 @@ import hf_posenc
 from hf_posenc.cli import main as cli_main
 from hf_posenc.encodings.alibi import alibi_slopes
 from hf_posenc.show import plans_supported, small_model
-
 from conftest import make_ids, make_model
 
 #: The issue's kinds, written out (an independent statement of what each encoding's profile must be).
@@ -73,6 +72,25 @@ def test_profile_form(encoding):
             assert set(entry) == {"layer", "encoding", "kind"}
     if EXPECTED_KIND[encoding] == "data_dependent":
         assert len(profile["tokens"]) == n
+
+
+@pytest.mark.parametrize("encoding", hf_posenc.list_encodings())
+def test_profile_form_on_vit(encoding):
+    """On ViT: maps over the 4 x 4 patch grid from the centre patch, similarities between the 16 patches,
+    attention over CLS + 16 patches."""
+    model = make_model("vit", encoding=encoding)
+    profile = hf_posenc.position_profile(model)
+    assert json.loads(json.dumps(profile)) == profile
+    for entry in profile["layers"]:
+        assert entry["kind"] == EXPECTED_KIND[encoding]
+        if entry["kind"] in ("score_bias", "qk_transform"):
+            values = torch.tensor(entry["bias" if entry["kind"] == "score_bias" else "similarity"])
+            assert values.shape[-2:] == (4, 4) and entry["centre"] == [2, 2]
+            assert torch.isfinite(values).all()
+        elif entry["kind"] == "absolute":
+            assert _shape(entry["similarity"]) == (16, 16)
+        elif entry["kind"] == "data_dependent":
+            assert _shape(entry["attention"]) == (4, 17, 17)
 
 
 def test_alibi_bias_is_minus_slope_times_distance():
@@ -275,3 +293,16 @@ def test_missing_matplotlib_names_the_extra(monkeypatch, tmp_path):
     profile = hf_posenc.position_profile(make_model("llama", encoding="nope"), length=3)
     with pytest.raises(ImportError, match=r'pip install "hf_posenc\[study\]"'):
         draw_profile(profile, tmp_path / "p.png")
+
+
+def test_each_layer_gets_its_own_encoding(monkeypatch):
+    """The profile follows ``layer_encodings`` layer by layer (what a plan gives): here layer 0 runs a rope module
+    and layer 1 an alibi one, whatever the model itself holds."""
+    import hf_posenc.profile as profile_module
+
+    rope = hf_posenc.encoding_module(make_model("llama", encoding="rope"))
+    alibi = hf_posenc.encoding_module(make_model("llama", encoding="alibi"))
+    monkeypatch.setattr(profile_module, "layer_encodings", lambda model: [(rope, 0), (alibi, 1)])
+    profile = hf_posenc.position_profile(make_model("llama", encoding="nope"), length=6)
+    assert [(e["encoding"], e["kind"]) for e in profile["layers"]] == [("rope", "qk_transform"), ("alibi", "score_bias")]
+    assert "similarity" in profile["layers"][0] and "bias" in profile["layers"][1]

@@ -327,12 +327,14 @@ class _Recorder:
             return
         ctx, layer, query, key, _value, mask, scaling = args[1:8]
         gates, _ = _last_query_gates(ctx, query, key, mask, scaling, enc.info.causal)
-        k_len = key.shape[2]
-        if enc.info.causal:  # breakpoints: keys before the query (and the query itself with attend_current)
-            last = ctx.q_offset + query.shape[2] - 1
-            idx = torch.arange(k_len, device=key.device)
+        # breakpoints: the keys the query may see (causal: those before it), its own key only with attend_current
+        last = ctx.q_offset + query.shape[2] - 1
+        idx = torch.arange(key.shape[2], device=key.device)
+        if enc.info.causal:
             breaks = (idx <= last) if enc.attend_current else (idx < last)
-            gates = gates.masked_fill(~breaks[None], 0.0)
+        else:
+            breaks = torch.ones_like(idx, dtype=torch.bool) if enc.attend_current else (idx != last)
+        gates = gates.masked_fill(~breaks[None], 0.0)
         self._slot(enc, layer)["breaks_last_query"] = gates.tolist()
 
     def _sba_post(self, enc: nn.Module, args: tuple, output: Any) -> None:

@@ -8,7 +8,8 @@ One row of panels per layer, drawn the way the papers draw each kind:
 * the same on ViT: one heatmap per head over the patch grid (from the centre patch), side by side.
 * ``absolute``: the N x N cosine-similarity heatmap.
 * ``data_dependent``: the attention map (mean over heads) beside the encoding's own quantities: CoPE's
-  positions of the last query and FoX's gates (heads x tokens), SBA's breaks of the last query.
+  positions of the last query and FoX's gates (heads x tokens), SBA's breaks of the last query. Heatmaps
+  take a log colour scale when their values are positive and span more than a factor 100.
 * ``none``: a panel that says so.
 """
 
@@ -76,7 +77,15 @@ def _side_by_side(maps: list) -> list:
 
 
 def _heatmap(fig: Any, ax: Any, matrix: list, title: str, xlabel: str = "", ylabel: str = "") -> None:
-    image = ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap="viridis")
+    """A heatmap with a colour bar; a logarithmic colour scale when every value is positive and they span more
+    than a factor 100 (FoX's decays)."""
+    from matplotlib.colors import LogNorm
+
+    flat = [v for row in matrix for v in row if not math.isnan(v)]
+    norm = LogNorm() if flat and min(flat) > 0 and max(flat) / min(flat) > 100 else None
+    image = ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap="viridis", norm=norm)
+    if ylabel == "head" and len(matrix) <= 16:
+        ax.set_yticks(range(len(matrix)))
     fig.colorbar(image, ax=ax, fraction=0.046, pad=0.02)
     ax.set_title(title, fontsize=8)
     ax.set_xlabel(xlabel)

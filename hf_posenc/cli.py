@@ -1,4 +1,5 @@
-"""The ``hf-posenc`` command: ``hf-posenc list``, ``hf-posenc matrix`` and ``hf-posenc study`` (in ``study/``)."""
+"""The ``hf-posenc`` command: ``hf-posenc list``, ``hf-posenc matrix``, ``hf-posenc study`` (in ``study/``) and
+``hf-posenc show`` (in ``show.py``)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,12 @@ def _cmd_study(args: argparse.Namespace) -> int:
     return study.main(args)
 
 
+def _cmd_show(args: argparse.Namespace) -> int:
+    from . import show
+
+    return show.main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-posenc", description="Position encodings for Hugging Face models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -52,6 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_arguments(p)
     p.set_defaults(func=_cmd_study)
+    from . import show
+
+    p = sub.add_parser(
+        "show", help="write a picture of what each layer's position encoding does (profile.json, profile.png)",
+        description=show.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    show.add_arguments(p)
+    p.set_defaults(func=_cmd_show)
     args = parser.parse_args(argv)
     return args.func(args)
 

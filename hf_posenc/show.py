@@ -4,8 +4,9 @@ TARGET is one of:
 
 * an encoding name (``hf-posenc list``): patched onto a small, seeded, untrained model of ``--family``
   (default llama; :func:`small_model` gives its size), so the picture is the encoding's initial state;
-* a plan, a comma-separated list of names (``rope,rope,rope,nope``): one entry per layer, repeated over the
-  depth, as :func:`hf_posenc.patch_model` takes a list (where this hf_posenc supports plans);
+* a plan, a comma-separated list of names (``rope,rope,rope,nope``) or the study's plan syntax
+  (``rope:window=16*3/nope``, see :mod:`hf_posenc.study.recipes`): one entry per layer, repeated over the depth,
+  as :func:`hf_posenc.patch_model` takes a list; an encoding with parameters as ``name:key=value,...``;
 * a checkpoint directory saved from a patched model: loaded with :func:`hf_posenc.from_pretrained`.
 
 ``--text`` gives the input of the data-dependent encodings: its UTF-8 bytes on a byte-level model (the
@@ -121,35 +122,32 @@ def _load_target(args: argparse.Namespace) -> tuple[nn.Module, Any, dict[str, An
             raise ValueError("--family applies to encoding names and plans; a checkpoint brings its own model")
         model = from_pretrained(path).eval()
         return model, _tokenizer(path), {"target": target, "checkpoint": str(path)}
-    names = [n.strip() for n in target.split(",")]
-    known = list_encodings()
-    for name in names:
-        if name not in known:
-            raise ValueError(
-                f"{target!r} is neither a directory nor an encoding name or plan: unknown encoding {name!r}; "
-                f"known encodings: {', '.join(known)}"
-            )
+    from .study.recipes import parse_study_entry
+
+    # a comma-separated list of plain names is a plan too (one name per layer)
+    spec = target.replace(",", "/") if "," in target and ":" not in target else target
+    try:
+        entry = parse_study_entry(spec)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{target!r} is neither a directory nor an encoding spec or plan: {e}") from None
     family = args.family or "llama"
     # the small model's maximum position count: the curves' length, and the byte length of --text
     positions = max(args.length, len(args.text.encode("utf-8")) if args.text else 0)
     if family not in FAMILIES:
         raise ValueError(f"unknown --family {family!r}; allowed: {', '.join(FAMILIES)}")
-    if len(names) > 1:
-        if not plans_supported():
-            raise ValueError(
-                f"{target!r} is a plan (one encoding per layer), which this hf_posenc's patch_model does not take; "
-                "give one encoding name"
-            )
-        model = small_model(family, positions, layers=max(LAYERS, len(names)))
-        patch_model(model, names)
+    if entry.eval_scaling is not None:
+        raise ValueError("eval_scaling is a study setting (applied at each evaluation length); give rope's scaling")
+    if entry.is_plan:
+        model = small_model(family, positions, layers=max(LAYERS, len(entry.encoding)))
     else:
         model = small_model(family, positions)
-        patch_model(model, names[0])
+    patch_model(model, entry.encoding)
     return model.eval(), None, {"target": target, "family": family, "model": "small untrained default (seed 0)"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("target", help="an encoding name, a plan (comma-separated names, one per layer) or a checkpoint directory")
+    p.add_argument("target", help="an encoding name (name:key=value,... with parameters), a plan (comma-separated names, or "
+                   "rope*3/nope) or a checkpoint directory")
     p.add_argument("--out", required=True, help="output directory for profile.json and profile.png")
     p.add_argument("--length", type=int, default=64, help="N, the positions of the curves and matrices (default 64)")
     p.add_argument("--text", default=None, help="input of the data-dependent encodings (default: a fixed sample)")

@@ -261,7 +261,7 @@ def test_show_bad_inputs(tmp_path, capsys):
     unpatched.save_pretrained(tmp_path / "plain")
     capsys.readouterr()  # save_pretrained's progress bar
     cases = [
-        (["no_such_encoding"], "unknown encoding 'no_such_encoding'"),
+        (["no_such_encoding"], "unknown position encoding 'no_such_encoding'"),
         (["alibi", "--text", ""], "tokenizes to nothing"),
         ([str(tmp_path / "plain")], "position_encoding"),
         (["alibi", "--length", "0"], "--length must be >= 1"),

@@ -21,7 +21,7 @@ from hf_posenc.kernels.attention import KERNEL_KINDS, attention_reference, flex_
 from hf_posenc.kernels.cope import cope, cope_reference, cope_tiled
 from hf_posenc.kernels.sba import sba_reference, sba_tiled, stick_breaking
 
-from test_kernel_attention import SHAPE, SHAPE_CHUNK, _TRITON_MISSING, make_inputs, make_term, rel_err, triton_attention
+from test_kernel_attention import _TRITON_MISSING, SHAPE, SHAPE_CHUNK, make_inputs, make_term, rel_err, triton_attention
 
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 TOL_TERM = {torch.float64: 1e-9, torch.float32: 1e-4}
@@ -52,7 +52,7 @@ def _assert_close(out, grads, ref, ref_grads, dtype, window, names, what):
 
 
 def _attention_case(fn, kind, shape, causal, window, tensor_offset=False, dtype=torch.float32, **extra):
-    b, h, hkv, lq, lk, d = shape
+    *_, lq, lk, d = shape
     q_offset = lk - lq
     q, k, v, gout, valid, g = make_inputs(shape, dtype, 1, True, device="cpu")
     term, leaves = make_term(kind, shape, q_offset, g, device="cpu")

@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 
 from ...ops import eager_value_checks
-from ..attention.naive import check_window
 from .._attn_dispatch import choose, common_unsupported
+from ..attention.naive import check_window
 from .naive import cope_reference
 from .tiled import cope_tiled
 

@@ -26,8 +26,8 @@ import torch
 
 from ...ops import eager_value_checks
 from .._attn_dispatch import choose, common_unsupported
-from .naive import sba_reference
 from ..attention.naive import check_window
+from .naive import sba_reference
 from .tiled import sba_tiled
 
 __all__ = ["sba_backend", "sba_reference", "sba_tiled", "stick_breaking"]

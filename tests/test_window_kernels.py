@@ -247,6 +247,9 @@ def test_cope_sba_window_removes_keys_like_a_mask():
                               sba_tiled(q, k, v, band, 0.5, 0, True, "current"))
         assert torch.equal(sba_tiled(q, k, v, None, 0.5, window=12), sba_tiled(q, k, v, None, 0.5))
         assert torch.equal(cope_tiled(q, k, v, table, None, 0.5, window=12), cope_tiled(q, k, v, table, None, 0.5))
+        # the dispatchers pass the window on (the tile-wise engines on the CPU)
+        assert rel_err(cope(q, k, v, table, None, 0.5, window=4), cope_reference(q, k, v, table, band, 0.5)) < 1e-12
+        assert rel_err(stick_breaking(q, k, v, None, 0.5, window=4), sba_reference(q, k, v, band, 0.5, 0)) < 1e-12
 
 
 def test_cope_sba_tiled_skip_the_tiles_left_of_the_window():

@@ -15,7 +15,9 @@ Forward: per block of ``block_m`` queries (all query heads of a key/value head a
 expanded), the table z_i = q_i e is computed once, (G·block_m, npos), and gathered per tile; the key tiles
 are walked right to left (``hf_posenc.kernels._reverse_tiles``: keys reversed once, so the in-tile suffix sums
 are one ``cumsum``), carrying per query the gate mass of the keys already walked, with an online softmax
-(running max and sum, rescaled accumulator). Tiles above the diagonal are never visited (int offsets).
+(running max and sum, rescaled accumulator). Tiles above the diagonal are never visited (int offsets), nor,
+with a sliding ``window``, the tiles left of the block's first window edge (their keys are absent: no
+weight, no gate).
 pos is computed as z[⌊p⌋] + (p - ⌊p⌋) Δz[⌊p⌋] with Δz[t] = z[t + 1] - z[t] (0 at npos - 1): the same value
 as the interpolation between ⌊p⌋ and ⌈p⌉, with one gather (z and Δz stored as adjacent pairs). Extra memory:
 O(L·H·(npos + D)) rows and per-tile temporaries, never O(L²).

@@ -15,7 +15,8 @@ expanded), the key tiles of ``block_n`` keys are walked right to left (``hf_pose
 the keys are reversed once, so the in-tile suffix sums are one ``cumsum``), carrying per query the stick
 broken so far, c_i = Σ sp over the keys already walked. In a tile: z, sp (0 off the breakpoints), its
 cumulative sum, log A = z - cumsum - c, A v accumulated, c += Σ_tile sp. Tiles above the diagonal are never
-visited (int offsets). Weights below e^-87 are 0 (see ``_LOG_FLOOR``). Extra memory: the float32 output and
+visited (int offsets), nor, with a sliding ``window``, the tiles left of the block's first window edge (their
+keys are absent: no weight, no break). Weights below e^-87 are 0 (see ``_LOG_FLOOR``). Extra memory: the float32 output and
 per-tile temporaries, O(L·D + B·H·block_m·block_n).
 
 Backward (recomputed; the same walk): with g_ij = A_ij (do_i·v_j) and T_i = do_i·o_i (the float32 output,

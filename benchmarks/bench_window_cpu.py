@@ -8,7 +8,9 @@ stick-breaking tile walks in ``hf_posenc/kernels/_reverse_tiles.py``), so a caus
 O(L · (window + block)) instead of O(L²/2). Per engine (the attention engine with no term and with ALiBi, CoPE,
 stick-breaking), one causal forward, and one forward + backward, of q, k, v (1, 8, L, 32) float32, with
 ``window=None`` (A) and ``window=W`` (B), run A B A B ... (``--repeats`` rounds after one warmup each); the
-ratio of the medians is reported, so the drift of a shared machine hits both alike. Prints a table and
+ratio of the medians is reported, so the drift of a shared machine hits both alike. One torch thread by default:
+on a loaded 2-core VM each small op of a 2-thread run waited ~10 ms on OpenMP scheduling (profiled), which
+swamped the work the window saves. Prints a table and
 writes JSON (default ``benchmarks/results/window_cpu_<device>.json``).
 """
 
@@ -65,7 +67,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: on a loaded shared CPU, 2 threads measured ~10x slower per "
+                             "small op, from OpenMP scheduling, which hides the work saved)")
     parser.add_argument("--engines", nargs="+", default=None, help="default: every engine")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

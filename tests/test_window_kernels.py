@@ -354,3 +354,29 @@ def test_cope_sba_triton_skip_the_tiles_left_of_the_window(interpreted, family):
     assert torch.isfinite(out).all() and torch.isfinite(qg.grad).all()
     assert rel_err(out, ref) < 1e-5
     assert (kg.grad[:, :, :64] == 0).all() and (vg.grad[:, :, :64] == 0).all()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fused-kernel-tiles", "online-softmax-tiles"])
+def test_tiled_builds_only_the_tiles_in_the_band(monkeypatch, causal, dtype):
+    """Every tile the engine masks lies inside its query block's band: from the first query's window edge
+    (qi − window + 1) to the last query's diagonal (causal) or window edge (bidirectional)."""
+    from hf_posenc.kernels.attention import tiled as tiled_module
+
+    seen = []
+    real = tiled_module._apply_mask
+
+    def spy(s, plan, qi, q0, k0, k1, valid):
+        seen.append((q0, s.shape[-2], k0, k1))
+        return real(s, plan, qi, q0, k0, k1, valid)
+
+    monkeypatch.setattr(tiled_module, "_apply_mask", spy)
+    shape, window = (1, 2, 2, 64, 64, 8), 5
+    q, k, v, _, _, g = make_inputs(shape, dtype, 0, False, device="cpu")
+    term, _ = make_term("alibi", shape, 0, g, device="cpu")
+    tiled_attention(q, k, v, term, scale=1.0, causal=causal, block_q=16, block_k=8, window=window)
+    assert len({q0 for q0, *_ in seen}) == 4
+    for q0, n, k0, k1 in seen:
+        assert k0 >= q0 - window + 1 and k1 <= (q0 + n if causal else q0 + n - 1 + window)
+    if dtype == torch.float64:  # online softmax: tiles of block_k keys from the first query's window edge
+        assert all(k1 - k0 <= 8 for *_, k0, k1 in seen)

@@ -14,6 +14,12 @@ Tiles: for an int ``q_offset`` the walk of the query block [m0, m1) starts at th
 last query's diagonal, so tiles above the diagonal are never visited and only the first tiles of the walk
 need the causal mask; for a tensor ``q_offset`` (a StaticCache; never read as a number, issue 19) the walk
 covers every key and the causal mask is applied in every tile.
+
+A sliding window (``window``: query i sees keys qi − window < j <= qi) ends the walk of an int-offset block
+at the reversed index of its first query's window edge: the key tiles left of the window are never visited
+(their keys contribute nothing: no weight, and neither a CoPE gate nor a stick-breaking break, exactly as a
+mask that removes them), and only the last tiles of the walk need the band mask. With a tensor offset every
+tile takes the band mask.
 """
 
 from __future__ import annotations
@@ -49,29 +55,38 @@ class Geometry:
 
 @dataclass(frozen=True)
 class Tile:
-    """Reversed key range [r0, r1) of one tile, and whether it needs the causal mask."""
+    """Reversed key range [r0, r1) of one tile, whether it needs the causal mask, and the window's band mask."""
 
     r0: int
     r1: int
     causal: bool
+    band: bool = False
 
 
 def key_tiles(
-    m0: int, m1: int, lk: int, q_offset: int | torch.Tensor, block_n: int, strict: bool
+    m0: int, m1: int, lk: int, q_offset: int | torch.Tensor, block_n: int, strict: bool, window: int | None = None
 ) -> list[Tile]:
     """The tiles (reversed key ranges, right to left in key order) walked by the query block [m0, m1).
 
-    Query i is key ``q_offset + i``; it sees keys j <= q_offset + i (j < with ``strict``).
+    Query i is key ``q_offset + i``; it sees keys j <= q_offset + i (j < with ``strict``), and with a
+    ``window`` only keys j > q_offset + i − window.
     """
     if isinstance(q_offset, torch.Tensor):
-        return [Tile(r0, min(r0 + block_n, lk), True) for r0 in range(0, lk, block_n)]
+        return [Tile(r0, min(r0 + block_n, lk), True, window is not None) for r0 in range(0, lk, block_n)]
     last_key = min(q_offset + m1 - 1 - int(strict), lk - 1)  # the last key any query of the block sees
     start = lk - 1 - last_key  # its reversed index
     if last_key < 0:
         return []
     # rows before the last one see fewer keys: their first (m1 - 1 - m0) reversed indices are masked
     ragged = start + (m1 - 1 - m0)
-    return [Tile(r0, min(r0 + block_n, lk), r0 < ragged) for r0 in range(start, lk, block_n)]
+    stop, edge = lk, lk
+    if window is not None:
+        # the first query sees keys from q_offset + m0 − window + 1: reversed, up to lk − q_offset − m0 + window − 2
+        stop = max(start, min(lk, lk - q_offset - m0 + window - 1))
+        # the last query's first key, reversed: tiles reaching past it need the band mask
+        edge = lk - 1 - (q_offset + m1 - window)
+    return [Tile(r0, min(r0 + block_n, stop), r0 < ragged, min(r0 + block_n, stop) - 1 > edge)
+            for r0 in range(start, stop, block_n)]
 
 
 def tile_blocked(
@@ -83,19 +98,24 @@ def tile_blocked(
     strict: bool,
     blocked_rows: torch.Tensor | None,
     device: torch.device,
+    window: int | None = None,
 ) -> torch.Tensor | None:
     """(B|1, 1, 1, BM, BN) bool: True where a query of [m0, m1) may NOT use a key of ``tile``; None when
     every query may use every key of it.
 
     ``blocked_rows``: the block's rows of the inverted mask with reversed keys, (B|1, 1, BM, Lk) (see
-    :func:`blocked_mask_rows`).
+    :func:`blocked_mask_rows`). ``window``: the band (keys j <= qi − window blocked) in tiles marked ``band``.
     """
     blocked = None
-    if tile.causal:
+    if tile.causal or tile.band:
         key = (lk - 1) - torch.arange(tile.r0, tile.r1, device=device)
         off = q_offset.to(device) if isinstance(q_offset, torch.Tensor) else q_offset
         qidx = torch.arange(m0, m1, device=device) + off
+    if tile.causal:
         blocked = (key[None, :] >= qidx[:, None]) if strict else (key[None, :] > qidx[:, None])
+    if tile.band:
+        out = key[None, :] <= qidx[:, None] - window
+        blocked = out if blocked is None else (blocked | out)
     if blocked_rows is not None:
         m = blocked_rows[..., tile.r0:tile.r1]
         blocked = m if blocked is None else (m | blocked)
@@ -147,11 +167,16 @@ def fill_blocked(x: torch.Tensor, blocked: torch.Tensor | None, value: float) ->
 
 
 def call_options(
-    block_m: int | None, block_n: int | None, default_m: int, default_n: int | None, q_offset: int | torch.Tensor
+    block_m: int | None, block_n: int | None, default_m: int, default_n: int | None, q_offset: int | torch.Tensor,
+    window: object = None,
 ) -> tuple[int, int | None, int | torch.Tensor]:
     """The (block_m, block_n, q_offset) an engine's autograd Function is applied with: the module defaults where
     None is given (``block_n`` None: sized to memory), checked positive, and a tensor offset snapshotted (a
-    StaticCache mutates its length in place before backward). Raises ``ValueError`` for a non-positive size."""
+    StaticCache mutates its length in place before backward). Raises ``ValueError`` for a non-positive size, and
+    ``TypeError`` / ``ValueError`` for a ``window`` that is neither None nor an int >= 1."""
+    from .attention.naive import check_window
+
+    check_window(window)
     block_m = default_m if block_m is None else block_m
     block_n = default_n if block_n is None else block_n
     if block_m < 1 or (block_n is not None and block_n < 1):

@@ -7,6 +7,10 @@
 * ``tiled.py``: :func:`tiled_attention`, the tile-wise PyTorch engine (any device, O(L·block) memory): the
   default of the ``torch`` backend for every encoding with a kernel term.
 
+Every entry point takes ``window`` (None, or an int >= 1: a sliding window, causal qi − window < j <= qi,
+bidirectional |qi − j| < window): the reference applies it as a band mask, the tile-wise engine and the Triton
+kernels never build or load the key tiles outside it, FlexAttention folds it into its block mask.
+
 The one dispatch point is :func:`hf_posenc.attention.posenc_attention`: the kernel when the tensors are on
 CUDA, Triton imports and the encoding has a kernel term; the reference otherwise; ``HF_POSENC_BACKEND``
 forces one (``triton`` on the CPU runs the kernels in Triton's interpreter when ``TRITON_INTERPRET=1`` was

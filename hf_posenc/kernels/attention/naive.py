@@ -4,7 +4,9 @@ Same interface as the kernel (``fused_attention`` in ``triton_attention.py``): q
 (B, Hkv, Lk, D) with H a multiple of Hkv (query head h reads key/value head h // (H / Hkv)), a
 :class:`~hf_posenc.kernels.attention.terms.KernelTerm`, the logit scale, causal or bidirectional, the key
 index of the first query (``q_offset``: query i is key q_offset + i) and an optional per-batch key-valid
-vector. Gradients come from autograd, for q, k, v and every term tensor that requires them.
+vector, and an optional sliding ``window`` (a band mask: causal, key j visible iff qi − window < j <= qi;
+bidirectional, iff |qi − j| < window). Gradients come from autograd, for q, k, v and every term tensor that
+requires them.
 """
 
 from __future__ import annotations
@@ -14,11 +16,38 @@ import torch
 from ...ops import expand_kv
 from .terms import KernelTerm
 
-__all__ = ["attention_reference", "fire_interpolate", "term_bias"]
+__all__ = ["attention_reference", "band_allowed", "check_window", "fire_interpolate", "term_bias"]
 
 
 def _upcast(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def check_window(window: object) -> int | None:
+    """``window`` validated: None (no window) or an int >= 1 (bool is refused). Raises TypeError / ValueError."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise TypeError(f"window must be an int >= 1 or None, got {type(window).__name__} {window!r}")
+    if window < 1:
+        raise ValueError(f"window must be an int >= 1 or None, got {window}")
+    return window
+
+
+def band_allowed(
+    q_idx: torch.Tensor, k_idx: torch.Tensor, causal: bool, window: int | None
+) -> torch.Tensor:
+    """(Lq, Lk) bool: True where the query at key index ``q_idx[i]`` may see key ``k_idx[j]`` by position.
+
+    causal: j <= qi, and with a window qi − window < j (the last ``window`` keys, the query's own included:
+    transformers' ``sliding_window``); bidirectional with a window: |qi − j| < window; otherwise all."""
+    delta = q_idx[:, None] - k_idx[None, :]
+    allowed = torch.ones(delta.shape, dtype=torch.bool, device=delta.device)
+    if causal:
+        allowed = delta >= 0
+    if window is not None:
+        allowed = allowed & (delta < window) & (delta > -window)
+    return allowed
 
 
 def fire_interpolate(table: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -94,6 +123,7 @@ def attention_reference(
     causal: bool,
     q_offset: int = 0,
     key_valid: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """softmax(scale · q kᵀ + B) v (+ shaw's value term), in float32, cast back to the query's dtype.
 
@@ -104,10 +134,17 @@ def attention_reference(
         causal: query i sees keys j <= q_offset + i only.
         q_offset: key index of the first query.
         key_valid: (B|1, Lk) bool, False on keys no query may see (padding), or None.
+        window: None, or an int >= 1: causal, query i sees keys qi − window < j <= qi (its last ``window``
+            keys, itself included); bidirectional, keys |qi − j| < window. Applied as a band mask (the oracle of
+            the tile-wise engine and the kernels, which skip the tiles outside it).
 
     Returns:
         (B, H, Lq, D) in the query's dtype; rows without any visible key are 0.
+
+    Raises:
+        TypeError, ValueError: ``window`` is not None or an int >= 1.
     """
+    window = check_window(window)
     key = term.key if term.key is not None else key
     value = term.value if term.value is not None else value
     term.check(query, key, q_offset)
@@ -125,10 +162,8 @@ def attention_reference(
         scores = scores * scale
         if bias is not None:
             scores = scores + bias
-    allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device)[None, None]
-    if causal:
-        q_idx = torch.arange(q_len, device=q.device) + q_offset
-        allowed = allowed & (q_idx[:, None] >= torch.arange(k_len, device=q.device)[None, :])
+    q_idx = torch.arange(q_len, device=q.device) + q_offset
+    allowed = band_allowed(q_idx, torch.arange(k_len, device=q.device), causal, window)[None, None]
     if key_valid is not None:
         allowed = allowed & key_valid[:, None, None, :].to(torch.bool)
     scores = scores.masked_fill(~allowed, float("-inf"))

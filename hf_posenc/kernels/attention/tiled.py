@@ -4,13 +4,14 @@ Same contract and math as the Triton kernels (``triton_attention.py``) and the r
 in plain PyTorch, on any device (CPU, MPS, CUDA without Triton). Query i is key qi = q_offset + i::
 
     s_ij  = scale · q_i · k_j + B_h(i, j)          (shaw: scale · q_i · (k_j + a^K_ij))
-    s_ij  = −inf where masked (causal j > qi, key j invalid)
+    s_ij  = −inf where masked (causal j > qi, outside the window, key j invalid)
     P     = softmax_j(s);  o_i = Σ_j P_ij v_j      (shaw: + Σ_j P_ij a^V_ij)
     backward: dS_ij = P_ij (dP_ij − Δ_i), Δ_i = dO_i · o_i; dq = scale dS k, dk = scale dSᵀ q, dv = Pᵀ dO
 
 Tiling. The queries are split into blocks of ``block_q`` rows; each block runs against the keys it can
 see (causal with an int ``q_offset``: keys up to its last query; the tiles right of the diagonal are never
-built). On the CPU in float32 (every term but shaw) each block is one call of torch's fused CPU attention
+built; with a sliding ``window`` and an int offset the keys from its first query's window edge on: the key
+tiles left of the band are never built either, so the cost is O(Lq · (window + block_q)) per head). On the CPU in float32 (every term but shaw) each block is one call of torch's fused CPU attention
 kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp) with the
 block's term as an additive float mask (B, H, block_q, keys seen), built from the term's small tensors:
 few large products win on the CPU. Elsewhere (other devices, float64, shaw) the block loops over key tiles
@@ -41,9 +42,9 @@ term's gradient is reduced per tile from dS, never through a full bias:
 
 GQA: on the online-softmax path key/value heads are never expanded (the G query heads of a group are
 stacked into one product); the fused-kernel path expands them (O(L · D) per head).
-Masks: causal and a per-batch key-valid vector (padding), the kernels' form; a row that sees no key gives
-0. A ``q_offset`` that is a 0-d tensor (StaticCache) stays a tensor (no host sync): the causal mask is then
-computed per tile from it and no tile can be skipped (fine for decode, where Lq is small). There is no
+Masks: causal, a sliding window (a band) and a per-batch key-valid vector (padding), the kernels' form; a row
+that sees no key gives 0. A ``q_offset`` that is a 0-d tensor (StaticCache) stays a tensor (no host sync): the
+causal and band masks are then computed per tile from it and no tile can be skipped (fine for decode, where Lq is small). There is no
 attention dropout here: the dispatcher (hf_posenc.attention) runs the full-matrix reference when a model
 trains with attention dropout. Known cost: on a CPU shared by many processes, the per-block torch ops wait
 on OpenMP thread scheduling (many small parallel regions), which the single fused SDPA call does not.
@@ -53,7 +54,7 @@ from __future__ import annotations
 
 import torch
 
-from .naive import fire_interpolate
+from .naive import check_window, fire_interpolate
 from .terms import KernelTerm
 
 __all__ = ["TILED_KINDS", "TiledAttentionFunction", "tiled_attention", "tiled_unsupported"]
@@ -137,19 +138,33 @@ class _Plan:
         q_offset: int | None,
         block_q: int,
         block_k: int,
+        window: int | None = None,
     ) -> None:
         self.kind, self.names, self.ints = kind, names, ints
         self.scale, self.causal, self.q_offset = scale, causal, q_offset
         self.block_q, self.block_k = block_q, block_k
+        self.window = window
 
     def term(self, tensors: tuple[torch.Tensor, ...]) -> KernelTerm:
         return KernelTerm(self.kind, dict(zip(self.names, tensors)), dict(self.ints))
 
     def key_stop(self, q1: int, k_len: int) -> int:
-        """Keys the queries before ``q1`` may see: all of them unless causal with an int offset."""
-        if self.causal and self.q_offset is not None:
+        """End of the keys the queries before ``q1`` may see: all of them unless causal or windowed with an int
+        offset (the last query q1 − 1 sees keys up to its own index, or up to index + window − 1 bidirectionally)."""
+        if self.q_offset is None:
+            return k_len
+        if self.causal:
             return max(0, min(k_len, self.q_offset + q1))
+        if self.window is not None:
+            return max(0, min(k_len, self.q_offset + q1 - 1 + self.window))
         return k_len
+
+    def key_start(self, q0: int, k_len: int) -> int:
+        """First key the queries from ``q0`` on may see: 0 unless windowed with an int offset (the first query
+        q0 sees keys from its index − window + 1); the key tiles before it are never built."""
+        if self.window is None or self.q_offset is None:
+            return 0
+        return max(0, min(k_len, self.q_offset + q0 - self.window + 1))
 
 
 def _rows(x: torch.Tensor, reverse: bool, dim: int = -2) -> torch.Tensor:
@@ -170,11 +185,18 @@ def _apply_mask(
     With an int offset only the columns right of the block's first query are compared (the causal window)."""
     if valid is not None and valid.shape[0] > s.shape[0]:
         s = s.expand(valid.shape[0], *s.shape[1:]).contiguous()
-    if plan.causal:
-        c0 = k0 if plan.q_offset is None else max(k0, plan.q_offset + q0 + 1)
+    w = plan.window
+    if plan.causal or w is not None:  # upper edge: j <= qi (causal), j < qi + window (bidirectional window)
+        reach = 1 if plan.causal else w
+        c0 = k0 if plan.q_offset is None else max(k0, plan.q_offset + q0 + reach)
         if c0 < k1:
             cols = torch.arange(c0, k1, device=s.device)
-            s[..., c0 - k0 :].masked_fill_(cols[None, :] > qi[:, None], float("-inf"))
+            s[..., c0 - k0 :].masked_fill_(cols[None, :] >= qi[:, None] + reach, float("-inf"))
+    if w is not None:  # lower edge of the window: j > qi − window; only columns left of the last query's edge
+        c1 = k1 if plan.q_offset is None else min(k1, plan.q_offset + q0 + qi.shape[0] - w)
+        if c1 > k0:
+            cols = torch.arange(k0, c1, device=s.device)
+            s[..., : c1 - k0].masked_fill_(cols[None, :] <= qi[:, None] - w, float("-inf"))
     if valid is not None:
         s.masked_fill_(~valid[:, None, None, k0:k1], float("-inf"))
     return s
@@ -257,20 +279,34 @@ def _flash_available(plan: _Plan, device: torch.device, dtype: torch.dtype) -> b
         torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
 
 
-def _flash_mask(tile: "_Tile", plan: _Plan, qi: torch.Tensor, q0: int, q1: int, k_stop: int,
+def _flash_mask(tile: "_Tile", plan: _Plan, qi: torch.Tensor, q0: int, q1: int, k_start: int, k_stop: int,
                 valid: torch.Tensor | None, b: int, h: int) -> torch.Tensor:
-    """The tile's additive float mask (B, H, n, k_stop): the term plus −inf where masked (for the fused kernel)."""
-    n = q1 - q0
-    bias = tile.bias(qi, q0, q1, 0, k_stop, None)
+    """The tile's additive float mask (B, H, n, k_stop − k_start) over keys k_start .. k_stop − 1: the term plus
+    −inf where masked (for the fused kernel)."""
+    n, m = q1 - q0, k_stop - k_start
+    bias = tile.bias(qi, q0, q1, k_start, k_stop, None)
     if bias is None:
-        mask = torch.zeros(1, 1, n, k_stop, dtype=tile.dtype, device=tile.device)
+        mask = torch.zeros(1, 1, n, m, dtype=tile.dtype, device=tile.device)
     else:
         mask = bias.contiguous()  # Toeplitz: a copy of the strided view; fox, fire: a fresh tensor
-    return _apply_mask(mask, plan, qi, q0, 0, k_stop, valid).expand(b, h, n, k_stop)
+    return _apply_mask(mask, plan, qi, q0, k_start, k_stop, valid).expand(b, h, n, m)
 
 
-def _empty_rows(plan: _Plan, qi: torch.Tensor, valid: torch.Tensor | None, k_stop: int) -> torch.Tensor | None:
-    """(B|1, 1, n, 1) bool: query rows that see no key (left padding), or None when every row sees one."""
+def _empty_rows(plan: _Plan, qi: torch.Tensor, valid: torch.Tensor | None, k_start: int,
+                k_stop: int) -> torch.Tensor | None:
+    """(B|1, 1, n, 1) bool: query rows that see no key (left padding, a window past the keys), or None when
+    every row sees one (keys k_start .. k_stop − 1 are the block's; the others are outside every row's view)."""
+    if plan.window is not None:
+        w = plan.window
+        lo = (qi - w + 1).clamp(k_start, k_stop)  # each row's visible key range [lo, hi) by position
+        hi = (qi + (1 if plan.causal else w)).clamp(k_start, k_stop)
+        hi = torch.maximum(hi, lo)
+        if valid is None:
+            return (hi == lo)[None, None, :, None]
+        count = torch.cat([valid.new_zeros(valid.shape[0], 1, dtype=torch.long),
+                           valid[:, k_start:k_stop].long().cumsum(-1)], dim=-1)  # [b, t]: valid keys < k_start + t
+        seen = count.index_select(-1, hi - k_start) - count.index_select(-1, lo - k_start)
+        return (seen == 0)[:, None, :, None]
     if valid is None:
         return None
     v = valid[:, :k_stop]
@@ -311,15 +347,15 @@ class TiledAttentionFunction(torch.autograd.Function):
                 break
             q1 = min(q0 + plan.block_q, q_len)
             qi = _rows(_query_index(q_off, q0, q1, query.device), rev, 0)
-            k_stop = plan.key_stop(q1, k_len)
-            if k_stop == 0:
+            k_start, k_stop = plan.key_start(q0, k_len), plan.key_stop(q1, k_len)
+            if k_stop <= k_start:
                 out[:, :, q0:q1] = 0.0
                 lse[:, :, q0:q1] = float("inf")
                 continue
-            mask = _flash_mask(tile, plan, qi, q0, q1, k_stop, valid, b, h)
-            o, l = _flash_fwd(_rows(q[:, :, q0:q1], rev), kx[:, :, :k_stop], vx[:, :, :k_stop], 0.0, False,
-                              attn_mask=mask, scale=1.0)
-            empty = _empty_rows(plan, qi, valid, k_stop)
+            mask = _flash_mask(tile, plan, qi, q0, q1, k_start, k_stop, valid, b, h)
+            o, l = _flash_fwd(_rows(q[:, :, q0:q1], rev), kx[:, :, k_start:k_stop], vx[:, :, k_start:k_stop], 0.0,
+                              False, attn_mask=mask, scale=1.0)
+            empty = _empty_rows(plan, qi, valid, k_start, k_stop)
             if empty is not None:
                 o = o.masked_fill(empty, 0.0)
                 l = l.masked_fill(empty[..., 0], float("inf"))
@@ -332,11 +368,11 @@ class TiledAttentionFunction(torch.autograd.Function):
             qb = _rows(q[:, :, q0:q1], rev)
             qg = _group(qb, hkv)
             qa = qb @ tile.a_key.T if plan.kind == "shaw" else None  # scale · q · a^K (B, H, n, 2K + 1)
-            k_stop = plan.key_stop(q1, k_len)
+            k_start, k_stop = plan.key_start(q0, k_len), plan.key_stop(q1, k_len)
             row_max = q.new_full((b, h, n, 1), float("-inf"))
             row_sum = q.new_zeros(b, h, n, 1)
             acc = q.new_zeros(b, h, n, d)
-            for k0 in range(0, k_stop, plan.block_k):
+            for k0 in range(k_start, k_stop, plan.block_k):
                 k1 = min(k0 + plan.block_k, k_stop)
                 s = _ungroup(qg @ k[:, :, k0:k1].transpose(-1, -2), h)  # (B, H, n, m)
                 bias = tile.bias(qi, q0, q1, k0, k1, qa)
@@ -346,7 +382,7 @@ class TiledAttentionFunction(torch.autograd.Function):
                 new_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
                 safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
                 p = s.sub_(safe).exp_()
-                if k0 > 0:
+                if k0 > k_start:
                     alpha = torch.exp(row_max - safe)
                     row_sum.mul_(alpha)
                     acc.mul_(alpha)
@@ -392,16 +428,16 @@ class TiledAttentionFunction(torch.autograd.Function):
             for q0 in range(0, q_len, plan.block_q):
                 q1 = min(q0 + plan.block_q, q_len)
                 qi = _rows(_query_index(q_off, q0, q1, query.device), rev, 0)
-                k_stop = plan.key_stop(q1, k_len)
-                if k_stop == 0:
+                k_start, k_stop = plan.key_start(q0, k_len), plan.key_stop(q1, k_len)
+                if k_stop <= k_start:
                     continue
-                mask = _flash_mask(tile, plan, qi, q0, q1, k_stop, valid, b, h)
-                gq, gk, gv = _flash_bwd(_rows(do[:, :, q0:q1], rev), _rows(q[:, :, q0:q1], rev), kx[:, :, :k_stop],
-                                        vx[:, :, :k_stop], _rows(out[:, :, q0:q1], rev), _rows(lse[:, :, q0:q1], rev, -1),
-                                        0.0, False, attn_mask=mask, scale=1.0)
+                mask = _flash_mask(tile, plan, qi, q0, q1, k_start, k_stop, valid, b, h)
+                gq, gk, gv = _flash_bwd(_rows(do[:, :, q0:q1], rev), _rows(q[:, :, q0:q1], rev),
+                                        kx[:, :, k_start:k_stop], vx[:, :, k_start:k_stop], _rows(out[:, :, q0:q1], rev),
+                                        _rows(lse[:, :, q0:q1], rev, -1), 0.0, False, attn_mask=mask, scale=1.0)
                 dq[:, :, q0:q1] = _rows(gq, rev)
-                dkx[:, :, :k_stop] += gk
-                dvx[:, :, :k_stop] += gv
+                dkx[:, :, k_start:k_stop] += gk
+                dvx[:, :, k_start:k_stop] += gv
             if h != hkv:
                 dk = dkx.view(b, hkv, h // hkv, k_len, d).sum(2)
                 dv = dvx.view(b, hkv, h // hkv, k_len, d).sum(2)
@@ -419,8 +455,9 @@ class TiledAttentionFunction(torch.autograd.Function):
             dv_table = dob @ tile.a_value.T if plan.kind == "shaw" else None  # dO · a^V (B, H, n, 2K + 1)
             dqa = torch.zeros_like(qa) if plan.kind == "shaw" else None
             dq_b = q.new_zeros(b, hkv, qg.shape[2], d)
-            for k0 in range(0, plan.key_stop(q1, k_len), plan.block_k):
-                k1 = min(k0 + plan.block_k, plan.key_stop(q1, k_len))
+            k_stop = plan.key_stop(q1, k_len)
+            for k0 in range(plan.key_start(q0, k_len), k_stop, plan.block_k):
+                k1 = min(k0 + plan.block_k, k_stop)
                 kb, vb = k[:, :, k0:k1], v[:, :, k0:k1]
                 s = _ungroup(qg @ kb.transpose(-1, -2), h)
                 bias = tile.bias(qi, q0, q1, k0, k1, qa)
@@ -539,8 +576,9 @@ def tiled_attention(
     causal: bool,
     q_offset: int | torch.Tensor = 0,
     key_valid: torch.Tensor | None = None,
-    block_q: int = BLOCK_Q,
+    block_q: int | None = None,
     block_k: int = BLOCK_K,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention with ``term``, tile by tile; same contract as ``naive.attention_reference``.
 
@@ -552,14 +590,26 @@ def tiled_attention(
         causal: query i sees keys j <= q_offset + i only.
         q_offset: key index of the first query: an int, or a 0-d integer tensor (kept a tensor).
         key_valid: (B|1, Lk) bool, False on keys no query may see (padding), or None.
-        block_q, block_k: query rows per block, keys per tile (>= 1).
+        block_q, block_k: query rows per block, keys per tile (>= 1). ``block_q`` None: ``BLOCK_Q``, or with a
+            window ``max(64, min(BLOCK_Q, window // 2))`` (each block sees window + block_q − 1 keys; measured
+            on a 1-thread CPU at L = 2048, window 256: 128 rows beat 256 by 15-30 %, see bench_window_cpu.py).
+        window: None, or an int >= 1 (a sliding window): causal, query i sees keys qi − window < j <= qi;
+            bidirectional, |qi − j| < window. With an int offset each query block's key loop starts at the first
+            key its first query sees (and, bidirectional, stops after the last one its last query sees): the
+            tiles outside the band are never built, the band is masked inside the partly covered ones. With a
+            tensor offset the band is masked per tile from the tensor (no tile skipped).
 
     Returns:
         (B, H, Lq, D) in the query's dtype; rows without any visible key are 0.
 
     Raises:
-        ValueError: the term does not fit the inputs (see :func:`tiled_unsupported`), or bad block sizes.
+        ValueError: the term does not fit the inputs (see :func:`tiled_unsupported`), bad block sizes, or a
+            window below 1.
+        TypeError: ``window`` is not an int (or None), or ``q_offset`` is neither an int nor a tensor.
     """
+    window = check_window(window)
+    if block_q is None:
+        block_q = BLOCK_Q if window is None else max(64, min(BLOCK_Q, window // 2))
     if not (isinstance(block_q, int) and isinstance(block_k, int) and block_q >= 1 and block_k >= 1):
         raise ValueError(f"block_q and block_k must be positive ints, got {block_q!r}, {block_k!r}")
     key = term.key if term.key is not None else key
@@ -573,7 +623,7 @@ def tiled_attention(
         raise TypeError(f"q_offset must be an int or a 0-d tensor, got {type(q_offset).__name__}")
     names = tuple(term.tensors)
     plan = _Plan(term.kind, names, dict(term.ints), float(scale), bool(causal),
-                 None if off_tensor else q_offset, block_q, block_k)
+                 None if off_tensor else q_offset, block_q, block_k, window)
     valid = None if key_valid is None else key_valid.to(device=query.device, dtype=torch.bool)
     q_off_t = q_offset.to(device=query.device, dtype=torch.long).reshape(()) if off_tensor else None
     return TiledAttentionFunction.apply(query, key, value, valid, q_off_t, plan, *term.tensors.values())

@@ -26,6 +26,7 @@ import torch
 
 from ...ops import eager_value_checks
 from .._attn_dispatch import choose, common_unsupported
+from ..attention.naive import check_window
 from .naive import cope_reference
 from .tiled import cope_tiled
 
@@ -89,6 +90,7 @@ def cope(
     mask: torch.Tensor | None,
     scale: float,
     q_offset: int | torch.Tensor = 0,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal CoPE attention (see ``hf_posenc/encodings/cope.py`` for the formula): fused on CUDA, tile-wise
     PyTorch elsewhere.
@@ -100,14 +102,20 @@ def cope(
             in any case.
         scale: logit scale s (gates σ(s q·k); logits s q·k + q·e[p]).
         q_offset: query i is key ``q_offset + i``.
+        window: None, or an int >= 1: a sliding window, query i sees only keys qi − window < j <= qi; the keys
+            outside are absent as if masked (no weight, no gate). Both engines skip the key tiles outside it.
 
     Returns:
         (B, H, Lq, D) in q's dtype (computed in float32).
+
+    Raises:
+        ValueError, TypeError: bad shapes, or a ``window`` that is not None or an int >= 1.
     """
     _check(q, k, v, table, mask, q_offset)
+    window = check_window(window)
     if cope_backend(q, k, v, mask, q_offset) == "triton":
         from .triton_cope import cope_triton
 
         last = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)]
-        return cope_triton(*last, table, mask, scale, q_offset)
-    return cope_tiled(q, k, v, table, mask, scale, q_offset)
+        return cope_triton(*last, table, mask, scale, q_offset, window=window)
+    return cope_tiled(q, k, v, table, mask, scale, q_offset, window=window)

@@ -15,7 +15,9 @@ Forward: per block of ``block_m`` queries (all query heads of a key/value head a
 expanded), the table z_i = q_i e is computed once, (G·block_m, npos), and gathered per tile; the key tiles
 are walked right to left (``hf_posenc.kernels._reverse_tiles``: keys reversed once, so the in-tile suffix sums
 are one ``cumsum``), carrying per query the gate mass of the keys already walked, with an online softmax
-(running max and sum, rescaled accumulator). Tiles above the diagonal are never visited (int offsets).
+(running max and sum, rescaled accumulator). Tiles above the diagonal are never visited (int offsets), nor,
+with a sliding ``window``, the tiles left of the block's first window edge (their keys are absent: no
+weight, no gate).
 pos is computed as z[⌊p⌋] + (p - ⌊p⌋) Δz[⌊p⌋] with Δz[t] = z[t + 1] - z[t] (0 at npos - 1): the same value
 as the interpolation between ⌊p⌋ and ⌈p⌉, with one gather (z and Δz stored as adjacent pairs). Extra memory:
 O(L·H·(npos + D)) rows and per-tile temporaries, never O(L²).
@@ -102,7 +104,7 @@ def _tile(qs, kt, pairs, carry, blocked, top, with_slope):
     return w, slope, p, idx, frac, dz, s, carry
 
 
-def _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, with_rows):
+def _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, with_rows, window=None):
     geo = Geometry.of(q, k)
     block_m, block_n = tile_sizes(geo, block_m, block_n)
     dtype = _dtype(q)
@@ -132,8 +134,8 @@ def _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, with_rows)
             u_acc = torch.zeros_like(acc)
             c_acc = torch.zeros_like(carry)
         rows = blocked_mask_rows(mask, m0, m1)
-        for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, False):
-            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, False, rows, dev)
+        for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, False, window):
+            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, False, rows, dev, window)
             vt = vr[:, :, tile.r0:tile.r1]
             _, _, _, _, frac, dz, s, carry = _tile(qs, kr[:, :, tile.r0:tile.r1], pairs, carry, blocked, top, False)
             m_new = torch.maximum(m_i, s.amax(-1))
@@ -158,7 +160,7 @@ def _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, with_rows)
     return out, lse, u_rows, c_rows
 
 
-def _backward(q, k, v, table, mask, scale, q_offset, block_m, block_n, out, lse, u_rows, c_rows, do):
+def _backward(q, k, v, table, mask, scale, q_offset, block_m, block_n, out, lse, u_rows, c_rows, do, window=None):
     geo = Geometry.of(q, k)
     block_m, block_n = tile_sizes(geo, block_m, block_n)
     dtype = _dtype(q)
@@ -191,8 +193,8 @@ def _backward(q, k, v, table, mask, scale, q_offset, block_m, block_n, out, lse,
         dz_at = torch.zeros(geo.b, geo.hkv, nr, npos, dtype=dtype, device=dev)  # Σ dS at ⌊p⌋
         dz_frac = torch.zeros_like(dz_at)  # Σ dS (p - ⌊p⌋) at ⌊p⌋
         rows = blocked_mask_rows(mask, m0, m1)
-        for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, False):
-            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, False, rows, dev)
+        for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, False, window):
+            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, False, rows, dev, window)
             kt, vt = kr[:, :, tile.r0:tile.r1], vr[:, :, tile.r0:tile.r1]
             # rows whose positions are all clamped from here on (carry >= npos - 1): Σ_{j' <= j} dp is exactly 0
             left = torch.where(carry >= top, 0.0, left)
@@ -223,22 +225,22 @@ class CopeTiledFunction(torch.autograd.Function):
     """Causal CoPE attention, tile-wise, recomputing in backward; gradients for q, k, v and the table."""
 
     @staticmethod
-    def forward(ctx, q, k, v, table, mask, scale, q_offset, block_m, block_n):
+    def forward(ctx, q, k, v, table, mask, scale, q_offset, block_m, block_n, window=None):
         needs = any(ctx.needs_input_grad[:4])
-        out, lse, u_rows, c_rows = _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, needs)
+        out, lse, u_rows, c_rows = _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, needs, window)
         if needs:
             ctx.save_for_backward(q, k, v, table, mask, out, lse, u_rows, c_rows)
-        ctx.args = (scale, q_offset, block_m, block_n)
+        ctx.args = (scale, q_offset, block_m, block_n, window)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, table, mask, out, lse, u_rows, c_rows = ctx.saved_tensors
-        scale, q_offset, block_m, block_n = ctx.args
+        scale, q_offset, block_m, block_n, window = ctx.args
         dq, dk, dv, de = _backward(q, k, v, table, mask, scale, q_offset, block_m, block_n, out, lse, u_rows,
-                                   c_rows, do)
+                                   c_rows, do, window)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
-                de.to(table.dtype) if ctx.needs_input_grad[3] else None, None, None, None, None, None)
+                de.to(table.dtype) if ctx.needs_input_grad[3] else None, None, None, None, None, None, None)
 
 
 def cope_tiled(
@@ -251,6 +253,7 @@ def cope_tiled(
     q_offset: int | torch.Tensor = 0,
     block_m: int | None = None,
     block_n: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal CoPE attention computed tile by tile (any device), recomputed in backward.
 
@@ -265,9 +268,16 @@ def cope_tiled(
             number (every key tile is then walked, with the causal mask).
         block_m, block_n: query block and key tile sizes (default: the module's ``BLOCK_M``, ``BLOCK_N``,
             read at each call).
+        window: None, or an int >= 1: query i sees only keys qi − window < j <= qi (a sliding window). The keys
+            outside it are removed as a mask removes them: no weight and no gate (the contextual positions count
+            the window's keys only). The walk of an int-offset query block stops at its first query's window
+            edge: the key tiles left of it are never visited.
 
     Returns:
         (B, H, Lq, D) in q's dtype.
+
+    Raises:
+        TypeError, ValueError: ``window`` is not None or an int >= 1; a non-positive block size.
     """
-    block_m, block_n, q_offset = call_options(block_m, block_n, BLOCK_M, BLOCK_N, q_offset)
-    return CopeTiledFunction.apply(q, k, v, table, mask, float(scale), q_offset, block_m, block_n)
+    block_m, block_n, q_offset = call_options(block_m, block_n, BLOCK_M, BLOCK_N, q_offset, window)
+    return CopeTiledFunction.apply(q, k, v, table, mask, float(scale), q_offset, block_m, block_n, window)

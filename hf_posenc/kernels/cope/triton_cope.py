@@ -58,6 +58,7 @@ import triton.language as tl
 
 from .._errors import guarded
 from .._jit import LazyJit, interpreting
+from ..attention.naive import check_window
 
 __all__ = ["CopeFunction", "cope_triton", "SUPPORTED_DTYPES", "interpreting"]
 
@@ -115,24 +116,36 @@ def _mm(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=PREC)
 
 
+def _first_tile(pid_m, Q_OFF, WINDOW, BM: tl.constexpr, BN: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """The first key tile the query block pid_m may see: 0, or with a window the tile of its first query's
+    first key (qi − WINDOW + 1); the tiles left of it are never visited (their keys add no gate)."""
+    t_lo = 0
+    if HAS_WINDOW:
+        t_lo = tl.maximum(Q_OFF + pid_m * BM - WINDOW + 1, 0) // BN
+    return t_lo
+
+
 def _load_rows(ptr, rows, stride, offs_d, row_ok, d_ok):
     return tl.load(ptr + rows[:, None].to(tl.int64) * stride + offs_d[None, :],
                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
 
-def _allowed(rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, HAS_MASK: tl.constexpr):
-    """(BM, BN) bool: causal by index and the mask."""
+def _allowed(rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, WINDOW, HAS_MASK: tl.constexpr,
+             HAS_WINDOW: tl.constexpr):
+    """(BM, BN) bool: causal by index, the window's band and the mask."""
     ok = (keys[None, :] <= qidx[:, None]) & row_ok[:, None] & (keys < LK)[None, :]
+    if HAS_WINDOW:  # keys outside the window are absent: no weight, no gate
+        ok = ok & (keys[None, :] > qidx[:, None] - WINDOW)
     if HAS_MASK:
         mv = tl.load(mptr + rows[:, None].to(tl.int64) * sm_m + keys[None, :].to(tl.int64) * sm_n, mask=ok, other=0)
         ok = ok & (mv != 0)
     return ok
 
 
-def _logits_gates(q, k, rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, scale,
-                  HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+def _logits_gates(q, k, rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, scale, WINDOW,
+                  HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_WINDOW: tl.constexpr):
     w = _mm(q, tl.trans(k), PREC, UPCAST) * scale
-    ok = _allowed(rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, HAS_MASK)
+    ok = _allowed(rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, WINDOW, HAS_MASK, HAS_WINDOW)
     gate = tl.where(ok, 1.0 / (1.0 + tl.exp(-w)), 0.0)
     return w, ok, gate
 
@@ -185,9 +198,10 @@ def _bins(wa, wb, fi, BM: tl.constexpr, BN: tl.constexpr, NP: tl.constexpr, LOG2
 def _cope_fwd(
     Q, K, V, E, O, LSE, M,
     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_m, se_d, se_t, sm_b, sm_m, sm_n,
-    H, G, LQ, LK, Q_OFF_PTR, scale, NPOS,
+    H, G, LQ, LK, Q_OFF_PTR, scale, NPOS, WINDOW,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NP: tl.constexpr,
     HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, MONO: tl.constexpr, TPREC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     Q_OFF = tl.load(Q_OFF_PTR)  # the query offset, a device tensor: never read on the host
     pid_m = tl.program_id(0)
@@ -210,19 +224,20 @@ def _cope_fwd(
     m_base = M + b * sm_b
 
     hi = tl.minimum(pid_m * BM + BM, LQ) - 1 + Q_OFF
+    t_lo = _first_tile(pid_m, Q_OFF, WINDOW, BM, BN, HAS_WINDOW)  # tiles left of the window: never visited
     n_tiles = (hi + BN) // BN
     carry = tl.where(row_ok, 0.0, _BIG)
     m_i = tl.full((BM,), _NEG_INF, tl.float32)
     l_i = tl.full((BM,), 0.0, tl.float32)
     acc = tl.full((BM, BD), 0.0, tl.float32)
-    for it in range(0, n_tiles):
+    for it in range(0, n_tiles - t_lo):
         t = n_tiles - 1 - it
         keys = t * BN + tl.arange(0, BN)
         k_ok = keys < LK
         k = _load_rows(k_base, keys, sk_n, offs_d, k_ok, d_ok)
         v = _load_rows(v_base, keys, sv_n, offs_d, k_ok, d_ok)
         w, ok, gate = _logits_gates(q, k, rows, keys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
-                                    HAS_MASK, PREC, UPCAST)
+                                    WINDOW, HAS_MASK, PREC, UPCAST, HAS_WINDOW)
         if tl.reduce(carry, 0, _min) >= npm1:  # every position clamped: z[npos - 1]
             pos = zlast[:, None] + tl.full((BM, BN), 0.0, tl.float32)
         else:
@@ -254,10 +269,10 @@ def _cope_bwd_q(
     Q, K, V, E, O, DO, LSE, DQ, DZQ, ZQB, ZL, DELTA, DTOT, GK, SK, M,
     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_m, sd_b, sd_h, sd_m,
     sdq_b, sdq_h, sdq_m, se_d, se_t, sm_b, sm_m, sm_n,
-    H, G, HKV, PAIR0, LQ, LK, Q_OFF_PTR, scale, NPOS, CSTRIDE, NSLOT,
+    H, G, HKV, PAIR0, LQ, LK, Q_OFF_PTR, scale, NPOS, CSTRIDE, NSLOT, WINDOW,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NP: tl.constexpr,
     LOG2_BN: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, MONO: tl.constexpr,
-    TPREC: tl.constexpr,
+    TPREC: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     Q_OFF = tl.load(Q_OFF_PTR)  # the query offset, a device tensor: never read on the host
     mb = tl.program_id(0)
@@ -295,11 +310,12 @@ def _cope_bwd_q(
     tl.store(DELTA + bh + rows, delta, mask=row_ok)
     hi = tl.minimum(mb * BM + BM, LQ) - 1 + Q_OFF
     n_tiles = (hi + BN) // BN
+    t_lo = _first_tile(mb, Q_OFF, WINDOW, BM, BN, HAS_WINDOW)  # checkpoints left of it are never read
 
     # first walk, over the window tiles: the row totals Dp = Σ_j dp_ij
     carry = tl.where(row_ok, 0.0, _BIG)
     dtot = tl.full((BM,), 0.0, tl.float32)
-    for it in range(0, n_tiles):
+    for it in range(0, n_tiles - t_lo):
         t = n_tiles - 1 - it
         if tl.reduce(carry, 0, _min) < npm1:
             keys = t * BN + tl.arange(0, BN)
@@ -307,7 +323,7 @@ def _cope_bwd_q(
             k = _load_rows(k_base, keys, sk_n, offs_d, k_ok, d_ok)
             v = _load_rows(v_base, keys, sv_n, offs_d, k_ok, d_ok)
             w, ok, gate = _logits_gates(q, k, rows, keys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
-                                        HAS_MASK, PREC, UPCAST)
+                                        WINDOW, HAS_MASK, PREC, UPCAST, HAS_WINDOW)
             p, fi, frac, zf, zc = _positions(gate, carry, zq, npm1, MONO)
             prob = tl.exp(tl.where(ok, w + frac * zc + (1.0 - frac) * zf, _NEG_INF) - lse[:, None])
             ds = prob * (_mm(do, tl.trans(v), PREC, UPCAST) - delta[:, None])
@@ -321,7 +337,7 @@ def _cope_bwd_q(
     s_dp = tl.full((BM,), 0.0, tl.float32)
     dq = tl.full((BM, BD), 0.0, tl.float32)
     dzq = tl.full((BM, NP), 0.0, tl.float32)
-    for it in range(0, n_tiles):
+    for it in range(0, n_tiles - t_lo):
         t = n_tiles - 1 - it
         if t % CSTRIDE == CSTRIDE - 1:
             slot = t // CSTRIDE
@@ -332,7 +348,7 @@ def _cope_bwd_q(
         k = _load_rows(k_base, keys, sk_n, offs_d, k_ok, d_ok)
         v = _load_rows(v_base, keys, sv_n, offs_d, k_ok, d_ok)
         w, ok, gate = _logits_gates(q, k, rows, keys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
-                                    HAS_MASK, PREC, UPCAST)
+                                    WINDOW, HAS_MASK, PREC, UPCAST, HAS_WINDOW)
         dprob = _mm(do, tl.trans(v), PREC, UPCAST) - delta[:, None]
         if tl.reduce(carry, 0, _min) >= npm1:
             ds = tl.exp(tl.where(ok, w + zlast[:, None], _NEG_INF) - lse[:, None]) * dprob
@@ -366,9 +382,10 @@ def _cope_bwd_kv(
     Q, K, V, DO, DK, DV, LSE, ZQB, ZL, DELTA, DTOT, GK, SK, M,
     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sd_b, sd_h, sd_m,
     sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n, sm_b, sm_m, sm_n,
-    H, G, HKV, PAIR0, LQ, LK, Q_OFF_PTR, scale, NPOS, CSTRIDE, NSLOT,
+    H, G, HKV, PAIR0, LQ, LK, Q_OFF_PTR, scale, NPOS, CSTRIDE, NSLOT, WINDOW,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NP: tl.constexpr,
     HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, MONO: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     Q_OFF = tl.load(Q_OFF_PTR)  # the query offset, a device tensor: never read on the host
     pid_n = tl.program_id(0)
@@ -394,6 +411,10 @@ def _cope_bwd_kv(
     first_row = tl.maximum(n_start - Q_OFF, 0)
     m_lo = first_row // BM
     n_mblocks = (LQ + BM - 1) // BM
+    m_hi = n_mblocks
+    if HAS_WINDOW:  # query blocks whose first query's window starts right of this tile see none of its keys
+        reach = n_start + BN + WINDOW - 2 - Q_OFF  # the last query row whose window reaches the tile
+        m_hi = tl.where(reach < 0, 0, tl.minimum(n_mblocks, tl.maximum(reach, 0) // BM + 1))
     ckpt = pid_n + (CSTRIDE - 1) - pid_n % CSTRIDE
     for hh in range(0, G):
         h = g * G + hh
@@ -404,7 +425,7 @@ def _cope_bwd_kv(
         q_base = Q + b * sq_b + h * sq_h
         do_base = DO + b * sd_b + h * sd_h
         bh = (b * H + h) * LQ
-        for m in range(m_lo, n_mblocks):
+        for m in range(m_lo, m_hi):
             rows = m * BM + tl.arange(0, BM)
             row_ok = rows < LQ
             qidx = rows + Q_OFF
@@ -438,7 +459,7 @@ def _cope_bwd_kv(
                     wk = _load_rows(k_base, wkeys, sk_n, offs_d, wk_ok, d_ok)
                     wv = _load_rows(v_base, wkeys, sv_n, offs_d, wk_ok, d_ok)
                     ww, wok, wgate = _logits_gates(q, wk, rows, wkeys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
-                                                   HAS_MASK, PREC, UPCAST)
+                                                   WINDOW, HAS_MASK, PREC, UPCAST, HAS_WINDOW)
                     wp, wfi, wfrac, wzf, wzc = _positions(wgate, carry, zq, npm1, MONO)
                     wprob = tl.exp(tl.where(wok, ww + wfrac * wzc + (1.0 - wfrac) * wzf, _NEG_INF) - lse[:, None])
                     wds = wprob * (_mm(do, tl.trans(wv), PREC, UPCAST) - delta[:, None])
@@ -446,7 +467,7 @@ def _cope_bwd_kv(
                     s_dp = s_dp + tl.reduce(wdp, 1, _add)
                     carry = carry + tl.reduce(wgate, 1, _add)
             w, ok, gate = _logits_gates(q, k, rows, keys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
-                                        HAS_MASK, PREC, UPCAST)
+                                        WINDOW, HAS_MASK, PREC, UPCAST, HAS_WINDOW)
             dprob = _mm(do, tl.trans(v), PREC, UPCAST) - delta[:, None]
             if tl.reduce(carry, 0, _min) >= npm1:
                 prob = tl.exp(tl.where(ok, w + zlast[:, None], _NEG_INF) - lse[:, None])
@@ -472,7 +493,7 @@ def _cope_bwd_kv(
 
 _JIT = LazyJit(
     globals(),
-    [_add, _min, _max, _mm, _load_rows, _allowed, _logits_gates, _positions, _table, _bins],
+    [_add, _min, _max, _mm, _first_tile, _load_rows, _allowed, _logits_gates, _positions, _table, _bins],
     [_cope_fwd, _cope_bwd_q, _cope_bwd_kv],
     {"_add": "_sum_combine", "_min": "_elementwise_min", "_max": "_elementwise_max"}
 )
@@ -540,7 +561,7 @@ def _np(npos: int) -> int:
     return max(16, triton.next_power_of_2(npos))
 
 
-def _forward(q, k, v, table, mask, scale, q_offset):
+def _forward(q, k, v, table, mask, scale, q_offset, window=None):
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     npos = table.shape[1]
@@ -555,10 +576,10 @@ def _forward(q, k, v, table, mask, scale, q_offset):
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         table.stride(0), table.stride(1), sm_b, sm_m, sm_n,
-        h, h // hkv, lq, lk, q_offset, scale, npos,
+        h, h // hkv, lq, lk, q_offset, scale, npos, 0 if window is None else window,
         D=d, BD=max(16, triton.next_power_of_2(d)), BM=bm, BN=bn, NP=_np(npos), HAS_MASK=mask is not None,
         PREC=_precision(q.dtype), UPCAST=interpreting(), MONO=not interpreting(), TPREC=_table_precision(q.dtype),
-        num_warps=warps, num_stages=stages,
+        HAS_WINDOW=window is not None, num_warps=warps, num_stages=stages,
     )
     return o, lse
 
@@ -569,7 +590,7 @@ def _carry_layout(lk: int, bn: int) -> tuple[int, int]:
     return stride, max(1, n_tiles // stride)
 
 
-def _backward(q, k, v, table, o, lse, do, mask, scale, q_offset):
+def _backward(q, k, v, table, o, lse, do, mask, scale, q_offset, window=None):
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     groups = h // hkv
@@ -611,9 +632,10 @@ def _backward(q, k, v, table, o, lse, do, mask, scale, q_offset):
             v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
             do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
             table.stride(0), table.stride(1), sm_b, sm_m, sm_n,
-            h, groups, hkv, pair0, lq, lk, q_offset, scale, npos, cstride, nslot,
+            h, groups, hkv, pair0, lq, lk, q_offset, scale, npos, cstride, nslot, 0 if window is None else window,
             D=d, BD=bd, BM=bm1, BN=bn, NP=np_, LOG2_BN=bn.bit_length() - 1, HAS_MASK=mask is not None,
-            PREC=prec, UPCAST=upcast, MONO=not upcast, TPREC=_table_precision(q.dtype), num_warps=warps1,
+            PREC=prec, UPCAST=upcast, MONO=not upcast, TPREC=_table_precision(q.dtype),
+            HAS_WINDOW=window is not None, num_warps=warps1,
             num_stages=stages1,
         )
         # de = Σ over the chunk's queries of q ⊗ dz: one float32 GEMM, (D, rows) @ (rows, npos)
@@ -625,9 +647,9 @@ def _backward(q, k, v, table, o, lse, do, mask, scale, q_offset):
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), sm_b, sm_m, sm_n,
-            h, groups, hkv, pair0, lq, lk, q_offset, scale, npos, cstride, nslot,
+            h, groups, hkv, pair0, lq, lk, q_offset, scale, npos, cstride, nslot, 0 if window is None else window,
             D=d, BD=bd, BM=bm2, BN=bn, NP=np_, HAS_MASK=mask is not None, PREC=prec, UPCAST=upcast,
-            MONO=not upcast, num_warps=warps2, num_stages=stages2,
+            MONO=not upcast, HAS_WINDOW=window is not None, num_warps=warps2, num_stages=stages2,
         )
     return dq, dk, dv, dtable
 
@@ -636,19 +658,19 @@ class CopeFunction(torch.autograd.Function):
     """Causal CoPE attention with gradients for q, k, v and the position table."""
 
     @staticmethod
-    def forward(ctx, q, k, v, table, mask, scale, q_offset):
-        o, lse = _forward(q, k, v, table, mask, scale, q_offset)
+    def forward(ctx, q, k, v, table, mask, scale, q_offset, window=None):
+        o, lse = _forward(q, k, v, table, mask, scale, q_offset, window)
         if any(ctx.needs_input_grad[:4]):
             ctx.save_for_backward(q, k, v, table, o, lse, mask)
-        ctx.args = (scale, q_offset)
+        ctx.args = (scale, q_offset, window)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, table, o, lse, mask = ctx.saved_tensors
-        scale, q_offset = ctx.args
-        dq, dk, dv, dtable = _backward(q, k, v, table, o, lse, do, mask, scale, q_offset)
-        return dq, dk, dv, (dtable.to(table.dtype) if ctx.needs_input_grad[3] else None), None, None, None
+        scale, q_offset, window = ctx.args
+        dq, dk, dv, dtable = _backward(q, k, v, table, o, lse, do, mask, scale, q_offset, window)
+        return dq, dk, dv, (dtable.to(table.dtype) if ctx.needs_input_grad[3] else None), None, None, None, None
 
 
 def cope_triton(
@@ -659,6 +681,7 @@ def cope_triton(
     mask: torch.Tensor | None,
     scale: float,
     q_offset: int | torch.Tensor,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal CoPE attention with the Triton kernels (inputs validated by the dispatcher).
 
@@ -668,10 +691,18 @@ def cope_triton(
         table: (D, npos) position embeddings (any float dtype; read in float32).
         mask: (B|1, 1, Lq, Lk) bool or None; causality by index is always applied.
         q_offset: query i is key ``q_offset + i``: an int, or a 1-element integer tensor the kernels load.
+        window: None, or an int >= 1: query i sees only keys qi − window < j <= qi; the keys outside are absent
+            (no weight, no gate: the positions count the window's keys). The query-major kernels start their walk
+            at the tile of the first query's window edge; the key-major kernel stops at the last query block
+            whose window reaches its keys. A runtime int behind the compile-time switch HAS_WINDOW.
 
     Returns:
         (B, H, Lq, D) in q's dtype (a transposed view of a (B, Lq, H, D) tensor).
+
+    Raises:
+        TypeError, ValueError: ``window`` is not None or an int >= 1.
     """
+    window = check_window(window)
     # (1,) int32 on the device, loaded by the kernels: a tensor offset (a StaticCache's) is never read on the host
     offset = torch.as_tensor(q_offset).to(device=q.device, dtype=torch.int32).reshape(1)
-    return CopeFunction.apply(q, k, v, table, mask, float(scale), offset)
+    return CopeFunction.apply(q, k, v, table, mask, float(scale), offset, window)

@@ -26,6 +26,7 @@ import torch
 
 from ...ops import eager_value_checks
 from .._attn_dispatch import choose, common_unsupported
+from ..attention.naive import check_window
 from .naive import sba_reference
 from .tiled import sba_tiled
 
@@ -91,6 +92,7 @@ def stick_breaking(
     attend_current: bool = False,
     remainder: str = "discard",
     bias: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Stick-breaking attention (see ``hf_posenc/encodings/sba.py`` for the formula): fused on CUDA, tile-wise
     PyTorch elsewhere.
@@ -104,14 +106,20 @@ def stick_breaking(
         attend_current: whether the query's own key is a breakpoint.
         remainder: ``"discard"``, ``"current"`` or ``"bias"``.
         bias: (H, D) per-head remainder vector (``remainder="bias"``); gets a gradient.
+        window: None, or an int >= 1: a sliding window, query i sees only keys qi − window < j <= qi; the keys
+            outside are absent as if masked (no weight, no break). Both engines skip the key tiles outside it.
 
     Returns:
         (B, H, Lq, D) in q's dtype (computed in float32).
+
+    Raises:
+        ValueError, TypeError: bad shapes or options, or a ``window`` that is not None or an int >= 1.
     """
     _check(q, k, v, mask, q_offset, remainder, bias)
+    window = check_window(window)
     if sba_backend(q, k, v, mask, q_offset) == "triton":
         from .triton_sba import sba_triton
 
         last = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)]
-        return sba_triton(*last, mask, scale, q_offset, attend_current, remainder, bias)
-    return sba_tiled(q, k, v, mask, scale, q_offset, attend_current, remainder, bias)
+        return sba_triton(*last, mask, scale, q_offset, attend_current, remainder, bias, window=window)
+    return sba_tiled(q, k, v, mask, scale, q_offset, attend_current, remainder, bias, window=window)

@@ -7,6 +7,7 @@ import torch
 from ...encodings.cope import allowed_keys
 from ...encodings.sba import stick_breaking_attention
 from ...ops import expand_kv
+from ..cope.naive import windowed_allowed
 
 __all__ = ["sba_reference"]
 
@@ -21,6 +22,7 @@ def sba_reference(
     attend_current: bool = False,
     remainder: str = "discard",
     bias: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Stick-breaking attention as ``hf_posenc.encodings.sba.stick_breaking_attention`` computes it.
 
@@ -30,6 +32,9 @@ def sba_reference(
             is always applied.
         scale: logit scale.
         attend_current, remainder: see the encoding; bias: (H, D) for ``remainder="bias"``.
+        window: None, or an int >= 1: a sliding window, applied as the band mask qi − window < j (with the
+            causal mask: each query sees its last ``window`` keys, itself included); the keys it removes are
+            removed as the mask removes keys (see :func:`windowed_allowed`).
 
     Returns:
         (B, H, Lq, D) in q's dtype, computed in float32 (float64 for float64 inputs).
@@ -38,7 +43,7 @@ def sba_reference(
     b, h, lq, _ = q.shape
     lk = k.shape[2]
     groups = h // k.shape[1]
-    allowed = allowed_keys(mask, lq, lk, q_offset, True, q.device)
+    allowed = windowed_allowed(allowed_keys(mask, lq, lk, q_offset, True, q.device), lq, lk, q_offset, window)
     offset = q_offset.to(q.device) if isinstance(q_offset, torch.Tensor) else q_offset
     q_index = torch.arange(lq, device=q.device) + offset
     out, _ = stick_breaking_attention(

@@ -15,7 +15,8 @@ expanded), the key tiles of ``block_n`` keys are walked right to left (``hf_pose
 the keys are reversed once, so the in-tile suffix sums are one ``cumsum``), carrying per query the stick
 broken so far, c_i = Σ sp over the keys already walked. In a tile: z, sp (0 off the breakpoints), its
 cumulative sum, log A = z - cumsum - c, A v accumulated, c += Σ_tile sp. Tiles above the diagonal are never
-visited (int offsets). Weights below e^-87 are 0 (see ``_LOG_FLOOR``). Extra memory: the float32 output and
+visited (int offsets), nor, with a sliding ``window``, the tiles left of the block's first window edge (their
+keys are absent: no weight, no break). Weights below e^-87 are 0 (see ``_LOG_FLOOR``). Extra memory: the float32 output and
 per-tile temporaries, O(L·D + B·H·block_m·block_n).
 
 Backward (recomputed; the same walk): with g_ij = A_ij (do_i·v_j) and T_i = do_i·o_i (the float32 output,
@@ -85,7 +86,7 @@ def _own_values(v: torch.Tensor, geo: Geometry, m0: int, m1: int, q_offset, dtyp
     return own[:, :, None].expand(geo.b, geo.hkv, geo.groups, m1 - m0, geo.d).reshape(geo.b, geo.hkv, -1, geo.d)
 
 
-def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n):
+def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n, window=None):
     geo = Geometry.of(q, k)
     block_m, block_n = tile_sizes(geo, block_m, block_n)
     dtype = _dtype(q)
@@ -100,8 +101,8 @@ def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, bl
         c = torch.zeros(geo.b, geo.hkv, geo.groups * bm, dtype=dtype, device=q.device)
         acc = torch.zeros(geo.b, geo.hkv, geo.groups * bm, geo.d, dtype=dtype, device=q.device)
         rows = blocked_mask_rows(mask, m0, m1)
-        for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, strict):
-            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, strict, rows, q.device)
+        for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, strict, window):
+            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, strict, rows, q.device, window)
             _, _, cs, a = _tile(qs, kr[:, :, tile.r0:tile.r1], c, blocked)
             acc.add_(a @ vr[:, :, tile.r0:tile.r1])
             c = cs[..., -1].clone()
@@ -116,7 +117,8 @@ def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, bl
     return out
 
 
-def _backward(q, k, v, o, do, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n):
+def _backward(q, k, v, o, do, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n,
+              window=None):
     geo = Geometry.of(q, k)
     block_m, block_n = tile_sizes(geo, block_m, block_n)
     dtype = _dtype(q)
@@ -137,8 +139,8 @@ def _backward(q, k, v, o, do, mask, bias, scale, q_offset, attend_current, remai
         c = torch.zeros(geo.b, geo.hkv, geo.groups * bm, dtype=dtype, device=q.device)
         dqb = torch.zeros(geo.b, geo.hkv, geo.groups * bm, geo.d, dtype=dtype, device=q.device)
         rows = blocked_mask_rows(mask, m0, m1)
-        for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, strict):
-            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, strict, rows, q.device)
+        for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, strict, window):
+            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, strict, rows, q.device, window)
             kt, vt = kr[:, :, tile.r0:tile.r1], vr[:, :, tile.r0:tile.r1]
             z, sp, cs, a = _tile(qs, kt, c, blocked)
             g = a * (dob @ vt.transpose(-1, -2))
@@ -176,24 +178,24 @@ class SbaTiledFunction(torch.autograd.Function):
     """Stick-breaking attention, tile-wise, recomputing in backward; gradients for q, k, v and the bias."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n):
-        out = _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n)
+    def forward(ctx, q, k, v, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n, window=None):
+        out = _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n, window)
         if any(ctx.needs_input_grad[i] for i in (0, 1, 2, 4)):
             ctx.save_for_backward(q, k, v, out, mask, bias)
-        ctx.args = (scale, q_offset, attend_current, remainder, block_m, block_n)
+        ctx.args = (scale, q_offset, attend_current, remainder, block_m, block_n, window)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, out, mask, bias = ctx.saved_tensors
-        scale, q_offset, attend_current, remainder, block_m, block_n = ctx.args
+        scale, q_offset, attend_current, remainder, block_m, block_n, window = ctx.args
         dq, dk, dv, dbias = _backward(
-            q, k, v, out, do, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n
+            q, k, v, out, do, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n, window
         )
         return (
             dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None,
             None if dbias is None or not ctx.needs_input_grad[4] else dbias.to(bias.dtype),
-            None, None, None, None, None, None,
+            None, None, None, None, None, None, None,
         )
 
 
@@ -209,6 +211,7 @@ def sba_tiled(
     bias: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Stick-breaking attention computed tile by tile (any device), recomputed in backward.
 
@@ -224,11 +227,18 @@ def sba_tiled(
         remainder: ``"discard"``, ``"current"`` or ``"bias"``; bias: (H, D) for ``"bias"``.
         block_m, block_n: query block and key tile sizes (default: the module's ``BLOCK_M``, ``BLOCK_N``,
             read at each call).
+        window: None, or an int >= 1: query i sees only keys qi − window < j <= qi (a sliding window). The keys
+            outside it are removed as a mask removes them: no weight and no break (the stick is broken over the
+            window's keys only). The walk of an int-offset query block stops at its first query's window edge:
+            the key tiles left of it are never visited.
 
     Returns:
         (B, H, Lq, D) in q's dtype.
+
+    Raises:
+        TypeError, ValueError: ``window`` is not None or an int >= 1; a non-positive block size.
     """
-    block_m, block_n, q_offset = call_options(block_m, block_n, BLOCK_M, BLOCK_N, q_offset)
+    block_m, block_n, q_offset = call_options(block_m, block_n, BLOCK_M, BLOCK_N, q_offset, window)
     return SbaTiledFunction.apply(
-        q, k, v, mask, bias, float(scale), q_offset, bool(attend_current), remainder, block_m, block_n
+        q, k, v, mask, bias, float(scale), q_offset, bool(attend_current), remainder, block_m, block_n, window
     )

@@ -65,6 +65,7 @@ import triton.language as tl
 
 from .._errors import guarded
 from .._jit import LazyJit, interpreting
+from ..attention.naive import check_window
 
 __all__ = ["SbaFunction", "sba_triton", "SUPPORTED_DTYPES", "REMAINDERS", "interpreting"]
 
@@ -132,13 +133,15 @@ def _mm(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=PREC)
 
 
-def _breakpoints(rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, ATTEND_CURRENT: tl.constexpr,
-                 HAS_MASK: tl.constexpr):
-    """(BM, BN) bool: key j is a breakpoint of query i (causal by index, and the mask)."""
+def _breakpoints(rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, WINDOW, ATTEND_CURRENT: tl.constexpr,
+                 HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """(BM, BN) bool: key j is a breakpoint of query i (causal by index, the window's band, and the mask)."""
     if ATTEND_CURRENT:
         ok = keys[None, :] <= qidx[:, None]
     else:
         ok = keys[None, :] < qidx[:, None]
+    if HAS_WINDOW:  # keys outside the window are absent: no weight, no break
+        ok = ok & (keys[None, :] > qidx[:, None] - WINDOW)
     ok = ok & row_ok[:, None] & (keys < LK)[None, :]
     if HAS_MASK:
         mv = tl.load(mptr + rows[:, None].to(tl.int64) * sm_m + keys[None, :].to(tl.int64) * sm_n, mask=ok, other=0)
@@ -146,15 +149,25 @@ def _breakpoints(rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, ATTEND_CURRENT:
     return ok
 
 
-def _stick(q, k, c, rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, scale,
-           ATTEND_CURRENT: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+def _stick(q, k, c, rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, scale, WINDOW,
+           ATTEND_CURRENT: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+           HAS_WINDOW: tl.constexpr):
     """One tile: logits z, breakpoints, masked softplus, its in-tile suffix sums and the weights A."""
     z = _mm(q, tl.trans(k), PREC, UPCAST) * scale
-    brk = _breakpoints(rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, ATTEND_CURRENT, HAS_MASK)
+    brk = _breakpoints(rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, WINDOW, ATTEND_CURRENT, HAS_MASK, HAS_WINDOW)
     sp = tl.where(brk, _softplus(z), 0.0)
     suffix = tl.associative_scan(sp, 1, _add, reverse=True)
     a = tl.where(brk, tl.exp(z - suffix - c[:, None]), 0.0)
     return z, brk, sp, suffix, a
+
+
+def _first_tile(pid_m, Q_OFF, WINDOW, BM: tl.constexpr, BN: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """The first key tile the query block pid_m may see: 0, or with a window the tile of its first query's
+    first key (qi − WINDOW + 1); the tiles left of it are never visited (their keys break nothing)."""
+    t_lo = 0
+    if HAS_WINDOW:
+        t_lo = tl.maximum(Q_OFF + pid_m * BM - WINDOW + 1, 0) // BN
+    return t_lo
 
 
 def _load_rows(ptr, rows, stride, offs_d, row_ok, d_ok):
@@ -170,10 +183,10 @@ def _sba_fwd(
     Q, K, V, O, R, BIAS, M,
     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_m, sr_b, sr_h, sr_m,
     sm_b, sm_m, sm_n,
-    H, G, LQ, LK, Q_OFF_PTR, scale,
+    H, G, LQ, LK, Q_OFF_PTR, scale, WINDOW,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     ATTEND_CURRENT: tl.constexpr, REMAINDER: tl.constexpr, HAS_MASK: tl.constexpr, SAVE_RES: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     Q_OFF = tl.load(Q_OFF_PTR)  # the query offset, a device tensor: never read on the host
     pid_m = tl.program_id(0)
@@ -196,10 +209,11 @@ def _sba_fwd(
     if not ATTEND_CURRENT:
         hi = hi - 1
     n_tiles = (hi + BN) // BN
+    t_lo = _first_tile(pid_m, Q_OFF, WINDOW, BM, BN, HAS_WINDOW)
 
     c = tl.where(row_ok, 0.0, _BIG)
     acc = tl.full((BM, BD), 0.0, tl.float32)
-    for it in range(0, n_tiles):
+    for it in range(0, n_tiles - t_lo):
         t = n_tiles - 1 - it
         if tl.reduce(c, 0, _min) <= EXHAUSTED:
             keys = t * BN + tl.arange(0, BN)
@@ -207,7 +221,7 @@ def _sba_fwd(
             k = _load_rows(k_base, keys, sk_n, offs_d, k_ok, d_ok)
             v = _load_rows(v_base, keys, sv_n, offs_d, k_ok, d_ok)
             z, brk, sp, suffix, a = _stick(q, k, c, rows, keys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
-                                           ATTEND_CURRENT, HAS_MASK, PREC, UPCAST)
+                                           WINDOW, ATTEND_CURRENT, HAS_MASK, PREC, UPCAST, HAS_WINDOW)
             acc += _mm(a.to(v.dtype), v, PREC, UPCAST)
             c = c + tl.reduce(sp, 1, _add)
 
@@ -236,10 +250,10 @@ def _sba_bwd_q(
     Q, K, V, O, R, DO, DQ, TT, REST, CK, SK, M,
     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_m, sr_b, sr_h, sr_m,
     sd_b, sd_h, sd_m, sdq_b, sdq_h, sdq_m, sm_b, sm_m, sm_n,
-    H, G, HKV, PAIR0, LQ, LK, Q_OFF_PTR, scale, CSTRIDE, NSLOT,
+    H, G, HKV, PAIR0, LQ, LK, Q_OFF_PTR, scale, CSTRIDE, NSLOT, WINDOW,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     ATTEND_CURRENT: tl.constexpr, REMAINDER: tl.constexpr, HAS_MASK: tl.constexpr, HAS_RES: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     Q_OFF = tl.load(Q_OFF_PTR)  # the query offset, a device tensor: never read on the host
     pid_m = tl.program_id(0)
@@ -269,11 +283,12 @@ def _sba_bwd_q(
     if not ATTEND_CURRENT:
         hi = hi - 1
     n_tiles = (hi + BN) // BN
+    t_lo = _first_tile(pid_m, Q_OFF, WINDOW, BM, BN, HAS_WINDOW)  # checkpoints left of it are never read
 
     c = tl.where(row_ok, 0.0, _BIG)  # Σ sp over the keys right of the tile
     s_g = tl.full((BM,), 0.0, tl.float32)  # Σ g over the keys right of the tile
     dq = tl.full((BM, BD), 0.0, tl.float32)
-    for it in range(0, n_tiles):
+    for it in range(0, n_tiles - t_lo):
         t = n_tiles - 1 - it
         if t % CSTRIDE == CSTRIDE - 1:
             slot = t // CSTRIDE
@@ -285,7 +300,7 @@ def _sba_bwd_q(
             k = _load_rows(k_base, keys, sk_n, offs_d, k_ok, d_ok)
             v = _load_rows(v_base, keys, sv_n, offs_d, k_ok, d_ok)
             z, brk, sp, suffix, a = _stick(q, k, c, rows, keys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
-                                           ATTEND_CURRENT, HAS_MASK, PREC, UPCAST)
+                                           WINDOW, ATTEND_CURRENT, HAS_MASK, PREC, UPCAST, HAS_WINDOW)
             gg = a.to(v.dtype).to(tl.float32) * _mm(do, tl.trans(v), PREC, UPCAST)
             g_after = s_g[:, None] + (tl.associative_scan(gg, 1, _add, reverse=True) - gg)
             live = brk & (c[:, None] + (suffix - sp) <= EXHAUSTED)
@@ -312,9 +327,10 @@ def _sba_bwd_kv(
     Q, K, V, DO, DK, DV, TT, CK, SK, M,
     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sd_b, sd_h, sd_m,
     sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n, sm_b, sm_m, sm_n,
-    H, G, HKV, PAIR0, LQ, LK, Q_OFF_PTR, scale, CSTRIDE, NSLOT,
+    H, G, HKV, PAIR0, LQ, LK, Q_OFF_PTR, scale, CSTRIDE, NSLOT, WINDOW,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     ATTEND_CURRENT: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     Q_OFF = tl.load(Q_OFF_PTR)  # the query offset, a device tensor: never read on the host
     pid_n = tl.program_id(0)
@@ -339,6 +355,10 @@ def _sba_bwd_kv(
     first_row = tl.maximum(n_start - Q_OFF, 0)
     m_lo = first_row // BM
     n_mblocks = (LQ + BM - 1) // BM
+    m_hi = n_mblocks
+    if HAS_WINDOW:  # query blocks whose first query's window starts right of this tile see none of its keys
+        reach = n_start + BN + WINDOW - 2 - Q_OFF  # the last query row whose window reaches the tile
+        m_hi = tl.where(reach < 0, 0, tl.minimum(n_mblocks, tl.maximum(reach, 0) // BM + 1))
     ckpt = pid_n + (CSTRIDE - 1) - pid_n % CSTRIDE
     for hh in range(0, G):
         h = g * G + hh
@@ -348,7 +368,7 @@ def _sba_bwd_kv(
         q_base = Q + b * sq_b + h * sq_h
         do_base = DO + b * sd_b + h * sd_h
         bh = (b * H + h) * LQ
-        for m in range(m_lo, n_mblocks):
+        for m in range(m_lo, m_hi):
             rows = m * BM + tl.arange(0, BM)
             row_ok = rows < LQ
             qidx = rows + Q_OFF
@@ -376,13 +396,14 @@ def _sba_bwd_kv(
                     wk = _load_rows(k_base, wkeys, sk_n, offs_d, wk_ok, d_ok)
                     wv = _load_rows(v_base, wkeys, sv_n, offs_d, wk_ok, d_ok)
                     wz, wbrk, wsp, wsuffix, wa = _stick(q, wk, c, rows, wkeys, qidx, row_ok, LK, m_base, sm_m, sm_n,
-                                                        scale, ATTEND_CURRENT, HAS_MASK, PREC, UPCAST)
+                                                        scale, WINDOW, ATTEND_CURRENT, HAS_MASK, PREC, UPCAST,
+                                                        HAS_WINDOW)
                     wg = wa.to(wv.dtype).to(tl.float32) * _mm(do, tl.trans(wv), PREC, UPCAST)
                     c = c + tl.reduce(wsp, 1, _add)
                     s_g = s_g + tl.reduce(wg, 1, _add)
             if tl.reduce(c, 0, _min) <= EXHAUSTED:
                 z, brk, sp, suffix, a = _stick(q, k, c, rows, keys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
-                                               ATTEND_CURRENT, HAS_MASK, PREC, UPCAST)
+                                               WINDOW, ATTEND_CURRENT, HAS_MASK, PREC, UPCAST, HAS_WINDOW)
                 gg = a.to(v.dtype).to(tl.float32) * _mm(do, tl.trans(v), PREC, UPCAST)
                 g_after = s_g[:, None] + (tl.associative_scan(gg, 1, _add, reverse=True) - gg)
                 live = brk & (c[:, None] + (suffix - sp) <= EXHAUSTED)
@@ -400,7 +421,7 @@ def _sba_bwd_kv(
 
 _JIT = LazyJit(
     globals(),
-    [_add, _min, _softplus, _dsoftplus, _mm, _breakpoints, _stick, _load_rows],
+    [_add, _min, _softplus, _dsoftplus, _mm, _breakpoints, _stick, _first_tile, _load_rows],
     [_sba_fwd, _sba_bwd_q, _sba_bwd_kv],
     {"_add": "_sum_combine", "_min": "_elementwise_min"}
 )
@@ -456,7 +477,7 @@ def _bhld_out(b: int, h: int, length: int, d: int, like: torch.Tensor) -> torch.
     return torch.empty((b, length, h, d), dtype=like.dtype, device=like.device).transpose(1, 2)
 
 
-def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, save_residual):
+def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, save_residual, window=None):
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     bm, bn, warps, stages = _blocks("fwd", q.dtype)
@@ -471,10 +492,11 @@ def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, sa
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         res.stride(0), res.stride(1), res.stride(2), sm_b, sm_m, sm_n,
-        h, h // hkv, lq, lk, q_offset, scale,
+        h, h // hkv, lq, lk, q_offset, scale, 0 if window is None else window,
         D=d, BD=max(16, triton.next_power_of_2(d)), BM=bm, BN=bn,
         ATTEND_CURRENT=attend_current, REMAINDER=REMAINDERS[remainder], HAS_MASK=mask is not None,
-        SAVE_RES=save_residual, PREC=_precision(q.dtype), UPCAST=interpreting(), num_warps=warps, num_stages=stages,
+        SAVE_RES=save_residual, PREC=_precision(q.dtype), UPCAST=interpreting(), HAS_WINDOW=window is not None,
+        num_warps=warps, num_stages=stages,
     )
     return o, (res if save_residual else None)
 
@@ -492,7 +514,7 @@ def _carry_layout(lk: int, bn: int) -> tuple[int, int]:
     return stride, max(1, n_tiles // stride)
 
 
-def _backward(q, k, v, o, res, do, mask, scale, q_offset, attend_current, remainder):
+def _backward(q, k, v, o, res, do, mask, scale, q_offset, attend_current, remainder, window=None):
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     groups = h // hkv
@@ -521,9 +543,10 @@ def _backward(q, k, v, o, res, do, mask, scale, q_offset, attend_current, remain
             v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
             resid.stride(0), resid.stride(1), resid.stride(2), do.stride(0), do.stride(1), do.stride(2),
             dq.stride(0), dq.stride(1), dq.stride(2), sm_b, sm_m, sm_n,
-            h, groups, hkv, pair0, lq, lk, q_offset, scale, cstride, nslot,
+            h, groups, hkv, pair0, lq, lk, q_offset, scale, cstride, nslot, 0 if window is None else window,
             D=d, BD=bd, BM=bm1, BN=bn, ATTEND_CURRENT=attend_current, REMAINDER=REMAINDERS[remainder],
-            HAS_MASK=mask is not None, HAS_RES=res is not None, PREC=prec, UPCAST=upcast, num_warps=warps1,
+            HAS_MASK=mask is not None, HAS_RES=res is not None, PREC=prec, UPCAST=upcast,
+            HAS_WINDOW=window is not None, num_warps=warps1,
             num_stages=stages1,
         )
         guarded(_sba_bwd_kv, "sba", {"q": q.shape, "k/v": k.shape}, q.dtype)[(triton.cdiv(lk, bn), n_pairs)](
@@ -531,9 +554,9 @@ def _backward(q, k, v, o, res, do, mask, scale, q_offset, attend_current, remain
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), sm_b, sm_m, sm_n,
-            h, groups, hkv, pair0, lq, lk, q_offset, scale, cstride, nslot,
+            h, groups, hkv, pair0, lq, lk, q_offset, scale, cstride, nslot, 0 if window is None else window,
             D=d, BD=bd, BM=bm2, BN=bn, ATTEND_CURRENT=attend_current, HAS_MASK=mask is not None,
-            PREC=prec, UPCAST=upcast, num_warps=warps2, num_stages=stages2,
+            PREC=prec, UPCAST=upcast, HAS_WINDOW=window is not None, num_warps=warps2, num_stages=stages2,
         )
     return dq, dk, dv, (rest if remainder != "discard" else None)
 
@@ -542,20 +565,20 @@ class SbaFunction(torch.autograd.Function):
     """Stick-breaking attention with gradients for q, k, v and the remainder bias."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, bias, scale, q_offset, attend_current, remainder):
+    def forward(ctx, q, k, v, mask, bias, scale, q_offset, attend_current, remainder, window=None):
         needs_grad = any(ctx.needs_input_grad[i] for i in (0, 1, 2, 4))
         save_residual = needs_grad and q.dtype != torch.float32
-        o, res = _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, save_residual)
+        o, res = _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, save_residual, window)
         if needs_grad:
             ctx.save_for_backward(q, k, v, o, res, mask, bias)
-        ctx.args = (scale, q_offset, attend_current, remainder)
+        ctx.args = (scale, q_offset, attend_current, remainder, window)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, res, mask, bias = ctx.saved_tensors
-        scale, q_offset, attend_current, remainder = ctx.args
-        dq, dk, dv, rest = _backward(q, k, v, o, res, do, mask, scale, q_offset, attend_current, remainder)
+        scale, q_offset, attend_current, remainder, window = ctx.args
+        dq, dk, dv, rest = _backward(q, k, v, o, res, do, mask, scale, q_offset, attend_current, remainder, window)
         dbias = None
         if remainder != "discard":
             b, h, lq, d = q.shape
@@ -568,7 +591,7 @@ class SbaFunction(torch.autograd.Function):
                 dv = dv.to(v.dtype)
             elif ctx.needs_input_grad[4]:
                 dbias = weighted.sum(dim=(0, 2)).to(bias.dtype)
-        return dq, dk, dv, None, dbias, None, None, None, None
+        return dq, dk, dv, None, dbias, None, None, None, None, None
 
 
 def sba_triton(
@@ -581,6 +604,7 @@ def sba_triton(
     attend_current: bool = False,
     remainder: str = "discard",
     bias: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Stick-breaking attention with the Triton kernels (inputs validated by the dispatcher).
 
@@ -590,10 +614,18 @@ def sba_triton(
         mask: (B|1, 1, Lq, Lk) bool (True = may attend) or None; causality by index is always applied.
         q_offset: query i is key ``q_offset + i`` (``q_offset + Lq <= Lk``).
         bias: (H, D) the per-head remainder vector of ``remainder="bias"``.
+        window: None, or an int >= 1: query i sees only keys qi − window < j <= qi; the keys outside are absent
+            (no weight, no break). The query-major kernels start their walk at the tile of the first query's
+            window edge; the key-major kernel stops at the last query block whose window reaches its keys.
+            A runtime int (one compilation for every size) behind the compile-time switch HAS_WINDOW.
 
     Returns:
         (B, H, Lq, D) in q's dtype (a transposed view of a (B, Lq, H, D) tensor).
+
+    Raises:
+        TypeError, ValueError: ``window`` is not None or an int >= 1.
     """
+    window = check_window(window)
     # (1,) int32 on the device, loaded by the kernels: a tensor offset (a StaticCache's) is never read on the host
     offset = torch.as_tensor(q_offset).to(device=q.device, dtype=torch.int32).reshape(1)
-    return SbaFunction.apply(q, k, v, mask, bias, float(scale), offset, bool(attend_current), remainder)
+    return SbaFunction.apply(q, k, v, mask, bias, float(scale), offset, bool(attend_current), remainder, window)

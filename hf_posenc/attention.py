@@ -288,6 +288,7 @@ def _kernel_attention(
     scaling: float,
     dropout: float,
     training: bool,
+    window: int | None = None,
 ) -> torch.Tensor | None:
     """out (B, H, Lq, D) from the ``triton`` or ``flex`` backend, or None to run the reference (only when
     the backend is not forced; a forced backend that cannot run raises a ValueError with the reason)."""
@@ -315,7 +316,13 @@ def _kernel_attention(
         return None
     run = fused_attention if backend == "triton" else flex_attention_term
     extra = {} if backend == "triton" else {"memo": ctx.memo}
-    return run(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset, key_valid=key_valid, **extra)
+    if window is not None and ctx.grid is not None:
+        reason = "a sliding window on ViT's grid is per axis; the kernels' window is 1D"
+        if forced:
+            raise ValueError(f"HF_POSENC_BACKEND={backend}, but {reason}")
+        return None
+    return run(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset, key_valid=key_valid,
+               window=window, **extra)
 
 
 def _tiled_torch_attention(
@@ -330,6 +337,7 @@ def _tiled_torch_attention(
     scaling: float,
     dropout: float,
     training: bool,
+    window: int | None = None,
 ) -> torch.Tensor | None:
     """out (B, H, Lq, D) from the tile-wise PyTorch engine with the encoding's ``kernel_term``, or None where
     the engine does not apply and the full-matrix reference runs instead (documented in the module
@@ -352,8 +360,10 @@ def _tiled_torch_attention(
     key_valid, reason = _key_validity(ctx, mask, causal, query.shape[2], key.shape[2], q_offset)
     if reason is not None or tiled_unsupported(query, key, value, term) is not None:
         return None
+    if window is not None and ctx.grid is not None:
+        return None  # ViT's window is per grid axis: the reference applies it as a band on the mask
     return tiled_attention(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset,
-                           key_valid=key_valid)
+                           key_valid=key_valid, window=window)
 
 
 def posenc_attention(
@@ -399,24 +409,27 @@ def posenc_attention(
     layer = getattr(module, "posenc_layer", 0) if posenc_layer is None else posenc_layer
     # Index of the first query among the keys: the cache length before this forward.
     q_offset = posenc_ctx.q_offset if posenc_ctx is not None else k_len - q_len
+    # A sliding window: the kernels and the tile engine take it as a number and skip the key tiles outside it;
+    # the references below get it as a band on the mask.
     window = layer_window(posenc_ctx)
-    if window is not None:
-        attention_mask = _windowed_mask(posenc_ctx, window, attention_mask, causal, q_len, k_len, q_offset,
-                                        query.device)
     training = module.training
     need_weights = bool(posenc_ctx is not None and posenc_ctx.need_weights)
     if backend != "torch" and not need_weights:
         out = _kernel_attention(
-            backend, posenc_ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling, dropout, training
+            backend, posenc_ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling, dropout, training,
+            window,
         )
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
     if posenc_ctx is not None and not need_weights:
         out = _tiled_torch_attention(
-            posenc_ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling, dropout, training
+            posenc_ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling, dropout, training, window
         )
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
+    if window is not None:
+        attention_mask = _windowed_mask(posenc_ctx, window, attention_mask, causal, q_len, k_len, q_offset,
+                                        query.device)
     if posenc_ctx is not None and getattr(unwrap(posenc_ctx.encoding), "custom_attention", False):
         mask = _full_mask(attention_mask, causal, q_len, k_len, q_offset, query.device)
         # Whether ``mask`` is causality alone (no padding, no cache): an ``attend`` may then run is_causal kernels.

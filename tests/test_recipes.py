@@ -399,3 +399,28 @@ def test_plan_with_window_compiles_as_one_graph():
         want = model(ids).logits
         got = torch.compile(model, fullgraph=True, backend="eager")(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_windowed_layers_run_the_tile_engine_with_the_window(monkeypatch):
+    """A windowed alibi layer runs the tile-wise engine with ``window`` (which skips the tiles outside it) and
+    builds no band mask; the logits are the reference's (output_attentions runs the reference)."""
+    import hf_posenc.attention as attention
+
+    seen = []
+    real = attention.tiled_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("window"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "tiled_attention", spy)
+    monkeypatch.setattr(attention, "_windowed_mask", lambda *a, **k: pytest.fail("band mask built"))
+    model = _model("llama", {"name": "alibi", "window": 3}, layers=2)
+    ids = make_ids(2, 12)
+    with torch.no_grad():
+        got = model(ids).logits
+    assert seen == [3, 3]
+    monkeypatch.undo()
+    with torch.no_grad():
+        want = model(ids, output_attentions=True).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -282,14 +282,18 @@ class Cope(PositionEncoding):
         """
         from ..kernels.cope import cope, cope_backend, cope_tiled
 
+        # a sliding window is in ``mask`` already (a band); the engines also take it as a number, to skip the
+        # key tiles outside it
+        window = self.posenc_config.window
+
         backend = cope_backend(
             query, key, value, mask, ctx.q_offset, ctx.need_weights, dropout, training, causal=self.info.causal
         )
         if backend == "triton":
-            return cope(query, key, value, self.pos_emb[layer], mask, scaling, ctx.q_offset), None
+            return cope(query, key, value, self.pos_emb[layer], mask, scaling, ctx.q_offset, window=window), None
         if not self._needs_reference(ctx.need_weights, dropout, training):
             # the tile-wise engine: O(L·block) memory, no probabilities formed
-            return cope_tiled(query, key, value, self.pos_emb[layer], mask, scaling, ctx.q_offset), None
+            return cope_tiled(query, key, value, self.pos_emb[layer], mask, scaling, ctx.q_offset, window=window), None
         b, h, q_len, _ = query.shape
         k_len = key.shape[2]
         groups = h // key.shape[1]

@@ -296,16 +296,22 @@ class StickBreaking(PositionEncoding):
             return self._attend_grid(ctx, layer, query, key, value, mask, scaling, dropout, training)
         from ..kernels.sba import sba_backend, sba_tiled, stick_breaking
 
+        # a sliding window is in ``mask`` already (a band); the engines also take it as a number, to skip the
+        # key tiles outside it
+        window = self.posenc_config.window
+
         if sba_backend(query, key, value, mask, ctx.q_offset, ctx.need_weights, dropout, training) == "triton":
             bias = self.remainder_bias[layer] if self.remainder == "bias" else None
             out = stick_breaking(
-                query, key, value, mask, scaling, ctx.q_offset, self.attend_current, self.remainder, bias
+                query, key, value, mask, scaling, ctx.q_offset, self.attend_current, self.remainder, bias, window=window
             )
             return out, None
         if not self._needs_reference(ctx.need_weights, dropout, training):
             # the tile-wise engine: O(L·block) memory, no weights formed
             bias = self.remainder_bias[layer] if self.remainder == "bias" else None
-            out = sba_tiled(query, key, value, mask, scaling, ctx.q_offset, self.attend_current, self.remainder, bias)
+            out = sba_tiled(
+                query, key, value, mask, scaling, ctx.q_offset, self.attend_current, self.remainder, bias, window=window
+            )
             return out, None
         b, h, q_len, _ = query.shape
         k_len = key.shape[2]

@@ -64,7 +64,7 @@ OLDEST_VENV ?= .venv-oldest
 OLDEST_PINS ?= "transformers==5.17.0" "accelerate==1.3.0" "peft==0.15.0"
 OLDEST_PY := $(OLDEST_VENV)/bin/python
 OLDEST_STAMP := $(OLDEST_VENV)/.hf_posenc-oldest
-OLDEST_TESTS ?= tests/test_api.py tests/test_ecosystem.py tests/test_chunked_prefill.py tests/test_common.py
+OLDEST_TESTS ?= tests/test_api.py tests/test_ecosystem.py tests/test_chunked_prefill.py tests/test_common.py tests/test_recipes.py
 # Mistral with a StaticCache is left out: transformers 5.17's StaticCache keeps only min(window, max_cache_len)
 # of a model whose every layer slides, so the length hf_posenc needs is lost and the patch refuses that cache
 # with a ValueError (a DynamicCache works; transformers 5.2x records the length and works).

@@ -28,14 +28,18 @@ def swap_class(module: nn.Module, new_cls: type) -> None:
             f"(subclasses with their own forward are not supported)"
         )
     module.__class__ = new_cls
-    # transformers (5.2x) keys its output-capturing registry (output_attentions / output_hidden_states) on the
-    # class name: give the swapped class the native class's entry. Older releases read the class attribute.
+    # transformers keys its output-capturing registry (output_attentions / output_hidden_states) on the model
+    # instance (5.2x) or on ``str(type(model))`` (5.17): give the swapped class the native class's entry, in
+    # the form this release reads (an entry keyed by a class name is what 5.17 itself writes for every class).
     if getattr(module, "_can_record_outputs", None) is not None:
         try:
             from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
         except ImportError:
             return
-        _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
+        if type(_CAN_RECORD_REGISTRY) is dict:  # 5.17: a plain dict keyed by str(class)
+            _CAN_RECORD_REGISTRY[str(new_cls)] = module._can_record_outputs
+        else:
+            _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
 
 
 def unshare_config(model: nn.Module) -> None:

@@ -95,8 +95,8 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
     return StudyConfig(
         encodings=args.encodings, family=args.family, task=args.task, train_len=args.train_len, steps=args.steps,
         layers=args.layers, hidden=args.hidden, heads=args.heads, batch=args.batch, lr=args.lr, seed=args.seed,
-        seeds=args.seeds, jobs=args.jobs, device=args.device, threads=args.threads, out=args.out, data=args.data, factors=args.factors,
-        eval_tokens=args.eval_tokens, eval_sequences=args.eval_sequences, progress=not args.no_progress,
+        seeds=args.seeds, jobs=args.jobs, device=args.device, threads=args.threads, out=args.out, data=args.data,
+        factors=args.factors, eval_tokens=args.eval_tokens, eval_sequences=args.eval_sequences, progress=not args.no_progress,
         resume=args.resume,
     )
 

@@ -29,12 +29,12 @@ from typing import ClassVar
 import torch
 
 __all__ = [
+    "IN_DISTRIBUTION",
     "TASKS",
     "Corpus",
     "Counting",
     "Digits",
     "FlipFlop",
-    "IN_DISTRIBUTION",
     "Passkey",
     "SelectiveCopy",
     "Task",

@@ -227,7 +227,7 @@ def plot(results: dict[str, Any], path: str | os.PathLike) -> None:
     markers = "os^vDP*Xph"
     settings = results["settings"]
     seeds = settings.get("seeds") or [settings["seed"]]
-    span = len(line_splits) if heat_cols <= len(line_splits) else heat_cols
+    span = max(len(line_splits), heat_cols)
     for k, split in enumerate(line_splits):
         ax = fig.add_subplot(grid[0, k] if len(line_splits) > 1 else grid[0, :span])
         for i, (enc, runs) in enumerate(groups):

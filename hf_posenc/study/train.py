@@ -13,7 +13,14 @@ Three kinds of study:
   evaluation length (``eval_tokens`` bytes, cut into windows of each length).
 * ``flip-flop``, ``selective-copy``, ``counting`` (Llama or GPT-2): the CoPE paper's synthetic tasks
   (``data.py``). Metric: accuracy on the answer tokens, teacher-forced, over ``eval_sequences`` fresh
-  sequences per length.
+  sequences per length, in distribution (``eval``) and on each out-of-distribution split of the task
+  (``splits``: flip-flop sparse and dense, selective-copy dense and sparse, counting ood).
+* ``passkey`` (Llama or GPT-2): a key hidden in filler, repeated at the end. Metric: retrieval (every key
+  digit right), in distribution and at fixed depths (one split per depth).
+
+Seeds: ``seeds`` (default ``[seed]``) trains every encoding once per seed; each seed has its own initial
+weights, training batches and evaluation sets. ``jobs`` > 1 trains independent (encoding, seed) runs in
+spawned worker processes, with the same numbers.
 * ``digits`` (ViT): classification of scikit-learn's 8x8 digits upscaled to ``train_len`` pixels a side,
   patch size 4; evaluated on the test images upscaled to larger sides. Metric: accuracy.
 

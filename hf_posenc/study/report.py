@@ -103,7 +103,8 @@ def _split_table(results: dict[str, Any], split: str) -> tuple[list[str], list[s
             seeds = f" (seed {', '.join(str(r.get('seed')) for r in bad)})" if len(runs) > 1 else ""
             notes.append(f"`{enc}`{seeds}: {word}: {bad[0]['reason']}")
             continue
-        if enc not in stats:
+        if enc not in stats:  # runs kept by --resume from a results.json written before this split existed
+            lines.append(f"| {name} | " + " | ".join(["-"] * len(labels)) + " |")
             continue
         cells = []
         for j, (mean, lo, hi) in enumerate(stats[enc]):

@@ -781,7 +781,10 @@ def run_study(config: StudyConfig) -> dict[str, Any]:
 
         done: dict[tuple[str, int], dict[str, Any]] = {}
         if prev is not None:
-            if _jsonish(datas[c.seeds[0]].describe()) != prev.get("data"):
+            now_data = _jsonish(datas[c.seeds[0]].describe())
+            if isinstance(prev.get("data"), dict) and "splits" not in prev["data"]:
+                now_data.pop("splits", None)  # a results.json from before the splits: its runs lack them only
+            if now_data != prev.get("data"):
                 raise ValueError(f"--resume: the data differ from those of {c.out}/results.json (another --data "
                                  "file, or it changed); resume on the same data, or write to another --out")
             old_seed = prev["settings"].get("seed", 0)

@@ -211,3 +211,23 @@ def test_cli_bad_input_is_a_clear_error(capsys):
         assert cli_main(["study", *args, "--no-progress", "--out", "/nonexistent/never"]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, err
+
+
+def test_resume_of_a_results_json_from_before_the_splits(tmp_path):
+    """A task study written before splits and seeds existed (no "splits", no "seed") resumes: its runs are kept
+    and read '-' in the split tables; the new runs get the splits."""
+    cfg = {"task": "flip-flop", "out": str(tmp_path), **TINY}
+    run_study(StudyConfig(encodings=["nope"], **cfg))
+    path = tmp_path / "results.json"
+    old = json.loads(path.read_text())
+    del old["data"]["splits"]
+    for key in ("seeds", "jobs"):
+        del old["settings"][key]
+    for r in old["results"]:
+        del r["splits"], r["seed"]
+    path.write_text(json.dumps(old))
+    res = run_study(StudyConfig(encodings=["nope", "alibi"], resume=True, **cfg))
+    assert res["resumed"]["kept_from_results_json"] == ["nope"]
+    assert "splits" in res["results"][1] and res["results"][0]["seed"] == 0
+    sparse = res["table"].split("**sparse**")[1]
+    assert "| `nope` | - | - |" in sparse and "| `alibi` | " in sparse

@@ -35,22 +35,23 @@ def _cell(values: list[float]) -> str:
 
 
 def summary_table(studies: dict[str, dict]) -> str:
-    """One row per encoding; per task and split, accuracy (%) at 1x and 2x the training length."""
-    columns = []
+    """One markdown table per task: a row per encoding; per split, accuracy (%) at 1x and 2x the training
+    length, ``mean (min-max)`` over the seeds."""
+    blocks = []
     for task, res in studies.items():
-        for split in split_names(res):
-            for j, n in enumerate(res["study"]["eval_lengths"]):
-                columns.append((task, split, j, f"{task} {split} {n}"))
-    lines = ["| encoding | " + " | ".join(c[3] for c in columns) + " |", "|---|" + "---:|" * len(columns)]
-    encodings = list(dict.fromkeys(enc for res in studies.values() for enc, _ in group_runs(res)))
-    for enc in encodings:
-        cells = []
-        for task, split, j, _ in columns:
-            runs = dict(group_runs(studies[task])).get(enc, [])
+        columns = [(split, j, f"{split} {n}") for split in split_names(res)
+                   for j, n in enumerate(res["study"]["eval_lengths"])]
+        s = res["settings"]
+        title = (f"**{task}** (trained at {res['study']['train_length']} tokens, {s['steps']} steps, seeds "
+                 f"{', '.join(map(str, s['seeds']))}; {res['wall_seconds'] / 60:.0f} min wall)")
+        lines = [title, "",
+                 "| encoding | " + " | ".join(c[2] for c in columns) + " |", "|---|" + "---:|" * len(columns)]
+        for enc, runs in group_runs(res):
             ok = [r for r in runs if r["status"] == "ok"]
-            cells.append(_cell([split_evals(r, split)[j]["metric"] for r in ok]) if ok else "-")
-        lines.append(f"| `{enc}` | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            cells = [_cell([split_evals(r, split)[j]["metric"] for r in ok]) if ok else "-" for split, j, _ in columns]
+            lines.append(f"| `{enc}` | " + " | ".join(cells) + " |")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,8 +39,8 @@ metric validation perplexity per byte. --task flip-flop|selective-copy|counting:
 tasks, metric answer accuracy, also on the papers' out-of-distribution splits (flip-flop: sparse and dense;
 selective-copy: dense and sparse blanks; counting: ood). --task passkey: a key hidden at a depth in filler,
 repeated at the end; accuracy per length and per depth. --seeds 0 1 2: every encoding once per seed, mean
-and range. --family vit: scikit-learn's 8x8 digits upscaled, evaluated at larger image
-sizes, metric test accuracy."""
+and range. --family vit: scikit-learn's 8x8 digits upscaled, evaluated at larger image sizes, metric test
+accuracy."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

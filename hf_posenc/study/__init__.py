@@ -36,8 +36,11 @@ keeps what it finished; --resume continues it), then study.png. Needs the study 
 ViT: pip install "hf_posenc[study]".
 Text (default): byte-level language modelling on the Python standard library's own source (no download),
 metric validation perplexity per byte. --task flip-flop|selective-copy|counting: the CoPE paper's synthetic
-tasks, metric answer accuracy. --family vit: scikit-learn's 8x8 digits upscaled, evaluated at larger image
-sizes, metric test accuracy."""
+tasks, metric answer accuracy, also on the papers' out-of-distribution splits (flip-flop: sparse and dense;
+selective-copy: dense and sparse blanks; counting: ood). --task passkey: a key hidden at a depth in filler,
+repeated at the end; accuracy per length and per depth. --seeds 0 1 2: every encoding once per seed, mean
+and range. --family vit: scikit-learn's 8x8 digits upscaled, evaluated at larger image sizes, metric test
+accuracy."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"anything else a new encoding. Default: {' '.join(DEFAULT_ENCODINGS)}")
     p.add_argument("--family", choices=("llama", "gpt2", "vit"), default=d.family, help="model family (default llama)")
     p.add_argument("--task", choices=(*TEXT_TASKS, "digits"), default=None,
-                   help="text (default on llama/gpt2), flip-flop, selective-copy, counting; digits (vit, the default there)")
+                   help="text (default on llama/gpt2), flip-flop, selective-copy, counting, passkey; digits (vit, the "
+                   "default there)")
     p.add_argument("--train-len", type=int, default=None,
                    help="training length: tokens (default 64), or the image side in pixels on vit (default 16)")
     p.add_argument("--steps", type=int, default=d.steps, help=f"training steps per model (default {d.steps})")
@@ -60,6 +64,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=None, help="batch size (default 16; 64 on vit)")
     p.add_argument("--lr", type=float, default=d.lr, help=f"peak AdamW learning rate (default {d.lr})")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed: same seed, same numbers (default {d.seed})")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, metavar="S",
+                   help="several seeds (e.g. 0 1 2): every encoding is trained once per seed; the table gives the "
+                   "mean and the range (min-max), the plot the mean with a band, results.json every run. "
+                   "Replaces --seed")
+    p.add_argument("--jobs", type=int, default=d.jobs,
+                   help="worker processes for the independent (encoding, seed) runs (default 1); each uses "
+                   "--threads torch threads. Same numbers with or without")
     p.add_argument("--device", default=d.device, help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N")
     p.add_argument("--threads", type=int, default=d.threads,
                    help="torch CPU threads (default 1: tiny models gain little, and on small shared VMs two "
@@ -84,8 +95,8 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
     return StudyConfig(
         encodings=args.encodings, family=args.family, task=args.task, train_len=args.train_len, steps=args.steps,
         layers=args.layers, hidden=args.hidden, heads=args.heads, batch=args.batch, lr=args.lr, seed=args.seed,
-        device=args.device, threads=args.threads, out=args.out, data=args.data, factors=args.factors,
-        eval_tokens=args.eval_tokens, eval_sequences=args.eval_sequences, progress=not args.no_progress,
+        seeds=args.seeds, jobs=args.jobs, device=args.device, threads=args.threads, out=args.out, data=args.data,
+        factors=args.factors, eval_tokens=args.eval_tokens, eval_sequences=args.eval_sequences, progress=not args.no_progress,
         resume=args.resume,
     )
 

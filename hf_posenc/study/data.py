@@ -6,6 +6,7 @@ selection, and every random draw comes from a generator seeded by the caller.
 * :func:`load_corpus` -- real text that needs no download: the Python standard library's own source
   files (or a user's file or folder), read as bytes (vocabulary 256), split into train and validation by
   file.
+* :class:`Passkey` -- passkey retrieval (Mohtashami and Jaggi, 2023), at token level.
 * :class:`FlipFlop`, :class:`SelectiveCopy`, :class:`Counting` -- the three synthetic tasks of
   "Contextual Position Encoding: Learning to Count What's Important" (Golovneva et al., 2024,
   https://arxiv.org/abs/2405.18719). Each docstring states the exact generator. The generators follow the
@@ -28,11 +29,13 @@ from typing import ClassVar
 import torch
 
 __all__ = [
+    "IN_DISTRIBUTION",
     "TASKS",
     "Corpus",
     "Counting",
     "Digits",
     "FlipFlop",
+    "Passkey",
     "SelectiveCopy",
     "Task",
     "eval_windows",
@@ -211,6 +214,28 @@ def eval_windows(data: torch.Tensor, lengths: list[int], tokens: int) -> dict[in
 
 # -- synthetic tasks (CoPE paper) ------------------------------------------------------------------------
 
+#: The name of every task's training distribution among its evaluation splits.
+IN_DISTRIBUTION = "in-distribution"
+
+#: What each split means (recorded in ``results.json`` beside its parameters).
+SPLIT_MEANINGS: dict[tuple[str, str], str] = {
+    ("flip-flop", IN_DISTRIBUTION): "FFL(0.8): p(ignore) 0.8, p(write) = p(read) = 0.1, as in training",
+    ("flip-flop", "sparse"): "FFL(0.98), Liu et al.'s sparse split: p(ignore) 0.98, p(write) = p(read) = 0.01; "
+    "reads sit far from their writes",
+    ("flip-flop", "dense"): "FFL(0.1), Liu et al.'s dense split: p(ignore) 0.1, p(write) = p(read) = 0.45; "
+    "many reads and writes close together",
+    ("selective-copy", IN_DISTRIBUTION): "the training blank density",
+    ("selective-copy", "dense"): "the CoPE paper's dense split: half the blanks of training, same symbols to copy "
+    "(the paper: 64 instead of 128 blanks for 128 symbols)",
+    ("selective-copy", "sparse"): "the CoPE paper's sparse split: twice the blanks of training, same symbols "
+    "(the paper: 256 instead of 128 blanks for 128 symbols)",
+    ("counting", IN_DISTRIBUTION): "episodes as in training",
+    ("counting", "ood"): "out of distribution: the same episodes and counts, each stretched to 4x its no-ops, so "
+    "the increments to count lie further apart and further from the query",
+    ("passkey", IN_DISTRIBUTION): "the key at a uniform random depth, as in training",
+    ("passkey", "depth"): "the key at this fixed depth: 0 = at the start of the filler, 1 = right before the question",
+}
+
 
 class Task:
     """A synthetic sequence task: a token vocabulary and a seeded generator of (tokens, answer positions).
@@ -240,6 +265,16 @@ class Task:
     def generate(self, rng: random.Random, length: int) -> tuple[list[int], list[int]]:
         raise NotImplementedError
 
+    def sequence_length(self, length: int) -> int:
+        """Tokens of a sequence that ``generate(rng, length)`` returns: ``length``, except for splits that
+        stretch or shrink the sequence (selective copy's blank density, counting's OOD split)."""
+        return length
+
+    def splits(self) -> dict[str, Task]:
+        """The evaluation splits: ``{name: task}``, ``"in-distribution"`` (this task) first. Each other split
+        is this task with documented parameters changed (see the subclass docstrings)."""
+        return {IN_DISTRIBUTION: self}
+
     def decode(self, ids: list[int]) -> str:
         """Token names joined by spaces (for docs and tests)."""
         return " ".join(self.tokens[i] for i in ids)
@@ -247,6 +282,14 @@ class Task:
     def describe(self) -> dict:
         d = {k: v for k, v in vars(self).items() if not k.startswith("_") and k != "tokens"}
         return {"task": self.name, "vocab": list(self.tokens), **d}
+
+    def describe_splits(self) -> dict[str, dict]:
+        """``{split: its parameters and meaning}`` for ``results.json``."""
+        out = {}
+        for name, task in self.splits().items():
+            d = {k: v for k, v in task.describe().items() if k not in ("task", "vocab")}
+            out[name] = {**d, "meaning": SPLIT_MEANINGS.get((self.name, name.split(" ")[0]), "")}
+        return out
 
 
 @dataclass
@@ -264,12 +307,37 @@ class FlipFlop(Task):
     Answers: the bit after every ``r`` (the only deterministic tokens). Longer evaluation sequences come
     from the same distribution, so the distance from a read back to its write has the same distribution at
     every length: only the absolute and relative positions seen are new.
+
+    Splits (:meth:`splits`): ``sparse`` FFL(0.98) and ``dense`` FFL(0.1), Liu et al.'s out-of-distribution
+    test sets ("Exposing Attention Glitches with Flip-Flop Language Modeling", NeurIPS 2023: FFL(p) writes and
+    reads with probability (1 - p) / 2 each and ignores with probability p; trained on FFL(0.8), tested on the
+    sparse tail FFL(0.98) and the dense FFL(0.1)).
     """
 
     name: ClassVar[str] = "flip-flop"
     tokens: ClassVar[tuple[str, ...]] = ("0", "1", "w", "r", "i")
     p_write: float = 0.1
     p_read: float = 0.1
+
+    #: Liu et al.'s evaluation splits FFL(p_i) with p_w = p_r = (1 - p_i) / 2: ``{name: p_ignore}``.
+    SPLIT_P_IGNORE: ClassVar[dict[str, float]] = {"sparse": 0.98, "dense": 0.1}
+
+    @property
+    def p_ignore(self) -> float:
+        return 1.0 - self.p_write - self.p_read
+
+    def splits(self) -> dict[str, Task]:
+        """In distribution, and Liu et al.'s (2023, §3.1 and §4) sparse and dense splits, which the CoPE paper
+        (§5.1) evaluates too: FFL(0.98) (``sparse``: p_w = p_r = 0.01) and FFL(0.1) (``dense``: p_w = p_r =
+        0.45), at the same lengths."""
+        out: dict[str, Task] = {IN_DISTRIBUTION: self}
+        for name, p in self.SPLIT_P_IGNORE.items():
+            q = round((1.0 - p) / 2, 10)
+            out[name] = FlipFlop(p_write=q, p_read=q)
+        return out
+
+    def describe(self) -> dict:
+        return {**super().describe(), "p_ignore": round(self.p_ignore, 10)}
 
     def min_length(self) -> int:
         return 4
@@ -318,18 +386,43 @@ class SelectiveCopy(Task):
 
     Answers: the ``num_copy`` tokens after ``|`` (the j-th answer is predicted from the context, ``|`` and
     the j - 1 answers before it). Longer evaluation sequences keep ``num_copy`` and add blanks: the
-    symbols are sparser and further from the answers (the paper's "sparse" out-of-distribution split).
+    symbols are sparser and further from the answers.
+
+    ``blank_scale`` (default 1) scales the blanks: a sequence of nominal length ``L`` has
+    ``B = L - 1 - 2 * num_copy`` blanks in distribution and ``round(blank_scale * B)`` here, so its true length
+    is :meth:`sequence_length`. Splits (:meth:`splits`), the CoPE paper's (§5.2: trained on 128 blanks
+    among 128 symbols, tested on a dense split of 64 blanks and a sparse split of 256): ``dense``
+    (``blank_scale`` 0.5) and ``sparse`` (``blank_scale`` 2), relative to the training blanks at every length.
     """
 
     name: ClassVar[str] = "selective-copy"
     num_symbols: int = 8
     num_copy: int = 8
+    blank_scale: float = 1.0
+
+    #: The CoPE paper's splits as multiples of the training blanks (64 / 128 and 256 / 128).
+    SPLIT_BLANK_SCALE: ClassVar[dict[str, float]] = {"dense": 0.5, "sparse": 2.0}
+
+    def splits(self) -> dict[str, Task]:
+        out: dict[str, Task] = {IN_DISTRIBUTION: self}
+        for name, scale in self.SPLIT_BLANK_SCALE.items():
+            out[name] = SelectiveCopy(num_symbols=self.num_symbols, num_copy=self.num_copy, blank_scale=scale)
+        return out
+
+    def blanks(self, length: int) -> int:
+        """Blanks in a sequence of nominal length ``length``."""
+        return round(self.blank_scale * (length - 1 - 2 * self.num_copy))
+
+    def sequence_length(self, length: int) -> int:
+        return 2 * self.num_copy + 1 + self.blanks(length)
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_symbols <= 26:
             raise ValueError(f"num_symbols must be in 1..26, got {self.num_symbols}")
         if self.num_copy < 1:
             raise ValueError(f"num_copy must be >= 1, got {self.num_copy}")
+        if not self.blank_scale > 0:
+            raise ValueError(f"blank_scale must be > 0, got {self.blank_scale}")
         self.tokens = tuple("abcdefghijklmnopqrstuvwxyz"[: self.num_symbols]) + ("_", "|")
 
     def min_length(self) -> int:
@@ -337,7 +430,8 @@ class SelectiveCopy(Task):
 
     def generate(self, rng: random.Random, length: int) -> tuple[list[int], list[int]]:
         self.check_length(length)
-        n_ctx = length - 1 - self.num_copy
+        n_ctx = self.num_copy + self.blanks(length)
+        length = self.sequence_length(length)
         cells = sorted(rng.sample(range(n_ctx), self.num_copy))
         symbols = [rng.randrange(self.num_symbols) for _ in range(self.num_copy)]
         ctx = [self.token_id("_")] * n_ctx
@@ -365,18 +459,37 @@ class Counting(Task):
 
     Answers: the count token ``n`` after each ``v?``. Longer evaluation sequences keep ``episodes`` and the
     count range, so the bodies are longer and sparser: the increments to count lie further from the query.
+
+    ``stretch`` (default 1) multiplies every episode's length (a sequence of nominal length ``L`` has
+    ``stretch * L`` tokens, :meth:`sequence_length`): the same episodes and counts among ``stretch`` times the
+    no-ops. Split ``ood`` (:meth:`splits`, ``stretch`` 4): the CoPE paper's out-of-distribution test of
+    counting (§5.3) as this project reads it, the same counts with the increments spread over a longer
+    context than in training.
     """
 
     name: ClassVar[str] = "counting"
     num_vars: int = 1
     max_count: int = 8
     episodes: int = 4
+    stretch: int = 1
+
+    #: ``{split: stretch}``.
+    SPLIT_STRETCH: ClassVar[dict[str, int]] = {"ood": 4}
+
+    def splits(self) -> dict[str, Task]:
+        out: dict[str, Task] = {IN_DISTRIBUTION: self}
+        for name, k in self.SPLIT_STRETCH.items():
+            out[name] = Counting(num_vars=self.num_vars, max_count=self.max_count, episodes=self.episodes, stretch=k)
+        return out
+
+    def sequence_length(self, length: int) -> int:
+        return self.stretch * length
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_vars <= 26:
             raise ValueError(f"num_vars must be in 1..26, got {self.num_vars}")
-        if self.max_count < 1 or self.episodes < 1:
-            raise ValueError("max_count and episodes must be >= 1")
+        if self.max_count < 1 or self.episodes < 1 or self.stretch < 1:
+            raise ValueError("max_count, episodes and stretch must be >= 1")
         names = "abcdefghijklmnopqrstuvwxyz"[: self.num_vars]
         self.tokens = tuple(str(c) for c in range(self.max_count + 1)) + (".",) + tuple(
             f"{v}{op}" for v in names for op in ("=", "+", "?")
@@ -388,6 +501,7 @@ class Counting(Task):
 
     def generate(self, rng: random.Random, length: int) -> tuple[list[int], list[int]]:
         self.check_length(length)
+        length = self.sequence_length(length)
         names = "abcdefghijklmnopqrstuvwxyz"[: self.num_vars]
         ids: list[int] = []
         answers: list[int] = []
@@ -409,7 +523,72 @@ class Counting(Task):
         return ids, answers
 
 
-TASKS: dict[str, type[Task]] = {"flip-flop": FlipFlop, "selective-copy": SelectiveCopy, "counting": Counting}
+@dataclass
+class Passkey(Task):
+    """Passkey retrieval (Mohtashami and Jaggi, 2023, "Landmark Attention", https://arxiv.org/abs/2305.16300,
+    §4.2), at token level.
+
+    Vocabulary: the digits ``0``-``9``, four filler tokens ``a b c d``, the key marker ``K`` ("the pass key
+    is") and the question ``?`` ("what is the pass key?"). A sequence of ``length`` tokens is filler with the
+    key block ``K d_1 .. d_n`` inserted, then ``? d_1 .. d_n`` at the end:
+
+    * the passkey is ``n = digits`` (default 5) digits, each uniform in 0-9;
+    * the filler is ``F = length - 2 * (digits + 1)`` tokens of the repeating pattern ``a b c d a b ...`` (the
+      paper repeats a fixed filler sentence);
+    * the key block goes after filler token ``j``: ``j = round(depth * F)`` for a fixed ``depth`` in [0, 1],
+      else (``depth=None``, training and the in-distribution split) ``j`` uniform in ``0 .. F``. Depth 0 puts
+      the key at the start, depth 1 right before the question.
+
+    Answers: the ``n`` digits after ``?``. A sequence counts as retrieved when all of them are the argmax
+    (teacher-forced, which is the same as greedy decoding). Splits (:meth:`splits`): in distribution, and one
+    per depth in ``DEPTHS``: accuracy per length and per depth, the paper's depth x length picture.
+    """
+
+    name: ClassVar[str] = "passkey"
+    digits: int = 5
+    depth: float | None = None
+
+    #: The fixed depths of the evaluation splits.
+    DEPTHS: ClassVar[tuple[float, ...]] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    FILLER: ClassVar[tuple[str, ...]] = ("a", "b", "c", "d")
+
+    def __post_init__(self) -> None:
+        if self.digits < 1:
+            raise ValueError(f"digits must be >= 1, got {self.digits}")
+        if self.depth is not None and not 0.0 <= self.depth <= 1.0:
+            raise ValueError(f"depth must be in [0, 1] or None, got {self.depth}")
+        self.tokens = tuple("0123456789") + self.FILLER + ("K", "?")
+
+    def splits(self) -> dict[str, Task]:
+        out: dict[str, Task] = {IN_DISTRIBUTION: self}
+        for d in self.DEPTHS:
+            out[f"depth {d:.2f}"] = Passkey(digits=self.digits, depth=d)
+        return out
+
+    def min_length(self) -> int:
+        return 2 * (self.digits + 1) + 1
+
+    def key_offset(self, rng: random.Random, filler: int) -> int:
+        """Filler tokens before the key block."""
+        if self.depth is None:
+            return rng.randint(0, filler)
+        return round(self.depth * filler)
+
+    def generate(self, rng: random.Random, length: int) -> tuple[list[int], list[int]]:
+        self.check_length(length)
+        n = self.digits
+        filler = length - 2 * (n + 1)
+        key = [rng.randrange(10) for _ in range(n)]  # digit tokens are ids 0..9
+        j = self.key_offset(rng, filler)
+        pattern = [self.token_id(t) for t in self.FILLER]
+        fill = [pattern[k % len(pattern)] for k in range(filler)]
+        ids = fill[:j] + [self.token_id("K")] + key + fill[j:] + [self.token_id("?")] + key
+        return ids, list(range(length - n, length))
+
+
+TASKS: dict[str, type[Task]] = {
+    "flip-flop": FlipFlop, "selective-copy": SelectiveCopy, "counting": Counting, "passkey": Passkey,
+}
 
 
 def get_task(name: str) -> Task:
@@ -424,10 +603,12 @@ def task_batch(task: Task, rng: random.Random, batch: int, length: int) -> tuple
     """``batch`` sequences from ``task``: (input_ids, labels), each (batch, length) int64.
 
     ``labels`` holds the token at answer positions and -100 elsewhere (transformers' causal LM loss shifts
-    them: the logits at position t - 1 predict the answer at t).
+    them: the logits at position t - 1 predict the answer at t). ``length`` is the nominal length: the
+    tensors have ``task.sequence_length(length)`` columns.
     """
-    ids = torch.empty(batch, length, dtype=torch.long)
-    labels = torch.full((batch, length), -100, dtype=torch.long)
+    n = task.sequence_length(length)
+    ids = torch.empty(batch, n, dtype=torch.long)
+    labels = torch.full((batch, n), -100, dtype=torch.long)
     for b in range(batch):
         seq, answers = task.generate(rng, length)
         ids[b] = torch.tensor(seq)

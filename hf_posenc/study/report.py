@@ -6,7 +6,9 @@ an interrupted study keeps what it finished), :func:`write_plot` then ``study.pn
 * ``results.json``: every number (per-step training losses, every metric at every length) and the exact
   settings, versions, machine, seed and device;
 * ``table.md``: the markdown table that the command also prints;
-* ``study.png``: the metric against evaluation length, one line per encoding (matplotlib, Agg backend).
+* ``study.png``: the metric against evaluation length, one line per encoding (matplotlib, Agg backend): one
+  panel per evaluation split, the mean over the seeds with a band over their range, and for passkey a
+  heatmap of retrieval by depth and length per encoding.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["column_labels", "markdown_table", "plot", "write_json", "write_outputs", "write_plot", "write_results"]
+__all__ = [
+    "column_labels", "group_runs", "markdown_table", "plot", "split_evals", "split_names", "spread", "write_json",
+    "write_outputs", "write_plot", "write_results",
+]
 
 LEARNED_MARK = "†"
 
@@ -40,38 +45,103 @@ def _cell(value: float | None, task: str) -> str:
     return f"{100 * value:.1f}"
 
 
-def markdown_table(results: dict[str, Any]) -> str:
-    """The study as a markdown table: one row per encoding, one column per evaluation length.
+IN_DISTRIBUTION = "in-distribution"
 
-    The best value of each column is bold. Rows for encodings that do not support the family read
-    ``n/a``, rows that failed ``error``; footnotes say what the numbers are.
-    """
+
+def split_names(results: dict[str, Any]) -> list[str]:
+    """The evaluation splits of a study: ``in-distribution`` first, then the task's others (tasks only)."""
+    names = [IN_DISTRIBUTION]
+    for name in (results.get("data") or {}).get("splits", {}):
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def split_evals(run: dict[str, Any], split: str) -> list[dict[str, Any]]:
+    """A run's evaluations (one per length) on ``split``."""
+    return run["eval"] if split == IN_DISTRIBUTION else run.get("splits", {}).get(split, [])
+
+
+def group_runs(results: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """``[(encoding spec, its runs)]`` in the order of first appearance (one run per seed)."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in results["results"]:
+        groups.setdefault(r["encoding"], []).append(r)
+    return list(groups.items())
+
+
+def spread(values: list[float | None]) -> tuple[float | None, float | None, float | None]:
+    """(mean, min, max) of the finite values; ``None`` if there are none (a diverged perplexity is None)."""
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals or len(vals) < len(values):
+        return None, None, None
+    return sum(vals) / len(vals), min(vals), max(vals)
+
+
+def _split_table(results: dict[str, Any], split: str) -> tuple[list[str], list[str]]:
     s = results["study"]
     task = s["task"]
     labels = column_labels(results)
     lines = ["| encoding | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
-    ok = [r for r in results["results"] if r["status"] == "ok"]
+    groups = group_runs(results)
+    stats: dict[str, list[tuple[float | None, float | None, float | None]]] = {}
+    for enc, runs in groups:
+        ok = [r for r in runs if r["status"] == "ok" and split_evals(r, split)]
+        if ok and len(ok) == len(runs):
+            stats[enc] = [spread([split_evals(r, split)[j]["metric"] for r in ok]) for j in range(len(labels))]
     best: list[float | None] = []
     for j in range(len(labels)):
-        vals = [r["eval"][j]["metric"] for r in ok if r["eval"][j]["metric"] is not None]
+        vals = [st[j][0] for st in stats.values() if st[j][0] is not None]
         best.append((max(vals) if s["higher_is_better"] else min(vals)) if vals else None)
     notes: list[str] = []
-    for r in results["results"]:
-        name = f"`{r['encoding']}`"
-        if r["status"] != "ok":
-            word = "n/a" if r["status"] == "not_applicable" else "error"
+    for enc, runs in groups:
+        name = f"`{enc}`"
+        bad = [r for r in runs if r["status"] != "ok"]
+        if bad:
+            word = "n/a" if all(r["status"] == "not_applicable" for r in bad) else "error"
             lines.append(f"| {name} | " + " | ".join([word] * len(labels)) + " |")
-            notes.append(f"`{r['encoding']}`: {word}: {r['reason']}")
+            seeds = f" (seed {', '.join(str(r.get('seed')) for r in bad)})" if len(runs) > 1 else ""
+            notes.append(f"`{enc}`{seeds}: {word}: {bad[0]['reason']}")
+            continue
+        if enc not in stats:  # runs kept by --resume from a results.json written before this split existed
+            lines.append(f"| {name} | " + " | ".join(["-"] * len(labels)) + " |")
             continue
         cells = []
-        for j, e in enumerate(r["eval"]):
-            text = _cell(e["metric"], task)
-            if e["metric"] is not None and best[j] is not None and e["metric"] == best[j]:
+        for j, (mean, lo, hi) in enumerate(stats[enc]):
+            text = _cell(mean, task)
+            if len(runs) > 1 and mean is not None:
+                text += f" ({_cell(lo, task)}-{_cell(hi, task)})"
+            if mean is not None and best[j] is not None and mean == best[j]:
                 text = f"**{text}**"
-            if r["name"] == "learned" and s["length_unit"] == "tokens" and e["length"] > s["train_length"]:
+            length = split_evals(runs[0], split)[j]["length"]
+            if runs[0]["name"] == "learned" and s["length_unit"] == "tokens" and length > s["train_length"]:
                 text += LEARNED_MARK
             cells.append(text)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines, notes
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    """The study as a markdown table: one row per encoding, one column per evaluation length; for a task
+    with out-of-distribution splits, one such table per split, each under its name.
+
+    With several seeds a cell is ``mean (min-max)`` over the seeds. The best (mean) value of each column is
+    bold. Rows for encodings that do not support the family read ``n/a``, rows that failed ``error``;
+    footnotes say what the numbers are.
+    """
+    s = results["study"]
+    task = s["task"]
+    splits = split_names(results)
+    lines: list[str] = []
+    notes: list[str] = []
+    meanings = (results.get("data") or {}).get("splits", {})
+    for split in splits:
+        block, block_notes = _split_table(results, split)
+        if len(splits) > 1:
+            meaning = meanings.get(split, {}).get("meaning", "")
+            lines += ([""] if lines else []) + [f"**{split}**" + (f": {meaning}" if meaning else ""), ""]
+        lines += block
+        notes += [n for n in block_notes if n not in notes]
     if task == "text":
         what = (f"validation perplexity per byte (lower is better) over the same {results['data']['eval_bytes_per_length']} "
                 f"bytes at every length; trained on {s['train_length']}-byte windows")
@@ -79,16 +149,23 @@ def markdown_table(results: dict[str, Any]) -> str:
         what = (f"test accuracy, % (higher is better) on {results['data']['test_images']} digit images upscaled to "
                 f"each side; trained at {s['train_length']} px (patch {results['data']['patch_size']}; the factor "
                 "counts patches)")
+    elif task == "passkey":
+        what = (f"passkey: retrieval accuracy, % (higher is better): sequences whose every key digit is the argmax "
+                f"(teacher-forced, the same as greedy decoding), {results['data']['eval_sequences_per_length']} "
+                f"sequences per length and split; trained on length {s['train_length']}")
     else:
         what = (f"{task}: answer-token accuracy, % (higher is better), teacher-forced, "
-                f"{results['data']['eval_sequences_per_length']} sequences per length; trained on length "
+                f"{results['data']['eval_sequences_per_length']} sequences per length and split; trained on length "
                 f"{s['train_length']}")
     settings = results["settings"]
+    seeds = settings.get("seeds") or [settings["seed"]]
+    seed_text = (f"seed {seeds[0]}" if len(seeds) == 1 else
+                 f"seeds {', '.join(map(str, seeds))} (each cell: mean (min-max) over the seeds)")
     footer = [
         "",
         (
             f"{s['family']}, {settings['layers']} layers, hidden {settings['hidden']}, {settings['heads']} heads, "
-            f"{settings['steps']} steps x batch {settings['batch']}, seed {settings['seed']}, "
+            f"{settings['steps']} steps x batch {settings['batch']}, {seed_text}, "
             f"device {settings['device_resolved']}. Metric: {what}."
         ),
     ]
@@ -120,7 +197,11 @@ def write_json(results: dict[str, Any], path: str | os.PathLike) -> None:
 
 
 def plot(results: dict[str, Any], path: str | os.PathLike) -> None:
-    """Metric against evaluation length, one line per encoding (log-2 x axis; log y for perplexity); a PNG."""
+    """Metric against evaluation length, one line per encoding (log-2 x axis; log y for perplexity); a PNG.
+
+    One panel per evaluation split (tasks with out-of-distribution splits). With several seeds each line is
+    the mean over the seeds, with a band over their range (min to max). Passkey adds one heatmap per
+    encoding: retrieval accuracy by depth (rows) and length (columns), mean over the seeds."""
     # The object-oriented API with the Agg canvas: no pyplot, so no global backend switch for the caller.
     import matplotlib
     import matplotlib.ticker
@@ -129,42 +210,83 @@ def plot(results: dict[str, Any], path: str | os.PathLike) -> None:
 
     s = results["study"]
     text = s["task"] == "text"
-    fig = Figure(figsize=(8, 5), dpi=120)
+    passkey = s["task"] == "passkey"
+    splits = split_names(results)
+    depth_splits = [sp for sp in splits if sp.startswith("depth ")] if passkey else []
+    line_splits = [sp for sp in splits if sp not in depth_splits]
+    groups = [(enc, runs) for enc, runs in group_runs(results) if all(r["status"] == "ok" for r in runs)]
+    n_heat = len(groups) if depth_splits else 0
+    heat_cols = min(4, n_heat) if n_heat else 0
+    heat_rows = math.ceil(n_heat / heat_cols) if n_heat else 0
+    width = max(8.0, 5.0 * len(line_splits) + 1.5)
+    fig = Figure(figsize=(width, 5 + 3.2 * heat_rows), dpi=120)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    grid = fig.add_gridspec(1 + heat_rows, max(len(line_splits), heat_cols or 1),
+                            height_ratios=[5] + [3.2] * heat_rows)
     colors = matplotlib.colormaps["tab10"]
     x = s["eval_lengths"]
     markers = "os^vDP*Xph"
-    for i, r in enumerate(r for r in results["results"] if r["status"] == "ok"):
-        ys = [e["metric"] if e["metric"] is not None else float("nan") for e in r["eval"]]
-        if not text:
-            ys = [100 * y for y in ys]
-        # Ten colours, then the same colours dashed; markers cycle independently. Text `learned` is dashed:
-        # past the training length it runs on untrained rows.
-        dashed = (r["name"] == "learned" and s["length_unit"] == "tokens") or i >= 10
-        style = "--" if dashed else "-"
-        ax.plot(x, ys, style, marker=markers[i % len(markers)], label=r["encoding"], color=colors(i % 10),
-                linewidth=1.6, markersize=5)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(x)
-    ax.set_xticklabels(column_labels(results), fontsize=8)
-    ax.axvline(s["train_length"], color="grey", linestyle=":", linewidth=1)
-    if text:
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.tick_params(axis="y", which="minor", labelsize=7)
-        ax.set_ylabel("validation perplexity per byte (lower is better)")
-    else:
-        ax.set_ylabel("accuracy, % (higher is better)")
-    unit = "image side, px (x patches)" if s["length_unit"].startswith("image") else "evaluation length, tokens"
-    ax.set_xlabel(f"{unit}; dotted: training length")
     settings = results["settings"]
+    seeds = settings.get("seeds") or [settings["seed"]]
+    span = max(len(line_splits), heat_cols)
+    for k, split in enumerate(line_splits):
+        ax = fig.add_subplot(grid[0, k] if len(line_splits) > 1 else grid[0, :span])
+        for i, (enc, runs) in enumerate(groups):
+            evals = [split_evals(r, split) for r in runs]
+            if not all(evals):
+                continue
+            stats = [spread([e[j]["metric"] for e in evals]) for j in range(len(x))]
+            scale = 1 if text else 100
+            ys = [m * scale if m is not None else float("nan") for m, _, _ in stats]
+            # Ten colours, then the same colours dashed; markers cycle independently. Text `learned` is dashed:
+            # past the training length it runs on untrained rows.
+            dashed = (runs[0]["name"] == "learned" and s["length_unit"] == "tokens") or i >= 10
+            ax.plot(x, ys, "--" if dashed else "-", marker=markers[i % len(markers)], label=enc,
+                    color=colors(i % 10), linewidth=1.6, markersize=5)
+            if len(runs) > 1:
+                lo = [v * scale if v is not None else float("nan") for _, v, _ in stats]
+                hi = [v * scale if v is not None else float("nan") for _, _, v in stats]
+                ax.fill_between(x, lo, hi, color=colors(i % 10), alpha=0.15, linewidth=0)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(x)
+        ax.set_xticklabels(column_labels(results), fontsize=8)
+        ax.axvline(s["train_length"], color="grey", linestyle=":", linewidth=1)
+        if text:
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
+            ax.tick_params(axis="y", which="minor", labelsize=7)
+            ax.set_ylabel("validation perplexity per byte (lower is better)")
+        elif k == 0:
+            ax.set_ylabel(("retrieval" if passkey else "accuracy") + ", % (higher is better)")
+        unit = "image side, px (x patches)" if s["length_unit"].startswith("image") else "evaluation length, tokens"
+        ax.set_xlabel(f"{unit}; dotted: training length", fontsize=8)
+        if len(line_splits) > 1:
+            ax.set_title(split, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        if k == len(line_splits) - 1:
+            ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    for i, (enc, runs) in enumerate(groups[:n_heat]):
+        ax = fig.add_subplot(grid[1 + i // heat_cols, i % heat_cols])
+        cells = [[100 * (spread([split_evals(r, sp)[j]["metric"] for r in runs])[0] or 0.0) for j in range(len(x))]
+                 for sp in depth_splits]
+        im = ax.imshow(cells, vmin=0, vmax=100, cmap="viridis", aspect="auto", origin="upper")
+        for a, row in enumerate(cells):
+            for b, v in enumerate(row):
+                ax.text(b, a, f"{v:.0f}", ha="center", va="center", fontsize=7, color="white" if v < 60 else "black")
+        ax.set_xticks(range(len(x)))
+        ax.set_xticklabels([str(n) for n in x], fontsize=7)
+        ax.set_yticks(range(len(depth_splits)))
+        ax.set_yticklabels([sp.split(" ")[1] for sp in depth_splits], fontsize=7)
+        ax.set_title(f"{enc}: retrieval %", fontsize=9)
+        ax.set_xlabel("length, tokens", fontsize=7)
+        ax.set_ylabel("key depth", fontsize=7)
+        if i == n_heat - 1:
+            fig.colorbar(im, ax=ax, fraction=0.05)
     trained = f"{s['train_length']} px" if s["length_unit"].startswith("image") else f"{s['train_length']} tokens"
-    ax.set_title(f"hf-posenc study: {s['family']}, task {s['task']}, trained at {trained}, "
-                 f"{settings['steps']} steps, seed {settings['seed']}", fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    seed_text = f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {', '.join(map(str, seeds))} (mean, band: range)"
+    fig.suptitle(f"hf-posenc study: {s['family']}, task {s['task']}, trained at {trained}, "
+                 f"{settings['steps']} steps, {seed_text}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
 

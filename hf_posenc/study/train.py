@@ -13,7 +13,14 @@ Three kinds of study:
   evaluation length (``eval_tokens`` bytes, cut into windows of each length).
 * ``flip-flop``, ``selective-copy``, ``counting`` (Llama or GPT-2): the CoPE paper's synthetic tasks
   (``data.py``). Metric: accuracy on the answer tokens, teacher-forced, over ``eval_sequences`` fresh
-  sequences per length.
+  sequences per length, in distribution (``eval``) and on each out-of-distribution split of the task
+  (``splits``: flip-flop sparse and dense, selective-copy dense and sparse, counting ood).
+* ``passkey`` (Llama or GPT-2): a key hidden in filler, repeated at the end. Metric: retrieval (every key
+  digit right), in distribution and at fixed depths (one split per depth).
+
+Seeds: ``seeds`` (default ``[seed]``) trains every encoding once per seed; each seed has its own initial
+weights, training batches and evaluation sets. ``jobs`` > 1 trains independent (encoding, seed) runs in
+spawned worker processes, with the same numbers.
 * ``digits`` (ViT): classification of scikit-learn's 8x8 digits upscaled to ``train_len`` pixels a side,
   patch size 4; evaluated on the test images upscaled to larger sides. Metric: accuracy.
 
@@ -84,6 +91,8 @@ class StudyConfig:
     batch: int | None = None  # default 16 (text, tasks), 64 (vit)
     lr: float = 3e-3
     seed: int = 0
+    seeds: list[int] | None = None  # several seeds: every encoding once per seed (default: [seed])
+    jobs: int = 1  # worker processes for independent (encoding, seed) runs
     device: str = "auto"
     threads: int = 1
     out: str | None = "out/study"
@@ -113,13 +122,23 @@ class StudyConfig:
             c.batch = 64 if vit else 16
         if c.heads is None:
             c.heads = max(1, c.hidden // 16)
-        for name in ("steps", "layers", "hidden", "heads", "batch", "threads", "eval_tokens", "eval_sequences"):
+        for name in ("steps", "layers", "hidden", "heads", "batch", "threads", "eval_tokens", "eval_sequences", "jobs"):
             if not isinstance(getattr(c, name), int) or getattr(c, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(c, name)!r}")
         if c.hidden % c.heads or (c.hidden // c.heads) % 2:
             raise ValueError(f"--hidden {c.hidden} must be divisible by --heads {c.heads} into an even head size")
         if not c.lr > 0:
             raise ValueError(f"--lr must be > 0, got {c.lr}")
+        if c.seeds is None:
+            c.seeds = [c.seed]
+        if isinstance(c.seeds, int) or not isinstance(c.seeds, (list, tuple)) or not c.seeds:
+            raise TypeError(f"--seeds must be a non-empty list of integers, got {c.seeds!r}")
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in c.seeds):
+            raise ValueError(f"--seeds must be integers >= 0, got {c.seeds!r}")
+        if not isinstance(c.seed, int) or c.seed < 0:
+            raise ValueError(f"--seed must be an integer >= 0, got {c.seed!r}")
+        c.seeds = list(dict.fromkeys(c.seeds))  # in order, without repeats
+        c.seed = c.seeds[0]
         if not c.factors or any(not f >= 1 for f in c.factors):
             raise ValueError(f"--factors must be numbers >= 1, got {c.factors}")
         c.factors = sorted({float(f) for f in c.factors})
@@ -128,6 +147,11 @@ class StudyConfig:
                 raise ValueError(f"--train-len is the image side on vit: a multiple of the patch size {VIT_PATCH}")
         elif c.train_len < 4:
             raise ValueError(f"--train-len must be >= 4 tokens, got {c.train_len}")
+        elif c.task in D.TASKS:
+            task = D.get_task(c.task)
+            if c.train_len < task.min_length():
+                raise ValueError(f"--train-len {c.train_len} is below the minimum of --task {c.task}: sequences of at "
+                                 f"least {task.min_length()} tokens")
         if isinstance(c.encodings, str):
             c.encodings = [c.encodings]
         if not isinstance(c.encodings, (list, tuple)) or not all(isinstance(e, str) for e in c.encodings):
@@ -368,9 +392,10 @@ def _lr_lambda(steps: int):
 class _Data:
     """What one study trains and evaluates on (built once, shared by every encoding)."""
 
-    def __init__(self, config: StudyConfig, lengths: list[int]) -> None:
+    def __init__(self, config: StudyConfig, lengths: list[int], seed: int | None = None) -> None:
         c = config
         self.config, self.lengths = c, lengths
+        self.seed = c.seed if seed is None else seed
         self.corpus = self.task = self.digits = None
         if c.task == "text":
             self.corpus = D.load_corpus(c.data)
@@ -386,10 +411,14 @@ class _Data:
             for n in (c.train_len, *lengths):
                 self.task.check_length(n)
             self.vocab_size = self.task.vocab_size
-            self.eval_sets = {}
-            for n in lengths:
-                rng = random.Random(_subseed(c.seed, "eval", n))
-                self.eval_sets[n] = D.task_batch(self.task, rng, c.eval_sequences, n)
+            self.splits = self.task.splits()
+            self.eval_sets: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+            for split, task in self.splits.items():
+                for n in lengths:
+                    # The in-distribution sets keep the seeds they had before splits existed (same numbers).
+                    key = (self.seed, "eval", n) if split == D.IN_DISTRIBUTION else (self.seed, "eval", split, n)
+                    rng = random.Random(_subseed(*key))
+                    self.eval_sets[split, n] = D.task_batch(task, rng, c.eval_sequences, n)
 
     def describe(self) -> dict[str, Any]:
         c = self.config
@@ -403,33 +432,39 @@ class _Data:
             }
         if self.digits is not None:
             return {**self.digits.describe(), "patch_size": VIT_PATCH}
-        return {**self.task.describe(), "eval_sequences_per_length": c.eval_sequences}
+        return {**self.task.describe(), "eval_sequences_per_length": c.eval_sequences,
+                "splits": self.task.describe_splits()}
 
     def train_batches(self) -> Iterator[tuple[dict[str, torch.Tensor], int]]:
         """The training batches of one model: the same sequence for every encoding of a study."""
         c = self.config
         if self.corpus is not None:
-            gen = torch.Generator().manual_seed(_subseed(c.seed, "train"))
+            gen = torch.Generator().manual_seed(_subseed(self.seed, "train"))
             data = self.corpus.train
             for _ in range(c.steps):
                 starts = torch.randint(0, data.numel() - c.train_len + 1, (c.batch,), generator=gen)
                 x = torch.stack([data[s : s + c.train_len] for s in starts.tolist()])
                 yield {"input_ids": x, "labels": x}, x.numel()
         elif self.task is not None:
-            rng = random.Random(_subseed(c.seed, "train"))
+            rng = random.Random(_subseed(self.seed, "train"))
             for _ in range(c.steps):
                 x, y = D.task_batch(self.task, rng, c.batch, c.train_len)
                 yield {"input_ids": x, "labels": y}, x.numel()
         else:
-            gen = torch.Generator().manual_seed(_subseed(c.seed, "train"))
+            gen = torch.Generator().manual_seed(_subseed(self.seed, "train"))
             x_all, y_all = self.digits.images("train", c.train_len)
             for _ in range(c.steps):
                 idx = torch.randint(0, y_all.numel(), (c.batch,), generator=gen)
                 yield {"pixel_values": x_all[idx], "labels": y_all[idx]}, idx.numel()
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, length: int, device: torch.device) -> dict[str, Any]:
-        """Metrics of ``model`` at one evaluation length (tokens, or image side for ViT)."""
+    def evaluate(self, model: nn.Module, length: int, device: torch.device,
+                 split: str = D.IN_DISTRIBUTION) -> dict[str, Any]:
+        """Metrics of ``model`` at one evaluation length (tokens, or image side for ViT); tasks: on one split.
+
+        Tasks report ``accuracy`` (answer tokens), ``sequence_accuracy`` (sequences whose every answer is the
+        argmax: for passkey, the retrieved keys, since teacher forcing then equals greedy decoding) and
+        ``sequence_length`` (the split's true length; ``length`` is the nominal one)."""
         c = self.config
         model.eval()
         if self.corpus is not None:
@@ -456,9 +491,9 @@ class _Data:
             out["metric"] = out["perplexity"]
             return out
         if self.task is not None:
-            x_all, y_all = self.eval_sets[length]
-            per_batch = max(1, 8192 // length)
-            correct = count = 0
+            x_all, y_all = self.eval_sets[split, length]
+            per_batch = max(1, 8192 // x_all.shape[1])
+            correct = count = seq_ok = 0
             loss_sum = 0.0
             for i in range(0, x_all.shape[0], per_batch):
                 x, y = x_all[i : i + per_batch].to(device), y_all[i : i + per_batch].to(device)
@@ -466,11 +501,16 @@ class _Data:
                 target = y[:, 1:]
                 mask = target != -100
                 pred = logits.argmax(-1)
-                correct += (pred[mask] == target[mask]).sum().item()
+                right = (pred == target) & mask
+                correct += right.sum().item()
                 count += mask.sum().item()
+                seq_ok += (right.sum(1) == mask.sum(1)).sum().item()
                 loss_sum += nn.functional.cross_entropy(logits[mask], target[mask], reduction="sum").item()
             acc = correct / count
-            return {"accuracy": acc, "loss": loss_sum / count, "answers": count, "metric": acc}
+            return {"accuracy": acc, "loss": loss_sum / count, "answers": count,
+                    "sequence_accuracy": seq_ok / x_all.shape[0], "sequence_length": int(x_all.shape[1]),
+                    # passkey is judged by retrieval (the whole key), as in Mohtashami and Jaggi (2023)
+                    "metric": seq_ok / x_all.shape[0] if c.task == "passkey" else acc}
         x_all, y_all = self.digits.images("test", length)
         correct = 0
         loss_sum = 0.0
@@ -504,12 +544,13 @@ def _train_and_eval(
     lengths = data.lengths
     max_len = max(lengths)
     enc, notes = study_encoding(spec, c, max_len)
-    result: dict[str, Any] = {"encoding": spec, "name": enc.name, "notes": notes}
+    result: dict[str, Any] = {"encoding": spec, "name": enc.name, "notes": notes, "seed": data.seed}
     if c.family not in enc.spec.families:
         result.update(status="not_applicable",
                       reason=f"{enc.name} does not support {c.family} (it supports {', '.join(enc.spec.families)})")
         return result
-    torch.manual_seed(c.seed)
+    result["seed"] = data.seed
+    torch.manual_seed(data.seed)
     model = build_model(c, data.vocab_size)
     patch_model(model, enc)
     model.to(device)
@@ -521,7 +562,8 @@ def _train_and_eval(
 
     opt = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(c.steps))
-    bar = tqdm(total=c.steps, desc=f"[{index}/{total}] {spec}", unit="step", disable=not c.progress,
+    seeded = f" seed {data.seed}" if len(c.seeds or ()) > 1 else ""
+    bar = tqdm(total=c.steps, desc=f"[{index}/{total}] {spec}{seeded}", unit="step", disable=not c.progress,
                mininterval=0.5, file=sys.stderr, dynamic_ncols=True)
     losses: list[float] = []
     t0 = time.perf_counter()
@@ -544,6 +586,11 @@ def _train_and_eval(
         for n in lengths:
             bar.set_postfix_str(f"loss={losses[-1]:.3f} eval {n}", refresh=True)
             evals.append({"length": n, **data.evaluate(model, n, device)})
+        other_splits: dict[str, list[dict[str, Any]]] = {}
+        for split in (data.splits if data.task is not None else ()):
+            if split != D.IN_DISTRIBUTION:
+                bar.set_postfix_str(f"loss={losses[-1]:.3f} eval {split}", refresh=True)
+                other_splits[split] = [{"length": n, **data.evaluate(model, n, device, split)} for n in lengths]
         eval_s = time.perf_counter() - t1
         shown = " ".join(_fmt_metric(e["metric"], c.task) for e in evals)
         bar.set_postfix_str(f"loss={losses[-1]:.3f} | {shown}", refresh=True)
@@ -558,6 +605,8 @@ def _train_and_eval(
         eval=evals,
         eval_seconds=round(eval_s, 3),
     )
+    if other_splits:
+        result["splits"] = other_splits
     return result
 
 
@@ -591,7 +640,7 @@ def check_dependencies(config: StudyConfig) -> None:
 
 
 #: settings that may differ between a study and its ``--resume``: what to run, where, and how it shows.
-_RESUME_FREE = ("encodings", "out", "progress", "resume")
+_RESUME_FREE = ("encodings", "out", "progress", "resume", "seed", "seeds", "jobs")
 
 
 def _load_previous(config: StudyConfig, device: torch.device) -> dict[str, Any]:
@@ -665,13 +714,47 @@ def _assemble(c: StudyConfig, device: torch.device, lengths: list[int], env: dic
     return out
 
 
+def _error_record(spec: str, seed: int, e: BaseException) -> dict[str, Any]:
+    print(f"hf-posenc study: {spec} (seed {seed}) failed: {type(e).__name__}: {e}", file=sys.stderr)
+    return {"encoding": spec, "name": spec.partition(":")[0], "seed": seed, "status": "error",
+            "reason": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+
+
+#: ``_Data`` of a worker process, per seed (built once per seed and process).
+_WORKER_DATA: dict[int, _Data] = {}
+
+
+def _worker_run(spec: str, seed: int, index: int, total: int, config: StudyConfig, lengths: list[int],
+                device_name: str) -> dict[str, Any]:
+    """One (encoding, seed) run in a worker process of ``--jobs``: the same settings, data and code as in
+    the parent, so the same numbers (tested)."""
+    device = torch.device(device_name)
+    with deterministic(device, config.threads):
+        try:
+            if seed not in _WORKER_DATA:
+                _WORKER_DATA[seed] = _Data(config, lengths, seed)
+            return _train_and_eval(spec, index, total, config, _WORKER_DATA[seed], device)
+        except Exception as e:  # noqa: BLE001 - recorded, reported and counted by the parent
+            return _error_record(spec, seed, e)
+
+
+def _run_key(r: dict[str, Any], default_seed: int) -> tuple[str, int]:
+    """(encoding, seed) of a run; runs of results.json files written before ``--seeds`` have no seed."""
+    return r["encoding"], r.get("seed", default_seed)
+
+
 def run_study(config: StudyConfig) -> dict[str, Any]:
     """Run a study and return its results (a JSON-ready dict); with ``config.out`` also write
     ``results.json`` and ``table.md`` there after every model (so an exception, Ctrl-C or a failing plot
     keeps every finished model; ``"complete": false`` until the last one), then ``study.png``.
 
+    Every encoding is trained once per seed of ``config.seeds`` (a run); ``results["results"]`` holds every
+    run, in the order encoding, then seed. A run's numbers depend only on its encoding, seed and the
+    settings: not on the other runs, and not on ``config.jobs``, which trains up to that many runs at once
+    in worker processes (``spawn``; each with ``config.threads`` torch threads).
+
     Optional dependencies (matplotlib for the plot, scikit-learn for ViT) are checked before the first
-    step (:class:`MissingDependencyError`). With ``config.resume`` the models that ``out/results.json``
+    step (:class:`MissingDependencyError`). With ``config.resume`` the runs that ``out/results.json``
     holds (status ok or n/a, same settings, same data) are kept and not trained again; failed ones are.
 
     An encoding that raises while training or evaluating is recorded with ``status: "error"`` and its
@@ -686,40 +769,61 @@ def run_study(config: StudyConfig) -> dict[str, Any]:
     lengths = eval_lengths(c)
     prev = _load_previous(c, device) if c.resume else None
     t0 = time.perf_counter()
+    runs = [(spec, seed) for spec in c.encodings for seed in c.seeds]
     with deterministic(device, c.threads):
         env = environment(device, c.threads)
-        data = _Data(c, lengths)
-        done: dict[str, dict[str, Any]] = {}
+        datas: dict[int, _Data] = {c.seeds[0]: _Data(c, lengths, c.seeds[0])}
+
+        def data_for(seed: int) -> _Data:
+            if seed not in datas:
+                datas[seed] = _Data(c, lengths, seed)
+            return datas[seed]
+
+        done: dict[tuple[str, int], dict[str, Any]] = {}
         if prev is not None:
-            if _jsonish(data.describe()) != prev.get("data"):
+            now_data = _jsonish(datas[c.seeds[0]].describe())
+            if isinstance(prev.get("data"), dict) and "splits" not in prev["data"]:
+                now_data.pop("splits", None)  # a results.json from before the splits: its runs lack them only
+            if now_data != prev.get("data"):
                 raise ValueError(f"--resume: the data differ from those of {c.out}/results.json (another --data "
                                  "file, or it changed); resume on the same data, or write to another --out")
-            done = {r["encoding"]: r for r in prev["results"] if r.get("status") in ("ok", "not_applicable")}
-        # Models of the previous run that this one does not ask for stay in results.json, after the others.
-        extra = [r for spec, r in done.items() if spec not in c.encodings]
-        results: list[dict[str, Any]] = []
+            old_seed = prev["settings"].get("seed", 0)
+            done = {_run_key(r, old_seed): {"seed": old_seed, **r} for r in prev["results"]
+                    if r.get("status") in ("ok", "not_applicable")}
+        # Runs of the previous study that this one does not ask for stay in results.json, after the others.
+        extra = [r for key, r in done.items() if key not in runs]
+        finished: dict[int, dict[str, Any]] = {}
         kept: list[str] = []
 
         def snapshot(complete: bool) -> dict[str, Any]:
-            out = _assemble(c, device, lengths, env, data, results + extra, t0, complete, kept)
+            results = [finished[i] for i in sorted(finished)] + extra
+            out = _assemble(c, device, lengths, env, datas[c.seeds[0]], results, t0, complete, kept)
             if c.out is not None:
                 out["files"] = report.write_results(out, c.out)
             return out
 
+        def label(spec: str, seed: int) -> str:
+            return f"{spec} seed {seed}" if len(c.seeds) > 1 else spec
+
+        todo: list[int] = []
+        for i, (spec, seed) in enumerate(runs):
+            if (spec, seed) in done:
+                finished[i] = done[spec, seed]
+                kept.append(label(spec, seed))
+                print(f"[{i + 1}/{len(runs)}] {label(spec, seed)}: kept from results.json (--resume)", file=sys.stderr)
+            else:
+                todo.append(i)
         try:
-            for i, spec in enumerate(c.encodings, 1):
-                if spec in done:
-                    results.append(done[spec])
-                    kept.append(spec)
-                    print(f"[{i}/{len(c.encodings)}] {spec}: kept from results.json (--resume)", file=sys.stderr)
-                    continue
-                try:
-                    results.append(_train_and_eval(spec, i, len(c.encodings), c, data, device))
-                except Exception as e:  # noqa: BLE001 - recorded, reported and counted: never silent
-                    print(f"hf-posenc study: {spec} failed: {type(e).__name__}: {e}", file=sys.stderr)
-                    results.append({"encoding": spec, "name": spec.partition(":")[0], "status": "error",
-                                    "reason": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
-                snapshot(complete=False)
+            if c.jobs > 1 and len(todo) > 1:
+                _run_parallel(c, runs, todo, lengths, device, finished, snapshot, label)
+            else:
+                for i in todo:
+                    spec, seed = runs[i]
+                    try:
+                        finished[i] = _train_and_eval(spec, i + 1, len(runs), c, data_for(seed), device)
+                    except Exception as e:  # noqa: BLE001 - recorded, reported and counted: never silent
+                        finished[i] = _error_record(spec, seed, e)
+                    snapshot(complete=False)
         except BaseException:  # Ctrl-C, SystemExit: keep what is done, then let it through
             snapshot(complete=False)
             raise
@@ -727,3 +831,29 @@ def run_study(config: StudyConfig) -> dict[str, Any]:
     if c.out is not None:
         report.write_plot(out, c.out)
     return out
+
+
+def _run_parallel(c: StudyConfig, runs: list[tuple[str, int]], todo: list[int], lengths: list[int],
+                  device: torch.device, finished: dict[int, dict[str, Any]], snapshot: Any, label: Any) -> None:
+    """Train the runs ``todo`` in ``c.jobs`` spawned worker processes; record each as it finishes."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    worker_config = StudyConfig(**{**asdict(c), "progress": False})
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(c.jobs, len(todo)), mp_context=ctx) as pool:
+        futures = {pool.submit(_worker_run, runs[i][0], runs[i][1], i + 1, len(runs), worker_config, lengths,
+                               str(device)): i for i in todo}
+        try:
+            for fut in as_completed(futures):
+                i = futures[fut]
+                finished[i] = fut.result()
+                r = finished[i]
+                shown = " ".join(_fmt_metric(e["metric"], c.task) for e in r.get("eval", []))
+                print(f"[{i + 1}/{len(runs)}] {label(*runs[i])}: {r['status']} {shown} "
+                      f"({r.get('train', {}).get('seconds', 0):.0f} s training)", file=sys.stderr)
+                snapshot(complete=False)
+        except BaseException:
+            for fut in futures:
+                fut.cancel()
+            raise

@@ -264,7 +264,7 @@ def test_cli_study(tmp_path, capsys):
                    "--no-progress"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "| `alibi` |" in out and "| `kerple:variant=power` |" in out and "results.json" in out
+    assert "| `alibi` |" in out and "| `kerple(variant=power)` |" in out and "results.json" in out
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["results"][1]["position_encoding"]["variant"] == "power"
 

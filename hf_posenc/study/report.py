@@ -62,6 +62,12 @@ def split_evals(run: dict[str, Any], split: str) -> list[dict[str, Any]]:
     return run["eval"] if split == IN_DISTRIBUTION else run.get("splits", {}).get(split, [])
 
 
+def entry_label(run: dict[str, Any]) -> str:
+    """The label of a run's entry in the table and the plot: its readable ``label`` (plans, windows, scaling
+    at evaluation: see :mod:`hf_posenc.study.recipes`), else the spec as given."""
+    return run.get("label") or run["encoding"]
+
+
 def group_runs(results: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]]]]:
     """``[(encoding spec, its runs)]`` in the order of first appearance (one run per seed)."""
     groups: dict[str, list[dict[str, Any]]] = {}
@@ -95,13 +101,13 @@ def _split_table(results: dict[str, Any], split: str) -> tuple[list[str], list[s
         best.append((max(vals) if s["higher_is_better"] else min(vals)) if vals else None)
     notes: list[str] = []
     for enc, runs in groups:
-        name = f"`{enc}`"
+        name = f"`{entry_label(runs[0])}`"
         bad = [r for r in runs if r["status"] != "ok"]
         if bad:
             word = "n/a" if all(r["status"] == "not_applicable" for r in bad) else "error"
             lines.append(f"| {name} | " + " | ".join([word] * len(labels)) + " |")
             seeds = f" (seed {', '.join(str(r.get('seed')) for r in bad)})" if len(runs) > 1 else ""
-            notes.append(f"`{enc}`{seeds}: {word}: {bad[0]['reason']}")
+            notes.append(f"{name}{seeds}: {word}: {bad[0]['reason']}")
             continue
         if enc not in stats:  # runs kept by --resume from a results.json written before this split existed
             lines.append(f"| {name} | " + " | ".join(["-"] * len(labels)) + " |")
@@ -241,7 +247,7 @@ def plot(results: dict[str, Any], path: str | os.PathLike) -> None:
             # Ten colours, then the same colours dashed; markers cycle independently. Text `learned` is dashed:
             # past the training length it runs on untrained rows.
             dashed = (runs[0]["name"] == "learned" and s["length_unit"] == "tokens") or i >= 10
-            ax.plot(x, ys, "--" if dashed else "-", marker=markers[i % len(markers)], label=enc,
+            ax.plot(x, ys, "--" if dashed else "-", marker=markers[i % len(markers)], label=entry_label(runs[0]),
                     color=colors(i % 10), linewidth=1.6, markersize=5)
             if len(runs) > 1:
                 lo = [v * scale if v is not None else float("nan") for _, v, _ in stats]

@@ -37,6 +37,7 @@ transformers does).
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import platform
@@ -56,6 +57,7 @@ from .. import encoding_module, patch_model
 from ..config import PosEncConfig
 from ..registry import get_encoding, list_encodings
 from . import data as D
+from .recipes import apply_eval_scaling, parse_study_entry
 
 __all__ = [
     "DEFAULT_ENCODINGS", "TEXT_TASKS", "MissingDependencyError", "StudyConfig", "check_dependencies", "eval_lengths",
@@ -167,7 +169,14 @@ class StudyConfig:
             if e == "all":
                 expanded += [n for n in list_encodings() if n not in expanded]
             elif e not in expanded:
-                parse_encoding(e)  # validates the name and parameters
+                entry = parse_study_entry(e)  # validates the names and parameters
+                if entry.is_plan and c.layers % len(entry.encoding):
+                    raise ValueError(
+                        f"--encodings {e!r}: a plan of {len(entry.encoding)} layers is repeated over the depth, so "
+                        f"its length must divide --layers ({c.layers})"
+                    )
+                if entry.eval_scaling is not None and c.family == "vit":
+                    raise ValueError(f"--encodings {e!r}: eval_scaling applies to text families (llama, gpt2)")
                 expanded.append(e)
         c.encodings = expanded
         return c
@@ -204,29 +213,16 @@ def split_encodings(items: list[str]) -> list[str]:
 
 
 def parse_encoding(spec: str) -> PosEncConfig:
-    """``"name"`` or ``"name:key=value,key=value"`` -> a validated ``PosEncConfig``.
+    """``"name"`` or ``"name:key=value,key=value"`` -> a validated ``PosEncConfig`` (one encoding; plans and
+    ``eval_scaling``: :func:`hf_posenc.study.recipes.parse_study_entry`).
 
     Values are read as Python literals when they parse (``true``/``false`` too), else as strings:
     ``kerple:variant=power``, ``rope:theta=500000``, ``fire:per_layer=true``.
     """
-    import ast
-
-    name, _, rest = spec.partition(":")
-    params: dict[str, Any] = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise ValueError(f"--encodings {spec!r}: parameters are key=value pairs separated by commas")
-        lowered = value.strip().lower()
-        if lowered in ("true", "false", "none"):
-            params[key.strip()] = {"true": True, "false": False, "none": None}[lowered]
-            continue
-        try:
-            params[key.strip()] = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError):
-            params[key.strip()] = value.strip()
-    get_encoding(name)
-    return PosEncConfig.coerce(name, **params)
+    entry = parse_study_entry(spec)
+    if entry.is_plan or entry.eval_scaling is not None:
+        raise ValueError(f"--encodings {spec!r} is a plan or has eval_scaling; read it with parse_study_entry")
+    return entry.encoding
 
 
 def eval_lengths(config: StudyConfig) -> list[int]:
@@ -359,10 +355,16 @@ def build_model(config: StudyConfig, vocab_size: int) -> nn.Module:
     return ViTForImageClassification(cfg)
 
 
-def study_encoding(spec: str, config: StudyConfig, max_len: int) -> tuple[PosEncConfig, list[str]]:
-    """The encoding config the study patches with, and notes for the report."""
-    enc = parse_encoding(spec)
+def study_encoding(spec: str, config: StudyConfig, max_len: int) -> tuple[PosEncConfig | list, list[str]]:
+    """The encoding config the study patches with (a list for a plan), and notes for the report."""
+    entry = parse_study_entry(spec)
     notes: list[str] = []
+    if entry.eval_scaling is not None:
+        notes.append(f"trained with plain rope; at each length L > {config.train_len} rope is re-patched with "
+                     f"{entry.eval_scaling} scaling of factor L/{config.train_len} (not retrained)")
+    if entry.is_plan:
+        return entry.encoding, notes
+    enc = entry.encoding
     if enc.name == "learned" and config.family != "vit":
         if enc.params.get("max_positions") is None:
             enc = enc.replace(max_positions=max_len)
@@ -544,17 +546,21 @@ def _train_and_eval(
     lengths = data.lengths
     max_len = max(lengths)
     enc, notes = study_encoding(spec, c, max_len)
-    result: dict[str, Any] = {"encoding": spec, "name": enc.name, "notes": notes, "seed": data.seed}
-    if c.family not in enc.spec.families:
-        result.update(status="not_applicable",
-                      reason=f"{enc.name} does not support {c.family} (it supports {', '.join(enc.spec.families)})")
-        return result
+    entry = parse_study_entry(spec)
+    configs = enc if isinstance(enc, list) else [enc]
+    result: dict[str, Any] = {"encoding": spec, "label": entry.label, "name": "plan" if entry.is_plan else enc.name,
+                              "notes": notes, "seed": data.seed}
+    for one in configs:
+        if c.family not in one.spec.families:
+            result.update(status="not_applicable",
+                          reason=f"{one.name} does not support {c.family} (it supports {', '.join(one.spec.families)})")
+            return result
     result["seed"] = data.seed
     torch.manual_seed(data.seed)
     model = build_model(c, data.vocab_size)
     patch_model(model, enc)
     model.to(device)
-    result["position_encoding"] = dict(model.config.position_encoding)
+    result["position_encoding"] = copy.deepcopy(model.config.position_encoding)
     result["parameters"] = sum(p.numel() for p in model.parameters())
     result["encoding_parameters"] = sum(p.numel() for p in encoding_module(model).parameters())
 
@@ -583,14 +589,24 @@ def _train_and_eval(
         train_s = time.perf_counter() - t0
         evals = []
         t1 = time.perf_counter()
+        def at_length(n: int) -> dict[str, Any]:
+            """What evaluating at length ``n`` ran with: rope re-patched for ``n`` under eval_scaling."""
+            if entry.eval_scaling is None:
+                return {}
+            return {"eval_position_encoding": apply_eval_scaling(model, entry, c.train_len, n)}
+
         for n in lengths:
             bar.set_postfix_str(f"loss={losses[-1]:.3f} eval {n}", refresh=True)
-            evals.append({"length": n, **data.evaluate(model, n, device)})
+            scaled = at_length(n)
+            evals.append({"length": n, **data.evaluate(model, n, device), **scaled})
         other_splits: dict[str, list[dict[str, Any]]] = {}
         for split in (data.splits if data.task is not None else ()):
             if split != D.IN_DISTRIBUTION:
                 bar.set_postfix_str(f"loss={losses[-1]:.3f} eval {split}", refresh=True)
-                other_splits[split] = [{"length": n, **data.evaluate(model, n, device, split)} for n in lengths]
+                other_splits[split] = []
+                for n in lengths:
+                    scaled = at_length(n)
+                    other_splits[split].append({"length": n, **data.evaluate(model, n, device, split), **scaled})
         eval_s = time.perf_counter() - t1
         shown = " ".join(_fmt_metric(e["metric"], c.task) for e in evals)
         bar.set_postfix_str(f"loss={losses[-1]:.3f} | {shown}", refresh=True)
@@ -716,7 +732,11 @@ def _assemble(c: StudyConfig, device: torch.device, lengths: list[int], env: dic
 
 def _error_record(spec: str, seed: int, e: BaseException) -> dict[str, Any]:
     print(f"hf-posenc study: {spec} (seed {seed}) failed: {type(e).__name__}: {e}", file=sys.stderr)
-    return {"encoding": spec, "name": spec.partition(":")[0], "seed": seed, "status": "error",
+    try:
+        label = parse_study_entry(spec).label
+    except (ValueError, TypeError):
+        label = spec
+    return {"encoding": spec, "label": label, "name": spec.partition(":")[0], "seed": seed, "status": "error",
             "reason": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
 
 

@@ -1,0 +1,68 @@
+"""Study entries beyond one encoding: plans, windows, partial rotary, scaling at evaluation only (issue 22)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_posenc.cli import main as cli_main
+from hf_posenc.study import StudyConfig, run_study
+from hf_posenc.study.recipes import entry_label, parse_study_entry
+
+TINY = dict(steps=3, train_len=8, hidden=32, layers=4, batch=4, eval_tokens=128, eval_sequences=8, progress=False)
+
+
+@pytest.mark.parametrize("spec, label, layers", [
+    ("rope", "rope", None),
+    ("rope*3/nope", "rope×3/nope", ["rope", "rope", "rope", "nope"]),
+    ("rope:window=16*3/nope", "rope(window=16)×3/nope", ["rope", "rope", "rope", "nope"]),
+    ("alibi/fire", "alibi/fire", ["alibi", "fire"]),
+    ("rope:partial_rotary_factor=0.5", "rope(partial_rotary_factor=0.5)", None),
+    ("rope:eval_scaling=yarn", "rope + YaRN at eval", None),
+    ("rope:eval_scaling=linear*3/nope", "rope×3/nope + PI at eval", ["rope", "rope", "rope", "nope"]),
+])
+def test_entries_and_labels(spec, label, layers):
+    entry = parse_study_entry(spec)
+    assert entry.label == label
+    assert (entry.names if entry.is_plan else None) == layers
+    assert entry_label(entry.encoding, entry.eval_scaling) == label
+
+
+@pytest.mark.parametrize("spec, pattern", [
+    ("rope//nope", "empty plan entry"),
+    ("alibi:eval_scaling=yarn", "eval_scaling applies to rope only"),
+    ("rope:eval_scaling=ntk", "eval_scaling must be one of yarn, linear"),
+    ("rope:window=0", "must be >= 1"),
+    ("rope*0/nope", "repeat count must be >= 1"),
+    ("bogus/nope", "unknown position encoding 'bogus'"),
+])
+def test_bad_entries(spec, pattern):
+    with pytest.raises((ValueError, TypeError), match=pattern):
+        parse_study_entry(spec)
+
+
+def test_plan_must_divide_layers_is_a_clean_cli_error(tmp_path, capsys):
+    code = cli_main(["study", "--encodings", "rope*2/nope", "--layers", "4", "--steps", "1", "--no-progress",
+                     "--out", str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "must divide --layers (4)" in err and "Traceback" not in err
+
+
+def test_eval_scaling_study(tmp_path):
+    """rope and rope + YaRN at eval train the same model (same numbers at 1x, the training length) and differ
+    past it, where the evaluation ran with YaRN of factor L / T (recorded per length); a plan and a window run."""
+    res = run_study(StudyConfig(encodings=["rope", "rope:eval_scaling=yarn", "rope:window=4*3/nope"],
+                                out=str(tmp_path), **TINY))
+    assert res["errors"] == 0
+    rope, yarn, plan = res["results"]
+    assert yarn["label"] == "rope + YaRN at eval" and plan["label"] == "rope(window=4)×3/nope"
+    assert yarn["train"]["losses"] == rope["train"]["losses"]
+    assert yarn["eval"][0]["metric"] == rope["eval"][0]["metric"]
+    assert "scaling" not in yarn["eval"][0]["eval_position_encoding"] or \
+        yarn["eval"][0]["eval_position_encoding"]["scaling"] is None
+    for e in yarn["eval"][1:]:
+        scaling = e["eval_position_encoding"]["scaling"]
+        assert scaling == {"rope_type": "yarn", "factor": e["length"] / 8, "original_max_position_embeddings": 8}
+    assert yarn["eval"][-1]["metric"] != rope["eval"][-1]["metric"]
+    assert [e["window"] if "window" in e else None for e in plan["position_encoding"]] == [4, 4, 4, None]
+    assert "rope + YaRN at eval" in (tmp_path / "table.md").read_text()

@@ -66,3 +66,18 @@ def test_eval_scaling_study(tmp_path):
     assert yarn["eval"][-1]["metric"] != rope["eval"][-1]["metric"]
     assert [e["window"] if "window" in e else None for e in plan["position_encoding"]] == [4, 4, 4, None]
     assert "rope + YaRN at eval" in (tmp_path / "table.md").read_text()
+
+
+def test_study_writes_what_each_model_learned(tmp_path):
+    """Every trained run's profile (profiles/<run>.json, a position_profile) and profiles.png side by side; the
+    task's profile of a data-dependent encoding is drawn on one of the task's sequences."""
+    import json
+
+    res = run_study(StudyConfig(encodings=["alibi", "cope"], task="selective-copy", out=str(tmp_path),
+                                **{**TINY, "train_len": 20, "layers": 2}))
+    assert res["errors"] == 0 and (tmp_path / "profiles.png").stat().st_size > 0
+    for run in res["results"]:
+        profile = json.loads((tmp_path / run["profile"]).read_text())
+        assert len(profile["layers"]) == 2 and (tmp_path / run["profile"].replace(".json", ".png")).is_file()
+    cope = json.loads((tmp_path / res["results"][1]["profile"]).read_text())
+    assert cope["layers"][0]["kind"] == "data_dependent" and len(cope["tokens"]) == 20

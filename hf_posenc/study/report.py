@@ -21,7 +21,7 @@ from typing import Any
 
 __all__ = [
     "column_labels", "group_runs", "markdown_table", "plot", "split_evals", "split_names", "spread", "write_json",
-    "write_outputs", "write_plot", "write_results",
+    "write_outputs", "write_plot", "write_profiles_figure", "write_results",
 ]
 
 LEARNED_MARK = "†"
@@ -343,3 +343,48 @@ def write_outputs(results: dict[str, Any], out_dir: str | os.PathLike) -> dict[s
     files = write_results(results, out_dir)
     write_plot(results, out_dir)
     return files
+
+
+def write_profiles_figure(results: dict[str, Any], out_dir: str | os.PathLike) -> str | None:
+    """What each model learned, side by side: every run's profile (``profiles/*.json``, written after its
+    training, see :func:`hf_posenc.position_profile`) drawn to ``profiles/<run>.png`` by
+    :func:`hf_posenc.profile_plot.draw_profile`, and the first seed's of each entry tiled, left to right, into
+    ``profiles.png``. Returns its path, or None when no run has a profile. A failure is printed and recorded
+    as ``results["profiles_error"]`` (the numbers are on disk already)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    out = Path(out_dir)
+    runs = [r for r in results["results"] if r.get("status") == "ok" and r.get("profile")]
+    if not runs:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        from ..profile_plot import draw_profile
+
+        firsts: dict[str, dict[str, Any]] = {}
+        for r in runs:
+            png = out / (r["profile"][: -len(".json")] + ".png")
+            draw_profile(json.loads((out / r["profile"]).read_text()), png)
+            firsts.setdefault(r["encoding"], {**r, "png": png})
+        fig, axes = plt.subplots(1, len(firsts), figsize=(4.5 * len(firsts), 9), squeeze=False)
+        for ax, r in zip(axes[0], firsts.values()):
+            ax.imshow(plt.imread(str(r["png"])))
+            ax.set_title(entry_label(r), fontsize=11)
+            ax.axis("off")
+        fig.suptitle("What each model learned (hf_posenc.position_profile of the trained model, first seed)")
+        fig.tight_layout()
+        path = out / "profiles.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return str(path)
+    except Exception as e:  # noqa: BLE001 - recorded and reported; the numbers are already on disk
+        results["profiles_error"] = f"{type(e).__name__}: {e}"
+        print(f"hf-posenc study: the profile figure failed ({results['profiles_error']})", file=sys.stderr)
+        write_results(results, out_dir)
+        return None

@@ -67,6 +67,8 @@ __all__ = [
 #: The representative default set: one or two of each kind.
 DEFAULT_ENCODINGS: tuple[str, ...] = (
     "nope", "sinusoidal", "learned", "rope", "alibi", "kerple", "fire", "fox", "cope", "sba",
+    # recipes (hf_posenc.study.recipes): SmolLM3's rope/nope 3:1 hybrid, and rope extended with YaRN at evaluation
+    "rope*3/nope", "rope:eval_scaling=yarn",
 )
 #: Tasks for the text families (llama, gpt2); ``digits`` is the ViT task.
 TEXT_TASKS: tuple[str, ...] = ("text", *D.TASKS)
@@ -87,7 +89,7 @@ class StudyConfig:
     task: str | None = None  # text families: "text" (default) or a synthetic task; vit: "digits"
     train_len: int | None = None  # tokens (text, tasks: default 64) or image side in pixels (vit: default 16)
     steps: int = 400
-    layers: int = 2
+    layers: int = 4  # a multiple of 4: the default rope*3/nope hybrid repeats over the depth
     hidden: int = 64
     heads: int | None = None  # default hidden // 16
     batch: int | None = None  # default 16 (text, tasks), 64 (vit)
@@ -422,6 +424,19 @@ class _Data:
                     rng = random.Random(_subseed(*key))
                     self.eval_sets[split, n] = D.task_batch(task, rng, c.eval_sequences, n)
 
+    def profile_sample(self) -> torch.Tensor | None:
+        """(1, train_len) token ids on which the study draws the data-dependent encodings' profiles: the first
+        validation bytes (text), the first in-distribution evaluation sequence at the training length (tasks,
+        e.g. selective copy: one sees whether CoPE counts the non-blank tokens); None on ViT (its profile uses
+        an image of its own)."""
+        c = self.config
+        if self.corpus is not None:
+            return self.corpus.val[: c.train_len][None].long()
+        if self.task is not None:
+            n = c.train_len if (D.IN_DISTRIBUTION, c.train_len) in self.eval_sets else min(self.lengths)
+            return self.eval_sets[D.IN_DISTRIBUTION, n][0][:1]
+        return None
+
     def describe(self) -> dict[str, Any]:
         c = self.config
         if self.corpus is not None:
@@ -587,6 +602,8 @@ def _train_and_eval(
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
         train_s = time.perf_counter() - t0
+        if c.out is not None:  # what the model learned, before any evaluation-time re-patching
+            result["profile"] = _write_profile(model, data, c, spec)
         evals = []
         t1 = time.perf_counter()
         def at_length(n: int) -> dict[str, Any]:
@@ -624,6 +641,30 @@ def _train_and_eval(
     if other_splits:
         result["splits"] = other_splits
     return result
+
+
+def _profile_slug(spec: str, seed: int) -> str:
+    """A file name for a run's profile: the spec with every character outside [A-Za-z0-9._-] as '_'."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9._-]", "_", spec) + f"_seed{seed}"
+
+
+def _write_profile(model: nn.Module, data: _Data, c: StudyConfig, spec: str) -> str:
+    """Write the trained model's position profile (:func:`hf_posenc.position_profile`) to
+    ``<out>/profiles/<spec>_seed<k>.json``; returns that path relative to ``out``."""
+    import json
+    from pathlib import Path
+
+    from ..profile import position_profile
+
+    profile = position_profile(model, length=c.train_len if c.family != "vit" else 8,
+                               input_ids=data.profile_sample())
+    rel = f"profiles/{_profile_slug(spec, data.seed)}.json"
+    path = Path(c.out) / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile))
+    return rel
 
 
 def _fmt_metric(v: float | None, task: str | None) -> str:
@@ -850,6 +891,7 @@ def run_study(config: StudyConfig) -> dict[str, Any]:
     out = snapshot(complete=True)
     if c.out is not None:
         report.write_plot(out, c.out)
+        report.write_profiles_figure(out, c.out)
     return out
 
 

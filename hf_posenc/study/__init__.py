@@ -50,7 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="encodings to compare, separated by spaces or commas: names, 'name:key=value,...' for "
                    "parameters (e.g. rope,alibi kerple:variant=power,per_layer=true,fire), or 'all'. After a "
                    "comma, a piece with '=' and no ':' is another parameter of the encoding before it, "
-                   f"anything else a new encoding. Default: {' '.join(DEFAULT_ENCODINGS)}")
+                   f"anything else a new encoding. Plans: entries joined by '/', '*K' repeats one (rope:window=16*3/nope); "
+                   "rope:eval_scaling=yarn|linear scales rope at evaluation only (hf_posenc/study/recipes.py). "
+                   f"Default: {' '.join(DEFAULT_ENCODINGS)}")
     p.add_argument("--family", choices=("llama", "gpt2", "vit"), default=d.family, help="model family (default llama)")
     p.add_argument("--task", choices=(*TEXT_TASKS, "digits"), default=None,
                    help="text (default on llama/gpt2), flip-flop, selective-copy, counting, passkey; digits (vit, the "

@@ -51,7 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "parameters (e.g. rope,alibi kerple:variant=power,per_layer=true,fire), or 'all'. After a "
                    "comma, a piece with '=' and no ':' is another parameter of the encoding before it, "
                    f"anything else a new encoding. Plans: entries joined by '/', '*K' repeats one (rope:window=16*3/nope); "
-                   "rope:eval_scaling=yarn|linear scales rope at evaluation only (hf_posenc/study/recipes.py). "
+                   "rope:eval_scaling=yarn|linear scales rope at evaluation only (hf_posenc/study/recipes.py); the "
+                   "default's two recipes join where they fit (the hybrid when --layers is a multiple of 4, YaRN on "
+                   "text). "
                    f"Default: {' '.join(DEFAULT_ENCODINGS)}")
     p.add_argument("--family", choices=("llama", "gpt2", "vit"), default=d.family, help="model family (default llama)")
     p.add_argument("--task", choices=(*TEXT_TASKS, "digits"), default=None,

@@ -167,11 +167,18 @@ class StudyConfig:
         if c.resume and c.out is None:
             raise ValueError("--resume continues the results.json in --out; give --out")
         expanded: list[str] = []
+        # The default list's recipes join where they fit: the 3:1 hybrid when --layers is a multiple of its
+        # length, rope + YaRN at evaluation on the text families. Given explicitly, a misfit is an error.
+        defaulted = list(c.encodings) == list(DEFAULT_ENCODINGS)
         for e in split_encodings(c.encodings):
             if e == "all":
                 expanded += [n for n in list_encodings() if n not in expanded]
             elif e not in expanded:
                 entry = parse_study_entry(e)  # validates the names and parameters
+                misfit = (entry.is_plan and c.layers % len(entry.encoding)) or (
+                    entry.eval_scaling is not None and c.family == "vit")
+                if defaulted and misfit:
+                    continue
                 if entry.is_plan and c.layers % len(entry.encoding):
                     raise ValueError(
                         f"--encodings {e!r}: a plan of {len(entry.encoding)} layers is repeated over the depth, so "

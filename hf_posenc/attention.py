@@ -31,7 +31,7 @@ import torch
 from torch.nn import functional as F
 
 from .backend import forced_backend
-from .encodings.base import PLAIN_CAUSAL, PosContext, unwrap, vit_token_coords
+from .encodings.base import PLAIN_CAUSAL, UNWINDOWED_MASK, PosContext, unwrap, vit_token_coords
 from .kernels.attention import (
     FLEX_KINDS,
     flex_attention_term,
@@ -185,6 +185,7 @@ def _windowed_mask(
         mask = _causal_mask(q_len, k_len, q_offset, device)[None, None]
     out = band if mask is None else mask & band
     ctx.memo[memo_key] = out
+    ctx.memo[UNWINDOWED_MASK, id(out)] = mask
     return out
 
 

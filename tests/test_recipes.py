@@ -424,3 +424,21 @@ def test_windowed_layers_run_the_tile_engine_with_the_window(monkeypatch):
     with torch.no_grad():
         want = model(ids, output_attentions=True).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", (1, 3))
+def test_fox_pro_token_shift_ignores_the_window(window):
+    """FoX Pro's token shift mixes each key with its predecessor whatever the window lets a query see: the
+    reference (output_attentions, a band on the mask) gives the tile engine's logits (the window as a number),
+    and decoding with the cache its full forward."""
+    model = _model("llama", {"name": "fox_pro", "window": window}, layers=2)
+    ids = make_ids(1, 11)
+    with torch.no_grad():
+        engine = model(ids).logits
+        reference = model(ids, output_attentions=True).logits
+        out = model.generate(ids[:, :4], max_new_tokens=5, do_sample=False, output_logits=True,
+                             output_attentions=True, return_dict_in_generate=True, pad_token_id=0)
+        full = model(out.sequences).logits
+    torch.testing.assert_close(reference, engine, rtol=1e-4, atol=1e-4)
+    for step, logits in enumerate(out.logits):
+        torch.testing.assert_close(logits[0], full[0, 3 + step], rtol=1e-4, atol=1e-4)

@@ -64,6 +64,10 @@ class ModelInfo:
 #: ``PosContext.memo`` key set by the attention function before a custom ``attend``: True when the mask it
 #: hands over is causality alone (no padding, no cache, queries = keys), so ``attend`` may use is_causal kernels.
 PLAIN_CAUSAL = "plain_causal"
+#: ``PosContext.memo`` key prefix: ``memo[(UNWINDOWED_MASK, id(windowed))]`` is the attention mask before
+#: hf_posenc's sliding ``window`` was applied to it (``windowed``): what a token's neighbours are (FoX Pro's token
+#: shift) does not depend on which keys a query may attend to.
+UNWINDOWED_MASK = "unwindowed_mask"
 
 
 @dataclass

@@ -117,7 +117,7 @@ from ..config import PosEncConfig
 from ..kernels.attention.terms import KernelTerm
 from ..ops import expand_kv
 from ..registry import param, register_encoding
-from .base import ModelInfo, PosContext, PositionEncoding
+from .base import UNWINDOWED_MASK, ModelInfo, PosContext, PositionEncoding
 from .rope import apply_rotary, rope_inv_freq
 
 __all__ = ["Fox", "FoxPro", "pack_state", "unpack_state", "forget_bias", "forgetting_attention"]
@@ -553,7 +553,10 @@ class FoxPro(Fox):
         a_k, gates = k_state[..., 0], self._gates_from_kv(k_state[..., 1:])
         a_v = unpack_state(value[..., d:], 1, compute)[..., 0]
         k_len = key.shape[2]
-        valid, has_prev = key_validity(mask, k_len, key.device)
+        # which keys have a real predecessor: from the mask before a sliding window cut it (the shift belongs to
+        # the token, not to the queries that may see it)
+        unwindowed = ctx.memo.get((UNWINDOWED_MASK, id(mask)), mask) if mask is not None else None
+        valid, has_prev = key_validity(unwindowed, k_len, key.device)
         if ctx.grid is not None:  # CLS (index 0) is no patch's predecessor
             has_prev = has_prev.clone()
             has_prev[:, : min(2, k_len)] = False

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .registry import FAMILIES, list_encodings
+from .registry import FAMILIES
 
 __all__ = ["add_arguments", "main", "plans_supported", "small_model", "tokenize"]
 

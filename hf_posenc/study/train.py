@@ -55,7 +55,7 @@ from torch import nn
 
 from .. import encoding_module, patch_model
 from ..config import PosEncConfig
-from ..registry import get_encoding, list_encodings
+from ..registry import list_encodings
 from . import data as D
 from .recipes import apply_eval_scaling, parse_study_entry
 

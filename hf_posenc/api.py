@@ -18,7 +18,7 @@ from .auto import check_config_class, mark_config
 from .attention import ATTN_IMPLEMENTATION, attention_backend, register_with_transformers
 from .config import CONFIG_KEY, PosEncConfig, coerce_plan, is_plan
 from .encodings.base import ModelInfo, unwrap
-from .encodings.plan import PlanEncoding, layer_info, plan_groups
+from .encodings.plan import PlanEncoding, entry_layers, layer_info, plan_groups
 from .patches import get_family
 from .patches.base import tap_mlp_outputs, unshare_config
 from .patches.generation import install_static_cache_shape
@@ -141,8 +141,7 @@ def patch_model(
             )
         entries = []
         for index, config in enumerate(distinct):
-            layers_of = [layer for layer, (e, _) in enumerate(layer_entries) if e == index]
-            entries.append(config.spec.cls(config, layer_info(info, layers_of)))
+            entries.append(config.spec.cls(config, layer_info(info, entry_layers(layer_entries, index))))
         encoding = PlanEncoding(configs, info, entries, layer_entries)
         reads_mlp = [getattr(entries[e], "reads_mlp_output", False) for e, _ in layer_entries]
         stored_config = [c.to_dict() for c in configs]
@@ -180,8 +179,8 @@ def _resolve_plan(configs: list[PosEncConfig], info: ModelInfo) -> list[PosEncCo
         distinct, layer_entries = plan_groups(configs)
         resolved = []
         for index, config in enumerate(distinct):
-            layers_of = [layer for layer, (e, _) in enumerate(layer_entries) if e == index]
-            resolved.append(_resolve_one(config, layer_info(info, layers_of) if len(distinct) > 1 else info))
+            own = layer_info(info, entry_layers(layer_entries, index)) if len(distinct) > 1 else info
+            resolved.append(_resolve_one(config, own))
         new = [resolved[e] for e, _ in layer_entries]
         if len(plan_groups(new)[0]) == len(distinct):
             return new

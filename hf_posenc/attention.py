@@ -41,6 +41,7 @@ from .kernels.attention import (
 )
 from .kernels.attention import _triton_import_error as _attention_triton_error
 from .kernels.defaults import cuda_default_backend
+from .kernels.attention.naive import band_allowed
 from .kernels.attention.tiled import tiled_attention, tiled_unsupported
 from .ops import expand_kv, masked_softmax
 
@@ -151,8 +152,9 @@ def window_band(
     grid: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """(1, 1, Lq, Lk) bool: the keys a sliding window of ``window`` lets each query see (query i is key
-    qi = q_offset + i). Causal text: qi - window < j (its last ``window`` keys, itself included, with the causal
-    mask; as transformers' ``sliding_window_overlay``); bidirectional text: |qi - j| < window; ViT's grid: both
+    qi = q_offset + i). Text: the kernels' own band (``naive.band_allowed``): causal, qi - window < j <= qi (its
+    last ``window`` keys, itself included; as transformers' ``sliding_window_overlay``); bidirectional,
+    |qi - j| < window. ViT's grid: both
     the row and the column offsets below ``window``, the CLS token seeing and seen by every token."""
     if grid is not None:
         coords = vit_token_coords(grid, device)
@@ -162,10 +164,8 @@ def window_band(
         is_cls[0] = True
         band = near | is_cls[-q_len:, None] | is_cls[None, -k_len:]
         return band[None, None]
-    q_idx = torch.arange(q_len, device=device)[:, None] + q_offset
-    k_idx = torch.arange(k_len, device=device)[None, :]
-    band = (k_idx > q_idx - window) if causal else ((q_idx - k_idx).abs() < window)
-    return band[None, None]
+    q_idx = torch.arange(q_len, device=device) + q_offset
+    return band_allowed(q_idx, torch.arange(k_len, device=device), causal, window)[None, None]
 
 
 def _windowed_mask(

@@ -27,7 +27,7 @@ from torch import nn
 
 from .registry import FAMILIES
 
-__all__ = ["add_arguments", "main", "plans_supported", "small_model", "tokenize"]
+__all__ = ["add_arguments", "main", "small_model", "tokenize"]
 
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
@@ -67,17 +67,6 @@ def small_model(family: str, length: int, layers: int = LAYERS, seed: int = 0) -
     config_cls, model_cls, kw = builders[family]
     torch.manual_seed(seed)
     return model_cls(config_cls(**kw)).eval()
-
-
-def plans_supported() -> bool:
-    """Whether :func:`hf_posenc.patch_model` takes a list of encodings (a plan), tried on a tiny Llama."""
-    from .api import patch_model
-
-    try:
-        patch_model(small_model("llama", 4, layers=2), ["nope", "nope"])
-    except (TypeError, ValueError):
-        return False
-    return True
 
 
 def _tokenizer(path: Path) -> Any:
@@ -146,8 +135,8 @@ def _load_target(args: argparse.Namespace) -> tuple[nn.Module, Any, dict[str, An
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("target", help="an encoding name (name:key=value,... with parameters), a plan (comma-separated names, or "
-                   "rope*3/nope) or a checkpoint directory")
+    p.add_argument("target", help="an encoding name (name:key=value,... with parameters), a plan (comma-separated "
+                   "names, or rope*3/nope) or a checkpoint directory")
     p.add_argument("--out", required=True, help="output directory for profile.json and profile.png")
     p.add_argument("--length", type=int, default=64, help="N, the positions of the curves and matrices (default 64)")
     p.add_argument("--text", default=None, help="input of the data-dependent encodings (default: a fixed sample)")

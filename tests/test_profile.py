@@ -12,7 +12,7 @@ import torch
 import hf_posenc
 from hf_posenc.cli import main as cli_main
 from hf_posenc.encodings.alibi import alibi_slopes
-from hf_posenc.show import plans_supported, small_model
+from hf_posenc.show import small_model
 from conftest import make_ids, make_model
 
 #: The issue's kinds, written out (an independent statement of what each encoding's profile must be).
@@ -245,7 +245,6 @@ def test_show_on_vit(tmp_path, capsys):
     assert entry["grid"] == [8, 8] and _shape(entry["similarity"])[-2:] == (8, 8)
 
 
-@pytest.mark.skipif(not plans_supported(), reason="patch_model takes no plan (a list of encodings) in this hf_posenc")
 def test_show_on_a_plan(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     rc, err = _show(["rope,rope,rope,nope", "--out", str(tmp_path), "--length", "10"], capsys)
@@ -267,8 +266,6 @@ def test_show_bad_inputs(tmp_path, capsys):
         (["alibi", "--length", "0"], "--length must be >= 1"),
         (["alibi", "--family", "nosuch"], "unknown --family 'nosuch'"),
     ]
-    if not plans_supported():
-        cases.append((["rope,nope"], "is a plan"))
     for args, message in cases:
         rc, err = _show([*args, "--out", str(tmp_path / "x")], capsys)
         assert rc == 2, (args, err)

@@ -32,7 +32,7 @@ from torch import nn
 from ..config import PosEncConfig
 from .base import ModelInfo
 
-__all__ = ["PlanEncoding", "plan_groups", "layer_info"]
+__all__ = ["PlanEncoding", "entry_layers", "plan_groups", "layer_info"]
 
 
 def plan_groups(configs: list[PosEncConfig]) -> tuple[list[PosEncConfig], list[tuple[int, int]]]:
@@ -49,6 +49,11 @@ def plan_groups(configs: list[PosEncConfig]) -> tuple[list[PosEncConfig], list[t
         layers.append((index, counts[index]))
         counts[index] += 1
     return distinct, layers
+
+
+def entry_layers(layer_entries: list[tuple[int, int]], index: int) -> list[int]:
+    """The model layers in which entry ``index`` runs (``layer_entries`` as :func:`plan_groups` gives them)."""
+    return [layer for layer, (entry, _) in enumerate(layer_entries) if entry == index]
 
 
 def layer_info(info: ModelInfo, layers: list[int]) -> ModelInfo:
@@ -102,10 +107,6 @@ class PlanEncoding(nn.Module):
     @property
     def reads_mlp_output(self) -> bool:
         return any(getattr(e, "reads_mlp_output", False) for e in self.entries)
-
-    def entry_layers(self, index: int) -> list[int]:
-        """The model layers in which entry ``index`` runs."""
-        return [layer for layer, (e, _) in enumerate(self.layer_entries) if e == index]
 
     def forward(self, op: str, *args: Any) -> Any:
         if op == "entry":

@@ -327,13 +327,20 @@ class Rope(PositionEncoding):
             )
 
     def _frequencies(
-        self, positions: torch.Tensor, device: torch.device, layer: int = 0
+        self, positions: torch.Tensor, device: torch.device, layer: int = 0, memo: dict | None = None
     ) -> tuple[torch.Tensor, float]:
-        """(inv_freq (R/2,) float32 on ``device``, attention scaling) for a forward at ``positions`` in ``layer``."""
+        """(inv_freq (R/2,) float32 on ``device``, attention scaling) for a forward at ``positions`` in ``layer``;
+        ``memo`` (the forward's ``PosContext.memo``) keeps dynamic scaling's frequencies for the other layers."""
         if self._dynamic is not None:  # NTK: from this forward's largest position id + 1 (a tensor: no sync)
+            key = ("rope_dynamic_frequencies", device)
+            if memo is not None and key in memo:
+                return memo[key]
             hf_config, init = self._dynamic
             inv_freq, scaling = init(hf_config, device, seq_len=positions.max().to(device) + 1)
-            return inv_freq.to(device=device, dtype=torch.float32), float(scaling)
+            out = inv_freq.to(device=device, dtype=torch.float32), float(scaling)
+            if memo is not None:
+                memo[key] = out
+            return out
         scaled = self._scaled if self._layers is None else self._layers[layer]
         if scaled is None:
             theta = self.posenc_config.params["theta"]
@@ -346,8 +353,10 @@ class Rope(PositionEncoding):
             inv_freq = torch.where(positions.max().to(device) + 1 > switch, long_freq.to(device), inv_freq)
         return inv_freq, scaling
 
-    def _angles(self, positions: torch.Tensor, device: torch.device, layer: int = 0) -> tuple[torch.Tensor, float]:
-        inv_freq, scaling = self._frequencies(positions, device, layer)
+    def _angles(
+        self, positions: torch.Tensor, device: torch.device, layer: int = 0, memo: dict | None = None
+    ) -> tuple[torch.Tensor, float]:
+        inv_freq, scaling = self._frequencies(positions, device, layer, memo)
         return positions.to(device=device, dtype=torch.float32)[..., None] * inv_freq, scaling
 
     def prepare(
@@ -367,7 +376,7 @@ class Rope(PositionEncoding):
         else:
             rows, cols = ctx.grid
             positions = torch.arange(rows * cols + 1, device=q.device)[None] - 1
-        angles, scaling = self._angles(positions, q.device, layer)
+        angles, scaling = self._angles(positions, q.device, layer, ctx.memo)
         angles = angles[:, None]  # (B|1, 1, L, D/2)
         cos, sin = angles.cos(), angles.sin()
         if scaling != 1.0:  # as LlamaRotaryEmbedding: cos * attention_scaling, sin * attention_scaling

@@ -44,11 +44,9 @@ def cached_kv_widths(base: nn.Module) -> tuple[int, int] | None:
     device = ref.device if ref is not None else torch.device("cpu")
     root = PosContext(encoding=base.posenc, info=info, position_ids=torch.zeros(1, 0, dtype=torch.long, device=device))
     entries = getattr(unwrap(base.posenc), "layer_entries", None)
-    first_layers = list(range(info.num_layers)) if entries is None else [
-        layer for layer, (e, local) in enumerate(entries) if local == 0
-    ]
+    first_layers = [0] if entries is None else [layer for layer, (_, local) in enumerate(entries) if local == 0]
     widths = set()
-    for layer in first_layers[:1] if entries is None else first_layers:
+    for layer in first_layers:
         ctx, local = root.at(layer)
         if not getattr(unwrap(ctx.encoding), "prepares_qkv", False):
             widths.add((d, d))

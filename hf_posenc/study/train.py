@@ -57,7 +57,7 @@ from .. import encoding_module, patch_model
 from ..config import PosEncConfig
 from ..registry import list_encodings
 from . import data as D
-from .recipes import apply_eval_scaling, parse_study_entry
+from .recipes import StudyEntry, apply_eval_scaling, parse_study_entry
 
 __all__ = [
     "DEFAULT_ENCODINGS", "TEXT_TASKS", "MissingDependencyError", "StudyConfig", "check_dependencies", "eval_lengths",
@@ -364,15 +364,18 @@ def build_model(config: StudyConfig, vocab_size: int) -> nn.Module:
     return ViTForImageClassification(cfg)
 
 
-def study_encoding(spec: str, config: StudyConfig, max_len: int) -> tuple[PosEncConfig | list, list[str]]:
-    """The encoding config the study patches with (a list for a plan), and notes for the report."""
+def study_encoding(
+    spec: str, config: StudyConfig, max_len: int
+) -> tuple[PosEncConfig | list, list[str], StudyEntry]:
+    """The encoding config the study patches with (a list for a plan), notes for the report, and the parsed
+    entry (its label and evaluation-time scaling)."""
     entry = parse_study_entry(spec)
     notes: list[str] = []
     if entry.eval_scaling is not None:
         notes.append(f"trained with plain rope; at each length L > {config.train_len} rope is re-patched with "
                      f"{entry.eval_scaling} scaling of factor L/{config.train_len} (not retrained)")
     if entry.is_plan:
-        return entry.encoding, notes
+        return entry.encoding, notes, entry
     enc = entry.encoding
     if enc.name == "learned" and config.family != "vit":
         if enc.params.get("max_positions") is None:
@@ -383,7 +386,7 @@ def study_encoding(spec: str, config: StudyConfig, max_len: int) -> tuple[PosEnc
             )
     elif enc.name == "learned":
         notes.append("table interpolated bicubically to larger grids (interpolate_pos_encoding=True)")
-    return enc, notes
+    return enc, notes, entry
 
 
 # -- training and evaluation ----------------------------------------------------------------------------
@@ -567,8 +570,7 @@ def _train_and_eval(
     c = config
     lengths = data.lengths
     max_len = max(lengths)
-    enc, notes = study_encoding(spec, c, max_len)
-    entry = parse_study_entry(spec)
+    enc, notes, entry = study_encoding(spec, c, max_len)
     configs = enc if isinstance(enc, list) else [enc]
     result: dict[str, Any] = {"encoding": spec, "label": entry.label, "name": "plan" if entry.is_plan else enc.name,
                               "notes": notes, "seed": data.seed}

@@ -6,7 +6,7 @@ import torch
 
 from ...encodings.cope import allowed_keys, cope_attention
 from ...ops import expand_kv
-from ..attention.naive import check_window
+from ..attention.naive import band_allowed, check_window
 
 __all__ = ["cope_reference", "windowed_allowed"]
 
@@ -23,8 +23,7 @@ def windowed_allowed(
         return allowed
     off = q_offset.to(allowed.device) if isinstance(q_offset, torch.Tensor) else q_offset
     qi = torch.arange(lq, device=allowed.device) + off
-    band = torch.arange(lk, device=allowed.device)[None, :] > qi[:, None] - window
-    return allowed & band[None, None]
+    return allowed & band_allowed(qi, torch.arange(lk, device=allowed.device), True, window)[None, None]
 
 
 def cope_reference(

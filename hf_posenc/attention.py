@@ -31,7 +31,7 @@ import torch
 from torch.nn import functional as F
 
 from .backend import forced_backend
-from .encodings.base import PLAIN_CAUSAL, UNWINDOWED_MASK, PosContext, unwrap, vit_token_coords
+from .encodings.base import PLAIN_CAUSAL, UNWINDOWED_MASK, PosContext, narrowest_window, unwrap, vit_token_coords
 from .kernels.attention import (
     FLEX_KINDS,
     flex_attention_term,
@@ -236,10 +236,13 @@ def _offset_key(q_offset: int | torch.Tensor) -> int | tuple[str, int]:
 
 
 def _key_validity(
-    ctx: PosContext, mask: torch.Tensor | None, causal: bool, q_len: int, k_len: int, q_offset: int | torch.Tensor
+    ctx: PosContext, mask: torch.Tensor | None, causal: bool, q_len: int, k_len: int, q_offset: int | torch.Tensor,
+    band: int | None = None,
 ) -> tuple[torch.Tensor | None, str | None]:
     """The kernels' form of ``mask``: (key_valid (B|1, Lk) bool or None, None), or (None, reason) when the
-    mask is not causal (at ``q_offset``) + key padding. Checked once per forward (memoised in ``ctx``).
+    mask is not causal (at ``q_offset``) + key padding (+ the sliding-window ``band`` the model's own window
+    put in it, which the caller hands to the engine as its ``window``). Checked once per forward (memoised in
+    ``ctx``).
 
     The check reads the mask's values (one device sync per forward, in eager mode). Under ``torch.compile``
     that read would break the graph, so there the answer is a reason (the ``torch`` engine runs the call,
@@ -252,7 +255,8 @@ def _key_validity(
         return None, ("under torch.compile an attention mask's form (causal + key padding) cannot be checked "
                       "without reading it (a graph break)")
     memo_key = (
-        "kernel_key_valid", mask.data_ptr(), tuple(mask.shape), mask.stride(), causal, _offset_key(q_offset), q_len
+        "kernel_key_valid", mask.data_ptr(), tuple(mask.shape), mask.stride(), causal, _offset_key(q_offset), q_len,
+        band,
     )
     if memo_key in ctx.memo:
         return ctx.memo[memo_key]
@@ -264,11 +268,15 @@ def _key_validity(
         expected = valid[:, None, :]
         if causal:
             expected = expected & _causal_mask(stop - start, k_len, q_offset + start, mask.device)
+        if band is not None:
+            q_idx = torch.arange(start, stop, device=mask.device) + q_offset
+            expected = expected & band_allowed(q_idx, torch.arange(k_len, device=mask.device), causal, band)
         same = same and torch.equal(m[:, start:stop], expected.expand(m.shape[0], stop - start, k_len))
         if not same:
             break
     if not same:
-        result = (None, "the attention mask is not causal + key padding (e.g. packed sequences or a custom 4D "
+        form = "causal + key padding" if band is None else f"causal + key padding + the model's {band}-key window"
+        result = (None, f"the attention mask is not {form} (e.g. packed sequences or a custom 4D "
                         "mask); the kernels take a per-batch key-valid vector")
     else:
         result = (None if bool(valid.all()) else valid, None)
@@ -290,6 +298,7 @@ def _kernel_attention(
     dropout: float,
     training: bool,
     window: int | None = None,
+    native: int | None = None,
 ) -> torch.Tensor | None:
     """out (B, H, Lq, D) from the ``triton`` or ``flex`` backend, or None to run the reference (only when
     the backend is not forced; a forced backend that cannot run raises a ValueError with the reason)."""
@@ -305,7 +314,7 @@ def _kernel_attention(
             where = "the 2D patch grid" if ctx.grid is not None else ctx.info.family
             reason = f"{enc.name!r} has no {backend} attention term on {where}"
     if reason is None:
-        key_valid, reason = _key_validity(ctx, mask, causal, query.shape[2], key.shape[2], q_offset)
+        key_valid, reason = _key_validity(ctx, mask, causal, query.shape[2], key.shape[2], q_offset, native)
     if reason is None:
         if backend == "triton":
             reason = kernel_unsupported(query, key, value, term)
@@ -323,7 +332,7 @@ def _kernel_attention(
             raise ValueError(f"HF_POSENC_BACKEND={backend}, but {reason}")
         return None
     return run(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset, key_valid=key_valid,
-               window=window, **extra)
+               window=narrowest_window(window, native), **extra)
 
 
 def _tiled_torch_attention(
@@ -339,6 +348,7 @@ def _tiled_torch_attention(
     dropout: float,
     training: bool,
     window: int | None = None,
+    native: int | None = None,
 ) -> torch.Tensor | None:
     """out (B, H, Lq, D) from the tile-wise PyTorch engine with the encoding's ``kernel_term``, or None where
     the engine does not apply and the full-matrix reference runs instead (documented in the module
@@ -358,13 +368,13 @@ def _tiled_torch_attention(
     term = ctx.encoding("kernel_term", ctx, layer, query, key, value, mask)
     if term is None:
         return None
-    key_valid, reason = _key_validity(ctx, mask, causal, query.shape[2], key.shape[2], q_offset)
+    key_valid, reason = _key_validity(ctx, mask, causal, query.shape[2], key.shape[2], q_offset, native)
     if reason is not None or tiled_unsupported(query, key, value, term) is not None:
         return None
     if window is not None and ctx.grid is not None:
         return None  # ViT's window is per grid axis: the reference applies it as a band on the mask
     return tiled_attention(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset,
-                           key_valid=key_valid, window=window)
+                           key_valid=key_valid, window=narrowest_window(window, native))
 
 
 def posenc_attention(
@@ -413,18 +423,21 @@ def posenc_attention(
     # A sliding window: the kernels and the tile engine take it as a number and skip the key tiles outside it;
     # the references below get it as a band on the mask.
     window = layer_window(posenc_ctx)
+    # The model's own window (already in the mask transformers built) is handed to the engines as well.
+    native = posenc_ctx.native_window(layer) if posenc_ctx is not None else None
     training = module.training
     need_weights = bool(posenc_ctx is not None and posenc_ctx.need_weights)
     if backend != "torch" and not need_weights:
         out = _kernel_attention(
             backend, posenc_ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling, dropout, training,
-            window,
+            window, native,
         )
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
     if posenc_ctx is not None and not need_weights:
         out = _tiled_torch_attention(
-            posenc_ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling, dropout, training, window
+            posenc_ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling, dropout, training, window,
+            native,
         )
         if out is not None:
             return out.transpose(1, 2).contiguous(), None

@@ -127,7 +127,9 @@ def test_gpt_neox_sequential_residual_and_full_rotary():
 
 WINDOW = 4
 #: one term of each kind: rotary, absolute, static bias, learned bias, MLP bias, score + value, score mix,
-#: data-dependent bias, contextual counts, stick-breaking, contextual states.
+#: data-dependent bias, contextual counts, stick-breaking, contextual states. (FoX Pro is not here: its token
+#: shift mixes the key before the window into the first key in it, so a window of W reaches W + 1 tokens back per
+#: layer; test_fox_pro_shift_reads_the_key_before_a_native_window.)
 WINDOW_ENCODINGS = ("rope", "learned", "alibi", "t5", "fire", "shaw", "cape", "fox", "cope", "sba", "tape")
 
 
@@ -160,7 +162,67 @@ def test_keys_beyond_the_window_have_no_influence(encoding):
                 steps.append(model(seq[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
             cached = torch.cat(steps, dim=1)
             torch.testing.assert_close(cached[:, -1], last, atol=1e-4, rtol=0)
-        torch.testing.assert_close(torch.cat(steps, dim=1)[:, -1], full[:, -1], atol=1e-4, rtol=0)
+            if seq is ids:
+                torch.testing.assert_close(cached, full, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("encoding", ("alibi", "t5", "fox"))
+def test_native_window_runs_the_tile_engine(monkeypatch, encoding):
+    """A model's own sliding window reaches the tile engine as its ``window`` (it skips the key tiles outside it,
+    no (Lq, Lk) mask): the engine runs on every windowed layer, with a left-padded batch, and its output and
+    gradients (the term's parameters included) equal the full-matrix reference's."""
+    import hf_posenc.attention as dispatch
+
+    ids, mask = left_pad([make_ids(1, 12)[0], make_ids(1, 9, seed=2)[0]])
+    pos = positions_from_mask(mask)
+
+    def run(engine: bool):
+        model = make_model("mistral", encoding=encoding, train=True,
+                           config_overrides=dict(sliding_window=WINDOW, num_hidden_layers=2))
+        windows = []
+        real = dispatch.tiled_attention
+
+        def spy(*args, **kwargs):
+            windows.append(kwargs.get("window"))
+            return real(*args, **kwargs)
+
+        with monkeypatch.context() as m:
+            m.setattr(dispatch, "tiled_attention", spy)
+            if not engine:
+                m.setattr(dispatch, "_tiled_torch_attention", lambda *a, **k: None)
+            out = model(ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+            out[mask.bool()].square().mean().backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        return out, grads, windows
+
+    out, grads, windows = run(engine=True)
+    assert windows == [WINDOW, WINDOW]
+    ref_out, ref_grads, ref_windows = run(engine=False)
+    assert ref_windows == []
+    real = mask.bool()
+    torch.testing.assert_close(out[real], ref_out[real], atol=1e-5, rtol=1e-4)
+    assert grads.keys() == ref_grads.keys() and any("posenc" in n for n in grads) == (encoding != "alibi")
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_fox_pro_shift_reads_the_key_before_a_native_window():
+    """FoX Pro's token shift mixes each key with the one before it, a property of the token, not of the queries
+    that see it. transformers' own sliding window bands the mask, so when decoding, no new query sees the key
+    just before its window; the shift must still use it: left-padded batch, 2D mask, decoding == full forward,
+    on Mistral (every layer windowed) and Gemma 3 (its local layer)."""
+    for family, overrides in (("mistral", dict(sliding_window=WINDOW, num_hidden_layers=2)), ("gemma3_text", {})):
+        model = make_model(family, encoding="fox_pro", config_overrides=overrides)
+        rows = make_ids(2, 12)
+        ids, mask = left_pad([rows[0], rows[1, :9]])
+        with torch.no_grad():
+            full = model(ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False).logits
+            cache, steps = DynamicCache(config=model.config), []
+            for start, stop in ((0, 5), *((t, t + 1) for t in range(5, 9)), (9, 12)):
+                steps.append(model(ids[:, start:stop], attention_mask=mask[:, :stop], past_key_values=cache,
+                                   position_ids=positions_from_mask(mask)[:, start:stop], use_cache=True).logits)
+        real = mask.bool()
+        torch.testing.assert_close(torch.cat(steps, dim=1)[real], full[real], atol=1e-4, rtol=0)
 
 
 def test_window_rope_matches_transformers_mistral():

@@ -334,7 +334,12 @@ def test_finite_in_half_precision(family, encoding, data):
     parameter that gets one (the model's and the encoding's), on random models and (padded / any-size)
     inputs. ``cast_first`` patches a model that is already in that dtype, else the patched model is cast."""
     arch = data.draw(archs(family, encoding), label="arch")
-    dtype = data.draw(st.sampled_from([torch.float16, torch.bfloat16]), label="dtype")
+    # Gemma 3 trains in bfloat16 only: in float16 a left-padded row overflows its gradients in the native model
+    # too (transformers' SDPA attention, unpatched: a pad query sees no key, its hidden state is zero, and each
+    # of Gemma's four RMSNorms per layer (eps 1e-6) multiplies that row's gradient by 1/sqrt(eps) = 1000;
+    # measured on transformers 5.24, 1 layer, batch lengths (1, 2)). Google trains Gemma in bfloat16.
+    dtypes = [torch.bfloat16] if family == "gemma3_text" else [torch.float16, torch.bfloat16]
+    dtype = data.draw(st.sampled_from(dtypes), label="dtype")
     cast_first = data.draw(st.booleans(), label="cast_first")
     if cast_first:
         model = make_model(family, seed=arch.seed, train=True, dtype=dtype, config_overrides=arch.overrides())

@@ -70,6 +70,12 @@ PLAIN_CAUSAL = "plain_causal"
 UNWINDOWED_MASK = "unwindowed_mask"
 
 
+def narrowest_window(*windows: int | None) -> int | None:
+    """The band several sliding windows leave together (the smallest), None when none is set."""
+    given = [w for w in windows if w is not None]
+    return min(given) if given else None
+
+
 @dataclass
 class PosContext:
     """Everything about one forward pass that the encoding needs, built once by the patched base model.
@@ -83,6 +89,9 @@ class PosContext:
         grid: ViT only: the patch grid (rows, cols) of this forward's images.
         interpolate: ViT only: the ``interpolate_pos_encoding`` flag of this forward.
         need_weights: whether attention probabilities are requested (``output_attentions``).
+        key_padding: which key positions hold real tokens, when the model knows it apart from the 4D masks
+            (a model's own sliding window bands those): a (B|1, N) bool tensor (the 2D attention mask, key j at
+            column j), True (no mask: every position is real), or None (unknown, e.g. a custom 4D mask).
         memo: per-forward cache, e.g. the score bias shared by every layer.
     """
 
@@ -93,9 +102,19 @@ class PosContext:
     grid: tuple[int, int] | None = None
     interpolate: bool = False
     need_weights: bool = False
+    key_padding: torch.Tensor | bool | None = None
     memo: dict = field(default_factory=dict)
 
     # -- helpers used by the patched attention modules ------------------------------------------
+    def native_window(self, layer: int) -> int | None:
+        """The model's own sliding window on the encoding's layer ``layer`` (Mistral, Gemma 3's local layers;
+        ``ModelInfo.sliding_windows``), or None. transformers has banded that layer's mask with it already; the
+        tile engines and the kernels take it as a number too, to skip the key tiles outside it."""
+        windows = self.info.sliding_windows
+        if not windows or layer >= len(windows):
+            return None
+        return windows[layer]
+
     def at(self, layer: int) -> "tuple[PosContext, int]":
         """(the context of model layer ``layer``, the layer's index for its encoding).
 

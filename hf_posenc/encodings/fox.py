@@ -185,6 +185,23 @@ def key_validity(mask: torch.Tensor | None, k_len: int, device: torch.device) ->
     return valid, has_prev
 
 
+def _native_window_has_prev(ctx: PosContext, layer: int, k_len: int, device: torch.device) -> torch.Tensor | None:
+    """``has_prev`` (B|1, Lk) on a layer with the model's own sliding window (Mistral, Gemma 3's local layers),
+    or None elsewhere. transformers bands that layer's mask, so the first key of a query's window has no
+    visible predecessor there, though it has one in the sequence; the token shift is the token's, so read the
+    neighbours from the model's key padding (``PosContext.key_padding``) instead. None when that is unknown
+    (a custom 4D mask): the mask is then all there is."""
+    windows = ctx.info.sliding_windows
+    if not windows or layer >= len(windows) or windows[layer] is None or ctx.key_padding is None:
+        return None
+    if ctx.key_padding is True:
+        real = torch.ones(1, k_len, dtype=torch.bool, device=device)
+    else:
+        real = ctx.key_padding.to(device=device, dtype=torch.bool)[:, :k_len]
+        real = F.pad(real, (0, k_len - real.shape[1]), value=False)  # a StaticCache's empty slots
+    return F.pad(real[:, 1:] & real[:, :-1], (1, 0), value=False)
+
+
 def _query_index(q_len: int, q_offset: int | torch.Tensor, device: torch.device) -> torch.Tensor:
     """(Lq,) int64 key index of each query (a StaticCache gives a 0-d tensor offset)."""
     off = q_offset.to(device) if isinstance(q_offset, torch.Tensor) else q_offset
@@ -557,6 +574,9 @@ class FoxPro(Fox):
         # the token, not to the queries that may see it)
         unwindowed = ctx.memo.get((UNWINDOWED_MASK, id(mask)), mask) if mask is not None else None
         valid, has_prev = key_validity(unwindowed, k_len, key.device)
+        native = _native_window_has_prev(ctx, layer, k_len, key.device)
+        if native is not None:
+            has_prev = native
         if ctx.grid is not None:  # CLS (index 0) is no patch's predecessor
             has_prev = has_prev.clone()
             has_prev[:, : min(2, k_len)] = False

@@ -122,6 +122,28 @@ def full_cache_layers(cache: Any) -> bool:
     return True
 
 
+def key_padding(attention_mask: Any) -> torch.Tensor | bool | None:
+    """``PosContext.key_padding`` from the mask a decoder's forward receives: True for none, the 2D mask as
+    bool, the keys its queries may see for ``generate``'s precomputed masks (the full-attention one: no window
+    bands it), None for anything else (a custom 4D mask: the attention masks are all there is)."""
+    if attention_mask is None:
+        return True
+    if isinstance(attention_mask, dict):
+        if "full_attention" not in attention_mask:
+            return None
+        attention_mask = attention_mask["full_attention"]
+        if attention_mask is None:  # transformers skips the mask of causal attention without padding
+            return True
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+            return None
+        if attention_mask.dtype != torch.bool:
+            attention_mask = attention_mask > torch.finfo(attention_mask.dtype).min / 2
+        return attention_mask[:, 0].any(dim=-2)
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+        return attention_mask.to(torch.bool)
+    return None
+
+
 def window_masks_for_full_cache(masks: dict, window: int, q_len: int, cache: Any, device: torch.device) -> dict:
     """``generate`` builds the masks of a static cache before the first forward, with the sizes of its sliding
     layers; once they are full layers (see :func:`full_cache_layers`, which runs on an empty cache, so the
@@ -232,7 +254,8 @@ class PatchedDecoderModel:
         position_ids, past = text_positions(
             inputs_embeds.shape[1], inputs_embeds.device, position_ids, cache, batch=inputs_embeds.shape[0]
         )
-        ctx = make_context(self, need_weights=kwargs.get("output_attentions"), position_ids=position_ids, q_offset=past)
+        ctx = make_context(self, need_weights=kwargs.get("output_attentions"), position_ids=position_ids, q_offset=past,
+                           key_padding=key_padding(attention_mask))
         inputs_embeds = add_embeddings(ctx, inputs_embeds)
         kwargs[self.posenc_cache_arg] = cache
         return super().forward(

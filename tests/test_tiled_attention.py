@@ -217,3 +217,28 @@ def test_fused_backward_without_subnormals_keeps_the_gradients(kind):
         assert rel_err(out, ref) <= 2e-5
         for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
             assert rel_err(got, want) <= 4e-5, (norm, name, rel_err(got, want))
+
+
+def test_fox_fused_backward_under_steep_forgetting():
+    """FoX through the CPU fused kernel (its bias in an extra key channel, c's gradient read from it) with gates
+    that forget fast (log f down to −4 per token, so most probabilities underflow; the keys no logit can lift are
+    left out, the rest shifted): output and the gradients of q, k, v and c equal the float64 reference's; GQA,
+    left padding."""
+    torch.manual_seed(1)
+    b, h, hkv, lq, lk, d = 2, 4, 2, 300, 300, 16
+    log_f = torch.nn.functional.logsigmoid(torch.randn(b, h, lk) * 2 - torch.tensor([4.0, 1.0, 0.0, -2.0])[:, None])
+    for norm in (1.0, 6.0):
+        c = log_f.cumsum(-1).requires_grad_()
+        q = torch.randn(b, h, lq, d) * norm
+        k, v = torch.randn(b, hkv, lk, d) * norm, torch.randn(b, hkv, lk, d)
+        valid = torch.ones(b, lk, dtype=torch.bool)
+        valid[1, :40] = False
+        gout = torch.randn(b, h, lq, d)
+        kw = dict(scale=d**-0.5, causal=True, key_valid=valid)
+        out, grads = _run(tiled_attention, q, k, v, KernelTerm.fox(c), [c], gout, block_q=64, **kw)
+        c64 = c.detach().double().requires_grad_()
+        ref, ref_grads = _run(attention_reference, q.double(), k.double(), v.double(), KernelTerm.fox(c64), [c64],
+                              gout.double(), **kw)
+        assert rel_err(out, ref) <= 2e-5
+        for name, got, want in zip(("dq", "dk", "dv", "dc"), grads, ref_grads):
+            assert rel_err(got, want) <= 1e-4, (norm, name, rel_err(got, want))

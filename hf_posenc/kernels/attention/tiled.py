@@ -34,7 +34,16 @@ term's gradient is reduced per tile from dS, never through a full bias:
   term's small tensors and each tile is a strided (Toeplitz) view of them; backward, dS of each tile is
   summed along its lines of constant distance into a per-distance gradient (H, Lq + Lk − 1), and one autograd call carries
   that vector to the term's tensors (slopes, r1/r2, the sandwich table, the t5 table).
-* ``fox``: B = c[qi] − c[j]; dc_j = −Σ_i dS_ij (per key), dc_qi = Σ_j dS_ij (per query).
+* ``fox``: B = c[qi] − c[j]; dc_j = −Σ_i dS_ij (per key), dc_qi = Σ_j dS_ij (per query). On the CPU in
+  float32 FoX runs the fused kernel both ways: a softmax row ignores its constant c[qi], so the bias is a
+  per-key term c[ref] − c[j] (ref: the block's first query) carried as one more key channel (queries carry a
+  1, values a 0); the kernel's gradient of that channel is −dc_j, and Σ_j dS_ij = 0 (a row's dS sums to 0).
+
+Subnormal numbers. Where a term decays far (ALiBi, FoX), many probabilities fall below float32's smallest
+normal number, and x86 CPUs compute with such numbers many times slower. The fused CPU backward therefore
+never sees them: what no logit can lift above e^−87.3 is masked out (FoX: per head, the keys before the first
+one any row needs are left out, c being monotone), and one shift per head lifts the rest (the gradients are
+scaled back). This is a GPU's flush-to-zero, stated exactly; see ``_subnormal_free``.
 * ``fire``: each tile's bias is rebuilt from the table, c and inv_norm with autograd and differentiated with
   dS (the tile, never the full matrix).
 * ``shaw``: the key term gathers q · a^K (B, H, n, 2K + 1) at each pair's relative bucket; its gradient
@@ -314,11 +323,11 @@ def _flash_available(plan: _Plan, device: torch.device, dtype: torch.dtype) -> b
 
 
 def _flash_mask(tile: "_Tile", plan: _Plan, qi: torch.Tensor, q0: int, q1: int, k_start: int, k_stop: int,
-                valid: torch.Tensor | None, b: int, h: int) -> torch.Tensor:
-    """The tile's additive float mask (B, H, n, k_stop − k_start) over keys k_start .. k_stop − 1: the term plus
-    −inf where masked (for the fused kernel)."""
+                valid: torch.Tensor | None, b: int, h: int, term: bool = True) -> torch.Tensor:
+    """The tile's additive float mask (B, H, n, k_stop − k_start) over keys k_start .. k_stop − 1: the term (unless
+    ``term`` is False: FoX's, which rides in an extra key channel) plus −inf where masked (for the fused kernel)."""
     n, m = q1 - q0, k_stop - k_start
-    bias = tile.bias(qi, q0, q1, k_start, k_stop, None)
+    bias = tile.bias(qi, q0, q1, k_start, k_stop, None) if term else None
     if bias is None:
         mask = torch.zeros(1, 1, n, m, dtype=tile.dtype, device=tile.device)
     else:
@@ -361,6 +370,104 @@ def _expand_heads(x: torch.Tensor, h: int) -> torch.Tensor:
     return x if hkv == h else x[:, :, None].expand(b, hkv, h // hkv, n, d).reshape(b, h, n, d)
 
 
+def _fox_reference(c: torch.Tensor, qi: torch.Tensor) -> torch.Tensor:
+    """(B|1, H, 1): c at the block's first query, detached. FoX's bias c[qi] − c[j] is a row constant plus −c[j];
+    a softmax row ignores its constant, so the fused path scores c[ref] − c[j] (small near the diagonal, where
+    the weight is) and the row's log-sum-exp is kept in that frame, in forward and backward alike."""
+    return c.index_select(-1, qi[:1]).detach()
+
+
+def _fox_keys(kx: torch.Tensor, c: torch.Tensor, ref: torch.Tensor, k0: int, k1: int) -> torch.Tensor:
+    """Keys k0 .. k1 − 1 with FoX's bias as one more channel (B, H, m, D + 1): k_j ⊕ (c[ref] − c[j]); the queries
+    carry a 1 there (:func:`_with_one`), so the fused kernel adds the bias to q · k itself."""
+    extra = (ref - c[..., k0:k1])[..., None]
+    kb = kx[:, :, k0:k1]
+    return torch.cat([kb, extra.expand(kb.shape[0], *extra.shape[1:])], dim=-1)
+
+
+def _with_one(q: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, D) -> (B, H, L, D + 1): a channel of ones, FoX's bias weight."""
+    return torch.cat([q, q.new_ones(*q.shape[:-1], 1)], dim=-1)
+
+
+def _with_zero(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, D) -> (B, H, L, D + 1): a channel of zeros (the fused kernel takes one head size for q, k, v)."""
+    return torch.cat([x, x.new_zeros(*x.shape[:-1], 1)], dim=-1)
+
+
+def _fox_flush_start(c: torch.Tensor, ref: torch.Tensor, lse: torch.Tensor, beta: torch.Tensor, k0: int, k1: int
+                     ) -> list[int]:
+    """Per head, the first key any row of the block needs (>= k0): c is non-increasing (a sum of log-gates <= 0),
+    so c[ref] − c[j] falls as j goes back, and the keys before row i's first j with c[ref] − c[j] >= lse_i − β_i
+    + EXP_FLOOR have probabilities below e^EXP_FLOOR for any q, k (|q · k| <= β_i): flushed to 0 (as GPUs do) by
+    leaving them out. k0 for every head where c is not monotone. c (B|1, H, Lk), ref (B|1, H, 1), lse and
+    β (B, H, n)."""
+    seg = c[..., k0:k1].detach()
+    if seg.shape[-1] < 2 or not bool((seg[..., 1:] <= seg[..., :-1]).all()):
+        return [k0] * lse.shape[1]
+    finite = torch.isfinite(lse)
+    need = torch.where(finite, lse - beta + EXP_FLOOR, torch.full_like(lse, float("inf")))  # (B, H, n)
+    # first j with −c[j] >= need − c[ref]: −c is non-decreasing, so a sorted search per (batch, head)
+    target = need - ref
+    neg = (-seg).expand(target.shape[0], *seg.shape[1:]).contiguous()
+    first = torch.searchsorted(neg, target.contiguous(), side="left")  # (B, H, n)
+    first = first.amin(dim=-1).amin(dim=0)  # per head: the earliest any row needs
+    return [k0 + int(x) for x in first.clamp(max=k1 - k0).tolist()]
+
+
+def _fox_fused_backward(plan: _Plan, tile: "_Tile", q, k, v, out, lse, do, valid, q_off, b, h, hkv, d):
+    """FoX's backward through the fused CPU kernel, per query block and head, with c's gradient read from the key
+    channel that carries it: dc[j] = −Σ_i dS_ij (the per-row constant's gradient Σ_j dS_ij is 0: a softmax row's
+    dS sums to 0). Subnormal probabilities are avoided as in :func:`_subnormal_free`: the keys no logit can lift
+    are left out (:func:`_fox_flush_start`), one shift per head lifts the rest."""
+    q_len, k_len = q.shape[2], k.shape[2]
+    kx, vx = _expand_heads(k, h), _expand_heads(v, h)
+    qa, va, oa, doa = _with_one(q), _with_zero(vx), _with_zero(out), _with_zero(do)
+    knorm = kx.norm(dim=-1)  # (B, H, Lk)
+    dq = torch.zeros_like(q)
+    dkx, dvx = torch.zeros_like(kx), torch.zeros_like(vx)
+    c = tile.c
+    dc = torch.zeros_like(c)  # (B, H, Lk)
+    for q0 in range(0, q_len, plan.block_q):
+        q1 = min(q0 + plan.block_q, q_len)
+        qi = _query_index(q_off, q0, q1, q.device)
+        k_start, k_stop = plan.key_start(q0, k_len), plan.key_stop(q1, k_len)
+        if k_stop <= k_start:
+            continue
+        ref = _fox_reference(c, qi)
+        mask = _flash_mask(tile, plan, qi, q0, q1, k_start, k_stop, valid, b, 1, term=False)
+        lse_b = lse[:, :, q0:q1]
+        beta = q[:, :, q0:q1].norm(dim=-1) * knorm[:, :, k_start:k_stop].amax(-1, keepdim=True)  # (B, H, n)
+        starts = _fox_flush_start(c, ref, lse_b, beta, k_start, k_stop)
+        shift = (2 * beta.amax(-1, keepdim=True) + 1 + SHIFT_MARGIN).clamp_(max=MAX_SHIFT)  # (B, H, 1)
+        unscale = torch.exp(-shift)[..., None]
+        for head in range(h):
+            s0 = starts[head]
+            if s0 >= k_stop:
+                continue
+            hs = slice(head, head + 1)
+            kb = _fox_keys(kx[:, hs], c[:, hs], ref[:, hs], s0, k_stop)
+            # the rows' own flush (keys after the head's start that a row's logits still cannot lift)
+            floor = torch.where(torch.isfinite(lse_b[:, hs]), lse_b[:, hs] - beta[:, hs] + EXP_FLOOR,
+                                torch.full_like(beta[:, hs], float("-inf")))  # (B, 1, n)
+            flushed = kb[..., d][:, :, None, :] < floor[..., None]  # (B, 1, n, m)
+            mask_h = mask[..., s0 - k_start:].expand(b, 1, *mask.shape[2:3], k_stop - s0).masked_fill(flushed,
+                                                                                                         float("-inf"))
+            gq, gk, gv = _flash_bwd(doa[:, hs, q0:q1], qa[:, hs, q0:q1], kb, va[:, hs, s0:k_stop], oa[:, hs, q0:q1],
+                                    lse_b[:, hs] - shift[:, hs], 0.0, False, attn_mask=mask_h, scale=1.0)
+            u = unscale[:, hs]
+            dq[:, hs, q0:q1] += gq[..., :d].mul_(u)
+            dkx[:, hs, s0:k_stop] += gk[..., :d].mul_(u)
+            dvx[:, hs, s0:k_stop] += gv[..., :d].mul_(u)
+            dc[:, hs, s0:k_stop] -= gk[..., d].mul_(u[..., 0])
+    if h != hkv:
+        dk = dkx.view(b, hkv, h // hkv, k_len, d).sum(2)
+        dv = dvx.view(b, hkv, h // hkv, k_len, d).sum(2)
+    else:
+        dk, dv = dkx, dvx
+    return dq, dk, dv, dc
+
+
 class TiledAttentionFunction(torch.autograd.Function):
     """Forward: online softmax over key tiles per query block. Backward: tiles recomputed from the saved
     log-sum-exp; gradients of q, k, v and every term tensor (see the module docstring)."""
@@ -374,8 +481,11 @@ class TiledAttentionFunction(torch.autograd.Function):
         lse = q.new_empty(b, h, q_len)
         flash = _flash_available(plan, query.device, dtype)
         rev = plan.kind in _TOEPLITZ
+        fox = flash and plan.kind == "fox"  # FoX's bias rides in a key channel (lse in the block's frame)
         if flash:
             kx, vx = _expand_heads(k, h), _expand_heads(v, h)
+            qf = _with_one(q) if fox else q
+            vf = _with_zero(vx) if fox else vx
         for q0 in range(0, q_len, plan.block_q):
             if not flash:
                 break
@@ -386,9 +496,15 @@ class TiledAttentionFunction(torch.autograd.Function):
                 out[:, :, q0:q1] = 0.0
                 lse[:, :, q0:q1] = float("inf")
                 continue
-            mask = _flash_mask(tile, plan, qi, q0, q1, k_start, k_stop, valid, b, h)
-            o, l = _flash_fwd(_rows(q[:, :, q0:q1], rev), kx[:, :, k_start:k_stop], vx[:, :, k_start:k_stop], 0.0,
+            if fox:
+                kb = _fox_keys(kx, tile.c, _fox_reference(tile.c, qi), k_start, k_stop)
+                mask = _flash_mask(tile, plan, qi, q0, q1, k_start, k_stop, valid, b, 1, term=False)
+            else:
+                kb = kx[:, :, k_start:k_stop]
+                mask = _flash_mask(tile, plan, qi, q0, q1, k_start, k_stop, valid, b, h)
+            o, l = _flash_fwd(_rows(qf[:, :, q0:q1], rev), kb, vf[:, :, k_start:k_stop], 0.0,
                               False, attn_mask=mask, scale=1.0)
+            o = o[..., :d]
             empty = _empty_rows(plan, qi, valid, k_start, k_stop)
             if empty is not None:
                 o = o.masked_fill(empty, 0.0)
@@ -453,6 +569,11 @@ class TiledAttentionFunction(torch.autograd.Function):
         fire_grads = [None] * len(tensors)
         d_akey = torch.zeros_like(tile.a_key) if plan.kind == "shaw" else None
         d_avalue = torch.zeros_like(tile.a_value) if plan.kind == "shaw" else None
+        if plan.kind == "fox" and _flash_available(plan, query.device, dtype):  # the forward's frame: see above
+            dq, dk, dv, dc = _fox_fused_backward(plan, tile, q, k, v, out, lse, do, valid, q_off, b, h, hkv, d)
+            grads = _term_grads(plan, tensors, need, tile, None, dc if want_term else None, fire_grads, None, None)
+            return (dq.mul_(plan.scale).to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None,
+                    *grads)
         flash = not want_term and _flash_available(plan, query.device, dtype)
         rev = plan.kind in _TOEPLITZ
         if flash:  # no term gradient: the fused kernel's backward per query block

@@ -154,18 +154,25 @@ def _subnormal_free(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor, lse: t
     return mask, lse - shift, torch.exp(-shift)[..., None]
 
 
-def _antidiagonal_sums(ds: torch.Tensor) -> torch.Tensor:
-    """ds (H, n, m) -> (H, n + m − 1): entry c = Σ_{i + j = c} ds[:, i, j].
+def _skew_buffer(like: torch.Tensor, m: int) -> torch.Tensor:
+    """An uninitialised (..., n, m + n) buffer for a tile (..., n, m) whose anti-diagonals
+    :func:`_antidiagonal_sums` will sum: the tile is written into its first m columns, the n others are zero."""
+    n = like.shape[-2]
+    buf = like.new_empty(*like.shape[:-1], m + n)
+    buf[..., m:].zero_()
+    return buf
+
+
+def _antidiagonal_sums(buf: torch.Tensor, m: int) -> torch.Tensor:
+    """buf (B, H, n, m + n) from :func:`_skew_buffer`, the tile ds in its first m columns -> (H, n + m − 1):
+    entry c = Σ_{b, i + j = c} ds[b, :, i, j].
 
     The Toeplitz tiles run with their query rows reversed (row i' is query q1 − 1 − i'), so the diagonals
-    of constant δ = qi − j are these anti-diagonals. Skew trick: the rows written into a zero buffer of row
-    length m + n and read back with row length m + n − 1: row i is shifted right by i."""
-    h, n, m = ds.shape
-    buf = ds.new_empty(h, n, m + n)
-    buf[:, :, :m].copy_(ds)
-    buf[:, :, m:].zero_()  # only the n padding columns of each row need zeros
-    skew = buf.view(h, n * (m + n))[:, : n * (m + n - 1)].view(h, n, m + n - 1)
-    return skew.sum(1)
+    of constant δ = qi − j are these anti-diagonals. Skew trick: rows of length m + n read back with row length
+    m + n − 1: row i is shifted right by i (the zero columns fill the gaps)."""
+    b, h, n, _ = buf.shape
+    skew = buf.view(b, h, n * (m + n))[..., : n * (m + n - 1)].view(b, h, n, m + n - 1)
+    return skew.sum((0, 2))
 
 
 class _Plan:
@@ -628,13 +635,17 @@ class TiledAttentionFunction(torch.autograd.Function):
                     idx = tile._shaw_index(qi, k0, k1, dp.shape[:2])
                     dp.add_(dv_table.gather(-1, idx))
                     d_avalue += (_shaw_buckets(tile, p, qi, k0, k1).transpose(-1, -2) @ dob).sum((0, 1))
-                ds = dp.sub_(delta_b).mul_(p)  # dS: the gradient of the logits
+                if g_dist is not None:  # dS straight into the buffer its anti-diagonal sums read (no copy)
+                    buf = _skew_buffer(p, k1 - k0)
+                    ds = torch.mul(dp.sub_(delta_b), p, out=buf[..., : k1 - k0])
+                else:
+                    ds = dp.sub_(delta_b).mul_(p)  # dS: the gradient of the logits
                 dsg = _group(ds, hkv)
                 dq_b += dsg @ kb
                 dk[:, :, k0:k1] += dsg.transpose(-1, -2) @ qg
                 if g_dist is not None:  # rows reversed: anti-diagonal c is rev index t0 + c (see Tile.bias)
                     t0 = q_len - q1 + k0
-                    g_dist[:, t0 : t0 + n + (k1 - k0) - 1] += _antidiagonal_sums(ds.sum(0))
+                    g_dist[:, t0 : t0 + n + (k1 - k0) - 1] += _antidiagonal_sums(buf, k1 - k0)
                 elif dc is not None:
                     dc[..., k0:k1] -= ds.sum(-2)
                     rows = ds.sum(-1)

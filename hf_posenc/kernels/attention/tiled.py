@@ -71,9 +71,10 @@ __all__ = ["TILED_KINDS", "TiledAttentionFunction", "tiled_attention", "tiled_un
 #: every kind the tile-wise engine implements (all the kernel kinds).
 TILED_KINDS = ("none", "alibi", "kerple_log", "kerple_pow", "sandwich", "t5", "fire", "shaw", "fox")
 _TOEPLITZ = ("alibi", "kerple_log", "kerple_pow", "sandwich", "t5")
-#: default query rows per block, and keys per block (one key block up to this many keys).
+#: default query rows per block, and keys per tile of the online-softmax passes (512: the tile of 8 heads x 256
+#: rows stays in the CPU caches; kerple's training step at L = 2048 ran 1.9x SDPA's against 2.5x with 4096 keys).
 BLOCK_Q = 256
-BLOCK_K = 4096
+BLOCK_K = 512
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

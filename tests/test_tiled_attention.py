@@ -242,3 +242,36 @@ def test_fox_fused_backward_under_steep_forgetting():
         assert rel_err(out, ref) <= 2e-5
         for name, got, want in zip(("dq", "dk", "dv", "dc"), grads, ref_grads):
             assert rel_err(got, want) <= 1e-4, (norm, name, rel_err(got, want))
+
+
+@pytest.mark.parametrize("norm_rows", [1, 2])
+def test_fire_tiles_by_hand_match_the_reference(norm_rows):
+    """FIRE's tiles (one gather of values and slopes for all heads; the table's gradient scattered over the
+    cells, c's and inv_norm's through the slopes): output and the gradients of q, k, v, the table, c and
+    inv_norm equal the float64 reference's, with one normaliser row shared by the batch or one per row, a
+    256-cell table and cells up to the table's last one. c's gradient is a sum of terms that cancel (a softmax
+    row's dS sums to 0): there the bound is twice the float32 reference's own error (7 % here, measured)."""
+    torch.manual_seed(2)
+    b, h, hkv, lq, lk, d = 2, 4, 2, 150, 150, 16
+    grid = torch.arange(256, dtype=torch.float32)
+    table = (torch.sin(grid / 40 + torch.arange(h)[:, None]) * 2).requires_grad_()
+    c = torch.tensor(0.7).requires_grad_()
+    positions = torch.arange(lq, dtype=torch.float32).expand(norm_rows, lq)
+    inv_norm = (1.0 / torch.log1p(0.7 * positions.clamp(min=20))).requires_grad_()
+    x_max = (torch.log1p(0.7 * torch.arange(lq).float())[None] * inv_norm.detach()).max()
+    q, k, v = torch.randn(b, h, lq, d), torch.randn(b, hkv, lk, d), torch.randn(b, hkv, lk, d)
+    valid = torch.ones(b, lk, dtype=torch.bool)
+    valid[1, :7] = False
+    gout = torch.randn(b, h, lq, d)
+    kw = dict(scale=d**-0.5, causal=True, key_valid=valid)
+    leaves = [table, c, inv_norm]
+    out, grads = _run(tiled_attention, q, k, v, KernelTerm.fire(table, c, inv_norm, x_max), leaves, gout,
+                      block_q=32, block_k=48, **kw)
+    leaves64 = [x.detach().double().requires_grad_() for x in leaves]
+    ref, ref_grads = _run(attention_reference, q.double(), k.double(), v.double(),
+                          KernelTerm.fire(*leaves64, x_max.double()), leaves64, gout.double(), **kw)
+    _, ref32_grads = _run(attention_reference, q, k, v, KernelTerm.fire(table, c, inv_norm, x_max), leaves, gout,
+                          **kw)
+    assert rel_err(out, ref) <= 2e-5
+    for name, got, want, f32 in zip(("dq", "dk", "dv", "table", "c", "inv_norm"), grads, ref_grads, ref32_grads):
+        assert rel_err(got, want) <= max(1e-4, 2 * rel_err(f32, want)), (name, rel_err(got, want))

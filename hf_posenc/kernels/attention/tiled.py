@@ -44,8 +44,9 @@ normal number, and x86 CPUs compute with such numbers many times slower. The fus
 never sees them: what no logit can lift above e^−87.3 is masked out (FoX: per head, the keys before the first
 one any row needs are left out, c being monotone), and one shift per head lifts the rest (the gradients are
 scaled back). This is a GPU's flush-to-zero, stated exactly; see ``_subnormal_free``.
-* ``fire``: each tile's bias is rebuilt from the table, c and inv_norm with autograd and differentiated with
-  dS (the tile, never the full matrix).
+* ``fire``: each tile's bias is rebuilt from the table, c and inv_norm (one gather of values and slopes for
+  every head at the tile's shared cells); the table's gradient is a scatter of dS over the cells, c's and
+  inv_norm's come through du = Σ_h dS_h · slope_h (``_FireTiles``; the tile, never the full matrix).
 * ``shaw``: the key term gathers q · a^K (B, H, n, 2K + 1) at each pair's relative bucket; its gradient
   and the value term's bucket sums of P are scatter-added per tile into (B, H, n, 2K + 1).
 
@@ -63,7 +64,7 @@ from __future__ import annotations
 
 import torch
 
-from .naive import check_window, fire_interpolate
+from .naive import check_window
 from .terms import KernelTerm
 
 __all__ = ["TILED_KINDS", "TiledAttentionFunction", "tiled_attention", "tiled_unsupported"]
@@ -110,16 +111,66 @@ def distance_values(term: KernelTerm, delta: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"{kind!r} is not a Toeplitz term")
 
 
-def _fire_tile(t: dict[str, torch.Tensor], qi: torch.Tensor, kj: torch.Tensor, q0: int, q1: int) -> torch.Tensor:
-    """FIRE's bias (B|1, H, n, m) for queries qi (n,) (key indices; rows q0:q1 of inv_norm) and keys kj (m,)."""
-    table = t["table"]
-    dtype = _compute_dtype(table.dtype)
-    table, c, inv_norm = table.to(dtype), t["c"].to(dtype), t["inv_norm"].to(dtype)
-    n = table.shape[1]
-    delta = (qi[:, None] - kj[None, :]).clamp(min=0).to(dtype)
-    psi = torch.log1p(c * delta)
-    u = psi[None] * inv_norm[:, q0:q1, None] * ((n - 1) / t["x_max"].to(dtype).detach())
-    return fire_interpolate(table, u).movedim(0, 1)
+class _FireTiles:
+    """FIRE's term tile by tile, by hand in both directions (autograd's gather backward, an index_put with
+    accumulation, took 30 % of a training step). b_hij = table_h(u_ij) interpolated linearly,
+    u_ij = ψ(δ_ij) · inv_norm_i · (N − 1) / x_max, ψ(δ) = log(1 + c δ), δ = max(qi − j, 0); u is the same for every
+    head, so the cells and weights are computed once per tile and each head's values come from one gather of a
+    (2H, N) table of values and slopes."""
+
+    def __init__(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        table = t["table"].detach().to(dtype)
+        self.heads, self.n = table.shape
+        slope = torch.cat([table.diff(dim=1), table.new_zeros(self.heads, 1)], dim=1)
+        self.values = torch.cat([table, slope], dim=0)  # (2H, N): f at cell k, f[k + 1] − f[k]
+        self.c = t["c"].detach().to(dtype)
+        self.inv_norm = t["inv_norm"].detach().to(dtype)  # (B|1, Lq)
+        self.scale = (self.n - 1) / t["x_max"].detach().to(dtype)
+        self.last = None  # the parts of the last tile built, for its gradient
+
+    def bias(self, qi: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        """(B|1, H, n, m) for queries at key indices ``qi`` (rows q0:q1 of inv_norm) and keys k0 .. k1 − 1."""
+        delta = (qi[:, None] - torch.arange(k0, k1, device=qi.device)[None, :]).clamp_(min=0).to(self.c.dtype)
+        psi = torch.log1p(self.c * delta)  # (n, m)
+        raw = psi[None] * (self.inv_norm[:, q0:q1, None] * self.scale)  # (B|1, n, m)
+        u = raw.clamp(0.0, self.n - 1.0)
+        cell = u.floor().clamp_(max=self.n - 2)
+        w = u.sub_(cell)  # weight of cell + 1
+        idx = cell.long().reshape(-1)
+        # gather along a broadcast index: 4x faster than index_select on dim 1 here (measured, 2 threads)
+        got = self.values.gather(1, idx[None].expand(2 * self.heads, -1)).view(2, self.heads, *raw.shape)
+        out = torch.addcmul(got[0], got[1], w[None]).movedim(1, 0)  # (B|1, H, n, m)
+        self.last = (delta, psi, raw, w, idx, got[1])
+        return out
+
+    def grads(self, ds: torch.Tensor, q0: int, q1: int, need: dict[str, bool], acc: dict[str, torch.Tensor]) -> None:
+        """Add the gradients of the last tile (dS ``ds`` (B, H, n, m)) to ``acc``: the table's by a scatter over
+        the cells, c's and inv_norm's through du = Σ_h dS_h · slope_h(cell)."""
+        delta, psi, raw, w, idx, slope = self.last
+        nb = raw.shape[0]
+        dsh = ds.movedim(1, 0)  # (H, B, n, m)
+        if nb != dsh.shape[1]:  # one inv_norm row for every batch: the cells are shared, sum dS over the batch
+            dsh = dsh.sum(1, keepdim=True)
+        if need["table"]:
+            flat = dsh.reshape(self.heads, -1)
+            cells = idx[None].expand(self.heads, -1)
+            whole = self.values.new_zeros(self.heads, self.n).scatter_add_(1, cells, flat)  # Σ dS per cell
+            upper = self.values.new_zeros(self.heads, self.n).scatter_add_(1, cells, flat * w.reshape(1, -1))
+            grad = whole - upper  # dS (1 − w) at the cell
+            grad[:, 1:] += upper[:, :-1]  # dS w at the cell above
+            acc["table"] = grad if "table" not in acc else acc["table"].add_(grad)
+        if need["c"] or need["inv_norm"]:
+            inside = (raw >= 0) & (raw <= self.n - 1)  # clamp passes no gradient outside [0, N − 1]
+            du = (dsh * slope).sum(0).masked_fill_(~inside, 0.0)  # (B|1, n, m)
+            if need["inv_norm"]:
+                d_inv = self.scale * (du * psi[None]).sum(-1)  # (B|1, n)
+                if "inv_norm" not in acc:
+                    acc["inv_norm"] = torch.zeros_like(self.inv_norm)
+                acc["inv_norm"][:, q0:q1] += d_inv
+            if need["c"]:
+                dpsi = du * (self.inv_norm[:, q0:q1, None] * self.scale)
+                dc = (dpsi * (delta / (1 + self.c * delta))[None]).sum()
+                acc["c"] = dc if "c" not in acc else acc["c"] + dc
 
 
 #: ln of float32's smallest normal number (1.18e-38): a probability exp(s − lse) below it is subnormal, and x86
@@ -270,6 +321,8 @@ class _Tile:
             self.rev = values.flip(-1).contiguous()  # rev[t] = F[N − 1 − t]
         elif self.kind == "fox":
             self.c = self.t["c"].detach().to(dtype)
+        elif self.kind == "fire":
+            self.fire = _FireTiles(self.t, dtype)
         elif self.kind == "shaw":
             self.kmax = plan.ints["max_relative_position"]
             self.a_key = self.t["key_table"].detach().to(dtype)
@@ -288,8 +341,7 @@ class _Tile:
                 cq = self.c[..., self.q_off + q0 : self.q_off + q1]
             return cq[..., :, None] - self.c[..., None, k0:k1]
         if self.kind == "fire":
-            kj = torch.arange(k0, k1, device=self.device)
-            return _fire_tile(self.t, qi, kj, q0, q1).to(self.dtype)
+            return self.fire.bias(qi, q0, q1, k0, k1)
         if self.kind == "shaw":
             return ctx_q.gather(-1, self._shaw_index(qi, k0, k1, ctx_q.shape[:2]))  # scale · q · a^K
         return None
@@ -574,7 +626,8 @@ class TiledAttentionFunction(torch.autograd.Function):
         want_term = any(need)
         g_dist = q.new_zeros(tile.rev.shape) if plan.kind in _TOEPLITZ and want_term else None
         dc = torch.zeros_like(tile.c) if plan.kind == "fox" and want_term else None
-        fire_grads = [None] * len(tensors)
+        fire_grads: dict[str, torch.Tensor] = {}
+        fire_need = dict(zip(plan.names, need))
         d_akey = torch.zeros_like(tile.a_key) if plan.kind == "shaw" else None
         d_avalue = torch.zeros_like(tile.a_value) if plan.kind == "shaw" else None
         if plan.kind == "fox" and _flash_available(plan, query.device, dtype):  # the forward's frame: see above
@@ -655,7 +708,7 @@ class TiledAttentionFunction(torch.autograd.Function):
                     else:
                         dc[..., q_off + q0 : q_off + q1] += rows
                 elif plan.kind == "fire" and want_term:
-                    _fire_tile_grads(plan, tensors, need, qi, k0, k1, q0, q1, ds, fire_grads)
+                    tile.fire.grads(ds, q0, q1, fire_need, fire_grads)
                 elif plan.kind == "shaw":
                     dqa.scatter_add_(-1, tile._shaw_index(qi, k0, k1, ds.shape[:2]), ds)
             dq[:, :, q0:q1] = _rows(_ungroup(dq_b, h), rev)
@@ -671,24 +724,6 @@ def _shaw_buckets(tile: _Tile, p: torch.Tensor, qi: torch.Tensor, k0: int, k1: i
     """Σ_j P_ij over the keys of each relative bucket: (B, H, n, 2K + 1)."""
     idx = tile._shaw_index(qi, k0, k1, p.shape[:2])
     return p.new_zeros(*p.shape[:3], 2 * tile.kmax + 1).scatter_add_(-1, idx, p)
-
-
-def _fire_tile_grads(plan, tensors, need, qi, k0, k1, q0, q1, ds, grads) -> None:
-    """Add the gradient of FIRE's tile bias (rebuilt with autograd from the small tensors) to ``grads``."""
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(bool(w)) for t, w in zip(tensors, need)]
-        t = dict(zip(plan.names, leaves))
-        kj = torch.arange(k0, k1, device=ds.device)
-        bias = _fire_tile(t, qi, kj, q0, q1)
-        grad = ds if bias.shape[0] == ds.shape[0] else ds.sum(0, keepdim=True)
-        wanted = [x for x, w in zip(leaves, need) if w]
-        got = torch.autograd.grad(bias, wanted, grad.to(bias.dtype), allow_unused=True)
-    it = iter(got)
-    for i, w in enumerate(need):
-        if w:
-            g = next(it)
-            if g is not None:
-                grads[i] = g if grads[i] is None else grads[i] + g
 
 
 def _term_grads(plan, tensors, need, tile, g_dist, dc, fire_grads, d_akey, d_avalue) -> list:
@@ -707,7 +742,7 @@ def _term_grads(plan, tensors, need, tile, g_dist, dc, fire_grads, d_akey, d_ava
     elif plan.kind == "fox" and dc is not None:
         grads[plan.names.index("c")] = dc
     elif plan.kind == "fire":
-        grads = fire_grads
+        grads = [fire_grads.get(name) for name in plan.names]
     elif plan.kind == "shaw":
         grads[plan.names.index("key_table")] = d_akey
         grads[plan.names.index("value_table")] = d_avalue

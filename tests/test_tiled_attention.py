@@ -194,17 +194,23 @@ def test_model_dropout_and_weights_use_the_reference(monkeypatch):
     assert calls  # eval: no dropout, the engine
 
 
-@pytest.mark.parametrize("kind", ["alibi", "sandwich"])
-def test_fused_backward_without_subnormals_keeps_the_gradients(kind):
+@pytest.mark.parametrize("kind", ["alibi", "sandwich", "kerple_pow"])
+def test_backward_without_subnormals_keeps_the_gradients(kind):
     """Steep decays (ALiBi slopes 1 to 8 over 300 keys: most probabilities far below float32's smallest normal
-    number) through the CPU fused backward, whose mask flushes what no logit can lift and whose per-head shift
-    lifts the rest: q, k, v gradients equal the float64 reference's. Large q, k norms make the shift hit its cap."""
+    number): without a term gradient through the CPU fused backward, whose mask flushes what no logit can lift
+    and whose per-head shift lifts the rest; with one (KERPLE) through the online passes, which flush the
+    subnormal probabilities. q, k, v (and the term's) gradients equal the float64 reference's. Large q, k norms
+    make the shift hit its cap."""
     torch.manual_seed(0)
     b, h, hkv, lq, lk, d = 2, 4, 2, 300, 300, 16
+    leaves = []
     if kind == "alibi":
         term = KernelTerm("alibi", {"slopes": torch.tensor([8.0, 4.0, 2.0, 1.0])}, {})
-    else:  # a table that falls by 2 per position: the steepest decay a learned-free table gives
+    elif kind == "sandwich":  # a table that falls by 2 per position: the steepest decay a learned-free table gives
         term = KernelTerm("sandwich", {"table": -2.0 * torch.arange(lk).float().expand(h, lk).contiguous()}, {})
+    else:  # −r1 δ^r2 with r1 up to 3: a learned, steep decay
+        leaves = [torch.tensor([3.0, 1.0, 0.5, 0.2]).requires_grad_(), torch.tensor([1.0, 1.2, 0.9, 1.1]).requires_grad_()]
+        term = KernelTerm.kerple("power", *leaves)
     for norm in (1.0, 6.0):
         q = torch.randn(b, h, lq, d) * norm
         k, v = torch.randn(b, hkv, lk, d) * norm, torch.randn(b, hkv, lk, d)
@@ -212,10 +218,13 @@ def test_fused_backward_without_subnormals_keeps_the_gradients(kind):
         valid[1, :40] = False
         gout = torch.randn(b, h, lq, d)
         kw = dict(scale=d**-0.5, causal=True, key_valid=valid)
-        out, grads = _run(tiled_attention, q, k, v, term, [], gout, block_q=64, **kw)
-        ref, ref_grads = _run(attention_reference, q.double(), k.double(), v.double(), term, [], gout.double(), **kw)
+        out, grads = _run(tiled_attention, q, k, v, term, leaves, gout, block_q=64, **kw)
+        leaves64 = [x.detach().double().requires_grad_() for x in leaves]
+        term64 = KernelTerm.kerple("power", *leaves64) if leaves else term
+        ref, ref_grads = _run(attention_reference, q.double(), k.double(), v.double(), term64, leaves64,
+                              gout.double(), **kw)
         assert rel_err(out, ref) <= 2e-5
-        for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        for name, got, want in zip(("dq", "dk", "dv", "r1", "r2"), grads, ref_grads):
             assert rel_err(got, want) <= 4e-5, (norm, name, rel_err(got, want))
 
 

@@ -284,3 +284,27 @@ def test_fire_tiles_by_hand_match_the_reference(norm_rows):
     assert rel_err(out, ref) <= 2e-5
     for name, got, want, f32 in zip(("dq", "dk", "dv", "table", "c", "inv_norm"), grads, ref_grads, ref32_grads):
         assert rel_err(got, want) <= max(1e-4, 2 * rel_err(f32, want)), (name, rel_err(got, want))
+
+
+@pytest.mark.parametrize("window", [None, 3, 40])
+def test_shaw_band_through_the_fused_kernel(window):
+    """Shaw, causal, on the CPU fused kernel: the far keys' bucket as the row's frame, the band of K keys as the
+    mask term, the value term from the band's probabilities. Output and the gradients of q, k, v and both tables
+    equal the float64 reference's: K = 8 over 120 keys, GQA, left padding (rows that see no key), a chunk of
+    queries after a cache, and sliding windows narrower and wider than the band."""
+    torch.manual_seed(3)
+    b, h, hkv, lq, lk, d, kmax = 2, 4, 2, 50, 120, 16, 8
+    a_k = (torch.randn(2 * kmax + 1, d) * 0.5).requires_grad_()
+    a_v = (torch.randn(2 * kmax + 1, d) * 0.5).requires_grad_()
+    q, k, v = torch.randn(b, h, lq, d), torch.randn(b, hkv, lk, d), torch.randn(b, hkv, lk, d)
+    valid = torch.ones(b, lk, dtype=torch.bool)
+    valid[1, :75] = False  # row 1's first queries see no key
+    gout = torch.randn(b, h, lq, d)
+    kw = dict(scale=d**-0.5, causal=True, key_valid=valid, q_offset=lk - lq, window=window)
+    out, grads = _run(tiled_attention, q, k, v, KernelTerm.shaw(a_k, a_v), [a_k, a_v], gout, block_q=16, **kw)
+    leaves64 = [x.detach().double().requires_grad_() for x in (a_k, a_v)]
+    ref, ref_grads = _run(attention_reference, q.double(), k.double(), v.double(), KernelTerm.shaw(*leaves64),
+                          leaves64, gout.double(), **kw)
+    assert rel_err(out, ref) <= 2e-5
+    for name, got, want in zip(("dq", "dk", "dv", "a_k", "a_v"), grads, ref_grads):
+        assert rel_err(got, want) <= 4e-5, (name, rel_err(got, want))

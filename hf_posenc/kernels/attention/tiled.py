@@ -11,7 +11,7 @@ in plain PyTorch, on any device (CPU, MPS, CUDA without Triton). Query i is key 
 Tiling. The queries are split into blocks of ``block_q`` rows; each block runs against the keys it can
 see (causal with an int ``q_offset``: keys up to its last query; the tiles right of the diagonal are never
 built; with a sliding ``window`` and an int offset the keys from its first query's window edge on: the key
-tiles left of the band are never built either, so the cost is O(Lq · (window + block_q)) per head). On the CPU in float32 (every term but shaw) each block is one call of torch's fused CPU attention
+tiles left of the band are never built either, so the cost is O(Lq · (window + block_q)) per head). On the CPU in float32 (every term; Shaw when causal) each block is one call of torch's fused CPU attention
 kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp) with the
 block's term as an additive float mask (B, H, block_q, keys seen), built from the term's small tensors:
 few large products win on the CPU. Elsewhere (other devices, float64, shaw) the block loops over key tiles
@@ -48,7 +48,10 @@ scaled back). This is a GPU's flush-to-zero, stated exactly; see ``_subnormal_fr
   every head at the tile's shared cells); the table's gradient is a scatter of dS over the cells, c's and
   inv_norm's come through du = Σ_h dS_h · slope_h (``_FireTiles``; the tile, never the full matrix).
 * ``shaw``: the key term gathers q · a^K (B, H, n, 2K + 1) at each pair's relative bucket; its gradient
-  and the value term's bucket sums of P are scatter-added per tile into (B, H, n, 2K + 1).
+  and the value term's bucket sums of P are scatter-added per tile into (B, H, n, 2K + 1). Causal on the CPU
+  in float32, Shaw runs the fused kernel both ways instead: the keys K or more back share one bucket, whose
+  q · a^K is a row constant, so only a band of K keys per row carries a mask term, and the value term and the
+  corrections to the kernel's gradients come from that band's probabilities (``_ShawBand``).
 
 GQA: on the online-softmax path key/value heads are never expanded (the G query heads of a group are
 stacked into one product); the fused-kernel path expands them (O(L · D) per head).
@@ -405,9 +408,137 @@ def _ungroup(x: torch.Tensor, h: int) -> torch.Tensor:
 
 def _flash_available(plan: _Plan, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the tiles can go through torch's fused CPU attention kernel (additive float mask per tile):
-    CPU float32 compute, and a term without a value term (shaw's needs the probabilities)."""
-    return device.type == "cpu" and dtype == torch.float32 and plan.kind != "shaw" and hasattr(
+    CPU float32 compute; Shaw (whose value term needs the probabilities) only when causal (``_ShawBand``)."""
+    return device.type == "cpu" and dtype == torch.float32 and (plan.kind != "shaw" or plan.causal) and hasattr(
         torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+class _ShawBand:
+    """Shaw's terms through the fused kernel, causal: with a^K_r, a^V_r at r = clip(j − i, −K, K), every key
+    at least K positions back shares bucket −K, so q_i · a^K_−K is a row constant (a softmax row ignores it)
+    and the fused kernel needs only the band r = −K + 1 .. 0 as a mask term, q_i · (a^K_r − a^K_−K). The value
+    term is a^V_−K + Σ_band P_ir (a^V_r − a^V_−K) (a row's probabilities sum to 1), from the band's
+    probabilities, recomputed from K dot products per row; the row's log-sum-exp stays in that frame. In
+    backward the kernel gets the output less a^V_−K (so its Δ_i = dO_i · o_i carries −dO_i · a^V_−K and its dS is
+    exact off the band); the band's share is added by hand: dS_ir gains P_ir dO_i · (a^V_r − a^V_−K), and the
+    tables' gradients are the band's sums (bucket −K: minus the band's, and the rest of each row's mass)."""
+
+    def __init__(self, tile: "_Tile", plan: _Plan, q_off, device: torch.device) -> None:
+        kmax = tile.kmax
+        self.kmax = kmax
+        self.base_key, self.base_value = tile.a_key[0], tile.a_value[0]  # bucket −K
+        self.d_key = tile.a_key[1 : kmax + 1] - self.base_key  # (K, D): r = −K + 1 .. 0
+        self.d_value = tile.a_value[1 : kmax + 1] - self.base_value
+        self.offsets = torch.arange(-kmax + 1, 1, device=device)  # r of band column t
+        self.plan, self.q_off = plan, q_off
+
+    def columns(self, qi: torch.Tensor, k_len: int, valid: torch.Tensor | None, b: int):
+        """(key index (n, K) clamped into range, visible (B|1, n, K) bool) of each row's band."""
+        j = qi[:, None] + self.offsets[None, :]
+        ok = (j >= 0) & (j < k_len)
+        if self.plan.window is not None:
+            ok = ok & (j > qi[:, None] - self.plan.window)
+        jc = j.clamp(0, max(k_len - 1, 0))
+        ok = ok[None]
+        if valid is not None:
+            ok = ok & valid[:, jc]
+        return jc, ok
+
+    def mask(self, tile, qi, q0, q1, k_start, k_stop, valid, b, h, qa, jc, ok):
+        """The block's float mask (B, H, n, k_stop − k_start): the band term qa (B, H, n, K) at its keys, −inf
+        where masked."""
+        n, m = q1 - q0, k_stop - k_start
+        mask = qa.new_zeros(b, h, n, m)
+        inside = ok & (jc >= k_start) & (jc < k_stop)  # (B|1, n, K)
+        col = (jc - k_start).clamp(0, max(m - 1, 0))
+        values = qa.masked_fill(~inside[:, None], 0.0)
+        mask.scatter_add_(-1, col.expand(b, h, n, col.shape[-1]).contiguous(), values)
+        return _apply_mask(mask, self.plan, qi, q0, k_start, k_stop, valid)
+
+    def probabilities(self, qb, kx, jc, ok, qa, lse_b):
+        """P (B, H, n, K) of the band's keys, and the gathered keys (B, H, n, K, D)."""
+        kb = kx[:, :, jc]  # (B, H, n, K, D)
+        s = torch.einsum("bhnd,bhnkd->bhnk", qb, kb) + qa
+        s = s.masked_fill(~ok[:, None], float("-inf"))
+        return torch.exp(s - lse_b[..., None]), kb
+
+
+def _shaw_fused_forward(plan, tile, q, kx, vx, valid, q_off, b, h, d, out, lse) -> None:
+    """Fill ``out`` and ``lse`` (Shaw's frame, see ``_ShawBand``) block by block through the fused kernel."""
+    q_len, k_len = q.shape[2], kx.shape[2]
+    band = _ShawBand(tile, plan, q_off, q.device)
+    for q0 in range(0, q_len, plan.block_q):
+        q1 = min(q0 + plan.block_q, q_len)
+        qi = _query_index(q_off, q0, q1, q.device)
+        k_start, k_stop = plan.key_start(q0, k_len), plan.key_stop(q1, k_len)
+        if k_stop <= k_start:
+            out[:, :, q0:q1] = 0.0
+            lse[:, :, q0:q1] = float("inf")
+            continue
+        qb = q[:, :, q0:q1]
+        qa = qb @ band.d_key.T  # (B, H, n, K): q_i · (a^K_r − a^K_−K), q already scaled
+        jc, ok = band.columns(qi, k_len, valid, b)
+        mask = band.mask(tile, qi, q0, q1, k_start, k_stop, valid, b, h, qa, jc, ok)
+        o, lb = _flash_fwd(qb, kx[:, :, k_start:k_stop], vx[:, :, k_start:k_stop], 0.0, False, attn_mask=mask,
+                           scale=1.0)
+        empty = _empty_rows(plan, qi, valid, k_start, k_stop)
+        if empty is not None:
+            o = o.masked_fill(empty, 0.0)
+            lb = lb.masked_fill(empty[..., 0], float("inf"))
+        p, _ = band.probabilities(qb, kx, jc, ok, qa, lb)
+        has = torch.isfinite(lb)[..., None]
+        out[:, :, q0:q1] = o + has * band.base_value + p @ band.d_value
+        lse[:, :, q0:q1] = lb
+
+
+def _shaw_fused_backward(plan, tile, q, k, v, out, lse, do, valid, q_off, b, h, hkv, d):
+    """(dq (scaled q), dk, dv, d a^K, d a^V) of Shaw's fused path (``_ShawBand``)."""
+    q_len, k_len = q.shape[2], k.shape[2]
+    kx, vx = _expand_heads(k, h), _expand_heads(v, h)
+    band = _ShawBand(tile, plan, q_off, q.device)
+    dq = torch.zeros_like(q)
+    dkx, dvx = torch.zeros_like(kx), torch.zeros_like(vx)
+    d_key, d_value = torch.zeros_like(tile.a_key), torch.zeros_like(tile.a_value)
+    for q0 in range(0, q_len, plan.block_q):
+        q1 = min(q0 + plan.block_q, q_len)
+        qi = _query_index(q_off, q0, q1, q.device)
+        k_start, k_stop = plan.key_start(q0, k_len), plan.key_stop(q1, k_len)
+        if k_stop <= k_start:
+            continue
+        n = q1 - q0
+        qb, dob, ob, lb = q[:, :, q0:q1], do[:, :, q0:q1], out[:, :, q0:q1], lse[:, :, q0:q1]
+        qa = qb @ band.d_key.T
+        jc, ok = band.columns(qi, k_len, valid, b)
+        mask = band.mask(tile, qi, q0, q1, k_start, k_stop, valid, b, h, qa, jc, ok)
+        has = torch.isfinite(lb)[..., None]
+        gq, gk, gv = _flash_bwd(dob, qb, kx[:, :, k_start:k_stop], vx[:, :, k_start:k_stop],
+                                ob - has * band.base_value, lb, 0.0, False, attn_mask=mask, scale=1.0)
+        dq[:, :, q0:q1] = gq
+        dkx[:, :, k_start:k_stop] += gk
+        dvx[:, :, k_start:k_stop] += gv
+        # the band's share
+        p, kb = band.probabilities(qb, kx, jc, ok, qa, lb)  # (B, H, n, K), (B, H, n, K, D)
+        vb = vx[:, :, jc]
+        dov = torch.einsum("bhnd,bhnkd->bhnk", dob, vb)
+        doa = dob @ band.d_value.T  # dO_i · (a^V_r − a^V_−K)
+        delta = (dob * ob).sum(-1, keepdim=True)  # Δ_i of the true output
+        ds = p * (dov + doa + (dob @ band.base_value)[..., None] - delta)  # the band's true dS
+        extra = p * doa  # what the kernel's dS lacks on the band
+        dq[:, :, q0:q1] += torch.einsum("bhnk,bhnkd->bhnd", extra, kb) + ds @ band.d_key
+        contrib = (extra[..., None] * qb[:, :, :, None, :]).masked_fill(~ok[:, None, :, :, None], 0.0)
+        dkx.index_add_(2, jc.reshape(-1), contrib.reshape(b, h, n * band.kmax, d))
+        q_sum = torch.einsum("bhnk,bhnd->kd", ds, qb)  # Σ dS_ir q_i per band column
+        d_key[1 : band.kmax + 1] += q_sum
+        d_key[0] -= q_sum.sum(0)
+        d_value[1 : band.kmax + 1] += torch.einsum("bhnk,bhnd->kd", p, dob)
+        rest = (has[..., 0] * (1 - p.sum(-1)))  # each row's mass on bucket −K
+        d_value[0] += torch.einsum("bhn,bhnd->d", rest, dob)
+    if h != hkv:
+        dk = dkx.view(b, hkv, h // hkv, k_len, d).sum(2)
+        dv = dvx.view(b, hkv, h // hkv, k_len, d).sum(2)
+    else:
+        dk, dv = dkx, dvx
+    return dq, dk, dv, d_key, d_value
 
 
 def _flash_mask(tile: "_Tile", plan: _Plan, qi: torch.Tensor, q0: int, q1: int, k_start: int, k_stop: int,
@@ -570,6 +701,13 @@ class TiledAttentionFunction(torch.autograd.Function):
         flash = _flash_available(plan, query.device, dtype)
         rev = plan.kind in _TOEPLITZ
         fox = flash and plan.kind == "fox"  # FoX's bias rides in a key channel (lse in the block's frame)
+        if flash and plan.kind == "shaw":  # the value term from the band (see _ShawBand)
+            _shaw_fused_forward(plan, tile, q, _expand_heads(k, h), _expand_heads(v, h), valid, q_off, b, h, d,
+                                out, lse)
+            flash = False
+            q_len_online = 0
+        else:
+            q_len_online = q_len
         if flash:
             kx, vx = _expand_heads(k, h), _expand_heads(v, h)
             qf = _with_one(q) if fox else q
@@ -599,7 +737,7 @@ class TiledAttentionFunction(torch.autograd.Function):
                 l = l.masked_fill(empty[..., 0], float("inf"))
             out[:, :, q0:q1] = _rows(o, rev)
             lse[:, :, q0:q1] = _rows(l, rev, -1)
-        for q0 in range(0, q_len if not flash else 0, plan.block_q):
+        for q0 in range(0, q_len_online if not flash else 0, plan.block_q):
             q1 = min(q0 + plan.block_q, q_len)
             n = q1 - q0
             qi = _rows(_query_index(q_off, q0, q1, query.device), rev, 0)
@@ -658,6 +796,12 @@ class TiledAttentionFunction(torch.autograd.Function):
         fire_need = dict(zip(plan.names, need))
         d_akey = torch.zeros_like(tile.a_key) if plan.kind == "shaw" else None
         d_avalue = torch.zeros_like(tile.a_value) if plan.kind == "shaw" else None
+        if plan.kind == "shaw" and _flash_available(plan, query.device, dtype):  # the forward's frame: _ShawBand
+            dq, dk, dv, d_akey, d_avalue = _shaw_fused_backward(plan, tile, q, k, v, out, lse, do, valid, q_off, b,
+                                                                h, hkv, d)
+            grads = _term_grads(plan, tensors, need, tile, None, None, fire_grads, d_akey, d_avalue)
+            return (dq.mul_(plan.scale).to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None,
+                    *grads)
         if plan.kind == "fox" and _flash_available(plan, query.device, dtype):  # the forward's frame: see above
             dq, dk, dv, dc = _fox_fused_backward(plan, tile, q, k, v, out, lse, do, valid, q_off, b, h, hkv, d)
             grads = _term_grads(plan, tensors, need, tile, None, dc if want_term else None, fire_grads, None, None)

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import torch
 
+from .._subnormal import EXP_FLOOR, exp_flushed
 from .naive import check_window
 from .terms import KernelTerm
 
@@ -176,22 +177,16 @@ class _FireTiles:
                 acc["c"] = dc if "c" not in acc else acc["c"] + dc
 
 
-#: ln of float32's smallest normal number (1.18e-38): a probability exp(s − lse) below it is subnormal, and x86
-#: CPUs compute with subnormals many times slower. The fused CPU backward recomputes such probabilities wherever
-#: a bias decays far (ALiBi: the backward of a 2048-key causal step took 115 ms with them, 47 ms without,
-#: measured with flush-to-zero set before torch's threads started; see :func:`_subnormal_free`).
-EXP_FLOOR = -87.3
+# EXP_FLOOR (hf_posenc.kernels._subnormal): a probability exp(s − lse) below e^EXP_FLOOR is subnormal. The fused
+# CPU backward recomputes such probabilities wherever a bias decays far (ALiBi: the backward of a 2048-key
+# causal step took 115 ms with them, 47 ms without, measured with flush-to-zero set before torch's threads
+# started; see :func:`_subnormal_free`).
 #: the largest shift (nats) by which :func:`_subnormal_free` scales the probabilities and every gradient of a
 #: block: e^40 ≈ 2e17 keeps the kernel's sums far from float32's overflow (3e38).
 MAX_SHIFT = 40.0
 #: the shift above 2β + 1 (nats): the gradient of the logits, P (dP − Δ), stays normal for |dP − Δ| down to
 #: e^−20 ≈ 2e-9 of the row's scale.
 SHIFT_MARGIN = 20.0
-
-
-def _exp_flushed(x: torch.Tensor) -> torch.Tensor:
-    """``x.exp_()`` in place, 0 where the result would be subnormal (x < EXP_FLOOR): flush-to-zero, stated."""
-    return x.masked_fill_(x < EXP_FLOOR, float("-inf")).exp_()
 
 
 def _may_underflow(tile: "_Tile", q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -810,7 +805,7 @@ class TiledAttentionFunction(torch.autograd.Function):
         # Where no probability can be subnormal (a mild term: sandwich, kerple), the online passes below beat
         # the fused backward with its per-tile float mask (sandwich's step: 1.32x against 1.71x, measured);
         # where some can (ALiBi's steep decay), the fused backward with ``_subnormal_free`` wins (ALiBi: 2.8x
-        # against 5.6x the SDPA attention step), and the online passes flush them (``_exp_flushed``).
+        # against 5.6x the SDPA attention step), and the online passes flush them (``exp_flushed``).
         underflow = plan.kind != "none" and _may_underflow(tile, q, k)
         flash = not want_term and _flash_available(plan, query.device, dtype) and (plan.kind == "none" or underflow)
         rev = plan.kind in _TOEPLITZ
@@ -859,7 +854,7 @@ class TiledAttentionFunction(torch.autograd.Function):
                     s = s + bias if s.shape != torch.broadcast_shapes(s.shape, bias.shape) else s.add_(bias)
                 s = _apply_mask(s, plan, qi, q0, k0, k1, valid)
                 s = s.sub_(lse_b)  # rows that see no key have lse = +inf -> p = 0
-                p = _exp_flushed(s) if underflow else s.exp_()  # (B, H, n, m)
+                p = exp_flushed(s) if underflow else s.exp_()  # (B, H, n, m)
                 pg = _group(p, hkv)
                 dv[:, :, k0:k1] += pg.transpose(-1, -2) @ dog
                 dp = _ungroup(dog @ vb.transpose(-1, -2), h)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from .._subnormal import exp_flushed
 from .bias_tile import BASE_KINDS, base_bias_tile
 
 __all__ = ["cape_attention_tiled"]
@@ -101,7 +102,7 @@ class _CapeTiled(torch.autograd.Function):
                 m_new = torch.maximum(m, s.amax(dim=-1))
                 m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
                 alpha = torch.exp(m - m_safe)  # 0 while the row had no key yet
-                p = torch.exp(s.sub_(m_safe[..., None]))
+                p = exp_flushed(s.sub_(m_safe[..., None]))  # no subnormal weights (hf_posenc.kernels._subnormal)
                 l_sum = l_sum * alpha + p.sum(dim=-1)
                 acc = acc * alpha.view(b, hkv, g, n, 1) + torch.matmul(
                     p.view(b, hkv, g, n, ke - ks), v[:, :, None, ks:ke].to(dt)
@@ -160,7 +161,7 @@ class _CapeTiled(torch.autograd.Function):
                 s = s.view(b, h, n, nk)
                 if mask is not None:
                     s = s.masked_fill_(~mask[:, :, qs:qe, ks:ke], float("-inf"))
-                p = torch.exp(s.sub_(lse_b))  # (B, H, n, nk); 0 on masked keys and empty rows
+                p = exp_flushed(s.sub_(lse_b))  # (B, H, n, nk); 0 on masked keys and empty rows
                 dv[:, :, ks:ke] += torch.matmul(p.view(b, hkv, g, n, nk).transpose(-1, -2), dob).sum(dim=2)
                 dp = torch.matmul(dob, vb.transpose(-1, -2)).view(b, h, n, nk)
                 ds = p.mul_(dp.sub_(delta_b)).view(b, h, n * nk)  # dL/dA (B, H, N)

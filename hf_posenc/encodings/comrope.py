@@ -64,7 +64,7 @@ from ..kernels.rotary.skew_exp import skew_exp
 from ..ops import upcast
 from ..registry import param, register_encoding
 from .base import ModelInfo, PosContext
-from .rotary_base import BlockRotationEncoding, token_coordinates
+from .rotary_base import BlockRotationEncoding, distinct_positions, token_coordinates
 
 __all__ = ["ComRope", "default_block_size"]
 
@@ -210,10 +210,12 @@ class ComRope(BlockRotationEncoding):
         if cls is not None:
             coords = coords.masked_fill(cls[:, None].to(coords.device), 0.0)
         lead = coords.shape[:-1]  # (B|1, L)
-        unique, inverse = torch.unique(coords.reshape(-1, self.num_axes), dim=0, return_inverse=True)
+        unique, inverse = distinct_positions(coords.reshape(-1, self.num_axes))
         c = unique @ coeff  # (U, m): c_j(x) = sum_i x_i C_ij
         rot = skew_exp(skew, c)  # (Hkv, U, m, b, b) exp(c_j S_j), spectral form (exact)
-        rot = rot[:, inverse.reshape(-1)].unflatten(1, lead)  # (Hkv, B|1, L, m, b, b)
+        if inverse is not None:
+            rot = rot[:, inverse]
+        rot = rot.unflatten(1, lead)  # (Hkv, B|1, L, m, b, b)
         return rot.transpose(0, 1)
 
     def _coords(self, ctx: PosContext, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -66,7 +66,7 @@ from ..config import PosEncConfig
 from ..ops import upcast
 from ..registry import param, register_encoding
 from .base import ModelInfo, PosContext
-from .rotary_base import BlockRotationEncoding, token_coordinates
+from .rotary_base import BlockRotationEncoding, distinct_positions, token_coordinates
 
 __all__ = ["Liere"]
 
@@ -186,9 +186,11 @@ class Liere(BlockRotationEncoding):
         one matrix exponential per distinct position, gathered to the tokens."""
         coords, cls = self.positions(ctx, length, device)
         b, n, axes = coords.shape
-        unique, inverse = torch.unique(coords.reshape(b * n, axes), dim=0, return_inverse=True)
+        unique, inverse = distinct_positions(coords.reshape(b * n, axes))
         rot = self.rotations_at(unique, layer)  # (H, U, K, s, s)
-        rot = rot[:, inverse].reshape(rot.shape[0], b, n, *rot.shape[2:]).transpose(0, 1)  # (B, H, L, K, s, s)
+        if inverse is not None:
+            rot = rot[:, inverse]
+        rot = rot.reshape(rot.shape[0], b, n, *rot.shape[2:]).transpose(0, 1)  # (B, H, L, K, s, s)
         if cls is not None:  # no `if cls.any()`: reading it is a sync and a graph break (torch.compile)
             eye = torch.eye(self.block_size, device=rot.device, dtype=rot.dtype)
             rot = torch.where(cls.to(rot.device)[None, None, :, None, None, None], eye, rot)

@@ -14,7 +14,22 @@ import torch
 from ..kernels.rotary import apply_qk_rotation
 from .base import PosContext, PositionEncoding
 
-__all__ = ["BlockRotationEncoding", "token_coordinates"]
+__all__ = ["BlockRotationEncoding", "distinct_positions", "token_coordinates"]
+
+
+def distinct_positions(coords: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the distinct rows of ``coords`` (N, axes), sorted, and the index (N,) of each row among them), so that a
+    rotation is computed once per distinct position; the index is None when the rows are those distinct rows
+    already (a batch of one sequence without padding: positions 0 .. L − 1), which then need no gather (and no
+    scatter in backward: measured 24 ms a step for LieRE at L = 2048). One axis (text) takes the 1D unique."""
+    if coords.shape[1] == 1:
+        unique, inverse = torch.unique(coords[:, 0], return_inverse=True)
+        unique = unique[:, None]
+    else:
+        unique, inverse = torch.unique(coords, dim=0, return_inverse=True)
+    if not torch.compiler.is_compiling() and unique.shape[0] == coords.shape[0] and torch.equal(unique, coords):
+        return coords, None
+    return unique, inverse
 
 
 def token_coordinates(ctx: PosContext, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:

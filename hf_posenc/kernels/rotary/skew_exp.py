@@ -30,9 +30,10 @@ import torch
 __all__ = ["skew_exp", "skew_exp_reference"]
 
 #: the largest phase |c w| (radians) whose backward weights are computed in float32 for float32 inputs
-#: (float32 rounds 64 rad to 4e-6 rad); larger phases (positions far from [0, 1], e.g. ``position_scale=1``)
-#: take float64. float32 made the backward 5x faster (410 -> 76 ms, 8 heads x 4 blocks of 8 x 2048 positions).
-PHASE_FLOAT32 = 64.0
+#: (float32 rounds 256 rad to 1.5e-5 rad; LieRE's default generators reach 66 rad at the end of the trained
+#: context); larger phases (positions far past it, e.g. ``position_scale=1``) take float64. float32 made the
+#: backward 5x faster (410 -> 76 ms, 8 heads x 4 blocks of 8 x 2048 positions).
+PHASE_FLOAT32 = 256.0
 
 
 def _spectral(skew: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,7 +72,7 @@ class _SkewExp(torch.autograd.Function):
             grad_coeff = (grad * torch.matmul(skew[:, None], rot)).sum(dim=(0, 3, 4))  # (U, m)
         if ctx.needs_input_grad[0]:
             # The weights in float32 for float32 inputs while every phase is below PHASE_FLOAT32 radians (its
-            # rounding then stays under 4e-6, as the complex64 products below), else in float64; built from
+            # rounding then stays under 1.5e-5), else in float64; built from
             # the eigenvalues' half sums and differences once.
             cdt = torch.complex128 if skew.dtype == torch.float64 else torch.complex64
             wide = skew.dtype == torch.float64 or float(coeff.abs().max() * w.abs().max()) > PHASE_FLOAT32

@@ -585,10 +585,11 @@ def _expand_heads(x: torch.Tensor, h: int) -> torch.Tensor:
 
 
 def _fox_reference(c: torch.Tensor, qi: torch.Tensor) -> torch.Tensor:
-    """(B|1, H, 1): c at the block's first query, detached. FoX's bias c[qi] − c[j] is a row constant plus −c[j];
+    """(B|1, H, 1): c at the block's middle query, detached. FoX's bias c[qi] − c[j] is a row constant plus −c[j];
     a softmax row ignores its constant, so the fused path scores c[ref] − c[j] (small near the diagonal, where
-    the weight is) and the row's log-sum-exp is kept in that frame, in forward and backward alike."""
-    return c.index_select(-1, qi[:1]).detach()
+    the weight is: at most half a block of log-gates, which float32 rounds to ~1e-7 of it) and the row's
+    log-sum-exp is kept in that frame, in forward and backward alike."""
+    return c.index_select(-1, qi[qi.shape[0] // 2 :][:1]).detach()
 
 
 def _fox_keys(kx: torch.Tensor, c: torch.Tensor, ref: torch.Tensor, k0: int, k1: int) -> torch.Tensor:

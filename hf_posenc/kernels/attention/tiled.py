@@ -418,16 +418,16 @@ class _ShawBand:
     exact off the band); the band's share is added by hand: dS_ir gains P_ir dO_i · (a^V_r − a^V_−K), and the
     tables' gradients are the band's sums (bucket −K: minus the band's, and the rest of each row's mass)."""
 
-    def __init__(self, tile: "_Tile", plan: _Plan, q_off, device: torch.device) -> None:
+    def __init__(self, tile: "_Tile", plan: _Plan, device: torch.device) -> None:
         kmax = tile.kmax
         self.kmax = kmax
         self.base_key, self.base_value = tile.a_key[0], tile.a_value[0]  # bucket −K
         self.d_key = tile.a_key[1 : kmax + 1] - self.base_key  # (K, D): r = −K + 1 .. 0
         self.d_value = tile.a_value[1 : kmax + 1] - self.base_value
         self.offsets = torch.arange(-kmax + 1, 1, device=device)  # r of band column t
-        self.plan, self.q_off = plan, q_off
+        self.plan = plan
 
-    def columns(self, qi: torch.Tensor, k_len: int, valid: torch.Tensor | None, b: int):
+    def columns(self, qi: torch.Tensor, k_len: int, valid: torch.Tensor | None):
         """(key index (n, K) clamped into range, visible (B|1, n, K) bool) of each row's band."""
         j = qi[:, None] + self.offsets[None, :]
         ok = (j >= 0) & (j < k_len)
@@ -439,7 +439,7 @@ class _ShawBand:
             ok = ok & valid[:, jc]
         return jc, ok
 
-    def mask(self, tile, qi, q0, q1, k_start, k_stop, valid, b, h, qa, jc, ok):
+    def mask(self, qi, q0, q1, k_start, k_stop, valid, b, h, qa, jc, ok):
         """The block's float mask (B, H, n, k_stop − k_start): the band term qa (B, H, n, K) at its keys, −inf
         where masked."""
         n, m = q1 - q0, k_stop - k_start
@@ -461,7 +461,7 @@ class _ShawBand:
 def _shaw_fused_forward(plan, tile, q, kx, vx, valid, q_off, b, h, d, out, lse) -> None:
     """Fill ``out`` and ``lse`` (Shaw's frame, see ``_ShawBand``) block by block through the fused kernel."""
     q_len, k_len = q.shape[2], kx.shape[2]
-    band = _ShawBand(tile, plan, q_off, q.device)
+    band = _ShawBand(tile, plan, q.device)
     for q0 in range(0, q_len, plan.block_q):
         q1 = min(q0 + plan.block_q, q_len)
         qi = _query_index(q_off, q0, q1, q.device)
@@ -472,8 +472,8 @@ def _shaw_fused_forward(plan, tile, q, kx, vx, valid, q_off, b, h, d, out, lse) 
             continue
         qb = q[:, :, q0:q1]
         qa = qb @ band.d_key.T  # (B, H, n, K): q_i · (a^K_r − a^K_−K), q already scaled
-        jc, ok = band.columns(qi, k_len, valid, b)
-        mask = band.mask(tile, qi, q0, q1, k_start, k_stop, valid, b, h, qa, jc, ok)
+        jc, ok = band.columns(qi, k_len, valid)
+        mask = band.mask(qi, q0, q1, k_start, k_stop, valid, b, h, qa, jc, ok)
         o, lb = _flash_fwd(qb, kx[:, :, k_start:k_stop], vx[:, :, k_start:k_stop], 0.0, False, attn_mask=mask,
                            scale=1.0)
         empty = _empty_rows(plan, qi, valid, k_start, k_stop)
@@ -490,7 +490,7 @@ def _shaw_fused_backward(plan, tile, q, k, v, out, lse, do, valid, q_off, b, h, 
     """(dq (scaled q), dk, dv, d a^K, d a^V) of Shaw's fused path (``_ShawBand``)."""
     q_len, k_len = q.shape[2], k.shape[2]
     kx, vx = _expand_heads(k, h), _expand_heads(v, h)
-    band = _ShawBand(tile, plan, q_off, q.device)
+    band = _ShawBand(tile, plan, q.device)
     dq = torch.zeros_like(q)
     dkx, dvx = torch.zeros_like(kx), torch.zeros_like(vx)
     d_key, d_value = torch.zeros_like(tile.a_key), torch.zeros_like(tile.a_value)
@@ -503,8 +503,8 @@ def _shaw_fused_backward(plan, tile, q, k, v, out, lse, do, valid, q_off, b, h, 
         n = q1 - q0
         qb, dob, ob, lb = q[:, :, q0:q1], do[:, :, q0:q1], out[:, :, q0:q1], lse[:, :, q0:q1]
         qa = qb @ band.d_key.T
-        jc, ok = band.columns(qi, k_len, valid, b)
-        mask = band.mask(tile, qi, q0, q1, k_start, k_stop, valid, b, h, qa, jc, ok)
+        jc, ok = band.columns(qi, k_len, valid)
+        mask = band.mask(qi, q0, q1, k_start, k_stop, valid, b, h, qa, jc, ok)
         has = torch.isfinite(lb)[..., None]
         gq, gk, gv = _flash_bwd(dob, qb, kx[:, :, k_start:k_stop], vx[:, :, k_start:k_stop],
                                 ob - has * band.base_value, lb, 0.0, False, attn_mask=mask, scale=1.0)

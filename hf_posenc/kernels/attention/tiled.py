@@ -24,10 +24,12 @@ Toeplitz tiles run with their query rows reversed (row i' is query q1 − 1 − 
 strided view of the reversed per-distance vector (``unfold``), copied once into the mask, and the lines of
 constant distance are its anti-diagonals.
 
-Backward: a ``torch.autograd.Function`` saves q, k, v, the output and the log-sum-exp. When no term tensor
-needs a gradient (alibi, sandwich, a frozen term) and the forward used the fused kernel, each block runs
-the fused kernel's backward with the same mask. Otherwise each tile's probabilities are recomputed and the
-term's gradient is reduced per tile from dS, never through a full bias:
+Backward: a ``torch.autograd.Function`` saves q, k, v, the output and the log-sum-exp. FoX and causal Shaw run
+the fused kernel's backward (below). When no term tensor needs a gradient (alibi, sandwich, a frozen term),
+the forward used the fused kernel and some probability could be subnormal (a steep decay: ALiBi), each block
+runs the fused kernel's backward with the same mask (``_subnormal_free``); a mild term without gradient
+(sandwich) takes the online passes, which are faster there. Otherwise each tile's probabilities are
+recomputed and the term's gradient is reduced per tile from dS, never through a full bias:
 
 * Toeplitz terms (``alibi``, ``kerple_log``, ``kerple_pow``, ``sandwich``, ``t5``: functions of the
   distance δ = qi − j only): forward, the per-distance values F (H, Lq + Lk − 1) are computed once from the

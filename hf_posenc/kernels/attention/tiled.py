@@ -295,6 +295,13 @@ def _query_index(q_off: int | torch.Tensor, q0: int, q1: int, device: torch.devi
     return torch.arange(q0, q1, device=device) + q_off
 
 
+def _query_blocks(plan: "_Plan", q_len: int, k_len: int, q_off, device: torch.device):
+    """(q0, q1, key index of the queries q0 .. q1 − 1, first and end key they may see) per query block."""
+    for q0 in range(0, q_len, plan.block_q):
+        q1 = min(q0 + plan.block_q, q_len)
+        yield q0, q1, _query_index(q_off, q0, q1, device), plan.key_start(q0, k_len), plan.key_stop(q1, k_len)
+
+
 def _apply_mask(
     s: torch.Tensor, plan: _Plan, qi: torch.Tensor, q0: int, k0: int, k1: int, valid: torch.Tensor | None
 ) -> torch.Tensor:
@@ -464,10 +471,7 @@ def _shaw_fused_forward(plan, tile, q, kx, vx, valid, q_off, b, h, d, out, lse) 
     """Fill ``out`` and ``lse`` (Shaw's frame, see ``_ShawBand``) block by block through the fused kernel."""
     q_len, k_len = q.shape[2], kx.shape[2]
     band = _ShawBand(tile, plan, q.device)
-    for q0 in range(0, q_len, plan.block_q):
-        q1 = min(q0 + plan.block_q, q_len)
-        qi = _query_index(q_off, q0, q1, q.device)
-        k_start, k_stop = plan.key_start(q0, k_len), plan.key_stop(q1, k_len)
+    for q0, q1, qi, k_start, k_stop in _query_blocks(plan, q_len, k_len, q_off, q.device):
         if k_stop <= k_start:
             out[:, :, q0:q1] = 0.0
             lse[:, :, q0:q1] = float("inf")
@@ -496,10 +500,7 @@ def _shaw_fused_backward(plan, tile, q, k, v, out, lse, do, valid, q_off, b, h, 
     dq = torch.zeros_like(q)
     dkx, dvx = torch.zeros_like(kx), torch.zeros_like(vx)
     d_key, d_value = torch.zeros_like(tile.a_key), torch.zeros_like(tile.a_value)
-    for q0 in range(0, q_len, plan.block_q):
-        q1 = min(q0 + plan.block_q, q_len)
-        qi = _query_index(q_off, q0, q1, q.device)
-        k_start, k_stop = plan.key_start(q0, k_len), plan.key_stop(q1, k_len)
+    for q0, q1, qi, k_start, k_stop in _query_blocks(plan, q_len, k_len, q_off, q.device):
         if k_stop <= k_start:
             continue
         n = q1 - q0
@@ -645,10 +646,7 @@ def _fox_fused_backward(plan: _Plan, tile: "_Tile", q, k, v, out, lse, do, valid
     dkx, dvx = torch.zeros_like(kx), torch.zeros_like(vx)
     c = tile.c
     dc = torch.zeros_like(c)  # (B, H, Lk)
-    for q0 in range(0, q_len, plan.block_q):
-        q1 = min(q0 + plan.block_q, q_len)
-        qi = _query_index(q_off, q0, q1, q.device)
-        k_start, k_stop = plan.key_start(q0, k_len), plan.key_stop(q1, k_len)
+    for q0, q1, qi, k_start, k_stop in _query_blocks(plan, q_len, k_len, q_off, q.device):
         if k_stop <= k_start:
             continue
         ref = _fox_reference(c, qi)

@@ -13,7 +13,8 @@ Backends of the attention itself (:func:`attention_backend`; ``HF_POSENC_BACKEND
   the encoding's score bias, or the encoding's own ``attend``) run only where the engine does not apply:
   attention dropout while training, ``output_attentions``, ``torch.compile`` (dynamo cannot trace the
   engine's autograd Function), a mask that is not causal + key padding (packed
-  sequences, a custom 4D mask), ViT's 2D grid (the terms are 1D), and encodings without a kernel term.
+  sequences, a custom 4D mask; a model's own sliding window is accepted as a band and handed over as a
+  number), ViT's 2D grid (the terms are 1D), and encodings without a kernel term.
   Encodings without a term inside the attention (absolute, rotary) always use SDPA.
 * ``triton``: the fused kernels of :mod:`hf_posenc.kernels.attention` with the encoding's ``kernel_term``.
   Chosen by default when the tensors are on CUDA, Triton imports and the encoding has a kernel term.

@@ -21,7 +21,10 @@ their norms, GPT-NeoX's parallel residual, Phi-3's residual dropout -- stays the
 
 Sliding windows (Mistral, Qwen2 with ``use_sliding_window``, Gemma 3's local layers, Phi-3 with
 ``sliding_window``): transformers builds each layer's attention mask from its window, and every encoding's
-term is added under that mask, so keys beyond the window have no influence. The KV cache keeps every key
+term is added under that mask, so keys beyond the window have no influence; the tile engine and the kernels
+also get the window as a number (``PosContext.native_window``) and skip the key tiles outside it. Which tokens
+are real is recorded apart from the banded masks (``PosContext.key_padding``, from the 2D attention mask), for
+FoX Pro's token shift. The KV cache keeps every key
 (sliding-window cache layers are replaced by full ones before the first token is stored): hf_posenc's
 relative terms index a key by its absolute position, which a cache that drops its oldest keys loses. A
 ``StaticCache`` whose sliding layers are shorter than its length cannot be converted and is refused.

@@ -32,7 +32,7 @@ import torch
 from torch.nn import functional as F
 
 from .backend import forced_backend
-from .encodings.base import PLAIN_CAUSAL, UNWINDOWED_MASK, PosContext, narrowest_window, unwrap, vit_token_coords
+from .encodings.base import PLAIN_CAUSAL, UNWINDOWED_MASK, PosContext, unwrap, vit_token_coords
 from .kernels.attention import (
     FLEX_KINDS,
     flex_attention_term,
@@ -138,14 +138,6 @@ def _needs_causal_mask(q_len: int, k_len: int, q_offset: int | torch.Tensor) -> 
     if isinstance(q_offset, torch.Tensor):
         return True
     return q_len > 1 or k_len > q_offset + q_len
-
-
-def layer_window(ctx: PosContext | None) -> int | None:
-    """The sliding window of the encoding that ``ctx`` runs (its config's ``window``), or None."""
-    if ctx is None:
-        return None
-    config = getattr(unwrap(ctx.encoding), "posenc_config", None)
-    return getattr(config, "window", None)
 
 
 def window_band(
@@ -333,7 +325,7 @@ def _kernel_attention(
             raise ValueError(f"HF_POSENC_BACKEND={backend}, but {reason}")
         return None
     return run(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset, key_valid=key_valid,
-               window=narrowest_window(window, native), **extra)
+               window=ctx.engine_window(layer), **extra)
 
 
 def _tiled_torch_attention(
@@ -375,7 +367,7 @@ def _tiled_torch_attention(
     if window is not None and ctx.grid is not None:
         return None  # ViT's window is per grid axis: the reference applies it as a band on the mask
     return tiled_attention(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset,
-                           key_valid=key_valid, window=narrowest_window(window, native))
+                           key_valid=key_valid, window=ctx.engine_window(layer))
 
 
 def posenc_attention(
@@ -423,7 +415,7 @@ def posenc_attention(
     q_offset = posenc_ctx.q_offset if posenc_ctx is not None else k_len - q_len
     # A sliding window: the kernels and the tile engine take it as a number and skip the key tiles outside it;
     # the references below get it as a band on the mask.
-    window = layer_window(posenc_ctx)
+    window = posenc_ctx.own_window() if posenc_ctx is not None else None
     # The model's own window (already in the mask transformers built) is handed to the engines as well.
     native = posenc_ctx.native_window(layer) if posenc_ctx is not None else None
     training = module.training

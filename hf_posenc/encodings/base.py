@@ -115,6 +115,15 @@ class PosContext:
             return None
         return windows[layer]
 
+    def own_window(self) -> int | None:
+        """The sliding ``window`` of the encoding this context runs (its config's), or None."""
+        return getattr(getattr(unwrap(self.encoding), "posenc_config", None), "window", None)
+
+    def engine_window(self, layer: int) -> int | None:
+        """The window the tile engines and kernels skip key tiles for on the encoding's layer ``layer``: the
+        narrower of the encoding's own (:meth:`own_window`) and the model's (:meth:`native_window`), or None."""
+        return narrowest_window(self.own_window(), self.native_window(layer))
+
     def at(self, layer: int) -> "tuple[PosContext, int]":
         """(the context of model layer ``layer``, the layer's index for its encoding).
 

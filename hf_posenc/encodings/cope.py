@@ -72,7 +72,7 @@ from torch.nn import functional as F
 from ..config import PosEncConfig
 from ..ops import expand_kv
 from ..registry import param, register_encoding
-from .base import ModelInfo, PosContext, PositionEncoding, narrowest_window
+from .base import ModelInfo, PosContext, PositionEncoding
 
 __all__ = ["Cope", "allowed_keys", "cope_positions", "interpolate_logits", "cope_attention"]
 
@@ -284,7 +284,7 @@ class Cope(PositionEncoding):
 
         # a sliding window (hf_posenc's, the model's own) is in ``mask`` already (a band); the engines also take
         # it as a number, to skip the key tiles outside it
-        window = narrowest_window(self.posenc_config.window, ctx.native_window(layer))
+        window = ctx.engine_window(layer)
 
         backend = cope_backend(
             query, key, value, mask, ctx.q_offset, ctx.need_weights, dropout, training, causal=self.info.causal

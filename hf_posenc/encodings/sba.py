@@ -72,7 +72,7 @@ from torch.nn import functional as F
 from ..config import PosEncConfig
 from ..ops import expand_kv
 from ..registry import param, register_encoding
-from .base import ModelInfo, PosContext, PositionEncoding, narrowest_window
+from .base import ModelInfo, PosContext, PositionEncoding
 from .cope import allowed_keys
 
 __all__ = ["StickBreaking", "stick_breaking_attention", "stick_breaking_grid_attention", "grid_key_ranks",
@@ -298,7 +298,7 @@ class StickBreaking(PositionEncoding):
 
         # a sliding window (hf_posenc's, the model's own) is in ``mask`` already (a band); the engines also take
         # it as a number, to skip the key tiles outside it
-        window = narrowest_window(self.posenc_config.window, ctx.native_window(layer))
+        window = ctx.engine_window(layer)
 
         if sba_backend(query, key, value, mask, ctx.q_offset, ctx.need_weights, dropout, training) == "triton":
             bias = self.remainder_bias[layer] if self.remainder == "bias" else None

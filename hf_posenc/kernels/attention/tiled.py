@@ -697,13 +697,11 @@ class TiledAttentionFunction(torch.autograd.Function):
         flash = _flash_available(plan, query.device, dtype)
         rev = plan.kind in _TOEPLITZ
         fox = flash and plan.kind == "fox"  # FoX's bias rides in a key channel (lse in the block's frame)
+        online = not flash  # the online-softmax passes below, else the fused kernel per block
         if flash and plan.kind == "shaw":  # the value term from the band (see _ShawBand)
             _shaw_fused_forward(plan, tile, q, _expand_heads(k, h), _expand_heads(v, h), valid, q_off, b, h, d,
                                 out, lse)
             flash = False
-            q_len_online = 0
-        else:
-            q_len_online = q_len
         if flash:
             kx, vx = _expand_heads(k, h), _expand_heads(v, h)
             qf = _with_one(q) if fox else q
@@ -733,7 +731,7 @@ class TiledAttentionFunction(torch.autograd.Function):
                 l = l.masked_fill(empty[..., 0], float("inf"))
             out[:, :, q0:q1] = _rows(o, rev)
             lse[:, :, q0:q1] = _rows(l, rev, -1)
-        for q0 in range(0, q_len_online if not flash else 0, plan.block_q):
+        for q0 in range(0, q_len if online else 0, plan.block_q):
             q1 = min(q0 + plan.block_q, q_len)
             n = q1 - q0
             qi = _rows(_query_index(q_off, q0, q1, query.device), rev, 0)

@@ -388,3 +388,20 @@ def forward_and_loss(family: str, model, inputs: dict[str, torch.Tensor]) -> tup
 def build():
     """The ``make_model`` factory as a fixture."""
     return make_model
+
+
+@pytest.fixture
+def masked_tiles(monkeypatch):
+    """The tiles the tile-wise attention engine masks, recorded as (q0, rows, k0, k1): its first query, number
+    of query rows and key range (``hf_posenc.kernels.attention.tiled._apply_mask`` is wrapped)."""
+    from hf_posenc.kernels.attention import tiled
+
+    seen: list[tuple[int, int, int, int]] = []
+    real = tiled._apply_mask
+
+    def spy(s, plan, qi, q0, k0, k1, valid):
+        seen.append((q0, s.shape[-2], k0, k1))
+        return real(s, plan, qi, q0, k0, k1, valid)
+
+    monkeypatch.setattr(tiled, "_apply_mask", spy)
+    return seen

@@ -17,7 +17,6 @@ import torch
 
 from hf_posenc import attention as attention_module
 from hf_posenc.kernels.attention import KERNEL_KINDS, KernelTerm, attention_reference
-from hf_posenc.kernels.attention import tiled as tiled_module
 from hf_posenc.kernels.attention.tiled import TILED_KINDS, tiled_attention
 
 from conftest import make_model
@@ -98,18 +97,11 @@ def test_engine_default_blocks_single_key_tile():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fused-kernel-tiles", "online-softmax-tiles"])
-def test_engine_builds_no_full_matrix(monkeypatch, dtype):
+def test_engine_builds_no_full_matrix(masked_tiles, dtype):
     """Every tile has at most block_q rows (and, on the online-softmax path, block_k columns); causal tiles
     right of their queries' diagonal are never built. float32 on the CPU runs each query block through
     torch's fused kernel against all the keys it sees; float64 takes the online softmax over key tiles."""
-    seen = []
-    real = tiled_module._apply_mask
-
-    def spy(s, plan, qi, q0, k0, k1, valid):
-        seen.append((q0, s.shape[-2], k0, k1))
-        return real(s, plan, qi, q0, k0, k1, valid)
-
-    monkeypatch.setattr(tiled_module, "_apply_mask", spy)
+    seen = masked_tiles
     q, k, v, gout, valid, g = make_inputs((1, 2, 2, 64, 64, 8), dtype, 0, False, device="cpu")
     term, _ = make_term("alibi", (1, 2, 2, 64, 64, 8), 0, g, device="cpu")
     tiled_attention(q, k, v, term, scale=1.0, causal=True, block_q=16, block_k=16)
@@ -194,6 +186,29 @@ def test_model_dropout_and_weights_use_the_reference(monkeypatch):
     assert calls  # eval: no dropout, the engine
 
 
+def _padded_inputs(shape, norm: float = 1.0, pad: int = 40):
+    """q, k, v (q and k scaled by ``norm``), key_valid with batch row 1's first ``pad`` keys padding, and the
+    incoming gradient, drawn in that order from torch's global generator."""
+    b, h, hkv, lq, lk, d = shape
+    q = torch.randn(b, h, lq, d) * norm
+    k, v = torch.randn(b, hkv, lk, d) * norm, torch.randn(b, hkv, lk, d)
+    valid = torch.ones(b, lk, dtype=torch.bool)
+    valid[1, :pad] = False
+    return q, k, v, valid, torch.randn(b, h, lq, d)
+
+
+def _errors_vs_float64(term_of, leaves, q, k, v, gout, names, blocks, **kw):
+    """(relative error of the output, {name: relative error of each gradient}, {name: the float64 gradient}) of
+    the engine (float32, with ``blocks``) against the float64 reference; ``term_of(*leaves)`` builds the term
+    from its learned tensors (q, k, v and the leaves' gradients are named by ``names``, in that order)."""
+    out, grads = _run(tiled_attention, q, k, v, term_of(*leaves), leaves, gout, **blocks, **kw)
+    leaves64 = [x.detach().double().requires_grad_() for x in leaves]
+    ref, ref_grads = _run(attention_reference, q.double(), k.double(), v.double(), term_of(*leaves64), leaves64,
+                          gout.double(), **kw)
+    errs = {n: rel_err(got, want) for n, got, want in zip(names, grads, ref_grads)}
+    return rel_err(out, ref), errs, dict(zip(names, ref_grads))
+
+
 @pytest.mark.parametrize("kind", ["alibi", "sandwich", "kerple_pow"])
 def test_backward_without_subnormals_keeps_the_gradients(kind):
     """Steep decays (ALiBi slopes 1 to 8 over 300 keys: most probabilities far below float32's smallest normal
@@ -202,30 +217,22 @@ def test_backward_without_subnormals_keeps_the_gradients(kind):
     subnormal probabilities. q, k, v (and the term's) gradients equal the float64 reference's. Large q, k norms
     make the shift hit its cap."""
     torch.manual_seed(0)
-    b, h, hkv, lq, lk, d = 2, 4, 2, 300, 300, 16
+    shape = b, h, hkv, lq, lk, d = 2, 4, 2, 300, 300, 16
     leaves = []
     if kind == "alibi":
         term = KernelTerm("alibi", {"slopes": torch.tensor([8.0, 4.0, 2.0, 1.0])}, {})
     elif kind == "sandwich":  # a table that falls by 2 per position: the steepest decay a learned-free table gives
         term = KernelTerm("sandwich", {"table": -2.0 * torch.arange(lk).float().expand(h, lk).contiguous()}, {})
     else:  # −r1 δ^r2 with r1 up to 3: a learned, steep decay
-        leaves = [torch.tensor([3.0, 1.0, 0.5, 0.2]).requires_grad_(), torch.tensor([1.0, 1.2, 0.9, 1.1]).requires_grad_()]
-        term = KernelTerm.kerple("power", *leaves)
+        leaves = [torch.tensor(r).requires_grad_() for r in ([3.0, 1.0, 0.5, 0.2], [1.0, 1.2, 0.9, 1.1])]
+    term_of = (lambda r1, r2: KernelTerm.kerple("power", r1, r2)) if leaves else (lambda: term)
     for norm in (1.0, 6.0):
-        q = torch.randn(b, h, lq, d) * norm
-        k, v = torch.randn(b, hkv, lk, d) * norm, torch.randn(b, hkv, lk, d)
-        valid = torch.ones(b, lk, dtype=torch.bool)
-        valid[1, :40] = False
-        gout = torch.randn(b, h, lq, d)
-        kw = dict(scale=d**-0.5, causal=True, key_valid=valid)
-        out, grads = _run(tiled_attention, q, k, v, term, leaves, gout, block_q=64, **kw)
-        leaves64 = [x.detach().double().requires_grad_() for x in leaves]
-        term64 = KernelTerm.kerple("power", *leaves64) if leaves else term
-        ref, ref_grads = _run(attention_reference, q.double(), k.double(), v.double(), term64, leaves64,
-                              gout.double(), **kw)
-        assert rel_err(out, ref) <= 2e-5
-        for name, got, want in zip(("dq", "dk", "dv", "r1", "r2"), grads, ref_grads):
-            assert rel_err(got, want) <= 4e-5, (norm, name, rel_err(got, want))
+        q, k, v, valid, gout = _padded_inputs(shape, norm)
+        out_err, errs, _ = _errors_vs_float64(term_of, leaves, q, k, v, gout, ("dq", "dk", "dv", "r1", "r2"),
+                                           dict(block_q=64), scale=d**-0.5, causal=True, key_valid=valid)
+        assert out_err <= 2e-5
+        for name, err in errs.items():
+            assert err <= 4e-5, (norm, name, err)
 
 
 def test_fox_fused_backward_under_steep_forgetting():
@@ -234,23 +241,16 @@ def test_fox_fused_backward_under_steep_forgetting():
     left out, the rest shifted): output and the gradients of q, k, v and c equal the float64 reference's; GQA,
     left padding."""
     torch.manual_seed(1)
-    b, h, hkv, lq, lk, d = 2, 4, 2, 300, 300, 16
+    shape = b, h, hkv, lq, lk, d = 2, 4, 2, 300, 300, 16
     log_f = torch.nn.functional.logsigmoid(torch.randn(b, h, lk) * 2 - torch.tensor([4.0, 1.0, 0.0, -2.0])[:, None])
     for norm in (1.0, 6.0):
         c = log_f.cumsum(-1).requires_grad_()
-        q = torch.randn(b, h, lq, d) * norm
-        k, v = torch.randn(b, hkv, lk, d) * norm, torch.randn(b, hkv, lk, d)
-        valid = torch.ones(b, lk, dtype=torch.bool)
-        valid[1, :40] = False
-        gout = torch.randn(b, h, lq, d)
-        kw = dict(scale=d**-0.5, causal=True, key_valid=valid)
-        out, grads = _run(tiled_attention, q, k, v, KernelTerm.fox(c), [c], gout, block_q=64, **kw)
-        c64 = c.detach().double().requires_grad_()
-        ref, ref_grads = _run(attention_reference, q.double(), k.double(), v.double(), KernelTerm.fox(c64), [c64],
-                              gout.double(), **kw)
-        assert rel_err(out, ref) <= 2e-5
-        for name, got, want in zip(("dq", "dk", "dv", "dc"), grads, ref_grads):
-            assert rel_err(got, want) <= 1e-4, (norm, name, rel_err(got, want))
+        q, k, v, valid, gout = _padded_inputs(shape, norm)
+        out_err, errs, _ = _errors_vs_float64(KernelTerm.fox, [c], q, k, v, gout, ("dq", "dk", "dv", "dc"),
+                                           dict(block_q=64), scale=d**-0.5, causal=True, key_valid=valid)
+        assert out_err <= 2e-5
+        for name, err in errs.items():
+            assert err <= 1e-4, (norm, name, err)
 
 
 @pytest.mark.parametrize("norm_rows", [1, 2])
@@ -268,22 +268,17 @@ def test_fire_tiles_by_hand_match_the_reference(norm_rows):
     positions = torch.arange(lq, dtype=torch.float32).expand(norm_rows, lq)
     inv_norm = (1.0 / torch.log1p(0.7 * positions.clamp(min=20))).requires_grad_()
     x_max = (torch.log1p(0.7 * torch.arange(lq).float())[None] * inv_norm.detach()).max()
-    q, k, v = torch.randn(b, h, lq, d), torch.randn(b, hkv, lk, d), torch.randn(b, hkv, lk, d)
-    valid = torch.ones(b, lk, dtype=torch.bool)
-    valid[1, :7] = False
-    gout = torch.randn(b, h, lq, d)
+    q, k, v, valid, gout = _padded_inputs((b, h, hkv, lq, lk, d), pad=7)
     kw = dict(scale=d**-0.5, causal=True, key_valid=valid)
     leaves = [table, c, inv_norm]
-    out, grads = _run(tiled_attention, q, k, v, KernelTerm.fire(table, c, inv_norm, x_max), leaves, gout,
-                      block_q=32, block_k=48, **kw)
-    leaves64 = [x.detach().double().requires_grad_() for x in leaves]
-    ref, ref_grads = _run(attention_reference, q.double(), k.double(), v.double(),
-                          KernelTerm.fire(*leaves64, x_max.double()), leaves64, gout.double(), **kw)
+    names = ("dq", "dk", "dv", "table", "c", "inv_norm")
+    out_err, errs, ref_grads = _errors_vs_float64(lambda *t: KernelTerm.fire(*t, x_max.to(t[0].dtype)), leaves, q,
+                                                  k, v, gout, names, dict(block_q=32, block_k=48), **kw)
     _, ref32_grads = _run(attention_reference, q, k, v, KernelTerm.fire(table, c, inv_norm, x_max), leaves, gout,
                           **kw)
-    assert rel_err(out, ref) <= 2e-5
-    for name, got, want, f32 in zip(("dq", "dk", "dv", "table", "c", "inv_norm"), grads, ref_grads, ref32_grads):
-        assert rel_err(got, want) <= max(1e-4, 2 * rel_err(f32, want)), (name, rel_err(got, want))
+    assert out_err <= 2e-5
+    for name, f32 in zip(names, ref32_grads):
+        assert errs[name] <= max(1e-4, 2 * rel_err(f32, ref_grads[name])), (name, errs[name])
 
 
 @pytest.mark.parametrize("window", [None, 3, 40])
@@ -296,15 +291,10 @@ def test_shaw_band_through_the_fused_kernel(window):
     b, h, hkv, lq, lk, d, kmax = 2, 4, 2, 50, 120, 16, 8
     a_k = (torch.randn(2 * kmax + 1, d) * 0.5).requires_grad_()
     a_v = (torch.randn(2 * kmax + 1, d) * 0.5).requires_grad_()
-    q, k, v = torch.randn(b, h, lq, d), torch.randn(b, hkv, lk, d), torch.randn(b, hkv, lk, d)
-    valid = torch.ones(b, lk, dtype=torch.bool)
-    valid[1, :75] = False  # row 1's first queries see no key
-    gout = torch.randn(b, h, lq, d)
-    kw = dict(scale=d**-0.5, causal=True, key_valid=valid, q_offset=lk - lq, window=window)
-    out, grads = _run(tiled_attention, q, k, v, KernelTerm.shaw(a_k, a_v), [a_k, a_v], gout, block_q=16, **kw)
-    leaves64 = [x.detach().double().requires_grad_() for x in (a_k, a_v)]
-    ref, ref_grads = _run(attention_reference, q.double(), k.double(), v.double(), KernelTerm.shaw(*leaves64),
-                          leaves64, gout.double(), **kw)
-    assert rel_err(out, ref) <= 2e-5
-    for name, got, want in zip(("dq", "dk", "dv", "a_k", "a_v"), grads, ref_grads):
-        assert rel_err(got, want) <= 4e-5, (name, rel_err(got, want))
+    q, k, v, valid, gout = _padded_inputs((b, h, hkv, lq, lk, d), pad=75)  # row 1's first queries see no key
+    out_err, errs, _ = _errors_vs_float64(KernelTerm.shaw, [a_k, a_v], q, k, v, gout, ("dq", "dk", "dv", "a_k", "a_v"),
+                                          dict(block_q=16), scale=d**-0.5, causal=True, key_valid=valid,
+                                          q_offset=lk - lq, window=window)
+    assert out_err <= 2e-5
+    for name, err in errs.items():
+        assert err <= 4e-5, (name, err)

@@ -91,7 +91,8 @@ class PosContext:
         need_weights: whether attention probabilities are requested (``output_attentions``).
         key_padding: which key positions hold real tokens, when the model knows it apart from the 4D masks
             (a model's own sliding window bands those): a (B|1, N) bool tensor (the 2D attention mask, key j at
-            column j), True (no mask: every position is real), or None (unknown, e.g. a custom 4D mask).
+            column j), True (no mask: every position is real), or None (unknown, e.g. a custom 4D mask, or not
+            recorded: the decoders record it only when the model has sliding windows).
         memo: per-forward cache, e.g. the score bias shared by every layer.
     """
 

@@ -257,8 +257,10 @@ class PatchedDecoderModel:
         position_ids, past = text_positions(
             inputs_embeds.shape[1], inputs_embeds.device, position_ids, cache, batch=inputs_embeds.shape[0]
         )
+        # which tokens are real, apart from the masks a model's own window bands (read only on such models)
+        padding = key_padding(attention_mask) if self.posenc_info.sliding_windows else None
         ctx = make_context(self, need_weights=kwargs.get("output_attentions"), position_ids=position_ids, q_offset=past,
-                           key_padding=key_padding(attention_mask))
+                           key_padding=padding)
         inputs_embeds = add_embeddings(ctx, inputs_embeds)
         kwargs[self.posenc_cache_arg] = cache
         return super().forward(

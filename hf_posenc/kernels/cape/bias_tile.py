@@ -28,9 +28,15 @@ FIRE_EPS = 1e-6
 
 
 def base_bias_tile(
-    kind: str, tensors: tuple[torch.Tensor, ...], q_index: torch.Tensor, k_index: torch.Tensor, rows: slice
+    kind: str,
+    tensors: tuple[torch.Tensor, ...],
+    q_index: torch.Tensor,
+    k_index: torch.Tensor,
+    rows: slice,
+    batch_row: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The bias tile, heads first: (B|1, H, n, nk).
+    """The bias tile, heads first: (B|1, H, n, nk), or (1, H, n, nk) for one ``batch_row``.
 
     Args:
         kind: one of :data:`BASE_KINDS`.
@@ -38,7 +44,19 @@ def base_bias_tile(
         q_index: (n,) key index of each query of the tile (q_offset + i), in the compute dtype.
         k_index: (nk,) key indices of the tile.
         rows: the tile's query rows (slices fire's per-query positions).
+        batch_row: the one batch row wanted (fire's positions may differ per row; the other kinds are the
+            same on every row), or None for all of them.
+        out: where to write the tile of that one row, (H, n, nk) (no autograd through it); the result is then
+            ``out[None]``.
     """
+    if out is not None:
+        if batch_row is None:
+            raise ValueError("base_bias_tile writes one batch row into out: give batch_row")
+        if kind == "alibi":  # straight into out: no tile-sized temporary
+            (slopes,) = tensors
+            delta = (q_index[:, None] - k_index[None, :]).abs_()
+            return torch.mul(delta, -slopes[:, None, None], out=out)[None]
+        return out.copy_(base_bias_tile(kind, tensors, q_index, k_index, rows, batch_row)[0])[None]
     delta = q_index[:, None] - k_index[None, :]  # (n, nk) i - j
     if kind == "alibi":
         (slopes,) = tensors
@@ -54,6 +72,8 @@ def base_bias_tile(
         return torch.where(d > 0, -r1 * safe.pow(r2), torch.zeros_like(r1 * d))[None]
     if kind == "fire":
         w1, b1, w2, b2, c, threshold, positions = tensors
+        if batch_row is not None and positions.shape[0] > 1:
+            positions = positions[batch_row : batch_row + 1]
         pos = positions[:, rows]  # (B|1, n)
         normaliser = torch.log1p(c * torch.maximum(threshold, pos)) + FIRE_EPS  # (B|1, n)
         x = torch.log1p(c * delta.clamp_min(0.0))[None] / normaliser[..., None]  # (B|1, n, nk)

@@ -27,43 +27,75 @@ __all__ = ["cape_attention_tiled"]
 
 #: default query and key block sizes.
 BLOCK_Q = 128
-BLOCK_K = 128
+BLOCK_K = 256
 _SLOPE = 0.01  # LeakyReLU negative slope (PyTorch's default, the authors' code)
 
 
-def _lin(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """w (O, C) applied over the channels of x (B, C, N) -> (B, O, N), one 2D product per batch row."""
-    if x.shape[0] == 1:
-        return torch.mm(w, x[0])[None]
-    return torch.matmul(w, x)
+def _tile_mask(mask, qs, qe, ks, ke):
+    """The tile (1, n, nk) of one batch row's mask (1, Lq, Lk) where some pair of it is masked, else None (a
+    fully visible tile needs no fill). Under ``torch.compile`` every tile is filled: the test reads the mask's
+    values, which a graph must not branch on."""
+    if mask is None:
+        return None
+    tile = mask[:, qs:qe, ks:ke]
+    return tile if torch.compiler.is_compiling() or not bool(tile.all()) else None
 
 
-def _outer(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """sum over the batch and N of a (B, O, N) times x (B, C, N) -> (O, C)."""
-    if a.shape[0] == 1 and x.shape[0] == 1:
-        return torch.mm(a[0], x[0].T)
-    return torch.matmul(a, x.transpose(-1, -2)).sum(dim=0)
+class _Workspace:
+    """Reusable per-tile buffers of one batch row, heads first (N = n · nk pairs), contiguous at every tile size:
+
+    * ``feat`` (2H + 1, N): the scaled logits, the base bias and a row of ones (the MLP's first layer with its
+      bias is then one product ``w1x @ feat``, ``w1x = [w1 | b1]``, and so is its gradient);
+    * ``hid`` (hidden + 1, N): the MLP's activation (the LeakyReLU runs in place: its sign is the
+      pre-activation's, which is all its backward needs) and a row of ones (for ``w2x = [w2 | b2]``);
+    * scratch buffers by name (the scores, the backward's dP and the pre-activation's gradient).
+
+    Reusing them matters on the CPU: a fresh tensor of a MiB or more per tile costs its page faults every time
+    (measured: a third of the time of the products that fill them).
+    """
+
+    def __init__(self, h: int, hidden: int, pairs: int, dt: torch.dtype, device: torch.device) -> None:
+        self.h, self.hidden, self.pairs, self.size = h, hidden, pairs, -1
+        self._flat: dict[str, torch.Tensor] = {}
+        self._like = torch.empty(0, dtype=dt, device=device)
+
+    def scratch(self, name: str, rows: int) -> torch.Tensor:
+        """The buffer ``name`` as a contiguous (rows, N) tensor for the current tile."""
+        flat = self._flat.get(name)
+        if flat is None:
+            flat = self._flat[name] = self._like.new_empty(rows * self.pairs)
+        return flat[: rows * self.size].view(rows, self.size)
+
+    def tile(self, n: int, nk: int) -> torch.Tensor:
+        """Start a tile of n queries and nk keys; returns the (H, n, nk) slot of its base bias in ``feat``."""
+        h, hidden = self.h, self.hidden
+        moved, self.size = n * nk != self.size, n * nk
+        self.feat, self.hid = self.scratch("feat", 2 * h + 1), self.scratch("hid", hidden + 1)
+        if moved:  # the rows of ones move with the tile size
+            self.feat[2 * h].fill_(1.0)
+            self.hid[hidden].fill_(1.0)
+        return self.feat[h : 2 * h].view(h, n, nk)
+
+    def features(self, qb: torch.Tensor, kb: torch.Tensor, w1x: torch.Tensor, w2x: torch.Tensor) -> torch.Tensor:
+        """Fill ``feat`` (its bias slot filled already) and ``hid``; returns the scores A (H, N).
+
+        qb (Hkv, G·n, D) already scaled, kb (Hkv, nk, D)."""
+        h, feat, hid = self.h, self.feat, self.hid
+        torch.bmm(qb, kb.transpose(1, 2), out=feat[:h].view(qb.shape[0], qb.shape[1], kb.shape[1]))
+        F.leaky_relu_(torch.mm(w1x, feat, out=hid[: self.hidden]), _SLOPE)
+        return torch.add(feat[:h], feat[h : 2 * h], out=self.scratch("scores", h)).addmm_(w2x, hid)
 
 
-def _tile_features(qb, kb, bias, w1a, w1b, b1, w2, b2):
-    """Logits (B, H, N), the bias (B|1, H, N), the MLP's pre-activation and activation (B, hidden, N) and the
-    scores (B, H, N), N = n * nk, heads
-    first (the MLP runs as (hidden, H) x (H, N) products: no permutes).
-
-    qb (B, Hkv, G, n, D) already scaled, kb (B, Hkv, 1, nk, D), bias (B|1, H, n, nk)."""
-    b, hkv, g, n, _ = qb.shape
-    nk = kb.shape[3]
-    logits = torch.matmul(qb, kb.transpose(-1, -2)).view(b, hkv * g, n * nk)
-    bias = bias.reshape(bias.shape[0], hkv * g, n * nk)
-    if b == 1 and bias.shape[0] == 1:  # 2D products with the additions fused (addmm)
-        pre = torch.addmm(torch.addmm(b1[:, None], w1b, bias[0]), w1a, logits[0])[None]
-        hidden = F.leaky_relu(pre, _SLOPE)
-        base = (logits[0] + bias[0]).add_(b2[:, None])
-        return logits, bias, pre, hidden, torch.addmm(base, w2, hidden[0])[None]
-    pre = _lin(w1b, bias).add_(b1[:, None]).add(_lin(w1a, logits))
-    hidden = F.leaky_relu(pre, _SLOPE)
-    scores = _lin(w2, hidden).add_(b2[:, None]).add_(logits).add_(bias)
-    return logits, bias, pre, hidden, scores
+def _add_outer(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, chunks: int = 8) -> None:
+    """acc (M, K) += a (M, N) @ b (K, N)^T for a long N: as a batch of ``chunks`` products summed. Measured on the
+    2-core CPU at N = 32768: (8, N) x (N, 33) takes a third of the time of one ``addmm_`` (which does not split
+    N); (32, N) x (N, 17), bound by reading its operands, gains nothing and keeps ``addmm_``."""
+    n = a.shape[1]
+    if n % chunks:
+        acc.addmm_(a, b.T)
+        return
+    m = n // chunks
+    acc += torch.bmm(a.view(a.shape[0], chunks, m).transpose(0, 1), b.view(b.shape[0], chunks, m).permute(1, 2, 0)).sum(0)
 
 
 def _key_stop(k_len: int, static_offset: int | None, q_stop: int) -> int:
@@ -71,48 +103,55 @@ def _key_stop(k_len: int, static_offset: int | None, q_stop: int) -> int:
     return k_len if static_offset is None else max(0, min(k_len, static_offset + q_stop))
 
 
+def _row(t: torch.Tensor | None, r: int) -> torch.Tensor | None:
+    """Batch row ``r`` of a (B|1, ...) tensor (row 0 of a broadcast one)."""
+    return None if t is None else t[r if t.shape[0] > 1 else 0]
+
+
 class _CapeTiled(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, w1, b1, w2, b2, q_offset, scaling, kind, static_offset, block_q, block_k,
+    def forward(ctx, q, k, v, mask, w1x, w2x, q_offset, scaling, kind, static_offset, block_q, block_k,
                 *bias_tensors):  # type: ignore[override]
-        dt = w1.dtype
+        dt = w1x.dtype
         b, h, q_len, d = q.shape
         hkv, k_len = k.shape[1], k.shape[2]
         g = h // hkv
-        w1a, w1b = w1[:, :h], w1[:, h:]
+        ws = _Workspace(h, w1x.shape[0], min(block_q, q_len) * min(block_k, k_len), dt, q.device)
         out = torch.zeros(b, h, q_len, v.shape[-1], dtype=dt, device=q.device)
         lse = torch.full((b, h, q_len), float("inf"), dtype=dt, device=q.device)
         k_all = torch.arange(k_len, device=q.device, dtype=dt)
-        for qs in range(0, q_len, block_q):
-            qe = min(qs + block_q, q_len)
-            n = qe - qs
-            qb = (q[:, :, qs:qe].to(dt) * scaling).view(b, hkv, g, n, d)
-            q_index = torch.arange(qs, qe, device=q.device, dtype=dt) + q_offset
-            m = torch.full((b, h, n), float("-inf"), dtype=dt, device=q.device)
-            l_sum = torch.zeros(b, h, n, dtype=dt, device=q.device)
-            acc = torch.zeros(b, hkv, g, n, v.shape[-1], dtype=dt, device=q.device)
-            stop = _key_stop(k_len, static_offset, qe)
-            for ks in range(0, stop, block_k):
-                ke = min(ks + block_k, stop)
-                kb = k[:, :, None, ks:ke].to(dt)
-                bias = base_bias_tile(kind, bias_tensors, q_index, k_all[ks:ke], slice(qs, qe))
-                s = _tile_features(qb, kb, bias, w1a, w1b, b1, w2, b2)[4].view(b, h, n, ke - ks)
-                if mask is not None:
-                    s = s.masked_fill_(~mask[:, :, qs:qe, ks:ke], float("-inf"))
-                m_new = torch.maximum(m, s.amax(dim=-1))
-                m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
-                alpha = torch.exp(m - m_safe)  # 0 while the row had no key yet
-                p = exp_flushed(s.sub_(m_safe[..., None]))  # no subnormal weights (hf_posenc.kernels._subnormal)
-                l_sum = l_sum * alpha + p.sum(dim=-1)
-                acc = acc * alpha.view(b, hkv, g, n, 1) + torch.matmul(
-                    p.view(b, hkv, g, n, ke - ks), v[:, :, None, ks:ke].to(dt)
-                )
-                m = m_new
-            l_h = l_sum.view(b, hkv, g, n, 1)
-            out[:, :, qs:qe] = torch.where(l_h > 0, acc / l_h.clamp_min(torch.finfo(dt).tiny), 0.0).view(b, h, n, -1)
-            m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-            lse[:, :, qs:qe] = torch.where(l_sum > 0, m_safe + torch.log(l_sum), float("inf"))  # +inf: empty row
-        ctx.save_for_backward(q, k, v, mask, w1, b1, w2, b2, out, lse, *bias_tensors)
+        for r in range(b):
+            for qs in range(0, q_len, block_q):
+                qe = min(qs + block_q, q_len)
+                n = qe - qs
+                qb = (q[r, :, qs:qe].to(dt) * scaling).reshape(hkv, g * n, d)
+                q_index = torch.arange(qs, qe, device=q.device, dtype=dt) + q_offset
+                m = torch.full((h, n), float("-inf"), dtype=dt, device=q.device)
+                l_sum = torch.zeros(h, n, dtype=dt, device=q.device)
+                acc = torch.zeros(hkv, g * n, v.shape[-1], dtype=dt, device=q.device)
+                stop = _key_stop(k_len, static_offset, qe)
+                for ks in range(0, stop, block_k):
+                    ke = min(ks + block_k, stop)
+                    slot = ws.tile(n, ke - ks)
+                    base_bias_tile(kind, bias_tensors, q_index, k_all[ks:ke], slice(qs, qe), r, out=slot)
+                    s = ws.features(qb, k[r, :, ks:ke].to(dt), w1x, w2x).view(h, n, ke - ks)
+                    tile = _tile_mask(_row(mask, r), qs, qe, ks, ke)
+                    if tile is not None:
+                        s = s.masked_fill_(~tile, float("-inf"))
+                    m_new = torch.maximum(m, s.amax(dim=-1))
+                    m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+                    alpha = torch.exp(m - m_safe)  # 0 while the row had no key yet
+                    p = exp_flushed(s.sub_(m_safe[..., None]))  # no subnormal weights (hf_posenc.kernels._subnormal)
+                    l_sum = l_sum * alpha + p.sum(dim=-1)
+                    acc = acc * alpha.view(hkv, g * n, 1) + torch.bmm(
+                        p.view(hkv, g * n, ke - ks), v[r, :, ks:ke].to(dt)
+                    )
+                    m = m_new
+                l_h = l_sum.view(hkv, g * n, 1)
+                out[r, :, qs:qe] = torch.where(l_h > 0, acc / l_h.clamp_min(torch.finfo(dt).tiny), 0.0).view(h, n, -1)
+                m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+                lse[r, :, qs:qe] = torch.where(l_sum > 0, m_safe + torch.log(l_sum), float("inf"))  # +inf: empty row
+        ctx.save_for_backward(q, k, v, mask, w1x, w2x, out, lse, *bias_tensors)
         ctx.q_offset = q_offset
         ctx.static = (scaling, kind, static_offset, block_q, block_k)
         return out.to(v.dtype)
@@ -120,78 +159,76 @@ class _CapeTiled(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):  # type: ignore[override]
-        q, k, v, mask, w1, b1, w2, b2, out, lse, *bias_tensors = ctx.saved_tensors
+        q, k, v, mask, w1x, w2x, out, lse, *bias_tensors = ctx.saved_tensors
         scaling, kind, static_offset, block_q, block_k = ctx.static
         q_offset = ctx.q_offset
-        dt = w1.dtype
+        dt = w1x.dtype
         b, h, q_len, d = q.shape
         hkv, k_len = k.shape[1], k.shape[2]
-        g = h // hkv
-        w1a, w1b = w1[:, :h], w1[:, h:]
+        g, hidden = h // hkv, w1x.shape[0]
+        # contiguous transposes: a transposed (hidden, H) operand takes a several times slower product
+        w1a_t, w1b_t, w2_t = (t.T.contiguous() for t in (w1x[:, :h], w1x[:, h : 2 * h], w2x[:, :hidden]))
+        ws = _Workspace(h, hidden, min(block_q, q_len) * min(block_k, k_len), dt, q.device)
         grad_out = grad_out.to(dt)
         delta = (grad_out * out).sum(dim=-1)  # (B, H, Lq)
         dq = torch.zeros(b, h, q_len, d, dtype=dt, device=q.device)
         dk = torch.zeros(b, hkv, k_len, d, dtype=dt, device=q.device)
         dv = torch.zeros(b, hkv, k_len, v.shape[-1], dtype=dt, device=q.device)
-        dw1, db1, dw2, db2 = (torch.zeros_like(t) for t in (w1, b1, w2, b2))
-        bias_need = [ctx.needs_input_grad[14 + i] for i in range(len(bias_tensors))]
+        dw1x, dw2x = torch.zeros_like(w1x), torch.zeros_like(w2x)
+        first = 12  # index of the first bias tensor among forward's inputs
+        bias_need = [ctx.needs_input_grad[first + i] for i in range(len(bias_tensors))]
         d_bias_tensors = [torch.zeros_like(t) if need else None for t, need in zip(bias_tensors, bias_need)]
         k_all = torch.arange(k_len, device=q.device, dtype=dt)
-        for qs in range(0, q_len, block_q):
-            qe = min(qs + block_q, q_len)
-            n = qe - qs
-            qb = (q[:, :, qs:qe].to(dt) * scaling).view(b, hkv, g, n, d)
-            dob = grad_out[:, :, qs:qe].reshape(b, hkv, g, n, -1)
-            lse_b, delta_b = lse[:, :, qs:qe, None], delta[:, :, qs:qe, None]  # (B, H, n, 1)
-            q_index = torch.arange(qs, qe, device=q.device, dtype=dt) + q_offset
-            dqb = torch.zeros_like(qb)
-            stop = _key_stop(k_len, static_offset, qe)
-            for ks in range(0, stop, block_k):
-                ke = min(ks + block_k, stop)
-                nk = ke - ks
-                kb, vb = k[:, :, None, ks:ke].to(dt), v[:, :, None, ks:ke].to(dt)
-                if any(bias_need):
-                    leaves = [t.detach().requires_grad_(need) for t, need in zip(bias_tensors, bias_need)]
-                    with torch.enable_grad():
-                        bias_graph = base_bias_tile(kind, tuple(leaves), q_index, k_all[ks:ke], slice(qs, qe))
-                    bias = bias_graph.detach()
-                else:
-                    bias = base_bias_tile(kind, bias_tensors, q_index, k_all[ks:ke], slice(qs, qe))
-                logits, bias_flat, pre, hidden, s = _tile_features(qb, kb, bias, w1a, w1b, b1, w2, b2)
-                s = s.view(b, h, n, nk)
-                if mask is not None:
-                    s = s.masked_fill_(~mask[:, :, qs:qe, ks:ke], float("-inf"))
-                p = exp_flushed(s.sub_(lse_b))  # (B, H, n, nk); 0 on masked keys and empty rows
-                dv[:, :, ks:ke] += torch.matmul(p.view(b, hkv, g, n, nk).transpose(-1, -2), dob).sum(dim=2)
-                dp = torch.matmul(dob, vb.transpose(-1, -2)).view(b, h, n, nk)
-                ds = p.mul_(dp.sub_(delta_b)).view(b, h, n * nk)  # dL/dA (B, H, N)
-                # A = L + B + w2 leaky(w1a L + w1b B + b1) + b2, heads first
-                dw2 += _outer(ds, hidden)
-                db2 += ds.sum(dim=(0, 2))
-                dpre = torch.ops.aten.leaky_relu_backward(_lin(w2.T, ds), pre, _SLOPE, False)  # (B, hid, N)
-                dw1[:, :h] += _outer(dpre, logits)
-                dpre_b = dpre if bias_flat.shape[0] == b else dpre.sum(dim=0, keepdim=True)
-                dw1[:, h:] += _outer(dpre_b, bias_flat)
-                db1 += dpre.sum(dim=(0, 2))
-                if any(bias_need):
-                    dbias = _lin(w1b.T, dpre).add_(ds)
-                    if bias_flat.shape[0] != b:
-                        dbias = dbias.sum(dim=0, keepdim=True)
-                    grads = torch.autograd.grad(
-                        bias_graph, [t for t, need in zip(leaves, bias_need) if need], dbias.view(bias.shape)
-                    )
-                    it = iter(grads)
-                    for i, need in enumerate(bias_need):
-                        if need:
-                            d_bias_tensors[i] += next(it)
-                dl_h = _lin(w1a.T, dpre).add_(ds).view(b, hkv, g, n, nk)  # dL/dlogits
-                dqb += torch.matmul(dl_h, kb)
-                dk[:, :, ks:ke] += torch.matmul(dl_h.transpose(-1, -2), qb).sum(dim=2)
-            dq[:, :, qs:qe] = dqb.view(b, h, n, d) * scaling
-        return (
-            dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, dw1, db1, dw2, db2,
-            None, None, None, None, None, None, *d_bias_tensors,
-        )
+        for r in range(b):
+            for qs in range(0, q_len, block_q):
+                qe = min(qs + block_q, q_len)
+                n = qe - qs
+                qb = (q[r, :, qs:qe].to(dt) * scaling).reshape(hkv, g * n, d)
+                dob = grad_out[r, :, qs:qe].reshape(hkv, g * n, -1)
+                lse_b, delta_b = lse[r, :, qs:qe, None], delta[r, :, qs:qe, None]  # (H, n, 1)
+                q_index = torch.arange(qs, qe, device=q.device, dtype=dt) + q_offset
+                dqb = torch.zeros_like(qb)
+                stop = _key_stop(k_len, static_offset, qe)
+                for ks in range(0, stop, block_k):
+                    ke = min(ks + block_k, stop)
+                    nk = ke - ks
+                    kb, vb = k[r, :, ks:ke].to(dt), v[r, :, ks:ke].to(dt)
+                    slot = ws.tile(n, nk)
+                    if any(bias_need):
+                        leaves = [t.detach().requires_grad_(need) for t, need in zip(bias_tensors, bias_need)]
+                        with torch.enable_grad():
+                            bias_graph = base_bias_tile(kind, tuple(leaves), q_index, k_all[ks:ke], slice(qs, qe), r)
+                        slot.copy_(bias_graph.detach()[0])
+                    else:
+                        base_bias_tile(kind, bias_tensors, q_index, k_all[ks:ke], slice(qs, qe), r, out=slot)
+                    s = ws.features(qb, kb, w1x, w2x).view(h, n, nk)
+                    feat, hid = ws.feat, ws.hid
+                    tile = _tile_mask(_row(mask, r), qs, qe, ks, ke)
+                    if tile is not None:
+                        s = s.masked_fill_(~tile, float("-inf"))
+                    p = exp_flushed(s.sub_(lse_b))  # (H, n, nk); 0 on masked keys and empty rows
+                    p3 = p.view(hkv, g * n, nk)
+                    dv[r, :, ks:ke] += torch.bmm(p3.transpose(1, 2), dob)
+                    dp = torch.bmm(dob, vb.transpose(1, 2), out=ws.scratch("dp", h).view(hkv, g * n, nk)).view(h, n, nk)
+                    ds = p.mul_(dp.sub_(delta_b)).view(h, n * nk)  # dL/dA (H, N)
+                    # A = L + B + w2 leaky(w1a L + w1b B + b1) + b2, heads first; feat = [L; B; 1], hid = [act; 1]
+                    _add_outer(dw2x, ds, hid)
+                    dpre = torch.mm(w2_t, ds, out=ws.scratch("dpre", hidden))
+                    torch.ops.aten.leaky_relu_backward.grad_input(dpre, hid[:hidden], _SLOPE, True, grad_input=dpre)
+                    dw1x.addmm_(dpre, feat.T)
+                    if any(bias_need):
+                        dbias = torch.addmm(ds, w1b_t, dpre).view(bias_graph.shape)
+                        grads = torch.autograd.grad(bias_graph, [t for t, need in zip(leaves, bias_need) if need], dbias)
+                        it = iter(grads)
+                        for i, need in enumerate(bias_need):
+                            if need:
+                                d_bias_tensors[i] += next(it)
+                    dl = ds.addmm_(w1a_t, dpre).view(hkv, g * n, nk)  # dL/dlogits (ds is spent)
+                    dqb += torch.bmm(dl, kb)
+                    dk[r, :, ks:ke] += torch.bmm(dl.transpose(1, 2), qb)
+                dq[r, :, qs:qe] = dqb.view(h, n, d) * scaling
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, dw1x, dw2x,
+                None, None, None, None, None, None, *d_bias_tensors)
 
 
 def cape_attention_tiled(
@@ -250,7 +287,8 @@ def cape_attention_tiled(
         q_offset = q_offset.to(device=query.device, dtype=dt)
     if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor (True = attend), got {mask.dtype}")
+    w1x = torch.cat([w1, b1[:, None]], dim=1)  # (hidden, 2H + 1): the first layer on [L; B; 1]
+    w2x = torch.cat([w2, b2[:, None]], dim=1)  # (H, hidden + 1): the second on [act; 1]
     return _CapeTiled.apply(
-        query, key, value, mask, w1, b1, w2, b2, q_offset, scaling, kind, static_offset, block_q, block_k,
-        *bias_tensors,
+        query, key, value, mask, w1x, w2x, q_offset, scaling, kind, static_offset, block_q, block_k, *bias_tensors
     )

@@ -751,7 +751,7 @@ class TiledAttentionFunction(torch.autograd.Function):
                 s = _apply_mask(s, plan, qi, q0, k0, k1, valid)
                 new_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
                 safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-                p = s.sub_(safe).exp_()
+                p = exp_flushed(s.sub_(safe))  # no subnormal weights, no exp of -inf (kernels._subnormal)
                 if k0 > k_start:
                     alpha = torch.exp(row_max - safe)
                     row_sum.mul_(alpha)
@@ -853,7 +853,7 @@ class TiledAttentionFunction(torch.autograd.Function):
                     s = s + bias if s.shape != torch.broadcast_shapes(s.shape, bias.shape) else s.add_(bias)
                 s = _apply_mask(s, plan, qi, q0, k0, k1, valid)
                 s = s.sub_(lse_b)  # rows that see no key have lse = +inf -> p = 0
-                p = exp_flushed(s) if underflow else s.exp_()  # (B, H, n, m)
+                p = exp_flushed(s)  # (B, H, n, m)
                 pg = _group(p, hkv)
                 dv[:, :, k0:k1] += pg.transpose(-1, -2) @ dog
                 dp = _ungroup(dog @ vb.transpose(-1, -2), h)

@@ -117,6 +117,7 @@ class _CapeTiled(torch.autograd.Function):
         hkv, k_len = k.shape[1], k.shape[2]
         g = h // hkv
         ws = _Workspace(h, w1x.shape[0], min(block_q, q_len) * min(block_k, k_len), dt, q.device)
+        kc, vc = k.to(dt).contiguous(), v.to(dt).contiguous()  # a model's k, v are transposed views
         out = torch.zeros(b, h, q_len, v.shape[-1], dtype=dt, device=q.device)
         lse = torch.full((b, h, q_len), float("inf"), dtype=dt, device=q.device)
         k_all = torch.arange(k_len, device=q.device, dtype=dt)
@@ -134,7 +135,7 @@ class _CapeTiled(torch.autograd.Function):
                     ke = min(ks + block_k, stop)
                     slot = ws.tile(n, ke - ks)
                     base_bias_tile(kind, bias_tensors, q_index, k_all[ks:ke], slice(qs, qe), r, out=slot)
-                    s = ws.features(qb, k[r, :, ks:ke].to(dt), w1x, w2x).view(h, n, ke - ks)
+                    s = ws.features(qb, kc[r, :, ks:ke], w1x, w2x).view(h, n, ke - ks)
                     tile = _tile_mask(_row(mask, r), qs, qe, ks, ke)
                     if tile is not None:
                         s = s.masked_fill_(~tile, float("-inf"))
@@ -143,9 +144,7 @@ class _CapeTiled(torch.autograd.Function):
                     alpha = torch.exp(m - m_safe)  # 0 while the row had no key yet
                     p = exp_flushed(s.sub_(m_safe[..., None]))  # no subnormal weights (hf_posenc.kernels._subnormal)
                     l_sum = l_sum * alpha + p.sum(dim=-1)
-                    acc = acc * alpha.view(hkv, g * n, 1) + torch.bmm(
-                        p.view(hkv, g * n, ke - ks), v[r, :, ks:ke].to(dt)
-                    )
+                    acc = acc * alpha.view(hkv, g * n, 1) + torch.bmm(p.view(hkv, g * n, ke - ks), vc[r, :, ks:ke])
                     m = m_new
                 l_h = l_sum.view(hkv, g * n, 1)
                 out[r, :, qs:qe] = torch.where(l_h > 0, acc / l_h.clamp_min(torch.finfo(dt).tiny), 0.0).view(h, n, -1)
@@ -169,7 +168,8 @@ class _CapeTiled(torch.autograd.Function):
         # contiguous transposes: a transposed (hidden, H) operand takes a several times slower product
         w1a_t, w1b_t, w2_t = (t.T.contiguous() for t in (w1x[:, :h], w1x[:, h : 2 * h], w2x[:, :hidden]))
         ws = _Workspace(h, hidden, min(block_q, q_len) * min(block_k, k_len), dt, q.device)
-        grad_out = grad_out.to(dt)
+        kc, vc = k.to(dt).contiguous(), v.to(dt).contiguous()  # a model's k, v are transposed views
+        grad_out = grad_out.to(dt).contiguous()
         delta = (grad_out * out).sum(dim=-1)  # (B, H, Lq)
         dq = torch.zeros(b, h, q_len, d, dtype=dt, device=q.device)
         dk = torch.zeros(b, hkv, k_len, d, dtype=dt, device=q.device)
@@ -192,7 +192,7 @@ class _CapeTiled(torch.autograd.Function):
                 for ks in range(0, stop, block_k):
                     ke = min(ks + block_k, stop)
                     nk = ke - ks
-                    kb, vb = k[r, :, ks:ke].to(dt), v[r, :, ks:ke].to(dt)
+                    kb, vb = kc[r, :, ks:ke], vc[r, :, ks:ke]
                     slot = ws.tile(n, nk)
                     if any(bias_need):
                         leaves = [t.detach().requires_grad_(need) for t, need in zip(bias_tensors, bias_need)]

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import torch
 
+from .._subnormal import exp_flushed
 from .._reverse_tiles import (
     Geometry,
     call_options,
@@ -141,7 +142,7 @@ def _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, with_rows,
             m_new = torch.maximum(m_i, s.amax(-1))
             m_safe = torch.where(m_new == neg_inf, zero, m_new)
             alpha = torch.exp(m_i - m_safe)
-            pexp = s.sub_(m_safe[..., None]).exp_()
+            pexp = exp_flushed(s.sub_(m_safe[..., None]))  # no exp of -inf or subnormals (kernels._subnormal)
             l_i.mul_(alpha).add_(pexp.sum(-1))
             acc.mul_(alpha[..., None]).add_(pexp @ vt)
             if with_rows:  # U = Σ P Δz v and c = Σ P Δz (Δz = 0 where p is clamped)
@@ -199,7 +200,7 @@ def _backward(q, k, v, table, mask, scale, q_offset, block_m, block_n, out, lse,
             # rows whose positions are all clamped from here on (carry >= npos - 1): Σ_{j' <= j} dp is exactly 0
             left = torch.where(carry >= top, 0.0, left)
             w, slope, p, idx, frac, dz, s, carry = _tile(qs, kt, pairs, carry, blocked, top, True)
-            prob = s.sub_(lse_b).exp_()  # -inf off the allowed keys, lse = +inf on empty rows: 0
+            prob = exp_flushed(s.sub_(lse_b))  # -inf off the allowed keys, lse = +inf on empty rows: 0
             ds = (dob @ vt.transpose(-1, -2)).sub_(delta[..., None]).mul_(prob)
             dp = ds * dz  # Δz = 0 where p is clamped
             dps = dp.cumsum(-1)

@@ -268,7 +268,8 @@ def test_comrope_text_positions_scaled_by_the_context_length():
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_comrope_spectral_exponential_equals_matrix_exp(dtype, spread):
     """The spectral form (one eigendecomposition per block) equals torch.matrix_exp per position, forward and
-    both gradients, including a block with repeated eigenvalues (where eigenvector gradients would fail);
+    both gradients, including a block with repeated eigenvalues (where eigenvector gradients would fail) and one
+    with close ones;
     phases of a few radians (float32 backward weights) and of hundreds and thousands (float64 ones: float32
     weights fail at thousands)."""
     from hf_posenc.kernels.rotary.skew_exp import skew_exp, skew_exp_reference
@@ -278,6 +279,10 @@ def test_comrope_spectral_exponential_equals_matrix_exp(dtype, spread):
     skew = P - P.mT
     skew[1, 2] = 0.0
     skew[1, 2, 0, 1], skew[1, 2, 1, 0], skew[1, 2, 2, 3], skew[1, 2, 3, 2] = 1.0, -1.0, 1.0, -1.0
+    # close, unequal eigenvalues (the backward's Taylor series at a nonzero gap), and one gap past its threshold
+    skew[0, 1] = 0.0
+    for plane, angle in enumerate((1.0, 1.0 + 1e-3, 1.3, 0.2)):
+        skew[0, 1, 2 * plane, 2 * plane + 1], skew[0, 1, 2 * plane + 1, 2 * plane] = angle, -angle
     skew.requires_grad_(True)
     coeff = (torch.randn(7, 3, generator=g, dtype=dtype) * spread).requires_grad_(True)
     # the oracle in float64 (float32's matrix_exp itself drifts by 2e-4 at phases of hundreds of radians)

@@ -198,10 +198,13 @@ def test_liere_gqa_query_heads_use_their_kv_heads_rotation():
 
 
 def test_liere_one_matrix_exp_per_forward_over_distinct_positions(monkeypatch):
-    """Shared generators: one exponential (on text: one spectral ``skew_exp``) per forward (not per layer), over the distinct positions of the
-    batch only (left padding repeats position 0); per-layer generators: one call per layer."""
+    """The rotation tensors (what the Triton kernel takes; the CPU rotates in the eigenbasis instead, see
+    test_rope2d_comrope.py::test_spectral_rotation_path_equals_the_rotation_tensors): shared generators, one
+    exponential (on text: one spectral ``skew_exp``) per forward (not per layer), over the distinct positions of
+    the batch only (left padding repeats position 0); per-layer generators: one call per layer."""
     import hf_posenc.encodings.liere as liere_module
 
+    monkeypatch.setattr(liere_module.Liere, "spectral_terms", lambda self, *args: None)
     calls = []
     real = liere_module.skew_exp  # text has one axis: the spectral form replaces matrix_exp
 

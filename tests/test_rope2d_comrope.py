@@ -19,7 +19,7 @@ from hf_posenc.encodings.base import ModelInfo, PosContext
 from hf_posenc.encodings.comrope import ComRope
 from hf_posenc.encodings.rope import Rope
 from hf_posenc.encodings.rope2d import Rope2d, axial_frequencies
-from conftest import forward_and_loss, make_ids, make_model, model_inputs
+from conftest import forward_and_loss, left_pad, make_ids, make_model, model_inputs
 
 GRID = (2, 2)
 
@@ -295,6 +295,72 @@ def test_comrope_spectral_exponential_equals_matrix_exp(dtype, spread):
     g_want = torch.autograd.grad((want * weight.double()).sum(), (skew64, coeff64))
     for a, b in zip(g_got, g_want):
         assert (a.double() - b).abs().max() / b.abs().max() < tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("shape", [(2, 4, 2, 2, 2), (1, 4, 4, 1, 1), (2, 6, 2, 2, 1)], ids=["gqa", "shared", "bcast"])
+def test_spectral_rotation_equals_matrix_exp_rotations(shape, dtype, tol):
+    """``spectral_qk_rotation`` (rotation in each block's eigenbasis) equals rotating by one matrix exponential per
+    token, forward and the gradients of q, k, the skew blocks and the coefficients: grouped-query heads, one
+    skew shared by all heads, coefficients shared by the batch; a block with close eigenvalues (1, 1 + 1e-4)."""
+    from hf_posenc.kernels.rotary import apply_qk_rotation_reference
+    from hf_posenc.kernels.rotary.spectral import spectral_qk_rotation
+
+    b, h, hkv, hr, bc = shape
+    length, m, s = 5, 3, 4
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, h, length, m * s, generator=g, dtype=dtype)
+    k = torch.randn(b, hkv, length, m * s, generator=g, dtype=dtype)
+    P = torch.randn(hr, m, s, s, generator=g, dtype=dtype)
+    skew = P - P.mT
+    skew[0, 1] = 0.0
+    skew[0, 1, 0, 1], skew[0, 1, 1, 0], skew[0, 1, 2, 3], skew[0, 1, 3, 2] = 1.0, -1.0, 1.0 + 1e-4, -1.0 - 1e-4
+    coeff = torch.randn(bc, length, m, generator=g, dtype=dtype) * 3
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, skew, coeff)]
+    got = spectral_qk_rotation(*leaves)
+    leaves64 = [t.double().requires_grad_(True) for t in (q, k, skew, coeff)]
+    rot = torch.matrix_exp(leaves64[3][:, None, :, :, None, None] * leaves64[2][None, :, None])
+    want = apply_qk_rotation_reference(leaves64[0], leaves64[1], rot)
+    weights = [torch.randn(t.shape, generator=g, dtype=dtype) for t in got]
+    g_got = torch.autograd.grad(sum((o * w).sum() for o, w in zip(got, weights)), leaves)
+    g_want = torch.autograd.grad(sum((o * w.double()).sum() for o, w in zip(want, weights)), leaves64)
+    for a, ref in zip((*got, *g_got), (*want, *g_want)):
+        assert a.dtype == dtype
+        assert float((a.double() - ref).abs().max() / ref.abs().max()) < tol
+
+
+@pytest.mark.parametrize("name,params", [("comrope", {}), ("comrope", {"variant": "ld"}), ("liere", {"per_layer": True})],
+                         ids=["comrope-ap", "comrope-ld", "liere-per-layer"])
+def test_spectral_rotation_path_equals_the_rotation_tensors(monkeypatch, name, params):
+    """A training step of a left-padded Llama: the CPU's path (``spectral_terms`` -> ``spectral_qk_rotation``, no
+    rotation tensor) gives the loss and every gradient of the rotation-tensor path (what the Triton kernel takes).
+    (LieRE takes the spectral path with per-layer generators only.)"""
+    from hf_posenc.encodings.liere import Liere
+    from hf_posenc.encodings.rotary_base import BlockRotationEncoding
+
+    import hf_posenc.encodings.rotary_base as rotary_base
+
+    ids, mask = left_pad([make_ids(1, 5, seed=2)[0], make_ids(1, 8, seed=3)[0]])
+    model = make_model("llama", encoding=name, **params)
+    calls = []
+    real = rotary_base.spectral_qk_rotation
+    monkeypatch.setattr(rotary_base, "spectral_qk_rotation", lambda *a: calls.append(1) or real(*a))
+    results = []
+    for spectral in (True, False):
+        if not spectral:
+            cls = {"comrope": ComRope, "liere": Liere}[name]
+            monkeypatch.setattr(cls, "spectral_terms", BlockRotationEncoding.spectral_terms)
+        model.zero_grad()
+        loss = model(ids, attention_mask=mask, labels=ids, use_cache=False).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (l0, g0), (l1, g1) = results
+    assert len(calls) == model.config.num_hidden_layers  # the first pass took the spectral path in every layer
+    torch.testing.assert_close(l0, l1, rtol=1e-5, atol=1e-6)
+    assert g0.keys() == g1.keys() and any("posenc" in n for n in g0)
+    scale = max(float(t.abs().max()) for t in g1.values())
+    for n in g0:
+        assert float((g0[n] - g1[n]).abs().max()) <= 1e-5 * scale, n
 
 
 @pytest.mark.parametrize(

@@ -205,10 +205,7 @@ class ComRope(BlockRotationEncoding):
         coordinate."""
         skew = self.skew(layer)
         coeff = self.coefficients(layer).to(skew.device)
-        scale = torch.tensor(self.axis_scale, dtype=skew.dtype, device=skew.device)
-        coords = coords.to(device=skew.device, dtype=skew.dtype) * scale
-        if cls is not None:
-            coords = coords.masked_fill(cls[:, None].to(coords.device), 0.0)
+        coords = self._scaled(coords, cls, skew)
         lead = coords.shape[:-1]  # (B|1, L)
         unique, inverse = distinct_positions(coords.reshape(-1, self.num_axes))
         c = unique @ coeff  # (U, m): c_j(x) = sum_i x_i C_ij
@@ -217,6 +214,22 @@ class ComRope(BlockRotationEncoding):
             rot = rot[:, inverse]
         rot = rot.unflatten(1, lead)  # (Hkv, B|1, L, m, b, b)
         return rot.transpose(0, 1)
+
+    def _scaled(self, coords: torch.Tensor, cls: torch.Tensor | None, skew: torch.Tensor) -> torch.Tensor:
+        """Coordinates (B|1, L, N) times the axis scale, in the skew's dtype and device; 0 at CLS tokens."""
+        scale = torch.tensor(self.axis_scale, dtype=skew.dtype, device=skew.device)
+        coords = coords.to(device=skew.device, dtype=skew.dtype) * scale
+        if cls is not None:
+            coords = coords.masked_fill(cls[:, None].to(coords.device), 0.0)
+        return coords
+
+    def spectral_terms(
+        self, ctx: PosContext, layer: int, length: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(S (Hkv, m, b, b), c (B|1, L, m)): block j of a token's rotation is exp(c_j S_j) (see the module)."""
+        skew = self.skew(layer)
+        coords = self._scaled(*self._coords(ctx, length, device), skew)
+        return skew, coords @ self.coefficients(layer).to(skew.device)
 
     def _coords(self, ctx: PosContext, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         coords, cls = token_coordinates(ctx, length, device)

@@ -181,6 +181,20 @@ class Liere(BlockRotationEncoding):
             factors.append((n / n_train) / (n - 1) if n > 1 else 0.0)
         return coords * torch.tensor(factors, device=device, dtype=coords.dtype), cls
 
+    def spectral_terms(
+        self, ctx: PosContext, layer: int, length: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Text (one axis): (A (Hkv|1, D/s, s, s), p (B|1, L, D/s)), the rotation being exp(p A) blockwise; ViT's
+        two generators do not commute: None (matrix exponentials). Shared generators (``per_layer=False``): None
+        too, as their rotations are built once per forward for every layer (and their gradient summed over the
+        layers before the one backward of ``skew_exp``), which measured faster on the CPU."""
+        if self.num_axes != 1 or not self.per_layer:
+            return None
+        gens = self.generators()[layer if self.per_layer else 0][0]  # (Hkv|1, D/s, s, s)
+        coords, _ = self.positions(ctx, length, device)  # (B|1, L, 1), scaled
+        coords = coords.to(device=gens.device, dtype=gens.dtype)
+        return gens, coords.expand(-1, -1, gens.shape[1])
+
     def _rotations(self, ctx: PosContext, layer: int, length: int, device: torch.device) -> torch.Tensor:
         """(B|1, Hkv|1, L, D/s, s, s) float32 rotations of ``layer``'s generators for the ``length`` new tokens:
         one matrix exponential per distinct position, gathered to the tokens."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.rotary import apply_qk_rotation
+from ..kernels.rotary import apply_qk_rotation, rotation_backend
+from ..kernels.rotary.spectral import spectral_qk_rotation
 from .base import PosContext, PositionEncoding
 
 __all__ = ["BlockRotationEncoding", "distinct_positions", "token_coordinates"]
@@ -76,6 +77,15 @@ class BlockRotationEncoding(PositionEncoding):
             ctx.memo[key] = rot
         return rot
 
+    def spectral_terms(
+        self, ctx: PosContext, layer: int, length: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``layer``'s rotations of the ``length`` new tokens as exponentials, block j of token t's rotation for
+        key/value head h being exp(coeff[t, j] · skew[h, j]): (skew (Hkv|1, D/s, s, s), coeff (B|1, L, D/s)), or
+        None where they are not of that form (the default). When given, ``rotate`` applies them through
+        ``spectral_qk_rotation`` wherever the Triton rotary kernel would not run."""
+        return None
+
     def prepare(
         self, ctx: PosContext, layer: int, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -86,6 +96,9 @@ class BlockRotationEncoding(PositionEncoding):
         self, ctx: PosContext, q: torch.Tensor, k: torch.Tensor, layer: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q (B, H, L, D) and k (B, Hkv, L, D) of the new tokens with ``layer``'s rotations."""
+        spectral = self.spectral_terms(ctx, layer, q.shape[2], q.device)
+        if spectral is not None and rotation_backend(q, k, spectral[0].shape[-1]) == "torch":
+            return spectral_qk_rotation(q, k, *spectral)  # in each block's eigenbasis: no rotation tensor
         rot = self.layer_rotation(ctx, layer, q.shape[2], q.device)
         # q and k in one pass (the Triton kernel on CUDA); query head h uses the rotation of kv head h // (H / Hkv)
         return apply_qk_rotation(q, k, rot)

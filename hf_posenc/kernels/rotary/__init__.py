@@ -10,6 +10,10 @@
   ``TRITON_INTERPRET=1`` the kernel runs on CPU tensors in Triton's interpreter (slow; for tests).
 * ``HF_POSENC_BACKEND=torch``: the reference. ``flex`` names an attention backend; rotations have no
   FlexAttention form, so under ``flex`` they use the reference too.
+
+Where the rotations are exponentials exp(c S) of skew-symmetric blocks with a scalar c per token (``comrope``,
+``liere`` on text), the encodings skip the rotation tensor wherever the dispatch above picks ``"torch"``: they
+rotate through :func:`.spectral.spectral_qk_rotation` (the eigenbasis of each S; no (L, D/s, s, s) tensor).
 """
 
 from __future__ import annotations
@@ -79,8 +83,9 @@ def _check_shapes(q: torch.Tensor | None, k: torch.Tensor, rot: torch.Tensor) ->
         raise ValueError(f"q, k and rot must be on the same device, got {sorted(str(x) for x in devices)}")
 
 
-def _kernel_unsupported(q: torch.Tensor | None, k: torch.Tensor, rot: torch.Tensor) -> str | None:
-    """None when the Triton kernel supports these inputs on this device, else the reason (a sentence)."""
+def _kernel_unsupported(q: torch.Tensor | None, k: torch.Tensor, rot: torch.Tensor | int) -> str | None:
+    """None when the Triton kernel supports these inputs on this device, else the reason (a sentence). ``rot``:
+    the rotations, or their block size."""
     err = _triton_import_error()
     if err is not None:
         return f"Triton is not available ({err}); install it with `pip install hf_posenc[triton]`"
@@ -89,7 +94,7 @@ def _kernel_unsupported(q: torch.Tensor | None, k: torch.Tensor, rot: torch.Tens
             f"the tensors are on {k.device.type}; the Triton kernel needs CUDA tensors, or TRITON_INTERPRET=1 "
             "to run on the CPU in Triton's interpreter (slow, for tests)"
         )
-    s = rot.shape[-1]
+    s = rot if isinstance(rot, int) else rot.shape[-1]
     if s not in _KERNEL_BLOCK_SIZES:
         return f"the Triton rotary kernel supports block sizes {_KERNEL_BLOCK_SIZES}, got {s}"
     for name, t in (("q", q), ("k", k)):
@@ -102,8 +107,9 @@ def _kernel_unsupported(q: torch.Tensor | None, k: torch.Tensor, rot: torch.Tens
     return None
 
 
-def rotation_backend(q: torch.Tensor | None, k: torch.Tensor, rot: torch.Tensor) -> str:
-    """``"triton"`` or ``"torch"``: which implementation ``apply_qk_rotation`` uses for these inputs.
+def rotation_backend(q: torch.Tensor | None, k: torch.Tensor, rot: torch.Tensor | int) -> str:
+    """``"triton"`` or ``"torch"``: which implementation ``apply_qk_rotation`` uses for these inputs (``rot``: the
+    rotations, or their block size).
 
     Raises:
         ValueError: ``HF_POSENC_BACKEND`` names no backend, or names ``triton`` and the kernel cannot run.

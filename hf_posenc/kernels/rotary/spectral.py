@@ -1,0 +1,236 @@
+"""Rotate q and k by exp(c S) blocks in the eigenbasis of each S: the PyTorch engine of the learned commuting
+rotations (``comrope``, and ``liere`` on text) wherever the Triton rotary kernel does not run.
+
+Block j of token t's rotation for key/value head h is exp(c[t, j] S[h, j]) with S (b x b) skew-symmetric and c a
+scalar per token and block. With i S = V diag(w) V^H (:func:`.skew_exp._spectral`, one eigendecomposition per
+block and call)::
+
+    exp(c S) x = V (exp(-i c w) o (V^H x))
+
+so the rotation of every token costs two b x b changes of basis, done for all tokens at once as products with
+a block-diagonal (D x 2D) and (2D x D) real matrix per head, and a phase per eigenvalue: no (L, D/b, b, b)
+rotation tensor is built (:func:`.skew_exp.skew_exp` builds one per distinct position, and its gradient is
+that big too). Phases are taken in float64, then the work runs in float32 (float64 for float64 inputs).
+
+Backward (a custom autograd Function), with a = V^H dout, ae = exp(i c w) o a, y = V^H x, z = exp(-i c w) o y
+(per row: a token's block in one head, of the queries or the keys):
+
+* dx = exp(c S)^T dout = V ae (real);
+* dc[t, j] = Σ dout · (S out) over the rows of token t (the heads; the batch when c is shared by it);
+* dS[h, j] = Re(V M V^H), M = Σ_rows c conj(Phi_c) o (a y^H), the Daleckii-Krein adjoint of
+  :func:`.skew_exp.skew_exp`'s backward with G = Σ dout x^T, which is rank one per row: the sums over rows
+  are (b x R) (R x b) products, M[k, l] = (Σ ae[k] conj(y[l]) − Σ a[k] conj(z[l])) / (i (w_k − w_l)), or the
+  divided difference's Taylor series where eigenvalues are close (:data:`.skew_exp.TAYLOR_BELOW`).
+
+The test oracle is ``apply_qk_rotation_reference`` with ``skew_exp_reference`` rotations (one matrix
+exponential per token).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .skew_exp import TAYLOR_BELOW, TAYLOR_TERMS, _spectral
+
+__all__ = ["spectral_qk_rotation"]
+
+
+def _block_diag(blocks: torch.Tensor) -> torch.Tensor:
+    """(Hr, m, b, b) -> (Hr, m·b, m·b) block-diagonal."""
+    hr, m, b, _ = blocks.shape
+    out = blocks.new_zeros(hr, m, b, m, b)
+    idx = torch.arange(m, device=blocks.device)
+    out[:, idx, :, idx, :] = blocks.transpose(0, 1)
+    return out.view(hr, m * b, m * b)
+
+
+class _Basis:
+    """The per-head changes of basis: ``to_eig`` (D, 2D) maps x to [Re y | Im y], y = V^H x per block;
+    ``from_eig`` (2D, D) maps [Re z | Im z] to Re(V z)."""
+
+    def __init__(self, V: torch.Tensor, dtype: torch.dtype) -> None:
+        vh = V.mH  # (Hr, m, b, b): y = vh @ x per block, i.e. y_row = x_row @ vh^T
+        self.to_eig = torch.cat([_block_diag(vh.real.mT), _block_diag(vh.imag.mT)], dim=-1).to(dtype)
+        self.from_eig = torch.cat([_block_diag(V.real.mT), -_block_diag(V.imag.mT)], dim=-2).to(dtype)
+
+
+def _heads(x: torch.Tensor, hr: int) -> torch.Tensor:
+    """(B, Hx, L, D) -> (B, Hr, Hx/Hr·L, D): the rows of each rotation head (head h uses h // (Hx / Hr))."""
+    b, hx, n, d = x.shape
+    return x.reshape(b, hr, (hx // hr) * n, d)
+
+
+def _phase(c: torch.Tensor, w: torch.Tensor, rows_per_token: int, sign: float, dtype: torch.dtype):
+    """(cos, sign · sin) of c w: (Bc, Hr, rows, D) each, token-major rows repeated ``rows_per_token`` times
+    (the query heads of a group share the token's phase). c (Bc, L, m) float64, w (Hr, m, b) float64."""
+    theta = c[:, None, :, :, None] * w[None, :, None]  # (Bc, Hr, L, m, b)
+    bc, hr, n = theta.shape[:3]
+    d = theta.shape[-2] * theta.shape[-1]
+    theta = theta.reshape(bc, hr, 1, n, d)
+    cos, sin = torch.cos(theta), torch.sin(theta) * sign
+    shape = (bc, hr, rows_per_token, n, cos.shape[-1])
+    return (cos.expand(shape).reshape(bc, hr, rows_per_token * n, d).to(dtype),
+            sin.expand(shape).reshape(bc, hr, rows_per_token * n, d).to(dtype))
+
+
+def _rotate(x: torch.Tensor, basis: _Basis, cos: torch.Tensor, sin: torch.Tensor):
+    """x (B, Hr, R, D) -> (out (B, Hr, R, D), y = [Re | Im] (B, Hr, R, 2D), z = [Re | Im] (B, Hr, R, 2D)) with
+    z = (cos − i sin) o y, i.e. sin carrying the phase's sign."""
+    d = x.shape[-1]
+    y = x @ basis.to_eig[None]  # (B, Hr, R, 2D)
+    yr, yi = y[..., :d], y[..., d:]
+    z = torch.cat([yr * cos + yi * sin, yi * cos - yr * sin], dim=-1)
+    return z @ basis.from_eig[None], y, z
+
+
+def _complex(x: torch.Tensor, m: int, b: int, conj: bool) -> torch.Tensor:
+    """[Re | Im] (B, Hr, R, 2D) -> complex (B, Hr, R, m, b), conjugated if ``conj`` (built so: no conj view)."""
+    d = m * b
+    cx = torch.complex(x[..., :d], -x[..., d:] if conj else x[..., d:])  # (B, Hr, R, D)
+    return cx.unflatten(-1, (m, b))
+
+
+def _rows(x: torch.Tensor, hr: int, m: int, b: int) -> torch.Tensor:
+    """(B, Hr, R, m, b) -> (Hr, m, B·R, b): every row of each rotation block, for the sums over rows."""
+    return x.permute(1, 3, 0, 2, 4).reshape(hr, m, x.shape[0] * x.shape[2], b)
+
+
+class _SpectralRotation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, skew, coeff):  # type: ignore[override]
+        dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        hr, m, b, _ = skew.shape
+        w, V = _spectral(skew)  # float64 (Hr, m, b), complex128 (Hr, m, b, b)
+        basis = _Basis(V, dt)
+        c = coeff.detach().to(torch.float64)  # (Bc, L, m)
+        want_s, want_c = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        outs, saved = [], []
+        for x in (q, k):
+            rows = x.shape[1] // hr
+            cos, sin = _phase(c, w, rows, 1.0, dt)
+            xr = _heads(x.to(dt), hr)
+            out, y, z = _rotate(xr, basis, cos, sin)
+            outs.append(out.view(x.shape).to(x.dtype))
+            # what the backward reads: y, z for dS, the output for dc
+            saved += [y if want_s else None, z if want_s else None, out if want_c else None]
+        ctx.save_for_backward(skew, coeff, w, V, *saved)
+        ctx.info = (dt, q.shape, k.shape, q.dtype, k.dtype)
+        return tuple(outs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dq_out, dk_out):  # type: ignore[override]
+        skew, coeff, w, V, yq, zq, oq, yk, zk, ok = ctx.saved_tensors
+        dt, q_shape, k_shape, q_dtype, k_dtype = ctx.info
+        hr, m, b, _ = skew.shape
+        cdt = torch.complex128 if dt == torch.float64 else torch.complex64
+        basis = _Basis(V, dt)
+        c = coeff.detach().to(torch.float64)
+        want_s, want_c = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        grads_x = []
+        sums = None  # (X, Y, Z_n...) summed over the rows of q and k, per (Hr, m): (Hr, m, b, b) complex
+        dc = torch.zeros(c.shape, dtype=dt, device=c.device) if want_c else None
+        terms, close_rows = taylor_terms(w, c.abs().amax(dim=(0, 1)), dt) if want_s else (0, None)
+        s_blocks = _block_diag(skew.detach().to(dt).mT) if want_c else None  # out @ S^T per block
+        for dout, shape, y, z, out in ((dq_out, q_shape, yq, zq, oq), (dk_out, k_shape, yk, zk, ok)):
+            rows = shape[1] // hr
+            dout = torch.zeros(shape, dtype=dt, device=w.device) if dout is None else dout.to(dt)
+            dr = _heads(dout, hr)
+            cos, sin = _phase(c, w, rows, -1.0, dt)  # exp(+i c w)
+            dx, a, ae = _rotate(dr, basis, cos, sin)
+            grads_x.append(dx.view(shape))
+            if want_c:  # dc = Σ dout · (S out) over the token's rows
+                per = (dr * (out @ s_blocks[None])).unflatten(-1, (m, b)).sum(-1)  # (B, Hr, rows·L, m)
+                per = per.unflatten(2, (rows, c.shape[1])).sum(dim=(1, 2))  # (B, L, m)
+                dc += per.sum(0, keepdim=True) if dc.shape[0] == 1 else per
+            if want_s:
+                ca, cae = (_rows(_complex(t, m, b, False), hr, m, b) for t in (a, ae))  # (Hr, m, R', b)
+                cyc, czc = (_rows(_complex(t, m, b, True), hr, m, b) for t in (y, z))  # conjugated
+                n_rows = rows * c.shape[1]
+                cr = c.to(dt)[:, None].expand(-1, rows, -1, -1).reshape(c.shape[0], n_rows, m)  # (Bc, rows·L, m)
+                cr = cr.expand(dout.shape[0], -1, -1).permute(2, 0, 1).reshape(1, m, dout.shape[0] * n_rows, 1).to(cdt)
+                # X and the Taylor sums Z_n (n < terms) in one product: [cae | c cae | c² cae ...]^T conj(y)
+                # (the higher terms only for the rows k with a close eigenvalue: ``close_rows``)
+                first = cae * cr
+                powers = [cae, first]
+                for _ in range(terms - 1):
+                    powers.append((powers[-1] if len(powers) > 2 else first[..., close_rows]) * cr)
+                xz = torch.cat(powers, dim=-1).mT @ cyc  # (Hr, m, 2b + (terms − 1)·|K|, b)
+                sizes = [b, b] + [len(close_rows)] * (terms - 1)
+                part = [ca.mT @ czc, *xz.split(sizes, dim=-2)]  # Y, X, Z_0, Z_1[K], ...
+                sums = part if sums is None else [s + p for s, p in zip(sums, part)]
+        grad_skew = None
+        if want_s:
+            cmax = c.abs().amax(dim=(0, 1))  # (m,)
+            grad_skew = divided_difference_grad(w, V, cmax, sums[1], sums[0], sums[2], sums[3:], close_rows,
+                                                cdt).to(skew.dtype)
+        return grads_x[0].to(q_dtype), grads_x[1].to(k_dtype), grad_skew, dc.to(coeff.dtype) if want_c else None
+
+
+def taylor_terms(w: torch.Tensor, cmax: torch.Tensor, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
+    """How many terms of the divided difference's Taylor series :func:`divided_difference_grad` needs, and the rows
+    k (int64) that need more than the first: 1 and none when only the diagonal (Δ = 0) takes the series, else
+    enough terms for x^n / (n + 1)! to fall below the dtype's resolution at x = max |c|max |Δ| over the close
+    pairs (< TAYLOR_BELOW), for the rows with a close pair in some block."""
+    gap = (w[..., :, None] - w[..., None, :]).abs() * cmax.to(w.dtype)[None, :, None, None]
+    close = (gap < TAYLOR_BELOW) & ~torch.eye(w.shape[-1], dtype=torch.bool, device=w.device)
+    rows = close.flatten(0, -3).any(-1).any(0).nonzero()[:, 0]  # (|K|,)
+    if rows.numel() == 0:
+        return 1, rows
+    x, tol = float(gap[close].max()), (1e-17 if dtype == torch.float64 else 1e-9)
+    n = 1
+    while n < TAYLOR_TERMS and x**n / math.factorial(n + 1) >= tol:
+        n += 1
+    return n, rows
+
+
+def divided_difference_grad(w: torch.Tensor, V: torch.Tensor, cmax: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                            z0: torch.Tensor, z_rows: list[torch.Tensor], rows: torch.Tensor,
+                            cdt: torch.dtype) -> torch.Tensor:
+    """Re(V M V^H) (Hr, m, b, b) from the sums X[k, l] = Σ e^{icw_k} T[k, l], Y[k, l] = Σ e^{icw_l} T[k, l] and
+    Z_n[k, l] = Σ c^{n+1} e^{icw_k} T[k, l] (T = V^H G V per position, the sums over positions; Z_0 whole, the
+    higher ones at the rows ``rows`` only), with M = (X − Y) / (i Δ) where |c|max |Δ| >= TAYLOR_BELOW, else
+    Σ_n (−i Δ)^n / (n + 1)! Z_n (Δ_kl = w_k − w_l; the rows outside ``rows`` have no close pair off the
+    diagonal, where Δ = 0 leaves Z_0 alone)."""
+    gap = w[..., :, None] - w[..., None, :]  # (Hr, m, b, b) float64
+    small = gap.abs() * cmax.to(gap.dtype)[None, :, None, None] < TAYLOR_BELOW
+    safe = torch.where(small, torch.ones_like(gap), gap).to(cdt)
+    direct = (x - y) / (1j * safe)
+    taylor = z0.clone()
+    if z_rows:
+        step = (-1j * gap[..., rows, :]).to(cdt)  # (Hr, m, |K|, b)
+        factor = step
+        extra = torch.zeros_like(z_rows[0])
+        for n, zn in enumerate(z_rows, start=1):
+            extra = extra + factor / math.factorial(n + 1) * zn
+            factor = factor * step
+        taylor[..., rows, :] += extra
+    Vc = V.to(cdt)
+    return (Vc @ torch.where(small, taylor, direct) @ Vc.mH).real
+
+
+def spectral_qk_rotation(q: torch.Tensor, k: torch.Tensor, skew: torch.Tensor,
+                         coeff: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k rotated by exp(coeff[t, j] · skew[h, j]) per token t, block j and key/value head h.
+
+    Args:
+        q: (B, H, L, D) queries; k: (B, Hkv, L, D) keys, H a multiple of Hkv (query head h takes key/value head
+            h // (H / Hkv)'s rotation).
+        skew: (Hkv or 1, D/b, b, b) skew-symmetric blocks (float32, or float64), differentiable.
+        coeff: (B or 1, L, D/b) scalar per token and block (same dtype), differentiable.
+
+    Returns:
+        (q_out, k_out) in the inputs' dtypes, computed in float32 (float64 for float64 inputs).
+    """
+    if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(f"expected q (B, H, L, D) and k (B, Hkv, L, D), got {tuple(q.shape)}, {tuple(k.shape)}")
+    if skew.dim() != 4 or skew.shape[-1] != skew.shape[-2]:
+        raise ValueError(f"skew must be (Hkv|1, D/b, b, b), got shape {tuple(skew.shape)}")
+    hr, m, b, _ = skew.shape
+    if m * b != q.shape[-1] or hr not in (1, k.shape[1]) or q.shape[1] % k.shape[1]:
+        raise ValueError(f"skew {tuple(skew.shape)} does not fit q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if coeff.dim() != 3 or coeff.shape[0] not in (1, q.shape[0]) or coeff.shape[1:] != (q.shape[2], m):
+        raise ValueError(f"coeff must be (B|1, L={q.shape[2]}, {m}), got shape {tuple(coeff.shape)}")
+    return _SpectralRotation.apply(q, k, skew, coeff)

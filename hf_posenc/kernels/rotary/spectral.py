@@ -85,16 +85,24 @@ def _rotate(x: torch.Tensor, basis: _Basis, cos: torch.Tensor, sin: torch.Tensor
     return z @ basis.from_eig[None], y, z
 
 
-def _complex(x: torch.Tensor, m: int, b: int, conj: bool) -> torch.Tensor:
-    """[Re | Im] (B, Hr, R, 2D) -> complex (B, Hr, R, m, b), conjugated if ``conj`` (built so: no conj view)."""
-    d = m * b
-    cx = torch.complex(x[..., :d], -x[..., d:] if conj else x[..., d:])  # (B, Hr, R, D)
-    return cx.unflatten(-1, (m, b))
-
-
 def _rows(x: torch.Tensor, hr: int, m: int, b: int) -> torch.Tensor:
-    """(B, Hr, R, m, b) -> (Hr, m, B·R, b): every row of each rotation block, for the sums over rows."""
-    return x.permute(1, 3, 0, 2, 4).reshape(hr, m, x.shape[0] * x.shape[2], b)
+    """[Re | Im] (B, Hr, R, 2D) -> (Hr, m, B·R, 2b): every row of each rotation block as [Re (b) | Im (b)], for the
+    sums over rows."""
+    bb, _, r, _ = x.shape
+    return x.view(bb, hr, r, 2, m, b).permute(1, 4, 0, 2, 3, 5).reshape(hr, m, bb * r, 2 * b)
+
+
+def _conj_products(lhs: torch.Tensor, rhs: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """Σ_r u[r, k] conj(v[r, l]) (Hr, m, n, b) complex for each group of n columns u of ``lhs`` (laid out
+    [Re (n) | Im (n)], groups side by side) and v = ``rhs`` ([Re (b) | Im (b)]): one real product for all."""
+    prod = lhs.mT @ rhs  # (Hr, m, Σ 2n, 2b)
+    b = rhs.shape[-1] // 2
+    out, i = [], 0
+    for n in sizes:
+        blk = prod[..., i : i + 2 * n, :]
+        i += 2 * n
+        out.append(torch.complex(blk[..., :n, :b] + blk[..., n:, b:], blk[..., n:, :b] - blk[..., :n, b:]))
+    return out
 
 
 class _SpectralRotation(torch.autograd.Function):
@@ -133,6 +141,7 @@ class _SpectralRotation(torch.autograd.Function):
         sums = None  # (X, Y, Z_n...) summed over the rows of q and k, per (Hr, m): (Hr, m, b, b) complex
         dc = torch.zeros(c.shape, dtype=dt, device=c.device) if want_c else None
         terms, close_rows = taylor_terms(w, c.abs().amax(dim=(0, 1)), dt) if want_s else (0, None)
+        close_cols = torch.cat([close_rows, close_rows + b]) if want_s else None  # their [Re | Im] columns
         s_blocks = _block_diag(skew.detach().to(dt).mT) if want_c else None  # out @ S^T per block
         for dout, shape, y, z, out in ((dq_out, q_shape, yq, zq, oq), (dk_out, k_shape, yk, zk, ok)):
             rows = shape[1] // hr
@@ -146,20 +155,18 @@ class _SpectralRotation(torch.autograd.Function):
                 per = per.unflatten(2, (rows, c.shape[1])).sum(dim=(1, 2))  # (B, L, m)
                 dc += per.sum(0, keepdim=True) if dc.shape[0] == 1 else per
             if want_s:
-                ca, cae = (_rows(_complex(t, m, b, False), hr, m, b) for t in (a, ae))  # (Hr, m, R', b)
-                cyc, czc = (_rows(_complex(t, m, b, True), hr, m, b) for t in (y, z))  # conjugated
+                ra, rae, ry, rz = (_rows(t, hr, m, b) for t in (a, ae, y, z))  # (Hr, m, R', [Re b | Im b])
                 n_rows = rows * c.shape[1]
                 cr = c.to(dt)[:, None].expand(-1, rows, -1, -1).reshape(c.shape[0], n_rows, m)  # (Bc, rows·L, m)
-                cr = cr.expand(dout.shape[0], -1, -1).permute(2, 0, 1).reshape(1, m, dout.shape[0] * n_rows, 1).to(cdt)
-                # X and the Taylor sums Z_n (n < terms) in one product: [cae | c cae | c² cae ...]^T conj(y)
+                cr = cr.expand(dout.shape[0], -1, -1).permute(2, 0, 1).reshape(1, m, dout.shape[0] * n_rows, 1)
+                # X and the Taylor sums Z_n (n < terms) in one product: [ae | c ae | c² ae ...]^T conj(y)
                 # (the higher terms only for the rows k with a close eigenvalue: ``close_rows``)
-                first = cae * cr
-                powers = [cae, first]
+                first = rae * cr
+                powers = [rae, first]
                 for _ in range(terms - 1):
-                    powers.append((powers[-1] if len(powers) > 2 else first[..., close_rows]) * cr)
-                xz = torch.cat(powers, dim=-1).mT @ cyc  # (Hr, m, 2b + (terms − 1)·|K|, b)
-                sizes = [b, b] + [len(close_rows)] * (terms - 1)
-                part = [ca.mT @ czc, *xz.split(sizes, dim=-2)]  # Y, X, Z_0, Z_1[K], ...
+                    powers.append((powers[-1] if len(powers) > 2 else first[..., close_cols]) * cr)
+                part = [*_conj_products(ra, rz, [b]),  # Y
+                        *_conj_products(torch.cat(powers, dim=-1), ry, [b, b] + [len(close_rows)] * (terms - 1))]
                 sums = part if sums is None else [s + p for s, p in zip(sums, part)]
         grad_skew = None
         if want_s:

@@ -57,32 +57,31 @@ class _Basis:
 
 
 def _heads(x: torch.Tensor, hr: int) -> torch.Tensor:
-    """(B, Hx, L, D) -> (B, Hr, Hx/Hr·L, D): the rows of each rotation head (head h uses h // (Hx / Hr))."""
+    """(B, Hx, L, D) -> (B, Hr, Hx/Hr, L, D): the rows of each rotation head (head h uses h // (Hx / Hr))."""
     b, hx, n, d = x.shape
-    return x.reshape(b, hr, (hx // hr) * n, d)
+    return x.reshape(b, hr, hx // hr, n, d)
 
 
-def _phase(c: torch.Tensor, w: torch.Tensor, rows_per_token: int, sign: float, dtype: torch.dtype):
-    """(cos, sign · sin) of c w: (Bc, Hr, rows, D) each, token-major rows repeated ``rows_per_token`` times
-    (the query heads of a group share the token's phase). c (Bc, L, m) float64, w (Hr, m, b) float64."""
+def _phases(c: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of c w, (Bc, Hr, 1, L, D) each in ``dtype`` (taken in float64: phases reach hundreds of
+    radians), shared by the queries and keys and by forward and backward. c (Bc, L, m), w (Hr, m, b) float64."""
     theta = c[:, None, :, :, None] * w[None, :, None]  # (Bc, Hr, L, m, b)
-    bc, hr, n = theta.shape[:3]
-    d = theta.shape[-2] * theta.shape[-1]
-    theta = theta.reshape(bc, hr, 1, n, d)
-    cos, sin = torch.cos(theta), torch.sin(theta) * sign
-    shape = (bc, hr, rows_per_token, n, cos.shape[-1])
-    return (cos.expand(shape).reshape(bc, hr, rows_per_token * n, d).to(dtype),
-            sin.expand(shape).reshape(bc, hr, rows_per_token * n, d).to(dtype))
+    bc, hr, n, m, b = theta.shape
+    theta = theta.reshape(bc, hr, 1, n, m * b)
+    return torch.cos(theta).to(dtype), torch.sin(theta).to(dtype)
 
 
-def _rotate(x: torch.Tensor, basis: _Basis, cos: torch.Tensor, sin: torch.Tensor):
-    """x (B, Hr, R, D) -> (out (B, Hr, R, D), y = [Re | Im] (B, Hr, R, 2D), z = [Re | Im] (B, Hr, R, 2D)) with
-    z = (cos − i sin) o y, i.e. sin carrying the phase's sign."""
+def _rotate(x: torch.Tensor, basis: _Basis, cos: torch.Tensor, sin: torch.Tensor, conj: bool):
+    """x (B, Hr, G, L, D) -> (out (B, Hr, G, L, D), y = [Re | Im] (B, Hr, G, L, 2D), z = [Re | Im]) with y = V^H x
+    per block, z = exp(∓i c w) o y (− for the rotation, + with ``conj``: its transpose) and out = Re(V z)."""
     d = x.shape[-1]
-    y = x @ basis.to_eig[None]  # (B, Hr, R, 2D)
+    y = x @ basis.to_eig[None, :, None]  # (B, Hr, G, L, 2D)
     yr, yi = y[..., :d], y[..., d:]
-    z = torch.cat([yr * cos + yi * sin, yi * cos - yr * sin], dim=-1)
-    return z @ basis.from_eig[None], y, z
+    if conj:
+        z = torch.cat([yr * cos - yi * sin, yi * cos + yr * sin], dim=-1)
+    else:
+        z = torch.cat([yr * cos + yi * sin, yi * cos - yr * sin], dim=-1)
+    return z @ basis.from_eig[None, :, None], y, z
 
 
 def _rows(x: torch.Tensor, hr: int, m: int, b: int) -> torch.Tensor:
@@ -114,23 +113,21 @@ class _SpectralRotation(torch.autograd.Function):
         basis = _Basis(V, dt)
         c = coeff.detach().to(torch.float64)  # (Bc, L, m)
         want_s, want_c = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        cos, sin = _phases(c, w, dt)
         outs, saved = [], []
         for x in (q, k):
-            rows = x.shape[1] // hr
-            cos, sin = _phase(c, w, rows, 1.0, dt)
-            xr = _heads(x.to(dt), hr)
-            out, y, z = _rotate(xr, basis, cos, sin)
+            out, y, z = _rotate(_heads(x.to(dt), hr), basis, cos, sin, conj=False)
             outs.append(out.view(x.shape).to(x.dtype))
             # what the backward reads: y, z for dS, the output for dc
             saved += [y if want_s else None, z if want_s else None, out if want_c else None]
-        ctx.save_for_backward(skew, coeff, w, V, *saved)
+        ctx.save_for_backward(skew, coeff, w, V, cos, sin, *saved)
         ctx.info = (dt, q.shape, k.shape, q.dtype, k.dtype)
         return tuple(outs)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dq_out, dk_out):  # type: ignore[override]
-        skew, coeff, w, V, yq, zq, oq, yk, zk, ok = ctx.saved_tensors
+        skew, coeff, w, V, cos, sin, yq, zq, oq, yk, zk, ok = ctx.saved_tensors
         dt, q_shape, k_shape, q_dtype, k_dtype = ctx.info
         hr, m, b, _ = skew.shape
         cdt = torch.complex128 if dt == torch.float64 else torch.complex64
@@ -147,15 +144,14 @@ class _SpectralRotation(torch.autograd.Function):
             rows = shape[1] // hr
             dout = torch.zeros(shape, dtype=dt, device=w.device) if dout is None else dout.to(dt)
             dr = _heads(dout, hr)
-            cos, sin = _phase(c, w, rows, -1.0, dt)  # exp(+i c w)
-            dx, a, ae = _rotate(dr, basis, cos, sin)
+            dx, a, ae = _rotate(dr, basis, cos, sin, conj=True)  # exp(+i c w)
             grads_x.append(dx.view(shape))
             if want_c:  # dc = Σ dout · (S out) over the token's rows
-                per = (dr * (out @ s_blocks[None])).unflatten(-1, (m, b)).sum(-1)  # (B, Hr, rows·L, m)
-                per = per.unflatten(2, (rows, c.shape[1])).sum(dim=(1, 2))  # (B, L, m)
+                per = (dr * (out @ s_blocks[None, :, None])).unflatten(-1, (m, b)).sum(-1)  # (B, Hr, G, L, m)
+                per = per.sum(dim=(1, 2))  # (B, L, m)
                 dc += per.sum(0, keepdim=True) if dc.shape[0] == 1 else per
             if want_s:
-                ra, rae, ry, rz = (_rows(t, hr, m, b) for t in (a, ae, y, z))  # (Hr, m, R', [Re b | Im b])
+                ra, rae, ry, rz = (_rows(t.flatten(2, 3), hr, m, b) for t in (a, ae, y, z))  # (Hr, m, R', 2b)
                 n_rows = rows * c.shape[1]
                 cr = c.to(dt)[:, None].expand(-1, rows, -1, -1).reshape(c.shape[0], n_rows, m)  # (Bc, rows·L, m)
                 cr = cr.expand(dout.shape[0], -1, -1).permute(2, 0, 1).reshape(1, m, dout.shape[0] * n_rows, 1)

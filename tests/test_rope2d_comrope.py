@@ -299,13 +299,14 @@ def test_comrope_spectral_exponential_equals_matrix_exp(dtype, spread):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
 @pytest.mark.parametrize("shape", [(2, 4, 2, 2, 2), (1, 4, 4, 1, 1), (2, 6, 2, 2, 1)], ids=["gqa", "shared", "bcast"])
-def test_spectral_rotation_equals_matrix_exp_rotations(shape, dtype, tol):
+def test_spectral_rotation_equals_matrix_exp_rotations(monkeypatch, shape, dtype, tol):
     """``spectral_qk_rotation`` (rotation in each block's eigenbasis) equals rotating by one matrix exponential per
     token, forward and the gradients of q, k, the skew blocks and the coefficients: grouped-query heads, one
     skew shared by all heads, coefficients shared by the batch; a block with close eigenvalues (1, 1 + 1e-4)."""
-    from hf_posenc.kernels.rotary import apply_qk_rotation_reference
+    from hf_posenc.kernels.rotary import apply_qk_rotation_reference, spectral
     from hf_posenc.kernels.rotary.spectral import spectral_qk_rotation
 
+    monkeypatch.setattr(spectral, "SUM_CHUNK", 2)  # the backward's sums in chunks of 2, 2 and 1 positions
     b, h, hkv, hr, bc = shape
     length, m, s = 5, 3, 4
     g = torch.Generator().manual_seed(0)

@@ -52,6 +52,7 @@ class _Basis:
 
     def __init__(self, V: torch.Tensor, dtype: torch.dtype) -> None:
         vh = V.mH  # (Hr, m, b, b): y = vh @ x per block, i.e. y_row = x_row @ vh^T
+        self.block = V.shape[-1]
         self.to_eig = torch.cat([_block_diag(vh.real.mT), _block_diag(vh.imag.mT)], dim=-1).to(dtype)
         self.from_eig = torch.cat([_block_diag(V.real.mT), -_block_diag(V.imag.mT)], dim=-2).to(dtype)
 
@@ -71,16 +72,20 @@ def _phases(c: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> tuple[torch
     return torch.cos(theta).to(dtype), torch.sin(theta).to(dtype)
 
 
-def _rotate(x: torch.Tensor, basis: _Basis, cos: torch.Tensor, sin: torch.Tensor, conj: bool):
-    """x (B, Hr, G, L, D) -> (out (B, Hr, G, L, D), y = [Re | Im] (B, Hr, G, L, 2D), z = [Re | Im]) with y = V^H x
-    per block, z = exp(∓i c w) o y (− for the rotation, + with ``conj``: its transpose) and out = Re(V z)."""
+def _to_eig(x: torch.Tensor, basis: _Basis, cos: torch.Tensor, sin: torch.Tensor, conj: bool):
+    """x (B, Hr, G, L, D) -> (y = [Re | Im] (B, Hr, G, L, 2D), z = [Re | Im]) with y = V^H x per block and
+    z = exp(∓i c w) o y (− for the rotation, + with ``conj``: for its transpose)."""
     d = x.shape[-1]
     y = x @ basis.to_eig[None, :, None]  # (B, Hr, G, L, 2D)
     yr, yi = y[..., :d], y[..., d:]
     if conj:
-        z = torch.cat([yr * cos - yi * sin, yi * cos + yr * sin], dim=-1)
-    else:
-        z = torch.cat([yr * cos + yi * sin, yi * cos - yr * sin], dim=-1)
+        return y, torch.cat([yr * cos - yi * sin, yi * cos + yr * sin], dim=-1)
+    return y, torch.cat([yr * cos + yi * sin, yi * cos - yr * sin], dim=-1)
+
+
+def _rotate(x: torch.Tensor, basis: _Basis, cos: torch.Tensor, sin: torch.Tensor, conj: bool):
+    """(out = Re(V z) (B, Hr, G, L, D), y, z) for x (B, Hr, G, L, D) (see :func:`_to_eig`)."""
+    y, z = _to_eig(x, basis, cos, sin, conj)
     return z @ basis.from_eig[None, :, None], y, z
 
 
@@ -104,6 +109,33 @@ def _conj_products(lhs: torch.Tensor, rhs: torch.Tensor, sizes: list[int]) -> li
     return out
 
 
+#: positions per chunk of the backward's sums over rows (bounds their temporaries).
+SUM_CHUNK = 512
+
+
+def _row_sums(x, a, ae, c, basis, cos, sin, terms, close_rows, dt) -> list[torch.Tensor]:
+    """The sums over the rows (batch, heads of the group, positions) of one chunk of positions, per (Hr, m) block:
+    [Y, X, Z_0, Z_1[K], ...] (:func:`divided_difference_grad`) for x (B, Hr, G, n, D) and a = V^H dout,
+    ae = exp(i c w) o a ([Re | Im], (B, Hr, G, n, 2D)), c (Bc, n, m) float64."""
+    bb, hr, g, n, _ = x.shape
+    b = basis.block
+    m = x.shape[-1] // b
+    y, z = _to_eig(x, basis, cos, sin, conj=False)
+    ra, rae, ry, rz = (_rows(t.flatten(2, 3), hr, m, b) for t in (a, ae, y, z))  # (Hr, m, R', 2b)
+    del y, z
+    cr = c.to(dt)[:, None].expand(-1, g, -1, -1).reshape(c.shape[0], g * n, m)  # (Bc, G·n, m)
+    cr = cr.expand(bb, -1, -1).permute(2, 0, 1).reshape(1, m, bb * g * n, 1)
+    # X and the Taylor sums Z_n (n < terms) in one product: [ae | c ae | c² ae ...]^T conj(y)
+    # (the higher terms only for the rows k with a close eigenvalue: ``close_rows``)
+    first = rae * cr
+    cols = torch.cat([close_rows, close_rows + b])  # their [Re | Im] columns
+    powers = [rae, first]
+    for _ in range(terms - 1):
+        powers.append((powers[-1] if len(powers) > 2 else first[..., cols]) * cr)
+    return [*_conj_products(ra, rz, [b]),  # Y
+            *_conj_products(torch.cat(powers, dim=-1), ry, [b, b] + [len(close_rows)] * (terms - 1))]
+
+
 class _SpectralRotation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, skew, coeff):  # type: ignore[override]
@@ -116,10 +148,11 @@ class _SpectralRotation(torch.autograd.Function):
         cos, sin = _phases(c, w, dt)
         outs, saved = [], []
         for x in (q, k):
-            out, y, z = _rotate(_heads(x.to(dt), hr), basis, cos, sin, conj=False)
+            xr = _heads(x.to(dt), hr)
+            out = _rotate(xr, basis, cos, sin, conj=False)[0]
             outs.append(out.view(x.shape).to(x.dtype))
-            # what the backward reads: y, z for dS, the output for dc
-            saved += [y if want_s else None, z if want_s else None, out if want_c else None]
+            # what the backward reads: x for dS (its y, z are recomputed: they are 4x its size), out for dc
+            saved += [xr if want_s else None, out if want_c else None]
         ctx.save_for_backward(skew, coeff, w, V, cos, sin, *saved)
         ctx.info = (dt, q.shape, k.shape, q.dtype, k.dtype)
         return tuple(outs)
@@ -127,7 +160,7 @@ class _SpectralRotation(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dq_out, dk_out):  # type: ignore[override]
-        skew, coeff, w, V, cos, sin, yq, zq, oq, yk, zk, ok = ctx.saved_tensors
+        skew, coeff, w, V, cos, sin, xq, oq, xk, ok = ctx.saved_tensors
         dt, q_shape, k_shape, q_dtype, k_dtype = ctx.info
         hr, m, b, _ = skew.shape
         cdt = torch.complex128 if dt == torch.float64 else torch.complex64
@@ -138,10 +171,8 @@ class _SpectralRotation(torch.autograd.Function):
         sums = None  # (X, Y, Z_n...) summed over the rows of q and k, per (Hr, m): (Hr, m, b, b) complex
         dc = torch.zeros(c.shape, dtype=dt, device=c.device) if want_c else None
         terms, close_rows = taylor_terms(w, c.abs().amax(dim=(0, 1)), dt) if want_s else (0, None)
-        close_cols = torch.cat([close_rows, close_rows + b]) if want_s else None  # their [Re | Im] columns
         s_blocks = _block_diag(skew.detach().to(dt).mT) if want_c else None  # out @ S^T per block
-        for dout, shape, y, z, out in ((dq_out, q_shape, yq, zq, oq), (dk_out, k_shape, yk, zk, ok)):
-            rows = shape[1] // hr
+        for dout, shape, x, out in ((dq_out, q_shape, xq, oq), (dk_out, k_shape, xk, ok)):
             dout = torch.zeros(shape, dtype=dt, device=w.device) if dout is None else dout.to(dt)
             dr = _heads(dout, hr)
             dx, a, ae = _rotate(dr, basis, cos, sin, conj=True)  # exp(+i c w)
@@ -150,20 +181,12 @@ class _SpectralRotation(torch.autograd.Function):
                 per = (dr * (out @ s_blocks[None, :, None])).unflatten(-1, (m, b)).sum(-1)  # (B, Hr, G, L, m)
                 per = per.sum(dim=(1, 2))  # (B, L, m)
                 dc += per.sum(0, keepdim=True) if dc.shape[0] == 1 else per
-            if want_s:
-                ra, rae, ry, rz = (_rows(t.flatten(2, 3), hr, m, b) for t in (a, ae, y, z))  # (Hr, m, R', 2b)
-                n_rows = rows * c.shape[1]
-                cr = c.to(dt)[:, None].expand(-1, rows, -1, -1).reshape(c.shape[0], n_rows, m)  # (Bc, rows·L, m)
-                cr = cr.expand(dout.shape[0], -1, -1).permute(2, 0, 1).reshape(1, m, dout.shape[0] * n_rows, 1)
-                # X and the Taylor sums Z_n (n < terms) in one product: [ae | c ae | c² ae ...]^T conj(y)
-                # (the higher terms only for the rows k with a close eigenvalue: ``close_rows``)
-                first = rae * cr
-                powers = [rae, first]
-                for _ in range(terms - 1):
-                    powers.append((powers[-1] if len(powers) > 2 else first[..., close_cols]) * cr)
-                part = [*_conj_products(ra, rz, [b]),  # Y
-                        *_conj_products(torch.cat(powers, dim=-1), ry, [b, b] + [len(close_rows)] * (terms - 1))]
-                sums = part if sums is None else [s + p for s, p in zip(sums, part)]
+            if want_s:  # in chunks of positions: the temporaries stay O(chunk), not O(L) several times over
+                for p0 in range(0, x.shape[3], SUM_CHUNK):
+                    p1 = min(p0 + SUM_CHUNK, x.shape[3])
+                    part = _row_sums(x[:, :, :, p0:p1], a[:, :, :, p0:p1], ae[:, :, :, p0:p1], c[:, p0:p1],
+                                     basis, cos[:, :, :, p0:p1], sin[:, :, :, p0:p1], terms, close_rows, dt)
+                    sums = part if sums is None else [s + p for s, p in zip(sums, part)]
         grad_skew = None
         if want_s:
             cmax = c.abs().amax(dim=(0, 1))  # (m,)

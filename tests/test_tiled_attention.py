@@ -281,17 +281,20 @@ def test_fire_tiles_by_hand_match_the_reference(norm_rows):
         assert errs[name] <= max(1e-4, 2 * rel_err(f32, ref_grads[name])), (name, errs[name])
 
 
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
 @pytest.mark.parametrize("window", [None, 3, 40])
-def test_shaw_band_through_the_fused_kernel(window):
+def test_shaw_band_through_the_fused_kernel(window, padded):
     """Shaw, causal, on the CPU fused kernel: the far keys' bucket as the row's frame, the band of K keys as the
     mask term, the value term from the band's probabilities. Output and the gradients of q, k, v and both tables
-    equal the float64 reference's: K = 8 over 120 keys, GQA, left padding (rows that see no key), a chunk of
-    queries after a cache, and sliding windows narrower and wider than the band."""
+    equal the float64 reference's: K = 8 over 120 keys, GQA, left padding (rows that see no key) or none (then,
+    without a window, the keys before each block's band go through the kernel unmasked, merged by their lse),
+    a chunk of queries after a cache, and sliding windows narrower and wider than the band."""
     torch.manual_seed(3)
     b, h, hkv, lq, lk, d, kmax = 2, 4, 2, 50, 120, 16, 8
     a_k = (torch.randn(2 * kmax + 1, d) * 0.5).requires_grad_()
     a_v = (torch.randn(2 * kmax + 1, d) * 0.5).requires_grad_()
     q, k, v, valid, gout = _padded_inputs((b, h, hkv, lq, lk, d), pad=75)  # row 1's first queries see no key
+    valid = valid if padded else None
     out_err, errs, _ = _errors_vs_float64(KernelTerm.shaw, [a_k, a_v], q, k, v, gout, ("dq", "dk", "dv", "a_k", "a_v"),
                                           dict(block_q=16), scale=d**-0.5, causal=True, key_valid=valid,
                                           q_offset=lk - lq, window=window)

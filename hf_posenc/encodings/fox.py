@@ -286,9 +286,63 @@ def forgetting_attention(
     return out.to(query.dtype), probs
 
 
+class _RmsNorm(torch.autograd.Function):
+    """y = x r w, r = 1 / sqrt(mean(x², -1) + eps), w broadcast to x. Saves x and r (autograd's chain of the same
+    expression keeps x r as well: one more tensor of x's size per norm, three norms a layer in FoX Pro)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):  # type: ignore[override]
+        r = torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, r, weight)
+        return x * r * weight
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):  # type: ignore[override]
+        x, r, weight = ctx.saved_tensors
+        xh = x * r
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            g = dy * weight
+            dx = (g - xh * (g * xh).mean(dim=-1, keepdim=True)) * r
+        if ctx.needs_input_grad[1]:
+            dw = (dy * xh).sum_to_size(weight.shape)
+        return dx, dw, None
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x², -1) + eps) * weight, in the dtype of x."""
-    return x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps) * weight
+    return _RmsNorm.apply(x, weight, eps)
+
+
+def _previous(x: torch.Tensor, has_prev: torch.Tensor) -> torch.Tensor:
+    """x_{t-1} along the key axis of x (B, Hkv, Lk, D), 0 where not ``has_prev`` (B|1, Lk)."""
+    prev = F.pad(x[..., :-1, :], (0, 0, 1, 0))
+    return torch.where(has_prev[:, None, :, None], prev, torch.zeros_like(prev))
+
+
+class _TokenShift(torch.autograd.Function):
+    """y_t = α_t x_{t-1} + (1 - α_t) x_t (x_{t-1} = 0 where not ``has_prev``). Saves x and α only: the shifted copy
+    is rebuilt in backward (autograd's chain keeps it and (1 - α) x alongside x)."""
+
+    @staticmethod
+    def forward(ctx, x, alpha, has_prev):  # type: ignore[override]
+        ctx.save_for_backward(x, alpha, has_prev)
+        a = alpha[..., None]
+        return a * _previous(x, has_prev) + (1 - a) * x
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):  # type: ignore[override]
+        x, alpha, has_prev = ctx.saved_tensors
+        a = alpha[..., None]
+        dx = da = None
+        if ctx.needs_input_grad[0]:
+            to_prev = torch.where(has_prev[:, None, :, None], dy * a, torch.zeros_like(dy))  # dL/dx_{t-1} via y_t
+            dx = dy * (1 - a) + F.pad(to_prev[..., 1:, :], (0, 0, 0, 1))
+        if ctx.needs_input_grad[1]:
+            da = (dy * (_previous(x, has_prev) - x)).sum(dim=-1)
+        return dx, da, None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -527,13 +581,10 @@ class FoxPro(Fox):
         """α_t x_{t-1} + (1 - α_t) x_t over the key axis (x_{t-1} = 0 where not ``has_prev``).
 
         x (B, Hkv, Lk, D), alpha (B, Hkv, Lk), has_prev (B|1, Lk) bool."""
-        prev = F.pad(x[..., :-1, :], (0, 0, 1, 0))
-        prev = torch.where(has_prev[:, None, :, None], prev, torch.zeros_like(prev))
         if ctx.grid is not None:  # the CLS token is not shifted
             alpha = alpha.clone()
             alpha[..., 0] = 0.0
-        alpha = alpha[..., None]
-        return alpha * prev + (1 - alpha) * x
+        return _TokenShift.apply(x, alpha, has_prev)
 
     def attend(
         self,

@@ -330,8 +330,11 @@ def test_spectral_rotation_equals_matrix_exp_rotations(monkeypatch, shape, dtype
         assert float((a.double() - ref).abs().max() / ref.abs().max()) < tol
 
 
-@pytest.mark.parametrize("name,params", [("comrope", {}), ("comrope", {"variant": "ld"}), ("liere", {"per_layer": True})],
-                         ids=["comrope-ap", "comrope-ld", "liere-per-layer"])
+@pytest.mark.parametrize(
+    "name,params",
+    [("comrope", {}), ("comrope", {"variant": "ld"}), ("liere", {"per_layer": True})],
+    ids=["comrope-ap", "comrope-ld", "liere-per-layer"],
+)
 def test_spectral_rotation_path_equals_the_rotation_tensors(monkeypatch, name, params):
     """A training step of a left-padded Llama: the CPU's path (``spectral_terms`` -> ``spectral_qk_rotation``, no
     rotation tensor) gives the loss and every gradient of the rotation-tensor path (what the Triton kernel takes).

@@ -50,7 +50,7 @@ TAYLOR_TERMS = 9
 
 def _skew_grad(skew: torch.Tensor, coeff: torch.Tensor, w: torch.Tensor, V: torch.Tensor,
                grad: torch.Tensor) -> torch.Tensor:
-    """dL/dS = Re(V M V^H) with M = Σ_c (V^H G_c V) ∘ conj(Φ_c) c (module docstring), without a product per position.
+    """dL/dS = Re(V M V^H), M = Σ_c (V^H G_c V) ∘ conj(Φ_c) c (module docstring), with no product per position.
 
     conj(Φ_c)[k, l] c = (e^{icw_k} − e^{icw_l}) / (i Δ_kl), Δ_kl = w_k − w_l, so with
     H_n[k] = Σ_c c^n e^{icw_k} G_c (one (U,)-long product per block for all k, x, y at once) and

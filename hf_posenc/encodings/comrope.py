@@ -23,7 +23,7 @@ adjoint, no matrix exponential per position). Those rotation tensors are what th
 wherever it does not run (the CPU), ``spectral_terms`` hands (S, c) to
 ``hf_posenc.kernels.rotary.spectral.spectral_qk_rotation``, which rotates q and k in each block's eigenbasis
 and builds no (L, D/b, b, b) tensor, in forward or backward (measured on the 2-core CPU, issue 14's setting:
-training step 2.1x -> 1.4x SDPA's, peak memory 3.0x -> 1.3x).
+training step 2.1x -> 1.3x SDPA's, peak memory 3.0x -> 1.1x).
 
 Parameters, as in the official code: P (one b x b matrix per block, per key/value head, per layer; with
 grouped-query attention a query head uses its key/value head's rotation) drawn from N(0, init_std^2),

@@ -1,5 +1,6 @@
 """Rotate q and k by exp(c S) blocks in the eigenbasis of each S: the PyTorch engine of the learned commuting
-rotations (``comrope``, and ``liere`` on text) wherever the Triton rotary kernel does not run.
+rotations (``comrope``; ``liere`` on text with per-layer generators) wherever the Triton rotary kernel does not
+run.
 
 Block j of token t's rotation for key/value head h is exp(c[t, j] S[h, j]) with S (b x b) skew-symmetric and c a
 scalar per token and block. With i S = V diag(w) V^H (:func:`.skew_exp._spectral`, one eigendecomposition per
@@ -22,8 +23,9 @@ Backward (a custom autograd Function), with a = V^H dout, ae = exp(i c w) o a, y
   are (b x R) (R x b) products, M[k, l] = (Σ ae[k] conj(y[l]) − Σ a[k] conj(z[l])) / (i (w_k − w_l)), or the
   divided difference's Taylor series where eigenvalues are close (:data:`.skew_exp.TAYLOR_BELOW`).
 
-The test oracle is ``apply_qk_rotation_reference`` with ``skew_exp_reference`` rotations (one matrix
-exponential per token).
+The backward keeps x, not its eigenbasis images (4x its size), and takes the sums over rows in chunks of
+``SUM_CHUNK`` positions. The test oracle is ``apply_qk_rotation_reference`` with rotations from one matrix
+exponential per token.
 """
 
 from __future__ import annotations

@@ -301,3 +301,20 @@ def test_shaw_band_through_the_fused_kernel(window, padded):
     assert out_err <= 2e-5
     for name, err in errs.items():
         assert err <= 4e-5, (name, err)
+
+
+def test_exp_flushed_is_exp_with_nothing_below_the_floor():
+    """``exp_flushed`` (clamp, exp, zero at the floor: x86's exp is slow on -inf and underflowing arguments) gives
+    exp(x) wherever exp(x) is a normal float32 and x is above the floor, 0 at and below it (-inf included), keeps
+    NaN and +inf, and leaves float64 to a plain exp."""
+    from hf_posenc.kernels._subnormal import EXP_FLOOR, exp_flushed
+
+    x = torch.tensor([float("-inf"), -1e30, -200.0, -104.0, -88.0, EXP_FLOOR, -87.0, -20.0, 0.0, 3.0, 80.0,
+                      float("inf"), float("nan")])
+    got = exp_flushed(x.clone())
+    want = torch.where(x <= EXP_FLOOR, torch.zeros_like(x), torch.exp(x))
+    assert torch.equal(got[:-1], want[:-1])
+    assert torch.isnan(got[-1])
+    assert bool((got[got > 0] >= torch.finfo(torch.float32).tiny).all())  # nothing subnormal
+    x64 = torch.tensor([-800.0, -100.0, 0.0], dtype=torch.float64)
+    assert torch.equal(exp_flushed(x64.clone()), torch.exp(x64))

@@ -4,7 +4,9 @@ Per batch row, query block × key block it computes every head's scaled logits L
 tile B from its small tensors (:mod:`.bias_tile`), the MLP f across the heads at each (i, j) (heads first, as
 (hidden, 2H + 1) x (2H + 1, n * nk) matrix products on reused buffers, see ``_Workspace``), the scores
 A = L + B + f(L, B), the mask (skipped on fully visible tiles), and an online softmax over the key blocks
-(running max and sum per row and head). Key blocks entirely above the causal diagonal are
+(running max and sum per row and head). One batch row at a time keeps every product 2D on its reused buffers
+(what the CPU needs); on a GPU, where this engine also runs (CAPE has no Triton kernel), a batch of B rows
+then takes B times as many kernel launches: unmeasured so far (no GPU lent yet, issue 13). Key blocks entirely above the causal diagonal are
 skipped when the offset is a Python int (a 0-d tensor offset, e.g. a StaticCache, computes every tile
 and relies on the mask: no tensor is turned into a Python number).
 

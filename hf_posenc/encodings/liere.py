@@ -190,7 +190,7 @@ class Liere(BlockRotationEncoding):
         layers before the one backward of ``skew_exp``), which measured faster on the CPU."""
         if self.num_axes != 1 or not self.per_layer:
             return None
-        gens = self.generators()[layer if self.per_layer else 0][0]  # (Hkv|1, D/s, s, s)
+        gens = self.generators()[layer][0]  # (Hkv|1, D/s, s, s): this layer's generators of the one axis
         coords, _ = self.positions(ctx, length, device)  # (B|1, L, 1), scaled
         coords = coords.to(device=gens.device, dtype=gens.dtype)
         return gens, coords.expand(-1, -1, gens.shape[1])

@@ -290,8 +290,6 @@ def _kernel_attention(
     scaling: float,
     dropout: float,
     training: bool,
-    window: int | None = None,
-    native: int | None = None,
 ) -> torch.Tensor | None:
     """out (B, H, Lq, D) from the ``triton`` or ``flex`` backend, or None to run the reference (only when
     the backend is not forced; a forced backend that cannot run raises a ValueError with the reason)."""
@@ -307,7 +305,8 @@ def _kernel_attention(
             where = "the 2D patch grid" if ctx.grid is not None else ctx.info.family
             reason = f"{enc.name!r} has no {backend} attention term on {where}"
     if reason is None:
-        key_valid, reason = _key_validity(ctx, mask, causal, query.shape[2], key.shape[2], q_offset, native)
+        key_valid, reason = _key_validity(ctx, mask, causal, query.shape[2], key.shape[2], q_offset,
+                                          ctx.native_window(layer))
     if reason is None:
         if backend == "triton":
             reason = kernel_unsupported(query, key, value, term)
@@ -319,7 +318,7 @@ def _kernel_attention(
         return None
     run = fused_attention if backend == "triton" else flex_attention_term
     extra = {} if backend == "triton" else {"memo": ctx.memo}
-    if window is not None and ctx.grid is not None:
+    if ctx.own_window() is not None and ctx.grid is not None:
         reason = "a sliding window on ViT's grid is per axis; the kernels' window is 1D"
         if forced:
             raise ValueError(f"HF_POSENC_BACKEND={backend}, but {reason}")
@@ -340,8 +339,6 @@ def _tiled_torch_attention(
     scaling: float,
     dropout: float,
     training: bool,
-    window: int | None = None,
-    native: int | None = None,
 ) -> torch.Tensor | None:
     """out (B, H, Lq, D) from the tile-wise PyTorch engine with the encoding's ``kernel_term``, or None where
     the engine does not apply and the full-matrix reference runs instead (documented in the module
@@ -361,10 +358,11 @@ def _tiled_torch_attention(
     term = ctx.encoding("kernel_term", ctx, layer, query, key, value, mask)
     if term is None:
         return None
-    key_valid, reason = _key_validity(ctx, mask, causal, query.shape[2], key.shape[2], q_offset, native)
+    key_valid, reason = _key_validity(ctx, mask, causal, query.shape[2], key.shape[2], q_offset,
+                                      ctx.native_window(layer))
     if reason is not None or tiled_unsupported(query, key, value, term) is not None:
         return None
-    if window is not None and ctx.grid is not None:
+    if ctx.own_window() is not None and ctx.grid is not None:
         return None  # ViT's window is per grid axis: the reference applies it as a band on the mask
     return tiled_attention(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset,
                            key_valid=key_valid, window=ctx.engine_window(layer))
@@ -413,24 +411,21 @@ def posenc_attention(
     layer = getattr(module, "posenc_layer", 0) if posenc_layer is None else posenc_layer
     # Index of the first query among the keys: the cache length before this forward.
     q_offset = posenc_ctx.q_offset if posenc_ctx is not None else k_len - q_len
-    # A sliding window: the kernels and the tile engine take it as a number and skip the key tiles outside it;
-    # the references below get it as a band on the mask.
+    # The encoding's sliding window: the references below get it as a band on the mask; the kernels and the tile
+    # engine take it as a number (with the model's own, already in the mask transformers built: the narrower,
+    # PosContext.engine_window) and skip the key tiles outside it.
     window = posenc_ctx.own_window() if posenc_ctx is not None else None
-    # The model's own window (already in the mask transformers built) is handed to the engines as well.
-    native = posenc_ctx.native_window(layer) if posenc_ctx is not None else None
     training = module.training
     need_weights = bool(posenc_ctx is not None and posenc_ctx.need_weights)
     if backend != "torch" and not need_weights:
         out = _kernel_attention(
             backend, posenc_ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling, dropout, training,
-            window, native,
         )
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
     if posenc_ctx is not None and not need_weights:
         out = _tiled_torch_attention(
-            posenc_ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling, dropout, training, window,
-            native,
+            posenc_ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling, dropout, training,
         )
         if out is not None:
             return out.transpose(1, 2).contiguous(), None

@@ -6,9 +6,10 @@ tile B from its small tensors (:mod:`.bias_tile`), the MLP f across the heads at
 A = L + B + f(L, B), the mask (skipped on fully visible tiles), and an online softmax over the key blocks
 (running max and sum per row and head). One batch row at a time keeps every product 2D on its reused buffers
 (what the CPU needs); on a GPU, where this engine also runs (CAPE has no Triton kernel), a batch of B rows
-then takes B times as many kernel launches: unmeasured so far (no GPU lent yet, issue 13). Key blocks entirely above the causal diagonal are
-skipped when the offset is a Python int (a 0-d tensor offset, e.g. a StaticCache, computes every tile
-and relies on the mask: no tensor is turned into a Python number).
+then takes B times as many kernel launches: unmeasured so far (no GPU lent yet, issue 13). Key blocks
+entirely above the causal diagonal are skipped when the offset is a Python int (a 0-d tensor offset, e.g. a
+StaticCache, computes every tile and relies on the mask: no tensor is turned into a Python number; the mask's
+"fully visible" test reads values on the CPU in eager mode only, see ``_tile_mask``).
 
 Backward (a custom autograd Function) recomputes each tile from q, k, v, the saved log-sum-exp and
 D_i = sum_d dO_id O_id: dS = P ∘ (dO V^T − D), then through A = L + B + f(L, B) by hand (the MLP's
@@ -23,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from ...ops import eager_value_checks
 from .._subnormal import exp_flushed
 from .bias_tile import BASE_KINDS, base_bias_tile
 
@@ -38,12 +40,13 @@ _SLOPE = 0.01  # LeakyReLU negative slope (PyTorch's default, the authors' code)
 
 def _tile_mask(mask, qs, qe, ks, ke):
     """The tile (1, n, nk) of one batch row's mask (1, Lq, Lk) where some pair of it is masked, else None (a
-    fully visible tile needs no fill). Under ``torch.compile`` every tile is filled: the test reads the mask's
-    values, which a graph must not branch on."""
+    fully visible tile needs no fill). The test reads the mask's values, so it runs only where that is free
+    (``eager_value_checks``: a CPU tensor, eager mode); elsewhere every tile is filled (no device sync per tile,
+    no graph break)."""
     if mask is None:
         return None
     tile = mask[:, qs:qe, ks:ke]
-    return tile if torch.compiler.is_compiling() or not bool(tile.all()) else None
+    return tile if not eager_value_checks(tile) or not bool(tile.all()) else None
 
 
 class _Workspace:

@@ -12,8 +12,9 @@
   FlexAttention form, so under ``flex`` they use the reference too.
 
 Where the rotations are exponentials exp(c S) of skew-symmetric blocks with a scalar c per token (``comrope``;
-``liere`` on text with per-layer generators), the encodings skip the rotation tensor wherever the dispatch above picks ``"torch"``: they
-rotate through :func:`.spectral.spectral_qk_rotation` (the eigenbasis of each S; no (L, D/s, s, s) tensor).
+``liere`` on text with per-layer generators), the encodings skip the rotation tensor wherever the dispatch
+above picks ``"torch"``: they rotate through :func:`.spectral.spectral_qk_rotation` (the eigenbasis of each S;
+no (L, D/s, s, s) tensor).
 """
 
 from __future__ import annotations

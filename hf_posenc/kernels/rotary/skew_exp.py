@@ -81,26 +81,59 @@ def _skew_grad(skew: torch.Tensor, coeff: torch.Tensor, w: torch.Tensor, V: torc
         hc = torch.complex(h[:, :, 0], h[:, :, 1])  # (Hkv, m, k', x, y)
         return Vh[:, :, None] @ hc @ Vc[:, :, None]
 
-    gap = (w[..., :, None] - w[..., None, :])  # (Hkv, m, b, b) float64
-    small = gap.abs() * coeff.detach().to(torch.float64).abs().amax(0)[None, :, None, None] < TAYLOR_BELOW
+    cmax = coeff.detach().to(torch.float64).abs().amax(0)  # (m,)
+    terms, rows = taylor_terms(w, cmax, real)
     r0 = rotated(cos, sin)
     x = r0.diagonal(dim1=-3, dim2=-2).transpose(-1, -2)  # R_0[k, k, l] -> (.., k, l)
     y = r0.diagonal(dim1=-3, dim2=-1)  # R_0[l, k, l] -> (.., k, l)
+    z, power = [], c
+    for n in range(terms):  # Z_n = R_{n+1}[k, k, l], the higher ones at the rows with a close eigenvalue only
+        zn = rotated(power * cos, power * sin).diagonal(dim1=-3, dim2=-2).transpose(-1, -2)
+        z.append(zn if n == 0 else zn[..., rows, :])
+        power = power * c
+    return divided_difference_grad(w, V, cmax, x, y, z[0], z[1:], rows, cdt).to(skew.dtype)
+
+
+def taylor_terms(w: torch.Tensor, cmax: torch.Tensor, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
+    """How many terms of the divided difference's Taylor series :func:`divided_difference_grad` needs, and the rows
+    k (int64) that need more than the first: 1 and none when only the diagonal (Δ = 0) takes the series, else
+    enough terms for x^n / (n + 1)! to fall below the dtype's resolution at x = max |c|max |Δ| over the close
+    pairs (< TAYLOR_BELOW), for the rows with a close pair in some block."""
+    gap = (w[..., :, None] - w[..., None, :]).abs() * cmax.to(w.dtype)[None, :, None, None]
+    close = (gap < TAYLOR_BELOW) & ~torch.eye(w.shape[-1], dtype=torch.bool, device=w.device)
+    rows = close.flatten(0, -3).any(-1).any(0).nonzero()[:, 0]  # (|K|,)
+    if rows.numel() == 0:
+        return 1, rows
+    x, tol = float(gap[close].max()), (1e-17 if dtype == torch.float64 else 1e-9)
+    n = 1
+    while n < TAYLOR_TERMS and x**n / math.factorial(n + 1) >= tol:
+        n += 1
+    return n, rows
+
+
+def divided_difference_grad(w: torch.Tensor, V: torch.Tensor, cmax: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                            z0: torch.Tensor, z_rows: list[torch.Tensor], rows: torch.Tensor,
+                            cdt: torch.dtype) -> torch.Tensor:
+    """Re(V M V^H) (Hr, m, b, b) from the sums X[k, l] = Σ e^{icw_k} T[k, l], Y[k, l] = Σ e^{icw_l} T[k, l] and
+    Z_n[k, l] = Σ c^{n+1} e^{icw_k} T[k, l] (T = V^H G V per position, the sums over positions; Z_0 whole, the
+    higher ones at the rows ``rows`` only), with M = (X − Y) / (i Δ) where |c|max |Δ| >= TAYLOR_BELOW, else
+    Σ_n (−i Δ)^n / (n + 1)! Z_n (Δ_kl = w_k − w_l; the rows outside ``rows`` have no close pair off the
+    diagonal, where Δ = 0 leaves Z_0 alone)."""
+    gap = w[..., :, None] - w[..., None, :]  # (Hr, m, b, b) float64
+    small = gap.abs() * cmax.to(gap.dtype)[None, :, None, None] < TAYLOR_BELOW
     safe = torch.where(small, torch.ones_like(gap), gap).to(cdt)
-    M = (x - y) / (1j * safe)
-    offdiag_small = bool((small & ~torch.eye(b, dtype=torch.bool, device=small.device)).any())
-    terms = TAYLOR_TERMS if offdiag_small else 1  # the diagonal alone needs the first term only
-    taylor = torch.zeros_like(M)
-    power = torch.ones_like(c)
-    step = (-1j * gap).to(cdt)
-    factor = torch.ones_like(step)
-    for n in range(terms):
-        power = power * c  # c^(n + 1)
-        z = rotated(power * cos, power * sin).diagonal(dim1=-3, dim2=-2).transpose(-1, -2)
-        taylor = taylor + factor / math.factorial(n + 1) * z
-        factor = factor * step
-    M = torch.where(small, taylor, M)
-    return (Vc @ M @ Vh).real.to(skew.dtype)
+    direct = (x - y) / (1j * safe)
+    taylor = z0.clone()
+    if z_rows:
+        step = (-1j * gap[..., rows, :]).to(cdt)  # (Hr, m, |K|, b)
+        factor = step
+        extra = torch.zeros_like(z_rows[0])
+        for n, zn in enumerate(z_rows, start=1):
+            extra = extra + factor / math.factorial(n + 1) * zn
+            factor = factor * step
+        taylor[..., rows, :] += extra
+    Vc = V.to(cdt)
+    return (Vc @ torch.where(small, taylor, direct) @ Vc.mH).real
 
 
 class _SkewExp(torch.autograd.Function):

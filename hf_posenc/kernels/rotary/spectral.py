@@ -30,11 +30,9 @@ exponential per token.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from .skew_exp import TAYLOR_BELOW, TAYLOR_TERMS, _spectral
+from .skew_exp import _spectral, divided_difference_grad, taylor_terms
 
 __all__ = ["spectral_qk_rotation"]
 
@@ -195,48 +193,6 @@ class _SpectralRotation(torch.autograd.Function):
             grad_skew = divided_difference_grad(w, V, cmax, sums[1], sums[0], sums[2], sums[3:], close_rows,
                                                 cdt).to(skew.dtype)
         return grads_x[0].to(q_dtype), grads_x[1].to(k_dtype), grad_skew, dc.to(coeff.dtype) if want_c else None
-
-
-def taylor_terms(w: torch.Tensor, cmax: torch.Tensor, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
-    """How many terms of the divided difference's Taylor series :func:`divided_difference_grad` needs, and the rows
-    k (int64) that need more than the first: 1 and none when only the diagonal (Δ = 0) takes the series, else
-    enough terms for x^n / (n + 1)! to fall below the dtype's resolution at x = max |c|max |Δ| over the close
-    pairs (< TAYLOR_BELOW), for the rows with a close pair in some block."""
-    gap = (w[..., :, None] - w[..., None, :]).abs() * cmax.to(w.dtype)[None, :, None, None]
-    close = (gap < TAYLOR_BELOW) & ~torch.eye(w.shape[-1], dtype=torch.bool, device=w.device)
-    rows = close.flatten(0, -3).any(-1).any(0).nonzero()[:, 0]  # (|K|,)
-    if rows.numel() == 0:
-        return 1, rows
-    x, tol = float(gap[close].max()), (1e-17 if dtype == torch.float64 else 1e-9)
-    n = 1
-    while n < TAYLOR_TERMS and x**n / math.factorial(n + 1) >= tol:
-        n += 1
-    return n, rows
-
-
-def divided_difference_grad(w: torch.Tensor, V: torch.Tensor, cmax: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-                            z0: torch.Tensor, z_rows: list[torch.Tensor], rows: torch.Tensor,
-                            cdt: torch.dtype) -> torch.Tensor:
-    """Re(V M V^H) (Hr, m, b, b) from the sums X[k, l] = Σ e^{icw_k} T[k, l], Y[k, l] = Σ e^{icw_l} T[k, l] and
-    Z_n[k, l] = Σ c^{n+1} e^{icw_k} T[k, l] (T = V^H G V per position, the sums over positions; Z_0 whole, the
-    higher ones at the rows ``rows`` only), with M = (X − Y) / (i Δ) where |c|max |Δ| >= TAYLOR_BELOW, else
-    Σ_n (−i Δ)^n / (n + 1)! Z_n (Δ_kl = w_k − w_l; the rows outside ``rows`` have no close pair off the
-    diagonal, where Δ = 0 leaves Z_0 alone)."""
-    gap = w[..., :, None] - w[..., None, :]  # (Hr, m, b, b) float64
-    small = gap.abs() * cmax.to(gap.dtype)[None, :, None, None] < TAYLOR_BELOW
-    safe = torch.where(small, torch.ones_like(gap), gap).to(cdt)
-    direct = (x - y) / (1j * safe)
-    taylor = z0.clone()
-    if z_rows:
-        step = (-1j * gap[..., rows, :]).to(cdt)  # (Hr, m, |K|, b)
-        factor = step
-        extra = torch.zeros_like(z_rows[0])
-        for n, zn in enumerate(z_rows, start=1):
-            extra = extra + factor / math.factorial(n + 1) * zn
-            factor = factor * step
-        taylor[..., rows, :] += extra
-    Vc = V.to(cdt)
-    return (Vc @ torch.where(small, taylor, direct) @ Vc.mH).real
 
 
 def spectral_qk_rotation(q: torch.Tensor, k: torch.Tensor, skew: torch.Tensor,

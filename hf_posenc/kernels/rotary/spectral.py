@@ -208,13 +208,19 @@ def spectral_qk_rotation(q: torch.Tensor, k: torch.Tensor, skew: torch.Tensor,
     Returns:
         (q_out, k_out) in the inputs' dtypes, computed in float32 (float64 for float64 inputs).
     """
+    for name, t in (("q", q), ("k", k), ("skew", skew), ("coeff", coeff)):
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a float tensor (float32, float64, bfloat16 or float16), got {t.dtype}")
     if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"expected q (B, H, L, D) and k (B, Hkv, L, D), got {tuple(q.shape)}, {tuple(k.shape)}")
     if skew.dim() != 4 or skew.shape[-1] != skew.shape[-2]:
         raise ValueError(f"skew must be (Hkv|1, D/b, b, b), got shape {tuple(skew.shape)}")
     hr, m, b, _ = skew.shape
-    if m * b != q.shape[-1] or hr not in (1, k.shape[1]) or q.shape[1] % k.shape[1]:
-        raise ValueError(f"skew {tuple(skew.shape)} does not fit q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    if m * b != q.shape[-1] or hr not in (1, k.shape[1]):
+        raise ValueError(f"skew must be (1 or Hkv={k.shape[1]}, D/b, b, b) with D/b · b = D = {q.shape[-1]}, got shape "
+                         f"{tuple(skew.shape)}")
     if coeff.dim() != 3 or coeff.shape[0] not in (1, q.shape[0]) or coeff.shape[1:] != (q.shape[2], m):
         raise ValueError(f"coeff must be (B|1, L={q.shape[2]}, {m}), got shape {tuple(coeff.shape)}")
     return _SpectralRotation.apply(q, k, skew, coeff)

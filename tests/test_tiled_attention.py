@@ -103,7 +103,7 @@ def test_engine_builds_no_full_matrix(masked_tiles, dtype):
     torch's fused kernel against all the keys it sees; float64 takes the online softmax over key tiles."""
     seen = masked_tiles
     q, k, v, gout, valid, g = make_inputs((1, 2, 2, 64, 64, 8), dtype, 0, False, device="cpu")
-    term, _ = make_term("alibi", (1, 2, 2, 64, 64, 8), 0, g, device="cpu")
+    term, _ = make_term("sandwich", (1, 2, 2, 64, 64, 8), 0, g, device="cpu")
     tiled_attention(q, k, v, term, scale=1.0, causal=True, block_q=16, block_k=16)
     assert all(n <= 16 for _, n, _, _ in seen)
     assert all(k0 < q0 + n and k1 <= q0 + n for q0, n, k0, k1 in seen)  # nothing right of the diagonal
@@ -112,6 +112,43 @@ def test_engine_builds_no_full_matrix(masked_tiles, dtype):
         assert len(seen) == 1 + 2 + 3 + 4  # 4 query blocks see 1, 2, 3, 4 key tiles
     else:
         assert [(k0, k1) for _, _, k0, k1 in seen] == [(0, 16), (0, 32), (0, 48), (0, 64)]
+
+
+@pytest.mark.parametrize("kind", ["alibi", "fox"])
+def test_key_channel_path_builds_no_mask(monkeypatch, masked_tiles, kind):
+    """Causal, unpadded, with an int offset, ALiBi and FoX ride in a key channel (``_Tile.key_channel``) and each
+    query block runs the fused kernel twice, forward and backward, with no float mask: the keys before its
+    diagonal square unmasked, the square with the kernel's own causal mask. Output and every gradient (FoX's
+    gates, learned ALiBi slopes) still equal the reference's."""
+    from hf_posenc.kernels.attention import tiled
+
+    calls = []
+    for name in ("_flash_fwd", "_flash_bwd"):
+        real = getattr(tiled, name)
+
+        def spy(*args, _real=real, _name=name, **kw):
+            qb, kb = args[0 if _name == "_flash_fwd" else 1], args[1 if _name == "_flash_fwd" else 2]
+            calls.append((_name, qb.shape[2], kb.shape[2], args[4 if _name == "_flash_fwd" else 7],
+                          kw.get("attn_mask") is None))
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(tiled, name, spy)
+    shape = (2, 4, 2, 64, 64, 16)
+    q, k, v, gout, _, g = make_inputs(shape, torch.float32, 3, False, device="cpu")
+    term, leaves = make_term(kind, shape, 0, g, device="cpu")
+    if kind == "alibi":  # learned slopes: their gradient comes from the channel too
+        leaves = [term.tensors["slopes"].clone().requires_grad_()]
+        term = KernelTerm.alibi(leaves[0])
+    kw = dict(scale=0.25, causal=True, q_offset=0, key_valid=None)
+    out, grads = _run(tiled_attention, q, k, v, term, leaves, gout, **kw, block_q=16)
+    ref, ref_grads = _run(attention_reference, q, k, v, term, leaves, gout, **kw)
+    assert rel_err(out, ref) < 2e-5
+    assert all(rel_err(a, b) < 1e-4 for a, b in zip(grads, ref_grads))
+    assert not masked_tiles and calls and all(no_mask for *_, no_mask in calls)
+    fwd = [c[1:4] for c in calls if c[0] == "_flash_fwd"]
+    # block q0 = 16 t: keys 0 .. 16 t unmasked (none for the first block), then the 16 x 16 square, causal
+    assert fwd == [(16, 16, True)] + [x for t in (1, 2, 3) for x in ((16, 16 * t, False), (16, 16, True))]
+    assert all(c[4] for c in calls if c[0] == "_flash_bwd") and any(c[3] for c in calls if c[0] == "_flash_bwd")
 
 
 def test_engine_refuses_bad_input():

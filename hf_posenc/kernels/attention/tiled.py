@@ -24,8 +24,8 @@ Toeplitz tiles run with their query rows reversed (row i' is query q1 − 1 − 
 strided view of the reversed per-distance vector (``unfold``), copied once into the mask, and the lines of
 constant distance are its anti-diagonals.
 
-Backward: a ``torch.autograd.Function`` saves q, k, v, the output and the log-sum-exp. FoX and causal Shaw run
-the fused kernel's backward (below). When no term tensor needs a gradient (alibi, sandwich, a frozen term),
+Backward: a ``torch.autograd.Function`` saves q, k, v, the output and the log-sum-exp. FoX, causal ALiBi and
+causal Shaw run the fused kernel's backward (below). When no term tensor needs a gradient (sandwich, a frozen term),
 the forward used the fused kernel and some probability could be subnormal (a steep decay: ALiBi), each block
 runs the fused kernel's backward with the same mask (``_subnormal_free``); a mild term without gradient
 (sandwich) takes the online passes, which are faster there. Otherwise each tile's probabilities are
@@ -38,8 +38,14 @@ recomputed and the term's gradient is reduced per tile from dS, never through a 
   that vector to the term's tensors (slopes, r1/r2, the sandwich table, the t5 table).
 * ``fox``: B = c[qi] − c[j]; dc_j = −Σ_i dS_ij (per key), dc_qi = Σ_j dS_ij (per query). On the CPU in
   float32 FoX runs the fused kernel both ways: a softmax row ignores its constant c[qi], so the bias is a
-  per-key term c[ref] − c[j] (ref: the block's first query) carried as one more key channel (queries carry a
+  per-key term c[ref] − c[j] (ref: the block's middle query) carried as one more key channel (queries carry a
   1, values a 0); the kernel's gradient of that channel is −dc_j, and Σ_j dS_ij = 0 (a row's dS sums to 0).
+  Causal ALiBi (int offset) is the same term with c[j] = −slope · j (a constant log forget gate; its channel is
+  slope · (j − ref)), its slopes' gradient −Σ_j j dc_j. Without padding or a window (and with an int offset)
+  each block then needs no float mask at all: the keys before its diagonal square go through the kernel
+  unmasked, the square with the kernel's own causal mask, and the two parts merge by their log-sum-exp
+  (``_diagonal_start``, ``_flash_parts_fwd``). Measured (this machine, 2 threads, L = 2048 training step of the
+  benchmark's Llama): ALiBi 1.46x -> 1.14x SDPA, FoX 1.40x -> 1.00x (``benchmarks/bench_train_cpu.py``).
 
 Subnormal numbers. Where a term decays far (ALiBi, FoX), many probabilities fall below float32's smallest
 normal number, and x86 CPUs compute with such numbers many times slower. The fused CPU backward therefore
@@ -342,8 +348,11 @@ class _Tile:
             with torch.no_grad():
                 values = distance_values(plan.term(tensors), self.delta).to(dtype)
             self.rev = values.flip(-1).contiguous()  # rev[t] = F[N − 1 − t]
-        elif self.kind == "fox":
+        if self.kind == "fox":
             self.c = self.t["c"].detach().to(dtype)
+        elif _alibi_channel(plan):  # ALiBi, causal: FoX's c with a constant log-gate −slope (see key_channel)
+            self.slopes = self.t["slopes"].detach().to(dtype)
+            self.c = -(self.slopes[:, None] * torch.arange(k_len, device=device, dtype=dtype))[None]  # (1, H, Lk)
         elif self.kind == "fire":
             self.fire = _FireTiles(self.t, dtype)
         elif self.kind == "shaw":
@@ -362,6 +371,21 @@ class _Tile:
         if self.kind == "none":
             return 0.0
         return None
+
+    def key_channel(self, qi: torch.Tensor, k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """FoX's (and causal ALiBi's) term as one more key channel, for the queries at key indices ``qi``:
+        (c[r] − c[j] for the keys k0 .. k1 − 1 (B|1, H, m), c[r] (B|1, H, 1)), r the block's middle query.
+
+        The bias c[qi] − c[j] is the row constant c[qi] − c[r] (which a softmax row ignores) plus c[r] − c[j]:
+        small near the diagonal, where the weight is (at most half a block of log-gates, which float32 rounds to
+        ~1e-7 of it); the row's log-sum-exp is kept in that frame, in forward and backward alike. ALiBi's
+        channel is slope · (j − r), rounded once (c[r] − c[j] would carry the rounding of two large values)."""
+        r = qi[qi.shape[0] // 2 :][:1]
+        ref = self.c.index_select(-1, r)
+        if self.kind == "fox":
+            return ref - self.c[..., k0:k1], ref
+        dist = (torch.arange(k0, k1, device=qi.device) - r).to(self.dtype)
+        return (self.slopes[:, None] * dist[None])[None], ref
 
     def bias(self, qi: torch.Tensor, q0: int, q1: int, k0: int, k1: int, ctx_q: torch.Tensor | None):
         """The additive term of the tile, broadcastable to (B, H, n, m), or None."""
@@ -459,6 +483,14 @@ class _ShawBand:
             return k_start
         return min(max(k_start, self.plan.q_offset + q0 - self.kmax + 1), k_stop)
 
+    def parts(self, qi, q0, q1, k_start, k_stop, valid, b, h, qa, jc, ok) -> list:
+        """The block's keys k_start .. k_stop − 1 as parts (lo, hi, mask, causal) for :func:`_flash_parts_fwd`:
+        the keys before the band strip unmasked (see :meth:`split`), then the strip with its mask."""
+        split = self.split(q0, k_start, k_stop, valid)
+        strip = (split - k_start, k_stop - k_start, self.mask(qi, q0, q1, split, k_stop, valid, b, h, qa, jc, ok),
+                 False)
+        return ([(0, split - k_start, None, False)] if split > k_start else []) + [strip]
+
     def mask(self, qi, q0, q1, k_start, k_stop, valid, b, h, qa, jc, ok):
         """The block's float mask (B, H, n, k_stop − k_start): the band term qa (B, H, n, K) at its keys, −inf
         where masked."""
@@ -490,14 +522,8 @@ def _shaw_fused_forward(plan, tile, q, kx, vx, valid, q_off, b, h, d, out, lse) 
         qb = q[:, :, q0:q1]
         qa = qb @ band.d_key.T  # (B, H, n, K): q_i · (a^K_r − a^K_−K), q already scaled
         jc, ok = band.columns(qi, k_len, valid)
-        split = band.split(q0, k_start, k_stop, valid)
-        mask = band.mask(qi, q0, q1, split, k_stop, valid, b, h, qa, jc, ok)
-        o, lb = _flash_fwd(qb, kx[:, :, split:k_stop], vx[:, :, split:k_stop], 0.0, False, attn_mask=mask, scale=1.0)
-        if split > k_start:  # the keys before the band: no mask; the two softmax parts merged by their lse
-            o_far, l_far = _flash_fwd(qb, kx[:, :, k_start:split], vx[:, :, k_start:split], 0.0, False, scale=1.0)
-            merged = torch.logaddexp(lb, l_far)
-            o = o * torch.exp(lb - merged)[..., None] + o_far * torch.exp(l_far - merged)[..., None]
-            lb = merged
+        parts = band.parts(qi, q0, q1, k_start, k_stop, valid, b, h, qa, jc, ok)
+        o, lb = _flash_parts_fwd(qb, kx[:, :, k_start:k_stop], vx[:, :, k_start:k_stop], parts)
         empty = _empty_rows(plan, qi, valid, k_start, k_stop)
         if empty is not None:
             o = o.masked_fill(empty, 0.0)
@@ -523,21 +549,14 @@ def _shaw_fused_backward(plan, tile, q, k, v, out, lse, do, valid, q_off, b, h, 
         qb, dob, ob, lb = q[:, :, q0:q1], do[:, :, q0:q1], out[:, :, q0:q1], lse[:, :, q0:q1]
         qa = qb @ band.d_key.T
         jc, ok = band.columns(qi, k_len, valid)
-        split = band.split(q0, k_start, k_stop, valid)
-        mask = band.mask(qi, q0, q1, split, k_stop, valid, b, h, qa, jc, ok)
+        parts = band.parts(qi, q0, q1, k_start, k_stop, valid, b, h, qa, jc, ok)
         has = torch.isfinite(lb)[..., None]
         o_frame = ob - has * band.base_value
-        gq, gk, gv = _flash_bwd(dob, qb, kx[:, :, split:k_stop], vx[:, :, split:k_stop], o_frame, lb, 0.0, False,
-                                attn_mask=mask, scale=1.0)
+        gq, gk, gv = _flash_parts_bwd(dob, qb, kx[:, :, k_start:k_stop], vx[:, :, k_start:k_stop], o_frame, lb,
+                                      parts)
         dq[:, :, q0:q1] = gq
-        dkx[:, :, split:k_stop] += gk
-        dvx[:, :, split:k_stop] += gv
-        if split > k_start:  # the keys before the band (no mask), with the whole row's output and lse
-            gq, gk, gv = _flash_bwd(dob, qb, kx[:, :, k_start:split], vx[:, :, k_start:split], o_frame, lb, 0.0,
-                                    False, scale=1.0)
-            dq[:, :, q0:q1] += gq
-            dkx[:, :, k_start:split] += gk
-            dvx[:, :, k_start:split] += gv
+        dkx[:, :, k_start:k_stop] += gk
+        dvx[:, :, k_start:k_stop] += gv
         # the band's share
         p, kb = band.probabilities(qb, kx, jc, ok, qa, lb)  # (B, H, n, K), (B, H, n, K, D)
         vb = vx[:, :, jc]
@@ -611,20 +630,10 @@ def _expand_heads(x: torch.Tensor, h: int) -> torch.Tensor:
     return x if hkv == h else x[:, :, None].expand(b, hkv, h // hkv, n, d).reshape(b, h, n, d)
 
 
-def _fox_reference(c: torch.Tensor, qi: torch.Tensor) -> torch.Tensor:
-    """(B|1, H, 1): c at the block's middle query, detached. FoX's bias c[qi] − c[j] is a row constant plus −c[j];
-    a softmax row ignores its constant, so the fused path scores c[ref] − c[j] (small near the diagonal, where
-    the weight is: at most half a block of log-gates, which float32 rounds to ~1e-7 of it) and the row's
-    log-sum-exp is kept in that frame, in forward and backward alike."""
-    return c.index_select(-1, qi[qi.shape[0] // 2 :][:1]).detach()
-
-
-def _fox_keys(kx: torch.Tensor, c: torch.Tensor, ref: torch.Tensor, k0: int, k1: int) -> torch.Tensor:
-    """Keys k0 .. k1 − 1 with FoX's bias as one more channel (B, H, m, D + 1): k_j ⊕ (c[ref] − c[j]); the queries
-    carry a 1 there (:func:`_with_one`), so the fused kernel adds the bias to q · k itself."""
-    extra = (ref - c[..., k0:k1])[..., None]
-    kb = kx[:, :, k0:k1]
-    return torch.cat([kb, extra.expand(kb.shape[0], *extra.shape[1:])], dim=-1)
+def _channel_keys(kx: torch.Tensor, channel: torch.Tensor) -> torch.Tensor:
+    """Keys (B, H, m, D) with the term's per-key channel (B|1, H, m) as one more channel (B, H, m, D + 1); the
+    queries carry a 1 there (:func:`_with_one`), so the fused kernel adds the term to q · k itself."""
+    return torch.cat([kx, channel[..., None].expand(kx.shape[0], *channel.shape[1:], 1)], dim=-1)
 
 
 def _with_one(q: torch.Tensor) -> torch.Tensor:
@@ -635,6 +644,60 @@ def _with_one(q: torch.Tensor) -> torch.Tensor:
 def _with_zero(x: torch.Tensor) -> torch.Tensor:
     """(B, H, L, D) -> (B, H, L, D + 1): a channel of zeros (the fused kernel takes one head size for q, k, v)."""
     return torch.cat([x, x.new_zeros(*x.shape[:-1], 1)], dim=-1)
+
+
+def _alibi_channel(plan: _Plan) -> bool:
+    """Whether ALiBi runs as a key channel (:meth:`_Tile.key_channel`): causal with an int offset, where its
+    bias −slope (qi − j) is FoX's c[qi] − c[j] with c[j] = −slope · j (a constant log forget gate)."""
+    return plan.kind == "alibi" and plan.causal and plan.q_offset is not None
+
+
+def _diagonal_start(plan: _Plan, q0: int, q1: int, k_start: int, k_stop: int, valid: torch.Tensor | None
+                    ) -> int | None:
+    """The key index of the block's diagonal square when its keys k_start .. k_stop − 1 split into keys every row
+    sees (before it) and the n x n square in which row r sees keys up to its own (the fused kernel's own causal
+    mask, no float mask): causal with an int offset, no padding and no window. None otherwise."""
+    if valid is not None or plan.window is not None or not plan.causal or plan.q_offset is None:
+        return None
+    diag = plan.q_offset + q0
+    return diag if k_start <= diag and k_stop - diag == q1 - q0 else None
+
+
+def _causal_parts(m: int, far: int) -> list:
+    """The parts (lo, hi, mask, causal) of m keys whose first ``far`` every row sees and whose last m − far
+    form the diagonal square (:func:`_diagonal_start`)."""
+    return ([(0, far, None, False)] if far > 0 else []) + [(far, m, None, True)]
+
+
+def _flash_parts_fwd(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, parts: list
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, log-sum-exp) of the block qb (B, H, n, E) over the keys kb, vb (B, H, m, E): one fused-kernel call
+    per part (lo, hi, mask or None, causal) of the keys, merged by their log-sum-exp."""
+    out = lse = None
+    for lo, hi, mask, causal in parts:
+        o, l = _flash_fwd(qb, kb[:, :, lo:hi], vb[:, :, lo:hi], 0.0, causal, attn_mask=mask, scale=1.0)
+        if out is None:
+            out, lse = o, l
+            continue
+        merged = torch.logaddexp(lse, l)
+        out = out * torch.exp(lse - merged)[..., None] + o * torch.exp(l - merged)[..., None]
+        lse = merged
+    return out, lse
+
+
+def _flash_parts_bwd(dob, qb, kb, vb, ob, lb, parts: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of :func:`_flash_parts_fwd` from the merged output ``ob`` and log-sum-exp ``lb``: each part's
+    fused backward gives the exact gradients of its keys (Δ_i = dO_i · o_i is the whole row's)."""
+    dq, dks, dvs = None, [], []
+    for lo, hi, mask, causal in parts:
+        gq, gk, gv = _flash_bwd(dob, qb, kb[:, :, lo:hi], vb[:, :, lo:hi], ob, lb, 0.0, causal, attn_mask=mask,
+                                scale=1.0)
+        dq = gq if dq is None else dq.add_(gq)
+        dks.append(gk)
+        dvs.append(gv)
+    if len(parts) == 1:
+        return dq, dks[0], dvs[0]
+    return dq, torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
 
 
 def _fox_flush_start(c: torch.Tensor, ref: torch.Tensor, lse: torch.Tensor, beta: torch.Tensor, k0: int, k1: int
@@ -657,48 +720,64 @@ def _fox_flush_start(c: torch.Tensor, ref: torch.Tensor, lse: torch.Tensor, beta
     return [k0 + int(x) for x in first.clamp(max=k1 - k0).tolist()]
 
 
-def _fox_fused_backward(plan: _Plan, tile: "_Tile", q, k, v, out, lse, do, valid, q_off, b, h, hkv, d):
-    """FoX's backward through the fused CPU kernel, per query block and head, with c's gradient read from the key
-    channel that carries it: dc[j] = −Σ_i dS_ij (the per-row constant's gradient Σ_j dS_ij is 0: a softmax row's
-    dS sums to 0). Subnormal probabilities are avoided as in :func:`_subnormal_free`: the keys no logit can lift
-    are left out (:func:`_fox_flush_start`), one shift per head lifts the rest."""
+def _head_runs(starts: list[int], k_stop: int):
+    """(h0, h1, s0) for each run of consecutive heads h0 .. h1 − 1 that share the first key s0 < k_stop."""
+    h0 = 0
+    for h1 in range(1, len(starts) + 1):
+        if h1 == len(starts) or starts[h1] != starts[h0]:
+            if starts[h0] < k_stop:
+                yield h0, h1, starts[h0]
+            h0 = h1
+
+
+def _channel_fused_backward(plan: _Plan, tile: "_Tile", q, k, v, out, lse, do, valid, q_off, b, h, hkv, d,
+                            want_c: bool):
+    """The backward of the key-channel path (FoX, causal ALiBi: see :meth:`_Tile.key_channel`) through the fused
+    CPU kernel, per query block and run of heads that share a first key, with c's gradient read from the channel
+    that carries it: dc[j] = −Σ_i dS_ij (the per-row constant's gradient Σ_j dS_ij is 0: a softmax row's dS sums
+    to 0). Subnormal probabilities are avoided as in :func:`_subnormal_free`: per head, the keys no logit can lift
+    are left out (:func:`_fox_flush_start`), and one shift per head lifts the rest. Where the forward split the
+    block's keys (:func:`_diagonal_start`), so does the backward: no mask; else the block's causal/padding mask,
+    in which each row's own flush rides too. Returns dq (of the scaled q), dk, dv and dc (B, H, Lk) or None."""
     q_len, k_len = q.shape[2], k.shape[2]
     kx, vx = _expand_heads(k, h), _expand_heads(v, h)
     qa, va, oa, doa = _with_one(q), _with_zero(vx), _with_zero(out), _with_zero(do)
     knorm = kx.norm(dim=-1)  # (B, H, Lk)
     dq = torch.zeros_like(q)
     dkx, dvx = torch.zeros_like(kx), torch.zeros_like(vx)
-    c = tile.c
-    dc = torch.zeros_like(c)  # (B, H, Lk)
+    dc = q.new_zeros(b, h, k_len) if want_c else None
     for q0, q1, qi, k_start, k_stop in _query_blocks(plan, q_len, k_len, q_off, q.device):
         if k_stop <= k_start:
             continue
-        ref = _fox_reference(c, qi)
-        mask = _flash_mask(tile, plan, qi, q0, q1, k_start, k_stop, valid, b, 1, term=False)
+        channel, ref = tile.key_channel(qi, k_start, k_stop)
+        keys = _channel_keys(kx[:, :, k_start:k_stop], channel)  # (B, H, m, D + 1)
         lse_b = lse[:, :, q0:q1]
         beta = q[:, :, q0:q1].norm(dim=-1) * knorm[:, :, k_start:k_stop].amax(-1, keepdim=True)  # (B, H, n)
-        starts = _fox_flush_start(c, ref, lse_b, beta, k_start, k_stop)
+        starts = _fox_flush_start(tile.c, ref, lse_b, beta, k_start, k_stop)
         shift = (2 * beta.amax(-1, keepdim=True) + 1 + SHIFT_MARGIN).clamp_(max=MAX_SHIFT)  # (B, H, 1)
         unscale = torch.exp(-shift)[..., None]
-        for head in range(h):
-            s0 = starts[head]
-            if s0 >= k_stop:
-                continue
-            hs = slice(head, head + 1)
-            kb = _fox_keys(kx[:, hs], c[:, hs], ref[:, hs], s0, k_stop)
-            # the rows' own flush (keys after the head's start that a row's logits still cannot lift)
-            floor = torch.where(torch.isfinite(lse_b[:, hs]), lse_b[:, hs] - beta[:, hs] + EXP_FLOOR,
-                                torch.full_like(beta[:, hs], float("-inf")))  # (B, 1, n)
-            flushed = kb[..., d][:, :, None, :] < floor[..., None]  # (B, 1, n, m)
-            mask_h = mask[..., s0 - k_start:].expand(b, 1, *mask.shape[2:3], k_stop - s0).masked_fill(flushed,
-                                                                                                         float("-inf"))
-            gq, gk, gv = _flash_bwd(doa[:, hs, q0:q1], qa[:, hs, q0:q1], kb, va[:, hs, s0:k_stop], oa[:, hs, q0:q1],
-                                    lse_b[:, hs] - shift[:, hs], 0.0, False, attn_mask=mask_h, scale=1.0)
+        diag = _diagonal_start(plan, q0, q1, k_start, k_stop, valid)
+        mask = None if diag is not None else _flash_mask(tile, plan, qi, q0, q1, k_start, k_stop, valid, b, 1,
+                                                          term=False)
+        for h0, h1, s0 in _head_runs(starts, k_stop):
+            hs, m = slice(h0, h1), k_stop - s0
+            kb = keys[:, hs, s0 - k_start :]
+            if diag is not None:
+                parts = _causal_parts(m, diag - s0)
+            else:  # the rows' own flush (keys after the run's start that a row's logits still cannot lift)
+                floor = torch.where(torch.isfinite(lse_b[:, hs]), lse_b[:, hs] - beta[:, hs] + EXP_FLOOR,
+                                    torch.full_like(beta[:, hs], float("-inf")))  # (B, h1 − h0, n)
+                flushed = kb[..., d][:, :, None, :] < floor[..., None]  # (B, h1 − h0, n, m)
+                mask_h = mask[..., s0 - k_start :].expand(b, h1 - h0, q1 - q0, m).masked_fill(flushed, float("-inf"))
+                parts = [(0, m, mask_h, False)]
+            gq, gk, gv = _flash_parts_bwd(doa[:, hs, q0:q1], qa[:, hs, q0:q1], kb, va[:, hs, s0:k_stop],
+                                          oa[:, hs, q0:q1], lse_b[:, hs] - shift[:, hs], parts)
             u = unscale[:, hs]
             dq[:, hs, q0:q1] += gq[..., :d].mul_(u)
             dkx[:, hs, s0:k_stop] += gk[..., :d].mul_(u)
             dvx[:, hs, s0:k_stop] += gv[..., :d].mul_(u)
-            dc[:, hs, s0:k_stop] -= gk[..., d].mul_(u[..., 0])
+            if dc is not None:
+                dc[:, hs, s0:k_stop] -= gk[..., d].mul_(u[..., 0])
     if h != hkv:
         dk = dkx.view(b, hkv, h // hkv, k_len, d).sum(2)
         dv = dvx.view(b, hkv, h // hkv, k_len, d).sum(2)
@@ -719,8 +798,9 @@ class TiledAttentionFunction(torch.autograd.Function):
         out = q.new_empty(b, h, q_len, d)
         lse = q.new_empty(b, h, q_len)
         flash = _flash_available(plan, query.device, dtype)
-        rev = plan.kind in _TOEPLITZ
-        fox = flash and plan.kind == "fox"  # FoX's bias rides in a key channel (lse in the block's frame)
+        # FoX's bias (and causal ALiBi's) rides in a key channel, the lse in the block's frame (Tile.key_channel)
+        channel = flash and (plan.kind == "fox" or _alibi_channel(plan))
+        rev = plan.kind in _TOEPLITZ and not channel
         online = not flash  # the online-softmax passes below, else the fused kernel per block
         if flash and plan.kind == "shaw":  # the value term from the band (see _ShawBand)
             _shaw_fused_forward(plan, tile, q, _expand_heads(k, h), _expand_heads(v, h), valid, q_off, b, h, d,
@@ -728,8 +808,8 @@ class TiledAttentionFunction(torch.autograd.Function):
             flash = False
         if flash:
             kx, vx = _expand_heads(k, h), _expand_heads(v, h)
-            qf = _with_one(q) if fox else q
-            vf = _with_zero(vx) if fox else vx
+            qf = _with_one(q) if channel else q
+            vf = _with_zero(vx) if channel else vx
         for q0 in range(0, q_len, plan.block_q):
             if not flash:
                 break
@@ -740,14 +820,16 @@ class TiledAttentionFunction(torch.autograd.Function):
                 out[:, :, q0:q1] = 0.0
                 lse[:, :, q0:q1] = float("inf")
                 continue
-            if fox:
-                kb = _fox_keys(kx, tile.c, _fox_reference(tile.c, qi), k_start, k_stop)
-                mask = _flash_mask(tile, plan, qi, q0, q1, k_start, k_stop, valid, b, 1, term=False)
+            kb = kx[:, :, k_start:k_stop]
+            if channel:
+                kb = _channel_keys(kb, tile.key_channel(qi, k_start, k_stop)[0])
+            diag = _diagonal_start(plan, q0, q1, k_start, k_stop, valid) if channel else None
+            if diag is not None:  # no float mask: the keys before the diagonal square, and the square (causal)
+                parts = _causal_parts(k_stop - k_start, diag - k_start)
             else:
-                kb = kx[:, :, k_start:k_stop]
-                mask = _flash_mask(tile, plan, qi, q0, q1, k_start, k_stop, valid, b, h)
-            o, l = _flash_fwd(_rows(qf[:, :, q0:q1], rev), kb, vf[:, :, k_start:k_stop], 0.0,
-                              False, attn_mask=mask, scale=1.0)
+                parts = [(0, k_stop - k_start, _flash_mask(tile, plan, qi, q0, q1, k_start, k_stop, valid, b,
+                                                           1 if channel else h, term=not channel), False)]
+            o, l = _flash_parts_fwd(_rows(qf[:, :, q0:q1], rev), kb, vf[:, :, k_start:k_stop], parts)
             o = o[..., :d]
             empty = _empty_rows(plan, qi, valid, k_start, k_stop)
             if empty is not None:
@@ -820,8 +902,10 @@ class TiledAttentionFunction(torch.autograd.Function):
             grads = _term_grads(plan, tensors, need, tile, None, None, fire_grads, d_akey, d_avalue)
             return (dq.mul_(plan.scale).to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None,
                     *grads)
-        if plan.kind == "fox" and _flash_available(plan, query.device, dtype):  # the forward's frame: see above
-            dq, dk, dv, dc = _fox_fused_backward(plan, tile, q, k, v, out, lse, do, valid, q_off, b, h, hkv, d)
+        if _flash_available(plan, query.device, dtype) and (plan.kind == "fox" or _alibi_channel(plan)):
+            # the forward's frame: the key channel (see Tile.key_channel)
+            dq, dk, dv, dc = _channel_fused_backward(plan, tile, q, k, v, out, lse, do, valid, q_off, b, h, hkv, d,
+                                                     want_term)
             grads = _term_grads(plan, tensors, need, tile, None, dc if want_term else None, fire_grads, None, None)
             return (dq.mul_(plan.scale).to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None,
                     *grads)
@@ -937,6 +1021,9 @@ def _term_grads(plan, tensors, need, tile, g_dist, dc, fire_grads, d_akey, d_ava
                 grads[i] = next(it)
     elif plan.kind == "fox" and dc is not None:
         grads[plan.names.index("c")] = dc
+    elif plan.kind == "alibi" and dc is not None:  # c[j] = −slope · j (the key channel)
+        j = torch.arange(dc.shape[-1], device=dc.device, dtype=dc.dtype)
+        grads[plan.names.index("slopes")] = -(dc * j).sum((0, 2))
     elif plan.kind == "fire":
         grads = [fire_grads.get(name) for name in plan.names]
     elif plan.kind == "shaw":

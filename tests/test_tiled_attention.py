@@ -102,9 +102,9 @@ def test_engine_builds_no_full_matrix(masked_tiles, dtype):
     right of their queries' diagonal are never built. float32 on the CPU runs each query block through
     torch's fused kernel against all the keys it sees; float64 takes the online softmax over key tiles."""
     seen = masked_tiles
-    q, k, v, gout, valid, g = make_inputs((1, 2, 2, 64, 64, 8), dtype, 0, False, device="cpu")
-    term, _ = make_term("sandwich", (1, 2, 2, 64, 64, 8), 0, g, device="cpu")
-    tiled_attention(q, k, v, term, scale=1.0, causal=True, block_q=16, block_k=16)
+    q, k, v, gout, valid, g = make_inputs((2, 2, 2, 64, 64, 8), dtype, 0, True, device="cpu")
+    term, _ = make_term("sandwich", (2, 2, 2, 64, 64, 8), 0, g, device="cpu")
+    tiled_attention(q, k, v, term, scale=1.0, causal=True, key_valid=valid, block_q=16, block_k=16)
     assert all(n <= 16 for _, n, _, _ in seen)
     assert all(k0 < q0 + n and k1 <= q0 + n for q0, n, k0, k1 in seen)  # nothing right of the diagonal
     if dtype == torch.float64:
@@ -114,12 +114,13 @@ def test_engine_builds_no_full_matrix(masked_tiles, dtype):
         assert [(k0, k1) for _, _, k0, k1 in seen] == [(0, 16), (0, 32), (0, 48), (0, 64)]
 
 
-@pytest.mark.parametrize("kind", ["alibi", "fox"])
-def test_key_channel_path_builds_no_mask(monkeypatch, masked_tiles, kind):
-    """Causal, unpadded, with an int offset, ALiBi and FoX ride in a key channel (``_Tile.key_channel``) and each
-    query block runs the fused kernel twice, forward and backward, with no float mask: the keys before its
-    diagonal square unmasked, the square with the kernel's own causal mask. Output and every gradient (FoX's
-    gates, learned ALiBi slopes) still equal the reference's."""
+@pytest.mark.parametrize("kind", ["alibi", "fox", "sandwich", "fire", "none"])
+def test_causal_blocks_split_at_the_diagonal(monkeypatch, masked_tiles, kind):
+    """Causal, unpadded, with an int offset, each query block runs the fused kernel twice and fills no mask with
+    -inf: the keys before its diagonal square with the term alone, the square with the term and the kernel's
+    own causal mask (``_block_parts``). ALiBi and FoX ride in a key channel (``_Tile.key_channel``), so they have
+    no float mask at all, forward or backward; sandwich (no gradient) and plain attention take the same parts in
+    backward. Output and every gradient (FoX's gates, learned ALiBi slopes, FIRE's table) equal the reference's."""
     from hf_posenc.kernels.attention import tiled
 
     calls = []
@@ -127,9 +128,9 @@ def test_key_channel_path_builds_no_mask(monkeypatch, masked_tiles, kind):
         real = getattr(tiled, name)
 
         def spy(*args, _real=real, _name=name, **kw):
-            qb, kb = args[0 if _name == "_flash_fwd" else 1], args[1 if _name == "_flash_fwd" else 2]
-            calls.append((_name, qb.shape[2], kb.shape[2], args[4 if _name == "_flash_fwd" else 7],
-                          kw.get("attn_mask") is None))
+            first = 0 if _name == "_flash_fwd" else 1  # the backward's arguments start with dO
+            causal = args[4 if _name == "_flash_fwd" else 7]
+            calls.append((_name, args[first].shape[2], args[first + 1].shape[2], causal, kw.get("attn_mask") is None))
             return _real(*args, **kw)
 
         monkeypatch.setattr(tiled, name, spy)
@@ -139,16 +140,26 @@ def test_key_channel_path_builds_no_mask(monkeypatch, masked_tiles, kind):
     if kind == "alibi":  # learned slopes: their gradient comes from the channel too
         leaves = [term.tensors["slopes"].clone().requires_grad_()]
         term = KernelTerm.alibi(leaves[0])
+    if kind == "fire":  # the largest pair off the grid's clamped end (a kink of u, where the two sides differ)
+        t = term.tensors
+        term = KernelTerm.fire(t["table"], t["c"], t["inv_norm"], t["x_max"] * 1.05)
     kw = dict(scale=0.25, causal=True, q_offset=0, key_valid=None)
+    with torch.no_grad():
+        tiled_attention(q, k, v, term, **kw, block_q=16)
+    assert not masked_tiles  # the forward fills no mask
+    calls.clear()
     out, grads = _run(tiled_attention, q, k, v, term, leaves, gout, **kw, block_q=16)
     ref, ref_grads = _run(attention_reference, q, k, v, term, leaves, gout, **kw)
     assert rel_err(out, ref) < 2e-5
     assert all(rel_err(a, b) < 1e-4 for a, b in zip(grads, ref_grads))
-    assert not masked_tiles and calls and all(no_mask for *_, no_mask in calls)
+    assert not masked_tiles or kind == "fire"  # FIRE's table gradient: the online passes recompute its tiles
     fwd = [c[1:4] for c in calls if c[0] == "_flash_fwd"]
-    # block q0 = 16 t: keys 0 .. 16 t unmasked (none for the first block), then the 16 x 16 square, causal
+    # block q0 = 16 t: keys 0 .. 16 t (none for the first block), then the 16 x 16 square with its causal mask
     assert fwd == [(16, 16, True)] + [x for t in (1, 2, 3) for x in ((16, 16 * t, False), (16, 16, True))]
-    assert all(c[4] for c in calls if c[0] == "_flash_bwd") and any(c[3] for c in calls if c[0] == "_flash_bwd")
+    no_mask = kind in ("alibi", "fox", "none")
+    assert all(c[4] == no_mask for c in calls)
+    bwd = [c for c in calls if c[0] == "_flash_bwd"]
+    assert bool(bwd) == (kind != "fire") and any(c[3] for c in bwd) == (kind != "fire")
 
 
 def test_engine_refuses_bad_input():

@@ -73,6 +73,8 @@ on OpenMP thread scheduling (many small parallel regions), which the single fuse
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .._subnormal import EXP_FLOOR, exp_flushed
@@ -348,6 +350,7 @@ class _Tile:
             with torch.no_grad():
                 values = distance_values(plan.term(tensors), self.delta).to(dtype)
             self.rev = values.flip(-1).contiguous()  # rev[t] = F[N − 1 − t]
+            self.squares: dict[int, torch.Tensor] = {}  # the diagonal square's term per size (see square)
         if self.kind == "fox":
             self.c = self.t["c"].detach().to(dtype)
         elif _alibi_channel(plan):  # ALiBi, causal: FoX's c with a constant log-gate −slope (see key_channel)
@@ -371,6 +374,19 @@ class _Tile:
         if self.kind == "none":
             return 0.0
         return None
+
+    def square(self, qi: torch.Tensor, q0: int, q1: int, k0: int, b: int, h: int) -> torch.Tensor | None:
+        """The term on a block's diagonal square (queries at key indices ``qi`` = k0 .. k0 + n − 1, rows in order,
+        keys k0 .. k0 + n − 1): (B, H, n, n), or None without a term. A Toeplitz term's square is the same on
+        every block (δ = i − j): one copy per size for the call."""
+        n = q1 - q0
+        if self.kind in _TOEPLITZ:
+            if n not in self.squares:
+                self.squares[n] = self.bias(None, q0, q1, k0, k0 + n, None).flip(-2)  # rows back in order
+            sq = self.squares[n]
+        else:
+            sq = self.bias(qi, q0, q1, k0, k0 + n, None)
+        return None if sq is None else sq.expand(b, h, n, n)
 
     def key_channel(self, qi: torch.Tensor, k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """FoX's (and causal ALiBi's) term as one more key channel, for the queries at key indices ``qi``:
@@ -489,7 +505,7 @@ class _ShawBand:
         split = self.split(q0, k_start, k_stop, valid)
         strip = (split - k_start, k_stop - k_start, self.mask(qi, q0, q1, split, k_stop, valid, b, h, qa, jc, ok),
                  False)
-        return ([(0, split - k_start, None, False)] if split > k_start else []) + [strip]
+        return ([_Part(0, split - k_start)] if split > k_start else []) + [_Part(*strip)]
 
     def mask(self, qi, q0, q1, k_start, k_stop, valid, b, h, qa, jc, ok):
         """The block's float mask (B, H, n, k_stop − k_start): the band term qa (B, H, n, K) at its keys, −inf
@@ -652,30 +668,78 @@ def _alibi_channel(plan: _Plan) -> bool:
     return plan.kind == "alibi" and plan.causal and plan.q_offset is not None
 
 
+def _splits_at_diagonal(plan: _Plan, valid: torch.Tensor | None) -> bool:
+    """Whether the query blocks split at their diagonal square (:func:`_diagonal_start`): causal with an int
+    offset, no padding and no window."""
+    return valid is None and plan.window is None and plan.causal and plan.q_offset is not None
+
+
+def _block_parts(tile: "_Tile", plan: _Plan, qi: torch.Tensor, q0: int, q1: int, k_start: int, k_stop: int,
+                 valid: torch.Tensor | None, b: int, h: int, channel: bool) -> list[_Part]:
+    """The fused-kernel parts of one query block (queries at key indices ``qi``, in order) over its keys
+    k_start .. k_stop − 1, with the term's float masks (none where the term rides in a key channel).
+
+    Split at the diagonal square (:func:`_diagonal_start`): the keys before it carry the term alone, the square the
+    term and the kernel's own causal mask; nothing is filled with −inf. A Toeplitz term's far part is a strided
+    view of its per-distance values (rows reversed: no copy; the kernel reads masks by their strides) and its
+    square one mask per size for the whole call (δ = i − j on every block's square). Otherwise (padding, a
+    window, a tensor offset, bidirectional) one part: the term with −inf where masked, rows reversed for a
+    Toeplitz term (a copy of the view)."""
+    m = k_stop - k_start
+    rev = tile.kind in _TOEPLITZ and not channel
+    diag = _diagonal_start(plan, q0, q1, k_start, k_stop, valid)
+    if diag is None:
+        mask = _flash_mask(tile, plan, _rows(qi, rev, 0), q0, q1, k_start, k_stop, valid, b, 1 if channel else h,
+                           term=not channel)
+        return [_Part(0, m, mask, False, rev)]
+    if channel:
+        return _causal_parts(m, diag - k_start)
+    far, far_mask = diag - k_start, None
+    if far:
+        bias = tile.bias(_rows(qi, rev, 0), q0, q1, k_start, diag, None)
+        far_mask = None if bias is None else bias.expand(b, h, *bias.shape[2:])
+    return _causal_parts(m, far, far_mask, tile.square(qi, q0, q1, diag, b, h), rev)
+
+
 def _diagonal_start(plan: _Plan, q0: int, q1: int, k_start: int, k_stop: int, valid: torch.Tensor | None
                     ) -> int | None:
     """The key index of the block's diagonal square when its keys k_start .. k_stop − 1 split into keys every row
     sees (before it) and the n x n square in which row r sees keys up to its own (the fused kernel's own causal
     mask, no float mask): causal with an int offset, no padding and no window. None otherwise."""
-    if valid is not None or plan.window is not None or not plan.causal or plan.q_offset is None:
+    if not _splits_at_diagonal(plan, valid):
         return None
     diag = plan.q_offset + q0
     return diag if k_start <= diag and k_stop - diag == q1 - q0 else None
 
 
-def _causal_parts(m: int, far: int) -> list:
-    """The parts (lo, hi, mask, causal) of m keys whose first ``far`` every row sees and whose last m − far
-    form the diagonal square (:func:`_diagonal_start`)."""
-    return ([(0, far, None, False)] if far > 0 else []) + [(far, m, None, True)]
+class _Part(NamedTuple):
+    """Keys lo .. hi − 1 of a block, run through the fused kernel with ``mask`` (or None) and its own causal mask
+    (``causal``: the part is the block's diagonal square), with the block's query rows reversed (``rev``: a
+    Toeplitz mask that is a strided view in that order)."""
+
+    lo: int
+    hi: int
+    mask: torch.Tensor | None = None
+    causal: bool = False
+    rev: bool = False
 
 
-def _flash_parts_fwd(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, parts: list
+def _causal_parts(m: int, far: int, far_mask: torch.Tensor | None = None, square_mask: torch.Tensor | None = None,
+                  far_rev: bool = False) -> list[_Part]:
+    """The parts of m keys whose first ``far`` every row sees and whose last m − far form the diagonal square
+    (:func:`_diagonal_start`), with the term's masks of each (None: no term)."""
+    return ([_Part(0, far, far_mask, False, far_rev)] if far > 0 else []) + [_Part(far, m, square_mask, True)]
+
+
+def _flash_parts_fwd(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, parts: list[_Part]
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, log-sum-exp) of the block qb (B, H, n, E) over the keys kb, vb (B, H, m, E): one fused-kernel call
-    per part (lo, hi, mask or None, causal) of the keys, merged by their log-sum-exp."""
+    per part of the keys, merged by their log-sum-exp."""
     out = lse = None
-    for lo, hi, mask, causal in parts:
-        o, l = _flash_fwd(qb, kb[:, :, lo:hi], vb[:, :, lo:hi], 0.0, causal, attn_mask=mask, scale=1.0)
+    for part in parts:
+        o, l = _flash_fwd(_rows(qb, part.rev), kb[:, :, part.lo : part.hi], vb[:, :, part.lo : part.hi], 0.0,
+                          part.causal, attn_mask=part.mask, scale=1.0)
+        o, l = _rows(o, part.rev), _rows(l, part.rev, -1)
         if out is None:
             out, lse = o, l
             continue
@@ -685,13 +749,15 @@ def _flash_parts_fwd(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, parts
     return out, lse
 
 
-def _flash_parts_bwd(dob, qb, kb, vb, ob, lb, parts: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _flash_parts_bwd(dob, qb, kb, vb, ob, lb, parts: list[_Part]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of :func:`_flash_parts_fwd` from the merged output ``ob`` and log-sum-exp ``lb``: each part's
     fused backward gives the exact gradients of its keys (Δ_i = dO_i · o_i is the whole row's)."""
     dq, dks, dvs = None, [], []
-    for lo, hi, mask, causal in parts:
-        gq, gk, gv = _flash_bwd(dob, qb, kb[:, :, lo:hi], vb[:, :, lo:hi], ob, lb, 0.0, causal, attn_mask=mask,
-                                scale=1.0)
+    for part in parts:
+        r = part.rev
+        gq, gk, gv = _flash_bwd(_rows(dob, r), _rows(qb, r), kb[:, :, part.lo : part.hi], vb[:, :, part.lo : part.hi],
+                                _rows(ob, r), _rows(lb, r, -1), 0.0, part.causal, attn_mask=part.mask, scale=1.0)
+        gq = _rows(gq, r)
         dq = gq if dq is None else dq.add_(gq)
         dks.append(gk)
         dvs.append(gv)
@@ -769,7 +835,7 @@ def _channel_fused_backward(plan: _Plan, tile: "_Tile", q, k, v, out, lse, do, v
                                     torch.full_like(beta[:, hs], float("-inf")))  # (B, h1 − h0, n)
                 flushed = kb[..., d][:, :, None, :] < floor[..., None]  # (B, h1 − h0, n, m)
                 mask_h = mask[..., s0 - k_start :].expand(b, h1 - h0, q1 - q0, m).masked_fill(flushed, float("-inf"))
-                parts = [(0, m, mask_h, False)]
+                parts = [_Part(0, m, mask_h)]
             gq, gk, gv = _flash_parts_bwd(doa[:, hs, q0:q1], qa[:, hs, q0:q1], kb, va[:, hs, s0:k_stop],
                                           oa[:, hs, q0:q1], lse_b[:, hs] - shift[:, hs], parts)
             u = unscale[:, hs]
@@ -800,7 +866,7 @@ class TiledAttentionFunction(torch.autograd.Function):
         flash = _flash_available(plan, query.device, dtype)
         # FoX's bias (and causal ALiBi's) rides in a key channel, the lse in the block's frame (Tile.key_channel)
         channel = flash and (plan.kind == "fox" or _alibi_channel(plan))
-        rev = plan.kind in _TOEPLITZ and not channel
+        rev = plan.kind in _TOEPLITZ  # the online passes' row order (the fused path's parts choose their own)
         online = not flash  # the online-softmax passes below, else the fused kernel per block
         if flash and plan.kind == "shaw":  # the value term from the band (see _ShawBand)
             _shaw_fused_forward(plan, tile, q, _expand_heads(k, h), _expand_heads(v, h), valid, q_off, b, h, d,
@@ -814,7 +880,7 @@ class TiledAttentionFunction(torch.autograd.Function):
             if not flash:
                 break
             q1 = min(q0 + plan.block_q, q_len)
-            qi = _rows(_query_index(q_off, q0, q1, query.device), rev, 0)
+            qi = _query_index(q_off, q0, q1, query.device)
             k_start, k_stop = plan.key_start(q0, k_len), plan.key_stop(q1, k_len)
             if k_stop <= k_start:
                 out[:, :, q0:q1] = 0.0
@@ -823,20 +889,15 @@ class TiledAttentionFunction(torch.autograd.Function):
             kb = kx[:, :, k_start:k_stop]
             if channel:
                 kb = _channel_keys(kb, tile.key_channel(qi, k_start, k_stop)[0])
-            diag = _diagonal_start(plan, q0, q1, k_start, k_stop, valid) if channel else None
-            if diag is not None:  # no float mask: the keys before the diagonal square, and the square (causal)
-                parts = _causal_parts(k_stop - k_start, diag - k_start)
-            else:
-                parts = [(0, k_stop - k_start, _flash_mask(tile, plan, qi, q0, q1, k_start, k_stop, valid, b,
-                                                           1 if channel else h, term=not channel), False)]
-            o, l = _flash_parts_fwd(_rows(qf[:, :, q0:q1], rev), kb, vf[:, :, k_start:k_stop], parts)
+            parts = _block_parts(tile, plan, qi, q0, q1, k_start, k_stop, valid, b, h, channel)
+            o, l = _flash_parts_fwd(qf[:, :, q0:q1], kb, vf[:, :, k_start:k_stop], parts)
             o = o[..., :d]
             empty = _empty_rows(plan, qi, valid, k_start, k_stop)
             if empty is not None:
                 o = o.masked_fill(empty, 0.0)
                 l = l.masked_fill(empty[..., 0], float("inf"))
-            out[:, :, q0:q1] = _rows(o, rev)
-            lse[:, :, q0:q1] = _rows(l, rev, -1)
+            out[:, :, q0:q1] = o
+            lse[:, :, q0:q1] = l
         for q0 in range(0, q_len if online else 0, plan.block_q):
             q1 = min(q0 + plan.block_q, q_len)
             n = q1 - q0
@@ -909,12 +970,16 @@ class TiledAttentionFunction(torch.autograd.Function):
             grads = _term_grads(plan, tensors, need, tile, None, dc if want_term else None, fire_grads, None, None)
             return (dq.mul_(plan.scale).to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None,
                     *grads)
-        # Where no probability can be subnormal (a mild term: sandwich, kerple), the online passes below beat
-        # the fused backward with its per-tile float mask (sandwich's step: 1.32x against 1.71x, measured);
-        # where some can (ALiBi's steep decay), the fused backward with ``_subnormal_free`` wins (ALiBi: 2.8x
-        # against 5.6x the SDPA attention step), and the online passes flush them (``exp_flushed``).
+        # No term gradient: the fused kernel's backward per query block where the blocks split at their diagonal
+        # (no mask to fill: sandwich's CPU training step 1.28x -> 1.0xx SDPA, measured; see _block_parts) or some
+        # probability could be subnormal (a steep decay: ALiBi bidirectional or after a StaticCache), there with
+        # ``_subnormal_free`` (ALiBi: 2.8x against 5.6x the SDPA attention step, measured on an Intel Xeon).
+        # Otherwise (a mild term with padding or a window) the online passes below beat the fused backward with
+        # its per-tile float mask (sandwich's step: 1.32x against 1.71x, measured), and they flush subnormal
+        # probabilities themselves (``exp_flushed``).
         underflow = plan.kind != "none" and _may_underflow(tile, q, k)
-        flash = not want_term and _flash_available(plan, query.device, dtype) and (plan.kind == "none" or underflow)
+        flash = not want_term and _flash_available(plan, query.device, dtype) and (
+            plan.kind == "none" or underflow or _splits_at_diagonal(plan, valid))
         rev = plan.kind in _TOEPLITZ
         if flash:  # no term gradient: the fused kernel's backward per query block
             kx, vx = _expand_heads(k, h), _expand_heads(v, h)
@@ -922,10 +987,19 @@ class TiledAttentionFunction(torch.autograd.Function):
             dvx = torch.zeros_like(vx) if h != hkv else dv
             for q0 in range(0, q_len, plan.block_q):
                 q1 = min(q0 + plan.block_q, q_len)
-                qi = _rows(_query_index(q_off, q0, q1, query.device), rev, 0)
                 k_start, k_stop = plan.key_start(q0, k_len), plan.key_stop(q1, k_len)
                 if k_stop <= k_start:
                     continue
+                if not underflow:  # the forward's parts (no subnormal to avoid)
+                    parts = _block_parts(tile, plan, _query_index(q_off, q0, q1, query.device), q0, q1, k_start,
+                                         k_stop, valid, b, h, False)
+                    gq, gk, gv = _flash_parts_bwd(do[:, :, q0:q1], q[:, :, q0:q1], kx[:, :, k_start:k_stop],
+                                                  vx[:, :, k_start:k_stop], out[:, :, q0:q1], lse[:, :, q0:q1], parts)
+                    dq[:, :, q0:q1] = gq
+                    dkx[:, :, k_start:k_stop] += gk
+                    dvx[:, :, k_start:k_stop] += gv
+                    continue
+                qi = _rows(_query_index(q_off, q0, q1, query.device), rev, 0)
                 mask = _flash_mask(tile, plan, qi, q0, q1, k_start, k_stop, valid, b, h)
                 qb, kb, vb = _rows(q[:, :, q0:q1], rev), kx[:, :, k_start:k_stop], vx[:, :, k_start:k_stop]
                 mask, lse_b, unscale = _subnormal_free(mask, qb, kb, _rows(lse[:, :, q0:q1], rev, -1), b)

@@ -117,10 +117,11 @@ def test_engine_builds_no_full_matrix(masked_tiles, dtype):
 @pytest.mark.parametrize("kind", ["alibi", "fox", "sandwich", "fire", "none"])
 def test_causal_blocks_split_at_the_diagonal(monkeypatch, masked_tiles, kind):
     """Causal, unpadded, with an int offset, each query block runs the fused kernel twice and fills no mask with
-    -inf: the keys before its diagonal square with the term alone, the square with the term and the kernel's
-    own causal mask (``_block_parts``). ALiBi and FoX ride in a key channel (``_Tile.key_channel``), so they have
-    no float mask at all, forward or backward; sandwich (no gradient) and plain attention take the same parts in
-    backward. Output and every gradient (FoX's gates, learned ALiBi slopes, FIRE's table) equal the reference's."""
+    -inf: the keys before its diagonal square with the term alone (ALiBi's and sandwich's a strided view of their
+    per-distance values), the square with the term and the kernel's own causal mask (``_block_parts``). FoX rides
+    in a key channel (``_Tile.key_channel``), so it has no float mask at all, forward or backward; ALiBi,
+    sandwich (no gradient) and plain attention take the same parts in backward. Output and every gradient (FoX's
+    gates, FIRE's table) equal the reference's."""
     from hf_posenc.kernels.attention import tiled
 
     calls = []
@@ -137,9 +138,6 @@ def test_causal_blocks_split_at_the_diagonal(monkeypatch, masked_tiles, kind):
     shape = (2, 4, 2, 64, 64, 16)
     q, k, v, gout, _, g = make_inputs(shape, torch.float32, 3, False, device="cpu")
     term, leaves = make_term(kind, shape, 0, g, device="cpu")
-    if kind == "alibi":  # learned slopes: their gradient comes from the channel too
-        leaves = [term.tensors["slopes"].clone().requires_grad_()]
-        term = KernelTerm.alibi(leaves[0])
     if kind == "fire":  # the largest pair off the grid's clamped end (a kink of u, where the two sides differ)
         t = term.tensors
         term = KernelTerm.fire(t["table"], t["c"], t["inv_norm"], t["x_max"] * 1.05)
@@ -156,10 +154,40 @@ def test_causal_blocks_split_at_the_diagonal(monkeypatch, masked_tiles, kind):
     fwd = [c[1:4] for c in calls if c[0] == "_flash_fwd"]
     # block q0 = 16 t: keys 0 .. 16 t (none for the first block), then the 16 x 16 square with its causal mask
     assert fwd == [(16, 16, True)] + [x for t in (1, 2, 3) for x in ((16, 16 * t, False), (16, 16, True))]
-    no_mask = kind in ("alibi", "fox", "none")
+    no_mask = kind in ("fox", "none")
     assert all(c[4] == no_mask for c in calls)
     bwd = [c for c in calls if c[0] == "_flash_bwd"]
     assert bool(bwd) == (kind != "fire") and any(c[3] for c in bwd) == (kind != "fire")
+
+
+@pytest.mark.parametrize("kind", ["alibi", "fox"])
+def test_key_channel_with_padding(monkeypatch, kind):
+    """Causal with left padding (blocks that do not split at their diagonal), ALiBi and FoX ride in one more key
+    channel (``_Tile.key_channel``: the fused kernel gets head_dim + 1), with learned ALiBi slopes, whose gradient
+    comes from that channel (-sum_j j dc_j), against the reference: output and every gradient."""
+    from hf_posenc.kernels.attention import tiled
+
+    widths = []
+    real = tiled._flash_fwd
+
+    def spy(*args, **kw):
+        widths.append(args[1].shape[-1])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(tiled, "_flash_fwd", spy)
+    shape = (2, 4, 2, 64, 64, 16)
+    q, k, v, gout, valid, g = make_inputs(shape, torch.float32, 4, True, device="cpu")
+    term, leaves = make_term(kind, shape, 0, g, device="cpu")
+    if kind == "alibi":  # learned slopes
+        leaves = [term.tensors["slopes"].clone().requires_grad_()]
+        term = KernelTerm.alibi(leaves[0])
+    kw = dict(scale=0.25, causal=True, q_offset=0, key_valid=valid)
+    out, grads = _run(tiled_attention, q, k, v, term, leaves, gout, **kw, block_q=16)
+    ref, ref_grads = _run(attention_reference, q, k, v, term, leaves, gout, **kw)
+    assert widths and all(w == 17 for w in widths)
+    assert rel_err(out, ref) < 2e-5
+    errors = [rel_err(a, b) for a, b in zip(grads, ref_grads)]
+    assert len(errors) == 4 and all(e < 1e-4 for e in errors), errors
 
 
 def test_engine_refuses_bad_input():

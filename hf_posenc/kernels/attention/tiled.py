@@ -14,22 +14,27 @@ built; with a sliding ``window`` and an int offset the keys from its first query
 tiles left of the band are never built either, so the cost is O(Lq · (window + block_q)) per head). On the CPU in float32 (every term; Shaw when causal) each block is one call of torch's fused CPU attention
 kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp) with the
 block's term as an additive float mask (B, H, block_q, keys seen), built from the term's small tensors:
-few large products win on the CPU. Elsewhere (other devices, float64, shaw) the block loops over key tiles
+few large products win on the CPU. Causal with an int offset and no padding or window, a block's keys split
+at its diagonal square (``_block_parts``): the keys before it carry the term alone, the square the term and the
+kernel's own causal mask, two calls merged by their log-sum-exp; no mask is filled with −inf (the kernel reads
+a mask by its strides, so a view serves). Elsewhere (other devices, float64, shaw) the block loops over key tiles
 of ``block_k`` with an online softmax (running max and sum). Every tile is computed in float32 (float64
 inputs stay float64), whatever the input dtype; the output is cast back. Memory: O(block_q · Lk) per head
 for the tile, plus O(L · D) for q, k, v (k, v expanded to the query heads on the fused-kernel path, which
 takes no GQA), the output and the log-sum-exp; never (B, H, Lq, Lk).
 
 Toeplitz tiles run with their query rows reversed (row i' is query q1 − 1 − i'): the tile is then a plain
-strided view of the reversed per-distance vector (``unfold``), copied once into the mask, and the lines of
-constant distance are its anti-diagonals.
+strided view of the reversed per-distance vector (``unfold``), and the lines of constant distance are its
+anti-diagonals. Split at the diagonal, the far keys' mask is that view itself (no copy) and the square's one
+mask per size for the call (δ = i − j on every block's square); unsplit, the view is copied into the mask.
 
-Backward: a ``torch.autograd.Function`` saves q, k, v, the output and the log-sum-exp. FoX, causal ALiBi and
-causal Shaw run the fused kernel's backward (below). When no term tensor needs a gradient (sandwich, a frozen term),
-the forward used the fused kernel and some probability could be subnormal (a steep decay: ALiBi), each block
-runs the fused kernel's backward with the same mask (``_subnormal_free``); a mild term without gradient
-(sandwich) takes the online passes, which are faster there. Otherwise each tile's probabilities are
-recomputed and the term's gradient is reduced per tile from dS, never through a full bias:
+Backward: a ``torch.autograd.Function`` saves q, k, v, the output and the log-sum-exp. FoX, padded ALiBi and
+causal Shaw run the fused kernel's backward (below). When no term tensor needs a gradient (alibi, sandwich, a
+frozen term): blocks split at their diagonal run the fused kernel's backward on the forward's parts; otherwise,
+where some probability could be subnormal (a steep decay: ALiBi), each block runs it with the same mask
+(``_subnormal_free``), and a mild term (sandwich) takes the online passes, which are faster there. Otherwise
+each tile's probabilities are recomputed and the term's gradient is reduced per tile from dS, never through a
+full bias:
 
 * Toeplitz terms (``alibi``, ``kerple_log``, ``kerple_pow``, ``sandwich``, ``t5``: functions of the
   distance δ = qi − j only): forward, the per-distance values F (H, Lq + Lk − 1) are computed once from the
@@ -40,12 +45,11 @@ recomputed and the term's gradient is reduced per tile from dS, never through a 
   float32 FoX runs the fused kernel both ways: a softmax row ignores its constant c[qi], so the bias is a
   per-key term c[ref] − c[j] (ref: the block's middle query) carried as one more key channel (queries carry a
   1, values a 0); the kernel's gradient of that channel is −dc_j, and Σ_j dS_ij = 0 (a row's dS sums to 0).
-  Causal ALiBi (int offset) is the same term with c[j] = −slope · j (a constant log forget gate; its channel is
-  slope · (j − ref)), its slopes' gradient −Σ_j j dc_j. Without padding or a window (and with an int offset)
-  each block then needs no float mask at all: the keys before its diagonal square go through the kernel
-  unmasked, the square with the kernel's own causal mask, and the two parts merge by their log-sum-exp
-  (``_diagonal_start``, ``_flash_parts_fwd``). Measured (this machine, 2 threads, L = 2048 training step of the
-  benchmark's Llama): ALiBi 1.46x -> 1.14x SDPA, FoX 1.40x -> 1.00x (``benchmarks/bench_train_cpu.py``).
+  Split at the diagonal, FoX needs no float mask at all. Causal ALiBi with padding or a window (int offset) is
+  the same term with c[j] = −slope · j (a constant log forget gate; its channel is slope · (j − ref)), its slopes'
+  gradient −Σ_j j dc_j (``_alibi_channel`` says why only there). Measured (AMD EPYC, 2 threads, the L = 2048
+  training step of ``benchmarks/bench_train_cpu.py``): FoX 1.40x -> 0.96-1.00x SDPA, ALiBi (split, the view)
+  1.46x -> 1.10-1.15x.
 
 Subnormal numbers. Where a term decays far (ALiBi, FoX), many probabilities fall below float32's smallest
 normal number, and x86 CPUs compute with such numbers many times slower. The fused CPU backward therefore
@@ -353,7 +357,8 @@ class _Tile:
             self.squares: dict[int, torch.Tensor] = {}  # the diagonal square's term per size (see square)
         if self.kind == "fox":
             self.c = self.t["c"].detach().to(dtype)
-        elif _alibi_channel(plan):  # ALiBi, causal: FoX's c with a constant log-gate −slope (see key_channel)
+        elif self.kind == "alibi" and plan.causal and plan.q_offset is not None:  # for the key channel
+            # FoX's c with a constant log-gate −slope (see key_channel and _alibi_channel)
             self.slopes = self.t["slopes"].detach().to(dtype)
             self.c = -(self.slopes[:, None] * torch.arange(k_len, device=device, dtype=dtype))[None]  # (1, H, Lk)
         elif self.kind == "fire":
@@ -662,10 +667,15 @@ def _with_zero(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(*x.shape[:-1], 1)], dim=-1)
 
 
-def _alibi_channel(plan: _Plan) -> bool:
+def _alibi_channel(plan: _Plan, valid: torch.Tensor | None) -> bool:
     """Whether ALiBi runs as a key channel (:meth:`_Tile.key_channel`): causal with an int offset, where its
-    bias −slope (qi − j) is FoX's c[qi] − c[j] with c[j] = −slope · j (a constant log forget gate)."""
-    return plan.kind == "alibi" and plan.causal and plan.q_offset is not None
+    bias −slope (qi − j) is FoX's c[qi] − c[j] with c[j] = −slope · j (a constant log forget gate), and with padding
+    or a window (the blocks do not split at their diagonal). Measured at L = 2048, H = 8, D = 32 (AMD EPYC, 2
+    threads, forward + backward against SDPA's): unsplit (B = 2, left padding, L = 1024) the channel took 124 ms
+    against 185 ms for the per-block float mask with ``_subnormal_free`` (SDPA with a bool mask: 96-110 ms); split,
+    ALiBi's far keys as a strided view of its Toeplitz values took 133 ms against the channel's 145 ms (SDPA
+    108 ms): the kernel is about 17 % slower at head_dim 33 than 32, and reading a view costs it less."""
+    return plan.kind == "alibi" and plan.causal and plan.q_offset is not None and not _splits_at_diagonal(plan, valid)
 
 
 def _splits_at_diagonal(plan: _Plan, valid: torch.Tensor | None) -> bool:
@@ -865,7 +875,7 @@ class TiledAttentionFunction(torch.autograd.Function):
         lse = q.new_empty(b, h, q_len)
         flash = _flash_available(plan, query.device, dtype)
         # FoX's bias (and causal ALiBi's) rides in a key channel, the lse in the block's frame (Tile.key_channel)
-        channel = flash and (plan.kind == "fox" or _alibi_channel(plan))
+        channel = flash and (plan.kind == "fox" or _alibi_channel(plan, valid))
         rev = plan.kind in _TOEPLITZ  # the online passes' row order (the fused path's parts choose their own)
         online = not flash  # the online-softmax passes below, else the fused kernel per block
         if flash and plan.kind == "shaw":  # the value term from the band (see _ShawBand)
@@ -963,7 +973,7 @@ class TiledAttentionFunction(torch.autograd.Function):
             grads = _term_grads(plan, tensors, need, tile, None, None, fire_grads, d_akey, d_avalue)
             return (dq.mul_(plan.scale).to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None,
                     *grads)
-        if _flash_available(plan, query.device, dtype) and (plan.kind == "fox" or _alibi_channel(plan)):
+        if _flash_available(plan, query.device, dtype) and (plan.kind == "fox" or _alibi_channel(plan, valid)):
             # the forward's frame: the key channel (see Tile.key_channel)
             dq, dk, dv, dc = _channel_fused_backward(plan, tile, q, k, v, out, lse, do, valid, q_off, b, h, hkv, d,
                                                      want_term)
@@ -971,8 +981,10 @@ class TiledAttentionFunction(torch.autograd.Function):
             return (dq.mul_(plan.scale).to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None,
                     *grads)
         # No term gradient: the fused kernel's backward per query block where the blocks split at their diagonal
-        # (no mask to fill: sandwich's CPU training step 1.28x -> 1.0xx SDPA, measured; see _block_parts) or some
-        # probability could be subnormal (a steep decay: ALiBi bidirectional or after a StaticCache), there with
+        # (the forward's parts, no mask to fill: sandwich's CPU training step 1.28x -> 1.01-1.12x SDPA, ALiBi's
+        # 1.46x -> 1.10x, measured on an AMD EPYC, whose fused kernel showed no slowdown on subnormal probabilities:
+        # a steep ALiBi head's backward took the time of a mild one's; see _block_parts), or where some probability
+        # could be subnormal (a steep decay: ALiBi bidirectional or after a StaticCache), there with
         # ``_subnormal_free`` (ALiBi: 2.8x against 5.6x the SDPA attention step, measured on an Intel Xeon).
         # Otherwise (a mild term with padding or a window) the online passes below beat the fused backward with
         # its per-tile float mask (sandwich's step: 1.32x against 1.71x, measured), and they flush subnormal
@@ -990,7 +1002,7 @@ class TiledAttentionFunction(torch.autograd.Function):
                 k_start, k_stop = plan.key_start(q0, k_len), plan.key_stop(q1, k_len)
                 if k_stop <= k_start:
                     continue
-                if not underflow:  # the forward's parts (no subnormal to avoid)
+                if not underflow or _splits_at_diagonal(plan, valid):  # the forward's parts
                     parts = _block_parts(tile, plan, _query_index(q_off, q0, q1, query.device), q0, q1, k_start,
                                          k_stop, valid, b, h, False)
                     gq, gk, gv = _flash_parts_bwd(do[:, :, q0:q1], q[:, :, q0:q1], kx[:, :, k_start:k_stop],

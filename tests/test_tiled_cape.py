@@ -158,6 +158,44 @@ def test_model_training_step_matches_the_reference():
         assert (grads_t[name] - grads_r[name]).abs().max() <= 1e-4 * largest, name
 
 
+def test_alibi_rank_one_form_equals_the_full_tile(monkeypatch):
+    """With fixed ALiBi slopes the engine feeds the MLP [L; |δ|; 1] (the bias columns folded into one column,
+    −(w1_B · slopes)); with learned slopes it keeps the full [L; B; 1] tile. Both give the same output and the same
+    gradients of q, k, v and the MLP (float64), and the learned slopes get theirs."""
+    from hf_posenc.kernels.cape import tiled
+
+    forms = []
+    real = tiled._bias_into
+
+    def spy(slot, *args):
+        forms.append(slot.shape[0])
+        return real(slot, *args)
+
+    monkeypatch.setattr(tiled, "_bias_into", spy)
+    g = torch.Generator().manual_seed(3)
+    w1, b1 = torch.randn(6, 8, generator=g, dtype=torch.float64), torch.randn(6, generator=g, dtype=torch.float64)
+    w2, b2 = torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randn(4, generator=g, dtype=torch.float64)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)
+    q, k, v = _inputs(2, 13, 17, torch.float64)
+    weights = [t.requires_grad_() for t in (w1, b1, w2, b2)]
+    results = []
+    for learned in (False, True):
+        s_in = slopes.clone().requires_grad_(learned)
+        forms.clear()
+        out = cape_attention_tiled(q, k, v, w1, b1, w2, b2, "alibi", (s_in,), _mask(2, 13, 17, 4), 0.4, 4,
+                                   block_q=4, block_k=5)
+        assert forms and set(forms) == {4 if learned else 1}
+        inputs = [q, k, v, *weights] + ([s_in] if learned else [])
+        weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+        results.append((out, _grads(out, inputs, weight)))
+    (out_r, g_r), (out_f, g_f) = results
+    assert (out_r - out_f).abs().max() <= 1e-12
+    largest = max(g.abs().max().item() for g in g_f)  # b2's gradient is 0 up to rounding (a constant per row)
+    for a, b in zip(g_r, g_f[:7]):
+        assert (a - b).abs().max() <= 1e-10 * max(b.abs().max().item(), 1e-3 * largest)
+    assert g_f[7].abs().max() > 0
+
+
 def test_bad_inputs():
     q, k, v = _inputs(1, 4, 4, torch.float32)
     w1, b1, w2, b2 = torch.zeros(3, 8), torch.zeros(3), torch.zeros(4, 3), torch.zeros(4)

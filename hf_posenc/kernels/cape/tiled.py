@@ -56,7 +56,8 @@ class _Workspace:
     """Reusable per-tile buffers of one batch row, heads first (N = n · nk pairs), contiguous at every tile size:
 
     * ``feat`` (2H + 1, N): the scaled logits, the base bias and a row of ones (the MLP's first layer with its
-      bias is then one product ``w1x @ feat``, ``w1x = [w1 | b1]``, and so is its gradient);
+      bias is then one product ``w1x @ feat``, ``w1x = [w1 | b1]``, and so is its gradient); (H + 2, N) in
+      ALiBi's rank-one form (``neg_slopes``: one bias row |δ|);
     * ``hid`` (hidden + 1, N): the MLP's activation (the LeakyReLU runs in place: its sign is the
       pre-activation's, which is all its backward needs) and a row of ones (for ``w2x = [w2 | b2]``);
     * scratch buffers by name (the scores, the backward's dP and the pre-activation's gradient).

@@ -55,7 +55,10 @@ Subnormal numbers. Where a term decays far (ALiBi, FoX), many probabilities fall
 normal number, and x86 CPUs compute with such numbers many times slower. The fused CPU backward therefore
 never sees them: what no logit can lift above e^−87.3 is masked out (FoX: per head, the keys before the first
 one any row needs are left out, c being monotone), and one shift per head lifts the rest (the gradients are
-scaled back). This is a GPU's flush-to-zero, stated exactly; see ``_subnormal_free``.
+scaled back). This is a GPU's flush-to-zero, stated exactly; see ``_subnormal_free``. The exception: blocks
+split at their diagonal with no term gradient (ALiBi, sandwich) run the fused backward on the forward's parts
+with no flush (measured: on an AMD EPYC the kernel took no longer for a steep ALiBi head than for a mild one;
+see the backward's comment).
 * ``fire``: each tile's bias is rebuilt from the table, c and inv_norm (one gather of values and slopes for
   every head at the tile's shared cells); the table's gradient is a scatter of dS over the cells, c's and
   inv_norm's come through du = Σ_h dS_h · slope_h (``_FireTiles``; the tile, never the full matrix).
@@ -504,13 +507,12 @@ class _ShawBand:
             return k_start
         return min(max(k_start, self.plan.q_offset + q0 - self.kmax + 1), k_stop)
 
-    def parts(self, qi, q0, q1, k_start, k_stop, valid, b, h, qa, jc, ok) -> list:
-        """The block's keys k_start .. k_stop − 1 as parts (lo, hi, mask, causal) for :func:`_flash_parts_fwd`:
-        the keys before the band strip unmasked (see :meth:`split`), then the strip with its mask."""
+    def parts(self, qi, q0, q1, k_start, k_stop, valid, b, h, qa, jc, ok) -> list[_Part]:
+        """The block's keys k_start .. k_stop − 1 as fused-kernel parts (:func:`_flash_parts_fwd`): the keys before
+        the band strip unmasked (see :meth:`split`), then the strip with its mask."""
         split = self.split(q0, k_start, k_stop, valid)
-        strip = (split - k_start, k_stop - k_start, self.mask(qi, q0, q1, split, k_stop, valid, b, h, qa, jc, ok),
-                 False)
-        return ([_Part(0, split - k_start)] if split > k_start else []) + [_Part(*strip)]
+        strip = _Part(split - k_start, k_stop - k_start, self.mask(qi, q0, q1, split, k_stop, valid, b, h, qa, jc, ok))
+        return ([_Part(0, split - k_start)] if split > k_start else []) + [strip]
 
     def mask(self, qi, q0, q1, k_start, k_stop, valid, b, h, qa, jc, ok):
         """The block's float mask (B, H, n, k_stop − k_start): the band term qa (B, H, n, K) at its keys, −inf

@@ -102,6 +102,41 @@ def test_sba_padding_and_offsets(tensor_offset, remainder, attend_current):
     compare(*_sba(padding_mask(SHAPE_OFFSET), offset, attend_current, remainder), [q, k, v], params, do, 5e-5)
 
 
+@pytest.mark.parametrize("remainder,attend_current", [("discard", False), ("current", True), ("bias", False)])
+def test_sba_walk_stops_where_every_stick_is_exhausted(monkeypatch, remainder, attend_current):
+    """Float32 on the CPU: once every row of a query block has broken more than 110 of stick, the walks stop; the
+    output and every gradient are bit for bit those of the full walk (what it skips adds exactly 0), the walks do
+    stop (fewer tiles), and both equal the reference. Random logits (z = 0.3 q.k, sp of about 1 per key) exhaust
+    the sticks within about a hundred keys (L = 200, tiles 16 x 24, GQA 4:1, a padded row)."""
+    from hf_posenc.kernels.sba import tiled
+
+    shape = (2, 4, 1, 200, 200, 40)
+    q, k, v, do = make_qkv(shape, torch.float32, seed=9)
+    params = [torch.randn(4, 40, generator=torch.Generator().manual_seed(2))] if remainder == "bias" else []
+    engine, reference = _sba(padding_mask(shape), 0, attend_current, remainder)
+    tiles = []
+    real_tile = tiled._tile
+
+    def spy(*args):
+        tiles.append(1)
+        return real_tile(*args)
+
+    monkeypatch.setattr(tiled, "_tile", spy)
+    results = {}
+    for early in (True, False):
+        if not early:
+            monkeypatch.setattr(tiled, "_stop_early", lambda q, dtype: False)
+        tiles.clear()
+        ins = [t.detach().clone().requires_grad_() for t in [q, k, v, *params]]
+        out = engine(*ins)
+        out.backward(do)
+        results[early] = ([out.detach()] + [t.grad for t in ins], len(tiles))
+    (stopped, n_stopped), (full, n_full) = results[True], results[False]
+    assert n_stopped < n_full
+    assert all(torch.equal(a, b) for a, b in zip(stopped, full))
+    compare(engine, reference, [q, k, v], params, do, 5e-5)
+
+
 def test_sba_keys_with_a_common_direction():
     """Keys sharing a mean direction: long sticks and a large T - S cancellation in the backward."""
     q, k, v, do = make_qkv((1, 2, 2, 300, 300, 32), torch.float32, seed=2)
@@ -146,6 +181,38 @@ def test_cope_matches_reference(dtype, npos):
     q, k, v, do = make_qkv(SHAPE, dtype)
     table = torch.randn(40, npos, generator=torch.Generator().manual_seed(5)) * 0.5
     compare(*_cope(None, 0), [q, k, v], [table], do, TOL[dtype])
+
+
+@pytest.mark.parametrize("npos,mask", [(3, "none"), (3, "causal"), (3, "padded"), (200, "none")],
+                         ids=["saturating", "saturating-causal-mask", "saturating-padded", "never-saturating"])
+def test_cope_saturated_keys_through_the_fused_kernel(monkeypatch, npos, mask):
+    """float32 on the CPU: once every row of a query block has counted npos - 1 gates, the keys further left all
+    sit at the clamped position, so the engine hands them to torch's fused CPU attention kernel in one call per
+    block (forward and backward) instead of walking them, where the mask blocks none of them (none, or a model's
+    causal mask; not padding). With 3 positions that happens in every block after the first tile; with 200 never.
+    Output and every gradient (the table's included) equal the reference's either way (GQA 4:1, L = 77, tiles
+    16 x 24)."""
+    from hf_posenc.kernels.cope import tiled
+
+    calls = []
+    for name in ("_flash_fwd", "_flash_bwd"):
+        real = getattr(tiled, name)
+
+        def spy(*args, _real=real, _name=name, **kw):
+            calls.append(_name)
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(tiled, name, spy)
+    q, k, v, do = make_qkv(SHAPE, torch.float32, seed=3)
+    table = torch.randn(40, npos, generator=torch.Generator().manual_seed(4)) * 0.5
+    lq = SHAPE[3]
+    masks = {"none": None, "causal": torch.ones(lq, lq, dtype=torch.bool).tril()[None, None],
+             "padded": padding_mask(SHAPE)}
+    compare(*_cope(masks[mask], 0), [q, k, v], [table], do, 5e-5)
+    if npos == 3 and mask != "padded":  # blocks 2 .. 5 of 5 have keys left of their first tile
+        assert calls.count("_flash_fwd") == calls.count("_flash_bwd") == 4
+    else:
+        assert not calls
 
 
 @pytest.mark.parametrize("tensor_offset", [False, True], ids=["int-offset", "tensor-offset"])

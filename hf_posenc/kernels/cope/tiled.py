@@ -22,6 +22,15 @@ pos is computed as z[⌊p⌋] + (p - ⌊p⌋) Δz[⌊p⌋] with Δz[t] = z[t + 1
 as the interpolation between ⌊p⌋ and ⌈p⌉, with one gather (z and Δz stored as adjacent pairs). Extra memory:
 O(L·H·(npos + D)) rows and per-tile temporaries, never O(L²).
 
+Saturated keys. Positions only grow leftwards, and once a row's gate mass reaches npos − 1 every key further left
+sits at the clamped position: pos = z_i[npos − 1], a constant of the row, so those keys are plain softmax
+attention (and their dw is dS, their Δz 0). On the CPU in float32 (eager, int offset, no window), when every
+row of a query block has saturated by a tile's left edge and the mask blocks none of the keys left of it, the
+walk stops there and torch's fused CPU attention kernel takes all of those keys in one call, merged by
+log-sum-exp; the backward makes the same decision and puts their dS at npos − 1 as −Σ dS of the keys walked (a
+row's dS sums to 0). With random gates (≈ 1/2) a row saturates after about 2 npos keys, so at L = 2048 most keys
+take the fused call; a trained CoPE whose gates are sparse saturates later, or never (no change then).
+
 Backward (recomputed; the same walk). With dS = P ⊙ (dP - δ) (dP = do vᵀ, δ_i = do_i·o_i)::
 
     dp_ij  = dS_ij (z_i[⌈p⌉] - z_i[⌊p⌋])   where p_ij < npos - 1 (0 where clamped)
@@ -45,6 +54,7 @@ from __future__ import annotations
 
 import torch
 
+from ...ops import eager_value_checks
 from .._subnormal import exp_flushed
 from .._reverse_tiles import (
     Geometry,
@@ -87,6 +97,30 @@ def _gather2(pairs: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torc
     return pairs[..., 0].gather(-1, idx), pairs[..., 1].gather(-1, idx)
 
 
+#: torch's fused CPU attention kernel (forward, backward), for the saturated keys (see :func:`_saturated_tail`).
+_flash_fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_flash_bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _saturated_tail(carry: torch.Tensor, top: float, tile, stop: int, plain: bool, rows: torch.Tensor | None
+                    ) -> int:
+    """The number of keys left of ``tile`` (reversed indices tile.r1 .. stop − 1) when every row's gate mass has
+    reached npos − 1 by the tile's left edge and the mask blocks none of those keys, else 0 (then the walk goes on
+    tile by tile).
+
+    Past that point every position is clamped: p = npos − 1, pos = z_i[npos − 1] is a constant of the row, Δz = 0,
+    and the prefix Σ dp is 0, so those keys are plain softmax attention with the row's logits shifted by z_i[npos −
+    1] (and dw = dS in backward): torch's fused CPU attention kernel takes all of them in one call. ``plain``: the
+    call may be made (float32 on the CPU in eager mode, an int offset, no window); ``rows``: the block's blocked
+    mask rows, reversed keys (a model's causal mask blocks none of them; padding does). The tests read ``carry``
+    and ``rows`` (host syncs, CPU only). Backward makes the same decision from the same values."""
+    if not plain or tile.r1 >= stop or not bool((carry >= top).all()):
+        return 0
+    if rows is not None and bool(rows[..., tile.r1 : stop].any()):
+        return 0
+    return stop - tile.r1
+
+
 def _tile(qs, kt, pairs, carry, blocked, top, with_slope):
     """One tile: logits w (-inf off the allowed keys), gates, σ' (``with_slope``), the clamped positions p
     (a cumsum from the right with the carry folded into the first column), ⌊p⌋ (int64), p - ⌊p⌋, Δz[⌊p⌋],
@@ -120,6 +154,7 @@ def _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, with_rows,
     c_rows = torch.empty_like(lse) if with_rows else None
     neg_inf = torch.tensor(float("-inf"), dtype=dtype, device=dev)
     zero = torch.zeros((), dtype=dtype, device=dev)
+    plain = _plain_tail_allowed(q, dtype, window, q_offset)
     for m0 in range(0, geo.lq, block_m):
         m1 = min(m0 + block_m, geo.lq)
         bm = m1 - m0
@@ -150,6 +185,20 @@ def _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, with_rows,
                 u_acc.mul_(alpha[..., None]).add_(pw @ vt)
                 c_acc.mul_(alpha).add_(pw.sum(-1))
             m_i = m_new
+            rest = _saturated_tail(carry, top, tile, geo.lk, plain, rows)
+            if rest:  # the keys 0 .. rest − 1, all at the clamped position: one fused call, merged by lse
+                # (the keys in walk order: a softmax over a set of keys ignores their order)
+                o_far, l_far = _flash_fwd(qs, kr[:, :, tile.r1:], vr[:, :, tile.r1:], 0.0, False, scale=1.0)
+                l_far = l_far + pairs[..., -1, 0]  # + z_i[npos − 1]
+                m_new = torch.maximum(m_i, l_far)
+                alpha, beta = torch.exp(m_i - m_new), torch.exp(l_far - m_new)
+                l_i.mul_(alpha).add_(beta)
+                acc.mul_(alpha[..., None]).add_(o_far * beta[..., None])
+                if with_rows:  # Δz = 0 there: U and c gain nothing, only the new scale
+                    u_acc.mul_(alpha[..., None])
+                    c_acc.mul_(alpha)
+                m_i = m_new
+                break
         has = l_i > 0
         inv = torch.where(has, 1.0 / torch.where(has, l_i, torch.ones_like(l_i)), torch.zeros_like(l_i))
         out[:, :, m0:m1] = (acc * inv[..., None]).view(geo.b, geo.h, bm, geo.d)
@@ -175,6 +224,7 @@ def _backward(q, k, v, table, mask, scale, q_offset, block_m, block_n, out, lse,
     dkr = torch.zeros(geo.b, geo.hkv, geo.lk, geo.d, dtype=dtype, device=dev)
     dvr = torch.zeros_like(dkr)
     de = torch.zeros(geo.d, npos, dtype=dtype, device=dev)
+    plain = _plain_tail_allowed(q, dtype, window, q_offset)
     for m0 in range(0, geo.lq, block_m):
         m1 = min(m0 + block_m, geo.lq)
         bm = m1 - m0
@@ -194,6 +244,7 @@ def _backward(q, k, v, table, mask, scale, q_offset, block_m, block_n, out, lse,
         dz_at = torch.zeros(geo.b, geo.hkv, nr, npos, dtype=dtype, device=dev)  # Σ dS at ⌊p⌋
         dz_frac = torch.zeros_like(dz_at)  # Σ dS (p - ⌊p⌋) at ⌊p⌋
         rows = blocked_mask_rows(mask, m0, m1)
+        ds_walked = torch.zeros_like(carry)  # Σ dS over the keys walked (a row's dS sums to 0 over all its keys)
         for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, False, window):
             blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, False, rows, dev, window)
             kt, vt = kr[:, :, tile.r0:tile.r1], vr[:, :, tile.r0:tile.r1]
@@ -211,8 +262,20 @@ def _backward(q, k, v, table, mask, scale, q_offset, block_m, block_n, out, lse,
             dkr[:, :, tile.r0:tile.r1].add_(dw.transpose(-1, -2) @ qs)
             dvr[:, :, tile.r0:tile.r1].add_(prob.transpose(-1, -2) @ dob)
             dz_at.scatter_add_(-1, idx, ds)
+            if plain:
+                ds_walked.add_(ds.sum(-1))
             dz_frac.scatter_add_(-1, idx, ds.mul_(frac))
             left = left - dps[..., -1]
+            rest = _saturated_tail(carry, top, tile, geo.lk, plain, rows)
+            if rest:  # the forward's fused call: dw = dS there, and their dS (all at npos − 1) is −Σ dS walked
+                ob = to_groups(out, geo, m0, m1, dtype)
+                gq, gk, gv = _flash_bwd(dob, qs, kr[:, :, tile.r1:], vr[:, :, tile.r1:], ob,
+                                        lse_b[..., 0] - pairs[..., -1, 0], 0.0, False, scale=1.0)
+                dqb.add_(gq)
+                dkr[:, :, tile.r1:].add_(gk)
+                dvr[:, :, tile.r1:].add_(gv)
+                dz_at[..., -1].sub_(ds_walked)
+                break
         # dz[t] = Σ dS (1 - frac) at ⌊p⌋ = t, plus Σ dS frac at ⌊p⌋ + 1 = t
         dzr = dz_at.sub_(dz_frac)
         dzr[..., 1:] += dz_frac[..., :-1]
@@ -220,6 +283,12 @@ def _backward(q, k, v, table, mask, scale, q_offset, block_m, block_n, out, lse,
         dq[:, :, m0:m1] = dqb.view(geo.b, geo.h, bm, geo.d)
         de.add_(qb.reshape(-1, geo.d).transpose(0, 1) @ dzr.reshape(-1, npos))
     return dq, dkr.flip(2), dvr.flip(2), de
+
+
+def _plain_tail_allowed(q: torch.Tensor, dtype: torch.dtype, window, q_offset) -> bool:
+    """Whether the walk may hand its saturated keys to the fused CPU kernel (:func:`_saturated_tail`)."""
+    return (dtype == torch.float32 and window is None and isinstance(q_offset, int) and _flash_fwd is not None
+            and eager_value_checks(q))
 
 
 class CopeTiledFunction(torch.autograd.Function):

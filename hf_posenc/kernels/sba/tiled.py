@@ -19,6 +19,13 @@ visited (int offsets), nor, with a sliding ``window``, the tiles left of the blo
 keys are absent: no weight, no break). Weights below e^-87 are 0 (see ``_LOG_FLOOR``). Extra memory: the float32 output and
 per-tile temporaries, O(L·D + B·H·block_m·block_n).
 
+Exhausted sticks. Once every row of a query block has broken more than 110 of stick (c > 110, float32), every
+tile further left adds exactly nothing: its weights are below e^-c and zeroed (the floor above), its P is set to
+0 (below), and the remaining stick e^-c is 0 in float32 either way. On the CPU in eager mode the walks (forward
+and backward) stop there: the result is bit for bit the same, and the work is O(L · (keys to exhaustion)) per
+row instead of O(L²). With random logits (sp ≈ log 2 per key) that is about 160 keys; SBA's learned attention
+is recent-biased, but a row whose gates stay near 0 walks on.
+
 Backward (recomputed; the same walk): with g_ij = A_ij (do_i·v_j) and T_i = do_i·o_i (the float32 output,
 saved), the logit gradient is
 
@@ -41,6 +48,7 @@ import math
 import torch
 from torch.nn import functional as F
 
+from ...ops import eager_value_checks
 from .._reverse_tiles import (
     Geometry, blocked_mask_rows, call_options, fill_blocked, key_tiles, tile_blocked, tile_sizes, to_groups,
 )
@@ -63,6 +71,19 @@ _LOG_FLOOR = {torch.float32: -87.0, torch.float64: -707.0}
 
 def _dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _exhausted(c: torch.Tensor, stop_early: bool) -> bool:
+    """Whether every row of the block has broken more than ``_EXHAUSTED`` of stick (c, in float32): then every
+    tile further left adds exactly nothing (each weight there is at most e^-c < e^-87: zeroed; every P there is
+    set to 0; the remainder e^-c is 0 in float32 either way), so the walk may stop. ``stop_early``: float32 and
+    eager on the CPU (reading ``c`` is a host sync; float64 keeps weights down to e^-707)."""
+    return stop_early and bool((c > _EXHAUSTED).all())
+
+
+def _stop_early(q: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the walks may stop once every stick is exhausted (:func:`_exhausted`)."""
+    return dtype == torch.float32 and eager_value_checks(q)
 
 
 def _tile(qs, kt, c, blocked):
@@ -94,6 +115,7 @@ def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, bl
     vr = v.flip(2).to(dtype)
     out = torch.empty(geo.b, geo.h, geo.lq, geo.d, dtype=dtype, device=q.device)
     strict = not attend_current
+    early = _stop_early(q, dtype)
     for m0 in range(0, geo.lq, block_m):
         m1 = min(m0 + block_m, geo.lq)
         bm = m1 - m0
@@ -106,6 +128,8 @@ def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, bl
             _, _, cs, a = _tile(qs, kr[:, :, tile.r0:tile.r1], c, blocked)
             acc.add_(a @ vr[:, :, tile.r0:tile.r1])
             c = cs[..., -1].clone()
+            if _exhausted(c, early):
+                break
         if remainder == "current":
             acc.add_(torch.exp(-c)[..., None] * _own_values(v, geo, m0, m1, q_offset, dtype))
         elif remainder == "bias":
@@ -129,6 +153,7 @@ def _backward(q, k, v, o, do, mask, bias, scale, q_offset, attend_current, remai
     dvr = torch.zeros_like(dkr)
     dbias = torch.zeros(geo.h, geo.d, dtype=dtype, device=q.device) if remainder == "bias" else None
     strict = not attend_current
+    early = _stop_early(q, dtype)
     for m0 in range(0, geo.lq, block_m):
         m1 = min(m0 + block_m, geo.lq)
         bm = m1 - m0
@@ -161,6 +186,8 @@ def _backward(q, k, v, o, do, mask, bias, scale, q_offset, attend_current, remai
             dvr[:, :, tile.r0:tile.r1].add_(a.transpose(-1, -2) @ dob)
             c = cs[..., -1].clone()
             t_minus_s = t_minus_s - gs[..., -1]
+            if _exhausted(c, early):
+                break
         dq[:, :, m0:m1] = dqb.mul_(scale).view(geo.b, geo.h, bm, geo.d)
         if remainder != "discard":
             weighted = torch.exp(-c)[..., None] * dob  # r_i do_i, (B, Hkv, G·BM, D)

@@ -48,8 +48,8 @@ full bias:
   Split at the diagonal, FoX needs no float mask at all. Causal ALiBi with padding or a window (int offset) is
   the same term with c[j] = −slope · j (a constant log forget gate; its channel is slope · (j − ref)), its slopes'
   gradient −Σ_j j dc_j (``_alibi_channel`` says why only there). Measured (AMD EPYC, 2 threads, the L = 2048
-  training step of ``benchmarks/bench_train_cpu.py``): FoX 1.40x -> 0.96-1.00x SDPA, ALiBi (split, the view)
-  1.46x -> 1.10-1.15x.
+  training step of ``benchmarks/bench_train_cpu.py``): FoX 0.89-1.00x SDPA (its last figure before, measured on
+  an Intel Xeon: 1.43x), ALiBi (split, the view) 1.46x -> 1.08-1.15x.
 
 Subnormal numbers. Where a term decays far (ALiBi, FoX), many probabilities fall below float32's smallest
 normal number, and x86 CPUs compute with such numbers many times slower. The fused CPU backward therefore

@@ -79,6 +79,17 @@ def test_engine_chunk_after_cache(kind, tensor_offset):
     _check(kind, SHAPE_CHUNK, torch.float32, causal=True, tensor_offset=tensor_offset)
 
 
+@pytest.mark.parametrize("kind", TILED_KINDS)
+def test_engine_unpadded_split_at_the_diagonal(kind):
+    """No padding, an int offset: the blocks split at their diagonal square (``_block_parts``). A full sequence
+    in float32 and bfloat16, a 21-query chunk after 56 cached keys, and one decoded query after 76: output and
+    every gradient against the reference."""
+    _check(kind, SHAPE, torch.float32, causal=True, padding=False)
+    _check(kind, SHAPE, torch.bfloat16, causal=True, padding=False)
+    _check(kind, SHAPE_CHUNK, torch.float32, causal=True, padding=False)
+    _check(kind, (2, 4, 2, 1, 77, 40), torch.float32, causal=True, padding=False)
+
+
 @pytest.mark.parametrize("kind", ["kerple_pow", "t5", "shaw", "fox"])
 def test_engine_decode_with_empty_cache_slots(kind):
     """One query at key 40 of 77 slots (a StaticCache): the slots after it are masked by causality."""

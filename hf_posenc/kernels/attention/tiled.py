@@ -84,6 +84,7 @@ from typing import NamedTuple
 
 import torch
 
+from .._cpu_flash import FLASH_BACKWARD as _flash_bwd, FLASH_FORWARD as _flash_fwd
 from .._subnormal import EXP_FLOOR, exp_flushed
 from .naive import check_window
 from .terms import KernelTerm
@@ -461,8 +462,8 @@ def _ungroup(x: torch.Tensor, h: int) -> torch.Tensor:
 def _flash_available(plan: _Plan, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the tiles can go through torch's fused CPU attention kernel (additive float mask per tile):
     CPU float32 compute; Shaw (whose value term needs the probabilities) only when causal (``_ShawBand``)."""
-    return device.type == "cpu" and dtype == torch.float32 and (plan.kind != "shaw" or plan.causal) and hasattr(
-        torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    return (device.type == "cpu" and dtype == torch.float32 and (plan.kind != "shaw" or plan.causal)
+            and _flash_fwd is not None and _flash_bwd is not None)
 
 
 class _ShawBand:
@@ -643,8 +644,6 @@ def _empty_rows(plan: _Plan, qi: torch.Tensor, valid: torch.Tensor | None, k_sta
     return ~v.any(-1)[:, None, None, None].expand(-1, 1, qi.shape[0], 1)
 
 
-_flash_fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_flash_bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
 def _expand_heads(x: torch.Tensor, h: int) -> torch.Tensor:
@@ -778,9 +777,10 @@ def _flash_parts_bwd(dob, qb, kb, vb, ob, lb, parts: list[_Part]) -> tuple[torch
     return dq, torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
 
 
-def _fox_flush_start(c: torch.Tensor, ref: torch.Tensor, lse: torch.Tensor, beta: torch.Tensor, k0: int, k1: int
-                     ) -> list[int]:
-    """Per head, the first key any row of the block needs (>= k0): c is non-increasing (a sum of log-gates <= 0),
+def _flush_start(c: torch.Tensor, ref: torch.Tensor, lse: torch.Tensor, beta: torch.Tensor, k0: int, k1: int
+                 ) -> list[int]:
+    """Per head, the first key any row of the block needs (>= k0) on the key-channel path: c is non-increasing
+    (FoX: a sum of log-gates <= 0; ALiBi: −slope · j),
     so c[ref] − c[j] falls as j goes back, and the keys before row i's first j with c[ref] − c[j] >= lse_i − β_i
     + EXP_FLOOR have probabilities below e^EXP_FLOOR for any q, k (|q · k| <= β_i): flushed to 0 (as GPUs do) by
     leaving them out. k0 for every head where c is not monotone. c (B|1, H, Lk), ref (B|1, H, 1), lse and
@@ -814,7 +814,7 @@ def _channel_fused_backward(plan: _Plan, tile: "_Tile", q, k, v, out, lse, do, v
     CPU kernel, per query block and run of heads that share a first key, with c's gradient read from the channel
     that carries it: dc[j] = −Σ_i dS_ij (the per-row constant's gradient Σ_j dS_ij is 0: a softmax row's dS sums
     to 0). Subnormal probabilities are avoided as in :func:`_subnormal_free`: per head, the keys no logit can lift
-    are left out (:func:`_fox_flush_start`), and one shift per head lifts the rest. Where the forward split the
+    are left out (:func:`_flush_start`), and one shift per head lifts the rest. Where the forward split the
     block's keys (:func:`_diagonal_start`), so does the backward: no mask; else the block's causal/padding mask,
     in which each row's own flush rides too. Returns dq (of the scaled q), dk, dv and dc (B, H, Lk) or None."""
     q_len, k_len = q.shape[2], k.shape[2]
@@ -831,7 +831,7 @@ def _channel_fused_backward(plan: _Plan, tile: "_Tile", q, k, v, out, lse, do, v
         keys = _channel_keys(kx[:, :, k_start:k_stop], channel)  # (B, H, m, D + 1)
         lse_b = lse[:, :, q0:q1]
         beta = q[:, :, q0:q1].norm(dim=-1) * knorm[:, :, k_start:k_stop].amax(-1, keepdim=True)  # (B, H, n)
-        starts = _fox_flush_start(tile.c, ref, lse_b, beta, k_start, k_stop)
+        starts = _flush_start(tile.c, ref, lse_b, beta, k_start, k_stop)
         shift = (2 * beta.amax(-1, keepdim=True) + 1 + SHIFT_MARGIN).clamp_(max=MAX_SHIFT)  # (B, H, 1)
         unscale = torch.exp(-shift)[..., None]
         diag = _diagonal_start(plan, q0, q1, k_start, k_stop, valid)

@@ -55,6 +55,7 @@ from __future__ import annotations
 import torch
 
 from ...ops import eager_value_checks
+from .._cpu_flash import FLASH_BACKWARD as _flash_bwd, FLASH_FORWARD as _flash_fwd
 from .._subnormal import exp_flushed
 from .._reverse_tiles import (
     Geometry,
@@ -95,11 +96,6 @@ def _gather2(pairs: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torc
         both = pairs.view(torch.float64).squeeze(-1).gather(-1, idx).view(torch.float32)
         return both[..., 0::2], both[..., 1::2]
     return pairs[..., 0].gather(-1, idx), pairs[..., 1].gather(-1, idx)
-
-
-#: torch's fused CPU attention kernel (forward, backward), for the saturated keys (see :func:`_saturated_tail`).
-_flash_fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_flash_bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
 def _saturated_tail(carry: torch.Tensor, top: float, tile, stop: int, plain: bool, rows: torch.Tensor | None

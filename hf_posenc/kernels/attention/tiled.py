@@ -139,10 +139,9 @@ class _FireTiles:
     u_ij = ψ(δ_ij) · inv_norm_i · (N − 1) / x_max, ψ(δ) = log(1 + c δ), δ = max(qi − j, 0); u is the same for every
     head, so the cells and weights are computed once per tile.
 
-    Forward: each head's value and slope at a pair's cell come from one gather of a complex (H, N) table
-    f[k] + i (f[k + 1] − f[k]) (8-byte elements: half the gathers of a (2H, N) real table; a FIRE layer's
-    forward + backward at L = 2048 went from 375 to 359 ms with it and the split scatter below, AMD EPYC, 2 threads).
-    Backward: the table's gradient is a scatter of dS and dS · w over the cells; consecutive keys of a row share
+    Forward: each head's value and slope at a pair's cell come from one gather of a (2H, N) table (a complex
+    (H, N) table of value + i slope gathers half as many elements, but the interpolation then reads strided
+    halves: no faster, measured). Backward: the table's gradient is a scatter of dS and dS · w over the cells; consecutive keys of a row share
     their cell, so the scatter's adds to one address chain one after another: the keys are dealt to ``SPLIT``
     copies of the table (key p to copy p mod SPLIT), summed after (the scatter took 1.0 ms -> 0.4-0.9 ms on a
     (8, 256, 512) tile, measured). c's and inv_norm's gradients come through du = Σ_h dS_h · slope_h."""
@@ -155,7 +154,7 @@ class _FireTiles:
         self.heads, self.n = table.shape
         slope = torch.cat([table.diff(dim=1), table.new_zeros(self.heads, 1)], dim=1)
         self.table = table
-        self.pairs = torch.view_as_complex(torch.stack([table, slope], dim=-1))  # (H, N): f[k] + i (f[k+1] − f[k])
+        self.values = torch.cat([table, slope], dim=0)  # (2H, N): f at cell k, f[k + 1] − f[k]
         self.c = t["c"].detach().to(dtype)
         self.inv_norm = t["inv_norm"].detach().to(dtype)  # (B|1, Lq)
         self.scale = (self.n - 1) / t["x_max"].detach().to(dtype)
@@ -171,10 +170,11 @@ class _FireTiles:
         cell = u.floor().clamp_(max=self.n - 2)
         w = u.sub_(cell)  # weight of cell + 1
         idx = cell.long().reshape(-1)
-        got = torch.view_as_real(self.pairs.gather(1, idx[None].expand(self.heads, -1)))  # (H, P, 2)
-        out = torch.addcmul(got[..., 0], got[..., 1], w.reshape(1, -1)).view(self.heads, *raw.shape)
-        self.last = (delta, psi, raw, w, idx, got[..., 1].view(self.heads, *raw.shape))
-        return out.movedim(1, 0)  # (B|1, H, n, m)
+        # gather along a broadcast index: 4x faster than index_select on dim 1 here (measured, 2 threads)
+        got = self.values.gather(1, idx[None].expand(2 * self.heads, -1)).view(2, self.heads, *raw.shape)
+        out = torch.addcmul(got[0], got[1], w[None]).movedim(1, 0)  # (B|1, H, n, m)
+        self.last = (delta, psi, raw, w, idx, got[1])
+        return out
 
     def _dealt(self, idx: torch.Tensor) -> torch.Tensor:
         """The cells ``idx`` (P,) moved to copy p mod SPLIT of a (SPLIT · N) table."""

@@ -141,10 +141,11 @@ class _FireTiles:
 
     Forward: each head's value and slope at a pair's cell come from one gather of a (2H, N) table (a complex
     (H, N) table of value + i slope gathers half as many elements, but the interpolation then reads strided
-    halves: no faster, measured). Backward: the table's gradient is a scatter of dS and dS · w over the cells; consecutive keys of a row share
-    their cell, so the scatter's adds to one address chain one after another: the keys are dealt to ``SPLIT``
-    copies of the table (key p to copy p mod SPLIT), summed after (the scatter took 1.0 ms -> 0.4-0.9 ms on a
-    (8, 256, 512) tile, measured). c's and inv_norm's gradients come through du = Σ_h dS_h · slope_h."""
+    halves: no faster, measured). Backward: the table's gradient is a scatter of dS and dS · w over the cells;
+    consecutive keys of a row share their cell, so the scatter's adds to one address chain one after another: the
+    keys are dealt to ``SPLIT`` copies of the table (key p to copy p mod SPLIT), summed after (the scatter took
+    1.0 ms -> 0.4-0.9 ms on a (8, 256, 512) tile, measured). c's and inv_norm's gradients come through
+    du = Σ_h dS_h · slope_h."""
 
     #: copies of the table the backward's scatter deals consecutive keys to (see the class docstring).
     SPLIT = 4

@@ -159,7 +159,8 @@ class _FireTiles:
         self.c = t["c"].detach().to(dtype)
         self.inv_norm = t["inv_norm"].detach().to(dtype)  # (B|1, Lq)
         self.scale = (self.n - 1) / t["x_max"].detach().to(dtype)
-        self.last = None  # the parts of the last tile built, for its gradient
+        self.last = None  # the parts of the last tile built, for its gradient (kept when ``keep``: the backward)
+        self.keep = False
         self._lanes = torch.empty(0, dtype=torch.long, device=table.device)
 
     def bias(self, qi: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
@@ -174,7 +175,8 @@ class _FireTiles:
         # gather along a broadcast index: 4x faster than index_select on dim 1 here (measured, 2 threads)
         got = self.values.gather(1, idx[None].expand(2 * self.heads, -1)).view(2, self.heads, *raw.shape)
         out = torch.addcmul(got[0], got[1], w[None]).movedim(1, 0)  # (B|1, H, n, m)
-        self.last = (delta, psi, raw, w, idx, got[1])
+        if self.keep:  # for grads(); else freed now (held, a block's 50 MB made every next tile fault in fresh pages)
+            self.last = (delta, psi, raw, w, idx, got[1])
         return out
 
     def _dealt(self, idx: torch.Tensor) -> torch.Tensor:
@@ -213,6 +215,7 @@ class _FireTiles:
                 dpsi = du * (self.inv_norm[:, q0:q1, None] * self.scale)
                 dc = (dpsi * (delta / (1 + self.c * delta))[None]).sum()
                 acc["c"] = dc if "c" not in acc else acc["c"] + dc
+        self.last = None  # freed before the next tile is built
 
 
 # EXP_FLOOR (hf_posenc.kernels._subnormal): a probability exp(s − lse) below e^EXP_FLOOR is subnormal. The fused
@@ -987,6 +990,8 @@ class TiledAttentionFunction(torch.autograd.Function):
         dc = torch.zeros_like(tile.c) if plan.kind == "fox" and want_term else None
         fire_grads: dict[str, torch.Tensor] = {}
         fire_need = dict(zip(plan.names, need))
+        if plan.kind == "fire":
+            tile.fire.keep = want_term
         d_akey = torch.zeros_like(tile.a_key) if plan.kind == "shaw" else None
         d_avalue = torch.zeros_like(tile.a_value) if plan.kind == "shaw" else None
         if plan.kind == "shaw" and _flash_available(plan, query.device, dtype):  # the forward's frame: _ShawBand

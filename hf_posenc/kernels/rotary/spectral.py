@@ -23,8 +23,10 @@ Backward (a custom autograd Function), with a = V^H dout, ae = exp(i c w) o a, y
   are (b x R) (R x b) products, M[k, l] = (Σ ae[k] conj(y[l]) − Σ a[k] conj(z[l])) / (i (w_k − w_l)), or the
   divided difference's Taylor series where eigenvalues are close (:data:`.skew_exp.TAYLOR_BELOW`).
 
-The backward keeps x, not its eigenbasis images (4x its size), and takes the sums over rows in chunks of
-``SUM_CHUNK`` positions. The test oracle is ``apply_qk_rotation_reference`` with rotations from one matrix
+The backward keeps the rotated output (the tensor the attention after it keeps anyway), not the input: with V
+unitary, V^H out = z and y = exp(+i c w) o z, which its sums need (at issue 14's setting a ComRoPE training
+step's peak memory went from 1.25x to 1.04-1.05x SDPA's, AMD EPYC, time unchanged); it takes the sums over rows
+in chunks of ``SUM_CHUNK`` positions. The test oracle is ``apply_qk_rotation_reference`` with rotations from one matrix
 exponential per token.
 """
 
@@ -113,14 +115,17 @@ def _conj_products(lhs: torch.Tensor, rhs: torch.Tensor, sizes: list[int]) -> li
 SUM_CHUNK = 512
 
 
-def _row_sums(x, a, ae, c, basis, cos, sin, terms, close_rows, dt) -> list[torch.Tensor]:
+def _row_sums(out, a, ae, c, basis, cos, sin, terms, close_rows, dt) -> list[torch.Tensor]:
     """The sums over the rows (batch, heads of the group, positions) of one chunk of positions, per (Hr, m) block:
-    [Y, X, Z_0, Z_1[K], ...] (:func:`divided_difference_grad`) for x (B, Hr, G, n, D) and a = V^H dout,
-    ae = exp(i c w) o a ([Re | Im], (B, Hr, G, n, 2D)), c (Bc, n, m) float64."""
-    bb, hr, g, n, _ = x.shape
+    [Y, X, Z_0, Z_1[K], ...] (:func:`divided_difference_grad`) for the rotated rows out = V z (B, Hr, G, n, D) and
+    a = V^H dout, ae = exp(i c w) o a ([Re | Im], (B, Hr, G, n, 2D)), c (Bc, n, m) float64.
+
+    The input's images y = V^H x and z = exp(−i c w) o y come from the output: V is unitary, so V^H out = z and
+    y = exp(+i c w) o z (the input itself is never kept or rebuilt)."""
+    bb, hr, g, n, _ = out.shape
     b = basis.block
-    m = x.shape[-1] // b
-    y, z = _to_eig(x, basis, cos, sin, conj=False)
+    m = out.shape[-1] // b
+    z, y = _to_eig(out, basis, cos, sin, conj=True)
     ra, rae, ry, rz = (_rows(t.flatten(2, 3), hr, m, b) for t in (a, ae, y, z))  # (Hr, m, R', 2b)
     del y, z
     cr = c.to(dt)[:, None].expand(-1, g, -1, -1).reshape(c.shape[0], g * n, m)  # (Bc, G·n, m)
@@ -151,8 +156,9 @@ class _SpectralRotation(torch.autograd.Function):
             xr = _heads(x.to(dt), hr)
             out = _rotate(xr, basis, cos, sin, conj=False)[0]
             outs.append(out.view(x.shape).to(x.dtype))
-            # what the backward reads: x for dS (its y, z are recomputed: they are 4x its size), out for dc
-            saved += [xr if want_s else None, out if want_c else None]
+            # what the backward reads: out, for dc and for dS (out is the tensor the attention keeps anyway; the
+            # input's eigenbasis images come from it, see _row_sums: x would be one more copy of q and k)
+            saved.append(out if want_s or want_c else None)
         ctx.save_for_backward(skew, coeff, w, V, cos, sin, *saved)
         ctx.info = (dt, q.shape, k.shape, q.dtype, k.dtype)
         return tuple(outs)
@@ -160,7 +166,7 @@ class _SpectralRotation(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dq_out, dk_out):  # type: ignore[override]
-        skew, coeff, w, V, cos, sin, xq, oq, xk, ok = ctx.saved_tensors
+        skew, coeff, w, V, cos, sin, oq, ok = ctx.saved_tensors
         dt, q_shape, k_shape, q_dtype, k_dtype = ctx.info
         hr, m, b, _ = skew.shape
         cdt = torch.complex128 if dt == torch.float64 else torch.complex64
@@ -172,7 +178,7 @@ class _SpectralRotation(torch.autograd.Function):
         dc = torch.zeros(c.shape, dtype=dt, device=c.device) if want_c else None
         terms, close_rows = taylor_terms(w, c.abs().amax(dim=(0, 1)), dt) if want_s else (0, None)
         s_blocks = _block_diag(skew.detach().to(dt).mT) if want_c else None  # out @ S^T per block
-        for dout, shape, x, out in ((dq_out, q_shape, xq, oq), (dk_out, k_shape, xk, ok)):
+        for dout, shape, out in ((dq_out, q_shape, oq), (dk_out, k_shape, ok)):
             dout = torch.zeros(shape, dtype=dt, device=w.device) if dout is None else dout.to(dt)
             dr = _heads(dout, hr)
             dx, a, ae = _rotate(dr, basis, cos, sin, conj=True)  # exp(+i c w)
@@ -182,9 +188,9 @@ class _SpectralRotation(torch.autograd.Function):
                 per = per.sum(dim=(1, 2))  # (B, L, m)
                 dc += per.sum(0, keepdim=True) if dc.shape[0] == 1 else per
             if want_s:  # in chunks of positions: the temporaries stay O(chunk), not O(L) several times over
-                for p0 in range(0, x.shape[3], SUM_CHUNK):
-                    p1 = min(p0 + SUM_CHUNK, x.shape[3])
-                    part = _row_sums(x[:, :, :, p0:p1], a[:, :, :, p0:p1], ae[:, :, :, p0:p1], c[:, p0:p1],
+                for p0 in range(0, out.shape[3], SUM_CHUNK):
+                    p1 = min(p0 + SUM_CHUNK, out.shape[3])
+                    part = _row_sums(out[:, :, :, p0:p1], a[:, :, :, p0:p1], ae[:, :, :, p0:p1], c[:, p0:p1],
                                      basis, cos[:, :, :, p0:p1], sin[:, :, :, p0:p1], terms, close_rows, dt)
                     sums = part if sums is None else [s + p for s, p in zip(sums, part)]
         grad_skew = None

@@ -25,9 +25,9 @@ Backward (a custom autograd Function), with a = V^H dout, ae = exp(i c w) o a, y
 
 The backward keeps the rotated output (the tensor the attention after it keeps anyway), not the input: with V
 unitary, V^H out = z and y = exp(+i c w) o z, which its sums need (at issue 14's setting a ComRoPE training
-step's peak memory went from 1.25x to 1.04-1.05x SDPA's, AMD EPYC, time unchanged); it takes the sums over rows
-in chunks of ``SUM_CHUNK`` positions. The test oracle is ``apply_qk_rotation_reference`` with rotations from one matrix
-exponential per token.
+step's peak memory went from 1.25-1.26x SDPA's to 1.04-1.05x in runs of comrope and liere alone and 1.14-1.20x
+in full runs, AMD EPYC, time unchanged); it takes the sums over rows in chunks of ``SUM_CHUNK`` positions. The
+test oracle is ``apply_qk_rotation_reference`` with rotations from one matrix exponential per token.
 """
 
 from __future__ import annotations

@@ -332,6 +332,28 @@ def test_spectral_rotation_equals_matrix_exp_rotations(monkeypatch, shape, dtype
 
 def test_spectral_rotation_bad_inputs():
     """Shapes and dtypes that do not fit get a ValueError / TypeError naming what is expected."""
+
+@pytest.mark.parametrize("want_coeff", [False, True], ids=["skew-grad", "skew-and-coeff-grads"])
+def test_spectral_rotation_keeps_no_copy_of_its_input(want_coeff):
+    """The backward keeps the rotated q and k (the very tensors returned, which the attention keeps anyway), not
+    the inputs: of the (B, H, L, D)-sized tensors saved for backward, every one shares storage with an output."""
+    from hf_posenc.kernels.rotary.spectral import spectral_qk_rotation
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 6, 8, generator=g, requires_grad=True)
+    k = torch.randn(2, 2, 6, 8, generator=g, requires_grad=True)
+    P = torch.randn(2, 2, 4, 4, generator=g)
+    skew = (P - P.mT).requires_grad_(True)
+    coeff = torch.randn(1, 6, 2, generator=g).requires_grad_(want_coeff)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        q_out, k_out = spectral_qk_rotation(q, k, skew, coeff)
+    big = [t for t in saved if t.numel() >= k.numel()]
+    outputs = {q_out.untyped_storage().data_ptr(), k_out.untyped_storage().data_ptr()}
+    assert len(big) == 2 and {t.untyped_storage().data_ptr() for t in big} == outputs
+    (q_out.sum() + k_out.sum()).backward()  # what was kept is enough for the backward
+    assert skew.grad is not None and (coeff.grad is not None) == want_coeff
+
     from hf_posenc.kernels.rotary.spectral import spectral_qk_rotation
 
     q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)

@@ -154,7 +154,6 @@ class _FireTiles:
         table = t["table"].detach().to(dtype)
         self.heads, self.n = table.shape
         slope = torch.cat([table.diff(dim=1), table.new_zeros(self.heads, 1)], dim=1)
-        self.table = table
         self.values = torch.cat([table, slope], dim=0)  # (2H, N): f at cell k, f[k + 1] − f[k]
         self.c = t["c"].detach().to(dtype)
         self.inv_norm = t["inv_norm"].detach().to(dtype)  # (B|1, Lq)
@@ -197,7 +196,7 @@ class _FireTiles:
         if need["table"]:
             flat = dsh.reshape(self.heads, -1)
             cells = self._dealt(idx)[None].expand(self.heads, -1)
-            copies = self.table.new_zeros(self.heads, self.SPLIT * self.n)
+            copies = self.values.new_zeros(self.heads, self.SPLIT * self.n)
             whole = copies.scatter_add(1, cells, flat).view(self.heads, self.SPLIT, self.n).sum(1)  # Σ dS per cell
             upper = copies.scatter_add_(1, cells, flat * w.reshape(1, -1)).view(self.heads, self.SPLIT, self.n).sum(1)
             grad = whole - upper  # dS (1 − w) at the cell
@@ -401,7 +400,7 @@ class _Tile:
         if self.kind in _TOEPLITZ:
             return float((self.rev.amax(-1) - self.rev.amin(-1)).max()) if self.rev.numel() else 0.0
         if self.kind == "fire":  # interpolated values lie between the table's
-            values = self.fire.table
+            values = self.fire.values[: self.fire.heads]
             return float((values.amax(-1) - values.amin(-1)).max())
         if self.kind == "none":
             return 0.0
@@ -667,8 +666,6 @@ def _empty_rows(plan: _Plan, qi: torch.Tensor, valid: torch.Tensor | None, k_sta
     return ~v.any(-1)[:, None, None, None].expand(-1, 1, qi.shape[0], 1)
 
 
-
-
 def _expand_heads(x: torch.Tensor, h: int) -> torch.Tensor:
     """(B, Hkv, L, D) -> (B, H, L, D) (a broadcast view made contiguous: the fused kernel takes no GQA)."""
     b, hkv, n, d = x.shape
@@ -803,11 +800,10 @@ def _flash_parts_bwd(dob, qb, kb, vb, ob, lb, parts: list[_Part]) -> tuple[torch
 def _flush_start(c: torch.Tensor, ref: torch.Tensor, lse: torch.Tensor, beta: torch.Tensor, k0: int, k1: int
                  ) -> list[int]:
     """Per head, the first key any row of the block needs (>= k0) on the key-channel path: c is non-increasing
-    (FoX: a sum of log-gates <= 0; ALiBi: −slope · j),
-    so c[ref] − c[j] falls as j goes back, and the keys before row i's first j with c[ref] − c[j] >= lse_i − β_i
-    + EXP_FLOOR have probabilities below e^EXP_FLOOR for any q, k (|q · k| <= β_i): flushed to 0 (as GPUs do) by
-    leaving them out. k0 for every head where c is not monotone. c (B|1, H, Lk), ref (B|1, H, 1), lse and
-    β (B, H, n)."""
+    (FoX: a sum of log-gates <= 0; ALiBi: −slope · j), so c[ref] − c[j] falls as j goes back, and the keys before
+    row i's first j with c[ref] − c[j] >= lse_i − β_i + EXP_FLOOR have probabilities below e^EXP_FLOOR for any q, k
+    (|q · k| <= β_i): flushed to 0 (as GPUs do) by leaving them out. k0 for every head where c is not monotone.
+    c (B|1, H, Lk), ref (B|1, H, 1), lse and β (B, H, n)."""
     seg = c[..., k0:k1].detach()
     if seg.shape[-1] < 2 or not bool((seg[..., 1:] <= seg[..., :-1]).all()):
         return [k0] * lse.shape[1]

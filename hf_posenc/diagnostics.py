@@ -581,21 +581,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_ms(fn: Callable[[], Any], device: torch.device, budget_s: float, max_reps: int) -> float:
-    """Median milliseconds of ``fn`` (after one warm-up call on CUDA), repeated within ``budget_s`` (at least
-    once, at most ``max_reps`` times)."""
-    if device.type == "cuda":  # compiles and autotunes; the CPU's first call was the correctness check
-        fn()
+def _time_pair(engine: Callable[[], Any], sdpa: Callable[[], Any], device: torch.device) -> tuple[float, float]:
+    """Median milliseconds of ``engine`` and of ``sdpa``, run alternately (engine, SDPA, engine, ...) so that
+    both see the same machine load: at least 2 pairs (5 on CUDA, after one warm-up call of each: compiles and
+    autotuning), more while the budget lasts (0.05 s on the CPU, 0.2 s on CUDA; at most 4 / 20 pairs)."""
+    min_pairs, max_pairs, budget_s = (5, 20, 0.2) if device.type == "cuda" else (2, 4, 0.05)
+    if device.type == "cuda":  # on the CPU the first call was the correctness check
+        engine(), sdpa()
         _sync(device)
-    times: list[float] = []
+    times: tuple[list[float], list[float]] = ([], [])
     start = time.perf_counter()
-    while len(times) < max_reps and (not times or time.perf_counter() - start < budget_s):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
+    while len(times[0]) < max_pairs and (len(times[0]) < min_pairs or time.perf_counter() - start < budget_s):
+        for fn, out in ((engine, times[0]), (sdpa, times[1])):
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            out.append((time.perf_counter() - t0) * 1e3)
+    return tuple(sorted(t)[len(t) // 2] for t in times)
 
 
 def _timed_call(problem: Problem, fn, inputs, backward: bool):
@@ -673,12 +675,11 @@ def _check_row(case: Case, engine: str, dtype_name: str, shape, device: torch.de
     row["status"] = "pass" if ok else "fail"
     if timing and not interpreted:
         row["timed"] = "fwd+bwd" if backward else "fwd"
-        budget, reps = (0.1, 10) if device.type == "cuda" else (0.05, 5)
         try:
-            row["engine_ms"] = _time_ms(_timed_call(problem, lambda *x: problem.run(engine, *x), tensors, backward),
-                                        device, budget, reps)
             sdpa = dataclasses.replace(problem, grad_out=problem.grad_out[:1])
-            row["sdpa_ms"] = _time_ms(_timed_call(sdpa, _sdpa, list(problem.qkv), backward), device, budget, reps)
+            row["engine_ms"], row["sdpa_ms"] = _time_pair(
+                _timed_call(problem, lambda *x: problem.run(engine, *x), tensors, backward),
+                _timed_call(sdpa, _sdpa, list(problem.qkv), backward), device)
             row["ratio_vs_sdpa"] = row["engine_ms"] / row["sdpa_ms"] if row["sdpa_ms"] else None
         except Exception as exc:  # noqa: BLE001 - timing is informative; its failure is noted, not failed
             row["note"] = ((row["note"] + "; ") if row["note"] else "") + f"timing failed: {type(exc).__name__}: {exc}"
@@ -866,7 +867,9 @@ def _write(report: dict, out: str | os.PathLike) -> None:
 
 
 def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
+    """``x`` formatted with ``spec`` (e.g. ``"9.2e"``), or a dash of the same width for None."""
+    width = int(spec.split(".")[0] or 0)
+    return "-".rjust(width) if x is None else format(x, spec)
 
 
 def format_report(report: dict) -> str:
@@ -880,7 +883,8 @@ def format_report(report: dict) -> str:
     env = {k: val for k, val in report["environment"].items() if val is not None}
     lines.append("environment: " + (", ".join(f"{k}={val}" for k, val in env.items()) or "-")
                  + f"; Triton interpreter: {'on' if report['triton_interpreter'] else 'off'}")
-    lines += ["", "checks (relative error vs the float64 reference; time: forward+backward vs SDPA, same shape):", ""]
+    lines += ["", "checks: relative error of the output and of every gradient against the float64 reference (max err); "
+                  "median ms", "of forward+backward, alternating with SDPA (causal, no bias) on the same shape:", ""]
     header = f"{'case':14s} {'engine':7s} {'dtype':9s} {'L':>4s} {'max err':>9s} {'tol':>7s} {'status':6s} " \
              f"{'ms':>8s} {'sdpa ms':>8s} {'x sdpa':>7s}  note"
     lines += [header, "-" * len(header)]
@@ -894,7 +898,10 @@ def format_report(report: dict) -> str:
         if r["status"] == "fail" and r["errors"]:
             bad = [k for k, e in r["errors"].items() if e is None or e > r["tolerance"]]
             worst = "over tolerance: " + ", ".join(bad)
-        note = "; ".join(x for x in (worst, r["note"] or "") if x)
+        note = r["note"] or ""
+        if note.startswith("forward only") and r["engine"] == "flex":
+            note = f"forward only (FlexAttention has no backward on {report['device']['type']})"
+        note = "; ".join(x for x in (worst, note) if x)
         lines.append(f"{r['case']:14s} {r['engine']:7s} {r['dtype']:9s} {r['shape']['L']:>4d} "
                      f"{_fmt(r['max_error'], '9.2e')} {r['tolerance']:7.0e} {status:6s} {_fmt(r['engine_ms'], '8.2f')} "
                      f"{_fmt(r['sdpa_ms'], '8.2f')} {_fmt(r['ratio_vs_sdpa'], '7.2f')}  {note}")

@@ -964,6 +964,11 @@ def _argv_of(args: argparse.Namespace) -> list[str]:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run the doctor from parsed arguments; 0 when every check passed, 1 otherwise, 2 on bad arguments."""
+    on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    if args.interpret and on_cuda:
+        print("hf-posenc doctor: --interpret runs the Triton kernels in Triton's CPU interpreter; with a CUDA "
+              "device they run compiled (give --device cpu to interpret them)", file=sys.stderr)
+        return 2
     if args.interpret and not _interpreter_ready():
         if os.environ.get("_HF_POSENC_DOCTOR_CHILD"):
             print("hf-posenc doctor: TRITON_INTERPRET=1 did not take effect", file=sys.stderr)

@@ -71,7 +71,7 @@ from .kernels.rotary import _kernel_unsupported as rotary_unsupported
 from .kernels.rotary import apply_qk_rotation_reference
 from .kernels.sba import sba_reference, sba_tiled
 
-__all__ = ["CASES", "ENGINES", "SCHEMA", "TOLERANCE", "default_backends", "doctor", "environment", "main"]
+__all__ = ["CASES", "ENGINES", "SCHEMA", "TOLERANCE", "default_backends", "doctor", "environment", "format_report"]
 
 #: the report's schema id (bumped when a field changes meaning or disappears).
 SCHEMA = "hf_posenc.doctor/1"
@@ -932,7 +932,7 @@ The exit status is 1 when a check fails. Attach the --out report to bug reports.
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The doctor's options (shared by ``hf-posenc doctor`` and ``python -m hf_posenc.diagnostics``)."""
+    """The options of ``hf-posenc doctor`` (also ``python -m hf_posenc doctor``)."""
     p.add_argument("--out", metavar="PATH", help="write the JSON report here (rewritten after every check)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", dest="dtypes", metavar="DTYPES",
@@ -998,14 +998,3 @@ def _interpreter_ready() -> bool:
     from .kernels.attention.triton_attention import stdlib_matches_mode
 
     return stdlib_matches_mode()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hf_posenc.diagnostics [options]`` (the same as ``hf-posenc doctor [options]``)."""
-    p = argparse.ArgumentParser(prog="hf-posenc doctor", description=DESCRIPTION)
-    add_arguments(p)
-    return run_cli(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

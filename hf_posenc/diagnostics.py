@@ -268,10 +268,6 @@ def _why_rotation(forced, on_cuda, defaults) -> str:
 # -- the problems ----------------------------------------------------------------------------------------
 
 
-class Unsupported(Exception):
-    """An engine cannot run a case here; the message says why (the row is skipped, not failed)."""
-
-
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One check: a family (``attention``, ``sba``, ``cope``, ``cape``, ``rotary``), its variant and window."""
@@ -407,6 +403,7 @@ def _attention_problem(case: Case, shape, dtype, device, g) -> Problem:
     n = shape[3]
     names = list(params)
     kw = dict(scale=shape[4] ** -0.5, causal=True, q_offset=0, key_valid=valid, window=window)
+    flex_memo: dict = {}
 
     def split(tensors):
         return tensors[:3], dict(zip(names, tensors[3:]))
@@ -418,8 +415,8 @@ def _attention_problem(case: Case, shape, dtype, device, g) -> Problem:
             return fused_attention(q_, k_, v_, term, **kw)
         if engine == "tiled":
             return tiled_attention(q_, k_, v_, term, block_q=TILES[0], block_k=TILES[1], **kw)
-        if engine == "flex":
-            return flex_attention_term(q_, k_, v_, term, **kw)
+        if engine == "flex":  # the block mask built once, as a model builds it once per forward for every layer
+            return flex_attention_term(q_, k_, v_, term, memo=flex_memo, **kw)
         raise ValueError(engine)
 
     def reference(*tensors):

@@ -106,6 +106,11 @@ def run_stage(st: dict, env: dict) -> dict:
            "output_tail": out[-4000:], "output": out}
     if st.get("rows") and Path(st["rows"]).exists():
         rec["rows"] = [json.loads(line) for line in Path(st["rows"]).read_text().splitlines() if line.strip()]
+    if st.get("report") and Path(st["report"]).exists():  # the doctor's checks stay in its report
+        try:
+            rec["checks"] = len(json.loads(Path(st["report"]).read_text())["rows"])
+        except (json.JSONDecodeError, KeyError):
+            rec["checks"] = None
     if st.get("json") and Path(st["json"]).exists():
         rec["rows"] = json.loads(Path(st["json"]).read_text())["results"]
     return rec
@@ -235,8 +240,8 @@ def main(argv=None) -> int:
                 continue
             print(f"[gpu-check] {st['name']} (limit {st['timeout']} s) ...", flush=True)
             rec = run_stage(st, env)
-            print(f"[gpu-check] {st['name']}: {rec['status']} in {rec['seconds']} s, {len(rec.get('rows', []))} rows",
-                  flush=True)
+            count = f"{rec['checks']} checks" if "checks" in rec else f"{len(rec.get('rows', []))} rows"
+            print(f"[gpu-check] {st['name']}: {rec['status']} in {rec['seconds']} s, {count}", flush=True)
             if rec["status"] != "ok":
                 print(rec["output_tail"][-1500:], flush=True)
             bench["stages"].append(rec)

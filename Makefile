@@ -7,7 +7,8 @@
 #   make quickstart  run examples/quickstart.py (train a tiny ALiBi Llama, save, reload)
 #   make bench    run benchmarks/bench_forward.py (writes benchmarks/results/forward_<device>.json)
 #   make matrix   rewrite the README's support matrix from hf_posenc.support_matrix()
-#   make gpu-check  on a CUDA machine: pytest -m gpu + every GPU benchmark (benchmarks/results/gpu_check_<gpu>.*)
+#   make gpu-check  on a CUDA machine: hf-posenc doctor + every GPU benchmark (benchmarks/results/gpu_check_<gpu>.*);
+#                 GPU_CHECK_ARGS=--pytest adds pytest -m gpu
 #   make compile-check  compile every Triton kernel for sm_90 and sm_80 without a GPU (ptxas from Triton)
 #   make test-triton36  the kernel tests in the interpreter with Triton 3.6 and numpy < 2.4 (a venv in $(VENV36))
 #
@@ -80,7 +81,7 @@ CROSS_DIR ?= $(OLDEST_VENV)/cross-version
 .PHONY: help setup test test-oldest demo quickstart bench matrix clean-venv gpu-check compile-check test-triton36
 
 help:
-	@sed -n '2,13p' Makefile | sed 's/^# *//'
+	@sed -n '2,14p' Makefile | sed 's/^# *//'
 
 setup: $(STAMP)
 

@@ -1,13 +1,18 @@
-"""`make gpu-check`: the GPU tests and every GPU benchmark in one run, one JSON and one table named after the GPU.
+"""`make gpu-check`: hf-posenc doctor and every GPU benchmark in one run, one JSON and one table named after the GPU.
 
     python benchmarks/gpu_check.py            # on a CUDA machine with torch, Triton and transformers installed
     python benchmarks/gpu_check.py --smoke    # CPU: every stage with tiny shapes in Triton's interpreter
+    python benchmarks/gpu_check.py --pytest   # also `pytest -m gpu tests/` (full sizes, long L; ~200 s more)
 
-Stages, each a subprocess with its own time limit (the limits add up to under 8 minutes; a stage that runs
-out of time is reported as such, with the rows it had measured):
+Stages, each a subprocess with its own time limit (the default stages' limits add up to under 8 minutes; a
+stage that runs out of time is reported as such, with the rows it had measured):
 
-1. ``pytest -m gpu tests/``: every kernel against its reference on the GPU (forward and every gradient,
-   fp32 with TF32 off, bf16, fp16, odd shapes, GQA, key padding, decode, long L).
+1. ``hf-posenc doctor``: every engine (Triton kernels, FlexAttention, the tile-wise engines) against the
+   float64 references, forward and every gradient, float32 (TF32 off) and bfloat16, on small odd shapes with
+   GQA, key padding and windowed launches, each timed against SDPA; and the default backend of each
+   encoding. This is the correctness part: the JSON written is the doctor's report (``hf_posenc.doctor``,
+   docs/doctor.md), with the benchmarks added under ``benchmarks``, so that a user's
+   ``hf-posenc doctor --out report.json`` and this file have one format.
 2. ``bench_attention.py``: every term kind, B = 4096 / L, H = 32, D = 128, bf16, L = 1k, 4k, 16k, forward
    and forward+backward: SDPA flash (causal, no bias: the floor), our Triton kernel, compiled FlexAttention
    with the same score_mod, the eager reference up to L = 4k.
@@ -16,10 +21,14 @@ out of time is reported as such, with the rows it had measured):
 5. ``bench_train_step.py``: tokens/s of a 12-layer 768-wide Llama training step, unpatched vs alibi, kerple,
    fox, cope, sba.
 
-Writes ``benchmarks/results/gpu_check_<gpu>.json`` (every row of every stage, versions, the git commit,
-each stage's status and time) and ``gpu_check_<gpu>.md`` (the tables, the design targets met or missed),
-and prints the summary. Nothing is installed and nothing needs the internet. The exit status is 1 when the
-GPU tests failed or a stage crashed; missed speed targets are reported, not failed.
+``--pytest`` adds ``pytest -m gpu tests/`` before the benchmarks (every kernel against its reference at full
+sizes, odd shapes, decode, 16k; it needs the repository's tests/).
+
+Writes ``benchmarks/results/gpu_check_<gpu>.json`` (the doctor's report plus ``benchmarks``: every row of every
+stage, the git commit, each stage's status and time) and ``gpu_check_<gpu>.md`` (the doctor's summary, the
+tables, the design targets met or missed), and prints the summary. Nothing is installed and nothing needs the
+internet. The exit status is 1 when a doctor check failed, the GPU tests failed or a stage crashed; missed
+speed targets are reported, not failed.
 """
 
 from __future__ import annotations
@@ -46,11 +55,13 @@ TARGETS = {"alibi": 1.10, "kerple_log": 1.10, "kerple_pow": 1.10, "sandwich": 1.
 TRAIN_TARGET = 0.95
 
 
-def stages(smoke: bool, tmp: Path) -> list[dict]:
+def stages(smoke: bool, tmp: Path, pytest: bool = False) -> list[dict]:
     """name, command, time limit (s) and the JSON-lines file of rows of each stage."""
     py = sys.executable
-    s = []
-    if not smoke:
+    s = [{"name": "doctor", "timeout": 200, "report": tmp / "doctor.json",
+          "cmd": [py, "-m", "hf_posenc", "doctor", "--out", str(tmp / "doctor.json"), "--no-progress",
+                  *(["--quick", "--interpret", "--no-timing"] if smoke else [])]}]
+    if pytest and not smoke:
         s.append({"name": "pytest -m gpu", "timeout": 200,
                   "cmd": [py, "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider", "--durations=15",
                           f"--junitxml={tmp / 'pytest.xml'}", str(ROOT / "tests")]})
@@ -95,6 +106,11 @@ def run_stage(st: dict, env: dict) -> dict:
            "output_tail": out[-4000:], "output": out}
     if st.get("rows") and Path(st["rows"]).exists():
         rec["rows"] = [json.loads(line) for line in Path(st["rows"]).read_text().splitlines() if line.strip()]
+    if st.get("report") and Path(st["report"]).exists():  # the doctor's checks stay in its report
+        try:
+            rec["checks"] = len(json.loads(Path(st["report"]).read_text())["rows"])
+        except (json.JSONDecodeError, KeyError):
+            rec["checks"] = None
     if st.get("json") and Path(st["json"]).exists():
         rec["rows"] = json.loads(Path(st["json"]).read_text())["results"]
     return rec
@@ -122,16 +138,24 @@ def _r(a, b):
 
 
 def summary(result: dict) -> list[str]:
-    """The markdown summary: stage status, the kernels' ratios against their targets, end-to-end tokens/s."""
-    lines = [f"# gpu-check on {result['device']}", "", f"versions: `{json.dumps(result['versions'])}`", "",
+    """The markdown summary: the doctor's report, stage status, the kernels' ratios against their targets,
+    end-to-end tokens/s. ``result``: the doctor's report with ``benchmarks`` (see :func:`main`)."""
+    from hf_posenc.diagnostics import format_report
+
+    bench = result["benchmarks"]
+    lines = [f"# gpu-check on {result['device']['name']}", "",
+             f"versions: `{json.dumps(result['versions'])}`, git commit `{bench.get('git_commit')}`", "",
+             "## hf-posenc doctor", "", "```", format_report(result) if result.get("rows") is not None
+             else "(no report)", "```", "",
              "| stage | status | seconds | rows |", "|---|---|---|---|"]
-    for st in result["stages"]:
-        lines.append(f"| {st['name']} | {st['status']} | {st['seconds']} | {len(st.get('rows', []))} |")
-    if result.get("pytest"):
-        p = result["pytest"]
+    for st in bench["stages"]:
+        rows = len(result.get("rows") or []) if st["name"] == "doctor" else len(st.get("rows", []))
+        lines.append(f"| {st['name']} | {st['status']} | {st['seconds']} | {rows} |")
+    if bench.get("pytest"):
+        p = bench["pytest"]
         lines += ["", f"pytest -m gpu: {p['passed']} passed, {p['failures']} failed, {p['errors']} errors, "
                       f"{p['skipped']} skipped{' (partial: the stage ran out of time)' if p.get('partial') else ''}"]
-    stages = {st["name"]: st for st in result["stages"]}
+    stages = {st["name"]: st for st in bench["stages"]}
     lines += ["", "## kernels, forward+backward: time / SDPA flash (target) and / FlexAttention",
               "", "| kernel | B | L | triton ms | sdpa ms | triton/sdpa | target | met | flex ms | triton/flex "
                   "| eager/triton | peak MB |",
@@ -171,9 +195,24 @@ def summary(result: dict) -> list[str]:
     return lines
 
 
+def doctor_report(path: Path, device) -> dict:
+    """The doctor's report from ``path`` (possibly partial: ``complete`` false), or, when the doctor wrote
+    nothing, a report without rows (``ok`` false) built here, so that the file keeps the one format."""
+    if path.exists():
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError:
+            pass
+    from hf_posenc.diagnostics import SCHEMA, default_backends, environment
+
+    return {"schema": SCHEMA, "ok": False, "complete": False, **environment(device), "settings": {}, "rows": [],
+            "summary": {}, "defaults": default_backends(device), "seconds": None}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, interpreted kernels; nothing is written")
+    p.add_argument("--pytest", action="store_true", help="also run `pytest -m gpu tests/` (about 200 s more)")
     p.add_argument("--only", nargs="+", default=None, help="run only these stages (by name)")
     p.add_argument("--out-dir", default=str(BENCH / "results"))
     args = p.parse_args(argv)
@@ -191,41 +230,41 @@ def main(argv=None) -> int:
     if cuda:
         env.pop("TRITON_INTERPRET", None)
         env.pop("HF_POSENC_BACKEND", None)  # the defaults are what is measured
-    result = {"device": device_name(device), "versions": versions(), "stages": []}
-    if cuda:
-        props = torch.cuda.get_device_properties(device)
-        result["gpu"] = {"name": props.name, "sm_count": props.multi_processor_count,
-                         "memory_gib": round(props.total_memory / 2**30, 1),
-                         "capability": f"{props.major}.{props.minor}"}
+    git = versions()
+    bench = {"git_commit": git.get("git_commit"), "git_dirty": git.get("git_dirty"), "stages": []}
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         tmp = Path(tmp)
-        for st in stages(args.smoke, tmp):
+        for st in stages(args.smoke, tmp, args.pytest):
             if args.only and st["name"] not in args.only:
                 continue
             print(f"[gpu-check] {st['name']} (limit {st['timeout']} s) ...", flush=True)
             rec = run_stage(st, env)
-            print(f"[gpu-check] {st['name']}: {rec['status']} in {rec['seconds']} s, {len(rec.get('rows', []))} rows",
-                  flush=True)
+            count = f"{rec['checks']} checks" if "checks" in rec else f"{len(rec.get('rows', []))} rows"
+            print(f"[gpu-check] {st['name']}: {rec['status']} in {rec['seconds']} s, {count}", flush=True)
             if rec["status"] != "ok":
                 print(rec["output_tail"][-1500:], flush=True)
-            result["stages"].append(rec)
-        tests = [st for st in result["stages"] if st["name"] == "pytest -m gpu"]
-        result["pytest"] = pytest_counts(tmp / "pytest.xml", tests[0]["output"] if tests else "")
-        for st in result["stages"]:
+            bench["stages"].append(rec)
+        tests = [st for st in bench["stages"] if st["name"] == "pytest -m gpu"]
+        bench["pytest"] = pytest_counts(tmp / "pytest.xml", tests[0]["output"] if tests else "")
+        for st in bench["stages"]:
             st.pop("output", None)
-    result["seconds"] = round(time.time() - t0, 1)
+        result = doctor_report(tmp / "doctor.json", device)
+    bench["seconds"] = round(time.time() - t0, 1)
+    result["benchmarks"] = bench
     text = "\n".join(summary(result))
     print("\n" + text)
     if not args.smoke:
-        out = Path(args.out_dir) / f"gpu_check_{slug(result['device'])}.json"
+        out = Path(args.out_dir) / f"gpu_check_{slug(device_name(device))}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1, default=str) + "\n")
         out.with_suffix(".md").write_text(text + "\n")
-        print(f"\nwrote {out} and {out.with_suffix('.md')} ({result['seconds']} s)")
-    crashed = [st["name"] for st in result["stages"] if st["status"].startswith("exit")]
-    tests_failed = result["pytest"] is not None and (result["pytest"]["failures"] or result["pytest"]["errors"])
-    return 1 if crashed or tests_failed else 0
+        print(f"\nwrote {out} and {out.with_suffix('.md')} ({bench['seconds']} s)")
+    ran_doctor = any(st["name"] == "doctor" for st in bench["stages"])
+    crashed = [st["name"] for st in bench["stages"] if st["status"].startswith("exit") and st["name"] != "doctor"]
+    doctor_failed = ran_doctor and not result.get("ok")
+    tests_failed = bench["pytest"] is not None and (bench["pytest"]["failures"] or bench["pytest"]["errors"])
+    return 1 if crashed or doctor_failed or tests_failed else 0
 
 
 if __name__ == "__main__":

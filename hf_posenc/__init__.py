@@ -4,6 +4,7 @@ GPT-NeoX, GPT-2, BERT, ViT) with one call."""
 from . import encodings as _encodings  # noqa: F401  (registers every encoding)
 from .api import describe, encoding_module, from_pretrained, patch_model, support_matrix
 from .config import PosEncConfig
+from .diagnostics import doctor
 from .profile import position_profile
 from .registry import list_encodings, register_encoding
 from .training import check_adapter, install_peft_hooks as _install_peft_hooks, load_adapter, trainable_modules
@@ -20,6 +21,7 @@ __all__ = [
     "PosEncConfig",
     "check_adapter",
     "describe",
+    "doctor",
     "encoding_module",
     "from_pretrained",
     "list_encodings",

@@ -1,5 +1,5 @@
-"""The ``hf-posenc`` command: ``hf-posenc list``, ``hf-posenc matrix``, ``hf-posenc study`` (in ``study/``) and
-``hf-posenc show`` (in ``show.py``)."""
+"""The ``hf-posenc`` command: ``hf-posenc list``, ``hf-posenc matrix``, ``hf-posenc study`` (in ``study/``),
+``hf-posenc show`` (in ``show.py``) and ``hf-posenc doctor`` (in ``diagnostics.py``)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return show.main(args)
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from . import diagnostics
+
+    return diagnostics.run_cli(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-posenc", description="Position encodings for Hugging Face models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,6 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     show.add_arguments(p)
     p.set_defaults(func=_cmd_show)
+    from . import diagnostics
+
+    p = sub.add_parser(
+        "doctor", help="check every engine on this machine against the reference; which backend each encoding uses",
+        description=diagnostics.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    diagnostics.add_arguments(p)
+    p.set_defaults(func=_cmd_doctor)
     args = parser.parse_args(argv)
     return args.func(args)
 

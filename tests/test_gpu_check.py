@@ -23,12 +23,17 @@ def test_stages_fit_in_eight_minutes_and_cover_every_benchmark(gpu_check, tmp_pa
     stages = gpu_check.stages(False, tmp_path)
     assert sum(st["timeout"] for st in stages) <= 8 * 60 - 20  # room for the start and the summary
     names = [st["name"] for st in stages]
-    assert names == ["pytest -m gpu", "attention", "sba_cope", "rotary", "train_step"]
-    assert "-m" in stages[0]["cmd"] and "gpu" in stages[0]["cmd"]
+    assert names == ["doctor", "attention", "sba_cope", "rotary", "train_step"]
+    assert stages[0]["cmd"][1:4] == ["-m", "hf_posenc", "doctor"]
+    assert stages[0]["cmd"][stages[0]["cmd"].index("--out") + 1] == str(tmp_path / "doctor.json")
     for st in stages[1:]:
         assert str(ROOT / "benchmarks") in st["cmd"][1] and "--out" in st["cmd"]
-    smoke = gpu_check.stages(True, tmp_path)
-    assert all("--smoke" in st["cmd"] for st in smoke) and "pytest -m gpu" not in [st["name"] for st in smoke]
+    with_tests = gpu_check.stages(False, tmp_path, pytest=True)
+    assert [st["name"] for st in with_tests][:2] == ["doctor", "pytest -m gpu"]
+    assert "-m" in with_tests[1]["cmd"] and "gpu" in with_tests[1]["cmd"]
+    smoke = gpu_check.stages(True, tmp_path, pytest=True)
+    assert "pytest -m gpu" not in [st["name"] for st in smoke]
+    assert all("--smoke" in st["cmd"] for st in smoke[1:]) and "--interpret" in smoke[0]["cmd"]
 
 
 def test_pytest_counts(gpu_check, tmp_path):
@@ -52,10 +57,15 @@ def test_summary_marks_targets(gpu_check):
     ]
     train = [{"encoding": "unpatched", "tokens_per_s": 1000.0, "ratio_vs_unpatched": 1.0},
              {"encoding": "cope", "tokens_per_s": 900.0, "ratio_vs_unpatched": 0.9, "backend": "triton"}]
-    result = {"device": "NVIDIA H100", "versions": {}, "pytest": None,
-              "stages": [{"name": "attention", "status": "ok", "seconds": 1, "rows": attention},
-                         {"name": "train_step", "status": "timed out after 75 s", "seconds": 75, "rows": train}]}
+    result = gpu_check.doctor_report(ROOT / "missing.json", "cpu")  # the doctor wrote nothing: a stub report
+    assert result["ok"] is False and result["rows"] == [] and result["schema"].startswith("hf_posenc.doctor/")
+    result["device"]["name"] = "NVIDIA H100"
+    result["benchmarks"] = {
+        "git_commit": None, "pytest": None,
+        "stages": [{"name": "attention", "status": "ok", "seconds": 1, "rows": attention},
+                   {"name": "train_step", "status": "timed out after 75 s", "seconds": 75, "rows": train}]}
     text = "\n".join(gpu_check.summary(result))
+    assert text.startswith("# gpu-check on NVIDIA H100") and "## hf-posenc doctor" in text
     lines = text.splitlines()
     alibi = next(ln for ln in lines if ln.startswith("| alibi | 4 | 1024"))
     fox = next(ln for ln in lines if ln.startswith("| fox |"))

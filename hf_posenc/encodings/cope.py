@@ -67,14 +67,16 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from ..config import PosEncConfig
+from ..kernels._masks import allowed_keys
+from ..kernels.cope import cope, cope_backend, cope_tiled
+from ..kernels.cope.naive import cope_attention
 from ..ops import expand_kv
 from ..registry import param, register_encoding
 from .base import ModelInfo, PosContext, PositionEncoding
 
-__all__ = ["Cope", "allowed_keys", "cope_positions", "interpolate_logits", "cope_attention"]
+__all__ = ["Cope"]
 
 
 @dataclass
@@ -95,115 +97,6 @@ class CopeParams:
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32, or float64 for float64 inputs (gradient checks)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def allowed_keys(
-    mask: torch.Tensor | None,
-    q_len: int,
-    k_len: int,
-    q_offset: int | torch.Tensor,
-    causal: bool,
-    device: torch.device,
-) -> torch.Tensor | None:
-    """(B|1, 1, Lq, Lk) bool: the keys each query may see -- the attention mask, and on causal models also
-    key index <= query index (query i is key ``q_offset + i``), so an absent mask never exposes future or
-    empty cache slots. None when every query sees every key."""
-    if causal:
-        q_idx = torch.arange(q_len, device=device)[:, None] + (
-            q_offset.to(device) if isinstance(q_offset, torch.Tensor) else q_offset
-        )
-        causal_mask = (q_idx >= torch.arange(k_len, device=device)[None, :])[None, None]
-        return causal_mask if mask is None else (mask & causal_mask)
-    return mask
-
-
-def cope_positions(gates: torch.Tensor, direction: str = "before") -> torch.Tensor:
-    """Contextual positions from masked gates (..., Lq, Lk).
-
-    ``before``: p_ij = Σ_{k >= j} g_ik (with the gates after the query zeroed, = Σ_{k=j..i} g_ik; the
-    paper's flip-cumsum-flip). ``after``: p_ij = Σ_{k <= j} g_ik (with the gates before the query zeroed,
-    = Σ_{k=i..j} g_ik)."""
-    if direction == "before":
-        return gates.flip(-1).cumsum(-1).flip(-1)
-    return gates.cumsum(-1)
-
-
-def interpolate_logits(z: torch.Tensor, positions: torch.Tensor, npos_max: int) -> torch.Tensor:
-    """z_i[p_ij] interpolated between ⌊p⌋ and ⌈p⌉.
-
-    Args:
-        z: (B, H, Lq, npos_max) = q_i · e[p] for the integer positions.
-        positions: (B, H, Lq, Lk) non-negative contextual positions (clipped here to npos_max - 1).
-
-    Returns:
-        (B, H, Lq, Lk): (p − ⌊p⌋) z[⌈p⌉] + (1 − p + ⌊p⌋) z[⌊p⌋].
-    """
-    positions = positions.clamp(max=npos_max - 1)
-    floor = positions.floor()
-    w = positions - floor  # differentiable, as in the code
-    idx_floor = floor.long()
-    idx_ceil = positions.ceil().long()
-    z_floor = z.gather(-1, idx_floor)
-    z_ceil = z.gather(-1, idx_ceil)
-    return z_ceil * w + z_floor * (1 - w)
-
-
-def cope_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    allowed: torch.Tensor | None,
-    scaling: float,
-    table: torch.Tensor,
-    table_after: torch.Tensor | None = None,
-    q_index: torch.Tensor | None = None,
-    no_position: torch.Tensor | None = None,
-    uncounted: torch.Tensor | None = None,
-    dropout: float = 0.0,
-    training: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """CoPE attention (the reference), everything in the dtype of ``q``.
-
-    Args:
-        q: (B, H, Lq, D); k, v: (B, H, Lk, D) (key/value heads already expanded).
-        allowed: (B|1, 1, Lq, Lk) bool (True = attend), or None (every key).
-        scaling: logit scale s (gates σ(s q·k), logits s q·k + z).
-        table: (D, npos_max) position embeddings e (keys at or before the query).
-        table_after: (D, npos_max) for keys after the query (bidirectional models) or None (causal).
-        q_index: (Lq,) key index of each query; needed with ``table_after``.
-        no_position: (Lq, Lk) bool, pairs that take no position term (those involving CLS), or None.
-        uncounted: (Lk,) bool, keys whose gates are never counted (CLS), or None.
-
-    Returns:
-        out (B, H, Lq, D) and the probabilities (B, H, Lq, Lk).
-    """
-    npos = table.shape[-1]
-    logits = (q @ k.transpose(-1, -2)) * scaling
-    gates = torch.sigmoid(logits)
-    if allowed is not None:
-        gates = gates.masked_fill(~allowed, 0.0)
-    if uncounted is not None:
-        gates = gates.masked_fill(uncounted, 0.0)
-    if table_after is None:
-        position_logits = interpolate_logits(q @ table, cope_positions(gates, "before"), npos)
-    else:
-        k_idx = torch.arange(k.shape[2], device=q.device)
-        before = k_idx[None, :] <= q_index[:, None]  # (Lq, Lk)
-        p_before = cope_positions(gates.masked_fill(~before, 0.0), "before")
-        p_after = cope_positions(gates.masked_fill(before & (k_idx[None, :] != q_index[:, None]), 0.0), "after")
-        position_logits = torch.where(
-            before,
-            interpolate_logits(q @ table, p_before, npos),
-            interpolate_logits(q @ table_after, p_after, npos),
-        )
-    if no_position is not None:
-        position_logits = position_logits.masked_fill(no_position, 0.0)
-    scores = logits + position_logits
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)  # fully masked rows (left padding) -> 0
-    dropped = F.dropout(probs, p=dropout, training=training)
-    return dropped @ v, probs
 
 
 @register_encoding(
@@ -280,8 +173,6 @@ class Cope(PositionEncoding):
             only when the probabilities are requested, with attention dropout while training, and for the
             bidirectional ViT variant.
         """
-        from ..kernels.cope import cope, cope_backend, cope_tiled
-
         # a sliding window (hf_posenc's, the model's own) is in ``mask`` already (a band); the engines also take
         # it as a number, to skip the key tiles outside it
         window = ctx.engine_window(layer)

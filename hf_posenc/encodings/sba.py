@@ -70,17 +70,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..config import PosEncConfig
+from ..kernels._masks import allowed_keys
+from ..kernels.sba import sba_backend, sba_tiled, stick_breaking
+from ..kernels.sba.naive import SOFTPLUS_THRESHOLD, stick_breaking_attention
 from ..ops import expand_kv
 from ..registry import param, register_encoding
 from .base import ModelInfo, PosContext, PositionEncoding
-from .cope import allowed_keys
 
-__all__ = ["StickBreaking", "stick_breaking_attention", "stick_breaking_grid_attention", "grid_key_ranks",
-           "SOFTPLUS_THRESHOLD"]
-
-#: above this the softplus is linear (the code's threshold, also in its Triton kernel's inline assembly).
-SOFTPLUS_THRESHOLD = 15.0
-
+__all__ = ["StickBreaking", "stick_breaking_grid_attention", "grid_key_ranks"]
 
 @dataclass
 class SbaParams:
@@ -101,57 +98,6 @@ class SbaParams:
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def stick_breaking_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    allowed: torch.Tensor | None,
-    scaling: float,
-    q_index: torch.Tensor,
-    attend_current: bool = False,
-    remainder: str = "discard",
-    bias: torch.Tensor | None = None,
-    dropout: float = 0.0,
-    training: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stick-breaking attention in log space (the reference), in the dtype of ``q``.
-
-    Args:
-        q: (B, H, Lq, D); k, v: (B, H, Lk, D) (key/value heads already expanded).
-        allowed: (B|1, 1, Lq, Lk) bool, the keys each query may see (causality included), or None.
-        scaling: logit scale s.
-        q_index: (Lq,) key index of each query (its own key, the diagonal).
-        attend_current: whether the diagonal is a breakpoint.
-        remainder: "discard", "current" or "bias" (see the module docstring).
-        bias: (H, D) the per-head vector of ``remainder="bias"``.
-
-    Returns:
-        out (B, H, Lq, D) and the attention weights (B, H, Lq, Lk) (with the remainder on the diagonal
-        for ``remainder="current"``).
-    """
-    z = (q @ k.transpose(-1, -2)) * scaling
-    k_idx = torch.arange(k.shape[2], device=q.device)
-    breaks = (k_idx[None, :] < q_index[:, None]) if not attend_current else (k_idx[None, :] <= q_index[:, None])
-    breaks = breaks[None, None]
-    if allowed is not None:
-        breaks = breaks & allowed
-    softplus = F.softplus(z, beta=1.0, threshold=SOFTPLUS_THRESHOLD).masked_fill(~breaks, 0.0)
-    # Σ_{k >= j} softplus(z_ik) over the breakpoints = Σ_{k=j}^{i-1} (or ^{i}) softplus(z_ik)
-    suffix = softplus.flip(-1).cumsum(-1).flip(-1)
-    log_a = (z - suffix).masked_fill(~breaks, float("-inf"))
-    weights = torch.exp(log_a)
-    out = F.dropout(weights, p=dropout, training=training) @ v
-    if remainder == "discard":
-        return out, weights
-    rest = torch.exp(-softplus.sum(-1, keepdim=True))  # 1 - Σ_j A_ij = Π_j (1 - β_ij), >= 0 exactly
-    if remainder == "bias":
-        return out + rest * bias[None, :, None, :], weights
-    # "current": the query's own value takes the rest of the stick
-    own = v.index_select(2, q_index)
-    diag = (k_idx[None, :] == q_index[:, None])[None, None]
-    return out + rest * own, weights + rest * diag
 
 
 def grid_key_ranks(grid: tuple[int, int], device: torch.device) -> torch.Tensor:
@@ -294,8 +240,6 @@ class StickBreaking(PositionEncoding):
         """
         if ctx.grid is not None or not self.info.causal:  # ViT's grid, or bidirectional text (BERT)
             return self._attend_grid(ctx, layer, query, key, value, mask, scaling, dropout, training)
-        from ..kernels.sba import sba_backend, sba_tiled, stick_breaking
-
         # a sliding window (hf_posenc's, the model's own) is in ``mask`` already (a band); the engines also take
         # it as a number, to skip the key tiles outside it
         window = ctx.engine_window(layer)

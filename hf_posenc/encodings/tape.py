@@ -107,7 +107,7 @@ from ..config import PosEncConfig
 from ..ops import expand_kv
 from ..registry import param, register_encoding
 from .base import PLAIN_CAUSAL, ModelInfo, PosContext, PositionEncoding
-from .cope import allowed_keys
+from ..kernels._masks import allowed_keys
 from .rope import apply_rotary, rope_inv_freq
 
 __all__ = ["Tape", "pack_state", "unpack_state"]

@@ -52,14 +52,13 @@ from ...ops import eager_value_checks
 from .._reverse_tiles import (
     Geometry, blocked_mask_rows, call_options, fill_blocked, key_tiles, tile_blocked, tile_sizes, to_groups,
 )
+from .naive import SOFTPLUS_THRESHOLD  # softplus is linear above this (the paper code's threshold)
 
 __all__ = ["sba_tiled", "SbaTiledFunction", "BLOCK_M", "BLOCK_N"]
 
 #: default query block; the key tile is sized to about ``_reverse_tiles.TILE_ELEMENTS`` per float tile (None).
 BLOCK_M = 128
 BLOCK_N: int | None = 256
-#: softplus is linear above this (the code's threshold; ``hf_posenc.encodings.sba.SOFTPLUS_THRESHOLD``).
-_THRESHOLD = 15.0
 #: a stick carry above this leaves exp(-carry) below the smallest float32 subnormal.
 _EXHAUSTED = 110.0
 #: weights below exp(floor) -- about the smallest normal number, 1.2e-38 in float32 -- are set to exactly 0:
@@ -91,7 +90,7 @@ def _tile(qs, kt, c, blocked):
     the carry* c (reversed keys: a plain cumsum; the carry is folded into the first column, so that column
     of the returned softplus holds sp + c) and the weights A = exp(z - Σ_{k >= j} sp)."""
     z = fill_blocked(qs @ kt.transpose(-1, -2), blocked, float("-inf"))
-    sp = F.softplus(z, beta=1.0, threshold=_THRESHOLD)  # softplus(-inf) = 0: blocked keys break nothing
+    sp = F.softplus(z, beta=1.0, threshold=SOFTPLUS_THRESHOLD)  # softplus(-inf) = 0: blocked keys break nothing
     sp[..., 0] += c
     cs = sp.cumsum(-1)
     floor = _LOG_FLOOR[z.dtype]

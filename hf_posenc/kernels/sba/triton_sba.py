@@ -65,7 +65,7 @@ import triton.language as tl
 
 from .._errors import guarded
 from .._jit import LazyJit, interpreting
-from ..attention.naive import check_window
+from .._masks import check_window
 
 __all__ = ["SbaFunction", "sba_triton", "SUPPORTED_DTYPES", "REMAINDERS", "interpreting"]
 

@@ -69,6 +69,7 @@ import torch
 from torch import nn
 
 from ..config import PosEncConfig
+from ..kernels._common import compute_dtype
 from ..kernels._masks import allowed_keys
 from ..kernels.cope import cope, cope_backend, cope_tiled
 from ..kernels.cope.naive import cope_attention
@@ -92,11 +93,6 @@ class CopeParams:
         optional=True,
         ge=0.0,
     )
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32, or float64 for float64 inputs (gradient checks)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @register_encoding(
@@ -188,7 +184,7 @@ class Cope(PositionEncoding):
         b, h, q_len, _ = query.shape
         k_len = key.shape[2]
         groups = h // key.shape[1]
-        dtype = _compute_dtype(query.dtype)
+        dtype = compute_dtype(query.dtype)
         q = query.to(dtype)
         k = expand_kv(key, groups).to(dtype)
         v = expand_kv(value, groups).to(dtype)

@@ -114,6 +114,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..config import PosEncConfig
+from ..kernels._common import compute_dtype
 from ..kernels.attention.terms import KernelTerm
 from ..ops import expand_kv
 from ..registry import param, register_encoding
@@ -135,11 +136,6 @@ _LO_SCALE = {torch.float16: 2048.0}
 # ---------------------------------------------------------------------------------------------------
 # helpers: state packing, masks, the forgetting bias, the attention itself
 # ---------------------------------------------------------------------------------------------------
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32, or float64 for float64 inputs (gradient checks)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def state_width(dtype: torch.dtype) -> int:
@@ -271,7 +267,7 @@ def forgetting_attention(
         (after dropout, as transformers' eager attention returns them); rows whose keys are all masked give
         zeros.
     """
-    dtype = _compute_dtype(query.dtype)
+    dtype = compute_dtype(query.dtype)
     groups = query.shape[1] // key.shape[1]
     k = expand_kv(key, groups).to(dtype)
     v = expand_kv(value, groups).to(dtype)
@@ -425,7 +421,7 @@ class Fox(PositionEncoding):
     def log_gates(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """(B, L, S, H) log forget gates logsigmoid(w·x + b) in float32 (float64 for float64 inputs), for the
         S gate sets (forward; and backward on ViT), from the attention input ``hidden`` (B, L, C)."""
-        dtype = _compute_dtype(hidden.dtype)
+        dtype = compute_dtype(hidden.dtype)
         x = hidden.to(dtype)
         sets = [F.logsigmoid(F.linear(x, self.gate_weight[layer].to(dtype), self.gate_bias[layer].to(dtype)))]
         if self.bidirectional:
@@ -493,7 +489,7 @@ class Fox(PositionEncoding):
         """Forgetting attention. q (B, H, Lq, D); key (B, Hkv, Lk, D + state), value (B, Hkv, Lk, D); mask
         (B|1, 1, Lq, Lk) bool or None. Returns out (B, H, Lq, D) and probabilities (B, H, Lq, Lk)."""
         d = query.shape[-1]
-        compute = _compute_dtype(query.dtype)
+        compute = compute_dtype(query.dtype)
         k, state = key[..., :d], key[..., d:]
         gates = self._gates_from_kv(unpack_state(state, self.num_gate_sets * self.groups, compute))
         valid, _ = key_validity(mask, key.shape[2], key.device)
@@ -506,7 +502,7 @@ class Fox(PositionEncoding):
         if self.bidirectional or ctx.grid is not None:
             return None
         d = query.shape[-1]
-        compute = _compute_dtype(query.dtype)
+        compute = compute_dtype(query.dtype)
         gates = self._gates_from_kv(unpack_state(key[..., d:], self.num_gate_sets * self.groups, compute))
         valid, _ = key_validity(mask, key.shape[2], key.device)
         return KernelTerm.fox(_cumulative_gates(gates[0], valid), key=key[..., :d])
@@ -557,7 +553,7 @@ class FoxPro(Fox):
 
     def shift_gates(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """α^k, α^v (B, Hkv, L) = σ(u · x_t) in float32 (float64 for float64 inputs)."""
-        dtype = _compute_dtype(hidden.dtype)
+        dtype = compute_dtype(hidden.dtype)
         x = hidden.to(dtype)
         a_k = torch.sigmoid(F.linear(x, self.key_shift_weight[layer].to(dtype)))
         a_v = torch.sigmoid(F.linear(x, self.value_shift_weight[layer].to(dtype)))
@@ -568,7 +564,7 @@ class FoxPro(Fox):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q -> QK-normed q; k -> raw k ‖ [α^k, log-gates]; v -> raw v ‖ [α^v] (the shift and the key norm
         need the previous token's raw k and v, so they are applied in ``attend``)."""
-        compute = _compute_dtype(q.dtype)
+        compute = compute_dtype(q.dtype)
         q = _rms_norm(q.to(compute), self.q_norm_weight[layer].to(compute)[None, :, None, :], QK_NORM_EPS).to(q.dtype)
         a_k, a_v = self.shift_gates(layer, hidden)
         gates = self._gates_to_kv(self.log_gates(layer, hidden))
@@ -615,7 +611,7 @@ class FoxPro(Fox):
     def _attention_kv(self, ctx: PosContext, layer: int, query, key, value, mask):
         """(shifted + normalised k, shifted v (B, Hkv, Lk, D) in float32, the log-gates, key validity)."""
         d = query.shape[-1]
-        compute = _compute_dtype(query.dtype)
+        compute = compute_dtype(query.dtype)
         n_gates = self.num_gate_sets * self.groups
         k_state = unpack_state(key[..., d:], 1 + n_gates, compute)
         a_k, gates = k_state[..., 0], self._gates_from_kv(k_state[..., 1:])
@@ -638,7 +634,7 @@ class FoxPro(Fox):
 
     def finish(self, ctx: PosContext, layer: int, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out (B, Lq, H, D) -> σ(W_o x) ⊙ RMSNorm(out) ⊙ γ^o, per head, computed in float32."""
-        compute = _compute_dtype(out.dtype)
+        compute = compute_dtype(out.dtype)
         o = _rms_norm(out.to(compute), self.out_norm_weight[layer].to(compute), OUT_NORM_EPS)
         gate = torch.sigmoid(F.linear(hidden.to(compute), self.out_gate_weight[layer].to(compute)))
         return (o * gate.view(o.shape)).to(out.dtype)

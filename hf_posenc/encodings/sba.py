@@ -70,6 +70,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..config import PosEncConfig
+from ..kernels._common import compute_dtype
 from ..kernels._masks import allowed_keys
 from ..kernels.sba import sba_backend, sba_tiled, stick_breaking
 from ..kernels.sba.naive import SOFTPLUS_THRESHOLD, stick_breaking_attention
@@ -94,10 +95,6 @@ class SbaParams:
         type=str,
         choices=("discard", "current", "bias"),
     )
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def grid_key_ranks(grid: tuple[int, int], device: torch.device) -> torch.Tensor:
@@ -260,7 +257,7 @@ class StickBreaking(PositionEncoding):
         b, h, q_len, _ = query.shape
         k_len = key.shape[2]
         groups = h // key.shape[1]
-        dtype = _compute_dtype(query.dtype)
+        dtype = compute_dtype(query.dtype)
         q = query.to(dtype)
         k = expand_kv(key, groups).to(dtype)
         v = expand_kv(value, groups).to(dtype)
@@ -288,7 +285,7 @@ class StickBreaking(PositionEncoding):
         """ViT: stick-breaking over each query's keys in grid-distance order; bidirectional text (BERT): in
         sequence-distance order (module docstring); the PyTorch reference on every device. Shapes as for ``attend``; the weights are returned."""
         groups = query.shape[1] // key.shape[1]
-        dtype = _compute_dtype(query.dtype)
+        dtype = compute_dtype(query.dtype)
         if ctx.grid is not None:
             ranks = grid_key_ranks(ctx.grid, query.device)[-query.shape[2]:, -key.shape[2]:]
         else:

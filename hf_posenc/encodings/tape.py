@@ -104,6 +104,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..config import PosEncConfig
+from ..kernels._common import compute_dtype
 from ..ops import expand_kv
 from ..registry import param, register_encoding
 from .base import PLAIN_CAUSAL, ModelInfo, PosContext, PositionEncoding
@@ -116,10 +117,6 @@ _ATTN_STATE = "tape_attn_state"  # memo key: (name, layer) -> Ê^layer of the ne
 _Q_STATE = "tape_q_state"  # memo key: (name, layer) -> E^layer of the new tokens as prepared for their queries
 _STATE = "tape_state"  # memo key: (name, layer) -> E^layer of the new tokens, from layer - 1's MLP hook
 _LEAF = "tape_leaf"  # memo key: (name, layer) -> the leaf copy of E^layer read by layer (reentrant recompute)
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _width(dtype: torch.dtype) -> int:
@@ -285,7 +282,7 @@ class Tape(PositionEncoding):
         b, h, n, d = q.shape
         hkv = k.shape[1]
         if layer == 0:
-            state = self.initial_state(ctx, n, q.device).to(_compute_dtype(q.dtype)).expand(b, h, n, d)
+            state = self.initial_state(ctx, n, q.device).to(compute_dtype(q.dtype)).expand(b, h, n, d)
         else:
             state = ctx.memo.get((_STATE, layer))
             if state is None:
@@ -349,7 +346,7 @@ class Tape(PositionEncoding):
         b, h, q_len, d = query.shape
         hkv, k_len = key.shape[1], key.shape[2]
         groups = h // hkv
-        dtype = _compute_dtype(value.dtype)
+        dtype = compute_dtype(value.dtype)
         q_state = ctx.memo.get((_Q_STATE, layer))
         if q_state is None:
             raise RuntimeError(f"tape: the attention of layer {layer} ran without its prepare step in this forward")

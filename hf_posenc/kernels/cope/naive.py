@@ -12,6 +12,7 @@ import torch
 from torch.nn import functional as F
 
 from ...ops import expand_kv
+from .._common import compute_dtype
 from .._masks import allowed_keys, windowed_allowed
 
 __all__ = ["cope_attention", "cope_positions", "cope_reference", "interpolate_logits"]
@@ -133,7 +134,7 @@ def cope_reference(
     Returns:
         (B, H, Lq, D) in q's dtype, computed in float32 (float64 for float64 inputs).
     """
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(q.dtype)
     b, h, lq, _ = q.shape
     lk = k.shape[2]
     groups = h // k.shape[1]

@@ -60,9 +60,8 @@ from .._errors import guarded
 from .._jit import LazyJit, interpreting
 from .._masks import check_window
 
-__all__ = ["CopeFunction", "cope_triton", "SUPPORTED_DTYPES", "interpreting"]
+__all__ = ["CopeFunction", "cope_triton", "interpreting"]
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BIG = tl.constexpr(1.0e30)
 _NEG_INF = tl.constexpr(float("-inf"))
 _POS_INF = tl.constexpr(float("inf"))
@@ -687,7 +686,7 @@ def cope_triton(
 
     Args:
         q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D), H a multiple of Hkv, last dims contiguous, one dtype of
-            ``SUPPORTED_DTYPES``; D <= 128.
+            ``hf_posenc.kernels._common.KERNEL_DTYPES``; D <= ``MAX_HEAD_DIM`` (128).
         table: (D, npos) position embeddings (any float dtype; read in float32).
         mask: (B|1, 1, Lq, Lk) bool or None; causality by index is always applied.
         q_offset: query i is key ``q_offset + i``: an int, or a 1-element integer tensor the kernels load.

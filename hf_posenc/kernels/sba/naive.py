@@ -13,6 +13,7 @@ import torch
 from torch.nn import functional as F
 
 from ...ops import expand_kv
+from .._common import compute_dtype
 from .._masks import allowed_keys, windowed_allowed
 
 __all__ = ["SOFTPLUS_THRESHOLD", "sba_reference", "stick_breaking_attention"]
@@ -99,7 +100,7 @@ def sba_reference(
     Returns:
         (B, H, Lq, D) in q's dtype, computed in float32 (float64 for float64 inputs).
     """
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(q.dtype)
     b, h, lq, _ = q.shape
     lk = k.shape[2]
     groups = h // k.shape[1]

@@ -49,6 +49,7 @@ import torch
 from torch.nn import functional as F
 
 from ...ops import eager_value_checks
+from .._common import compute_dtype
 from .._reverse_tiles import (
     Geometry, blocked_mask_rows, call_options, fill_blocked, key_tiles, tile_blocked, tile_sizes, to_groups,
 )
@@ -66,10 +67,6 @@ _EXHAUSTED = 110.0
 #: and products of subnormal numbers are as slow, so the log-weights are clamped at the floor before the exp
 #: and what comes out at the floor is zeroed (float32 would round most of those weights to 0 anyway).
 _LOG_FLOOR = {torch.float32: -87.0, torch.float64: -707.0}
-
-
-def _dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _exhausted(c: torch.Tensor, stop_early: bool) -> bool:
@@ -109,7 +106,7 @@ def _own_values(v: torch.Tensor, geo: Geometry, m0: int, m1: int, q_offset, dtyp
 def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n, window=None):
     geo = Geometry.of(q, k)
     block_m, block_n = tile_sizes(geo, block_m, block_n)
-    dtype = _dtype(q)
+    dtype = compute_dtype(q.dtype)
     kr = k.flip(2).to(dtype)
     vr = v.flip(2).to(dtype)
     out = torch.empty(geo.b, geo.h, geo.lq, geo.d, dtype=dtype, device=q.device)
@@ -144,7 +141,7 @@ def _backward(q, k, v, o, do, mask, bias, scale, q_offset, attend_current, remai
               window=None):
     geo = Geometry.of(q, k)
     block_m, block_n = tile_sizes(geo, block_m, block_n)
-    dtype = _dtype(q)
+    dtype = compute_dtype(q.dtype)
     kr = k.flip(2).to(dtype)
     vr = v.flip(2).to(dtype)
     dq = torch.empty(geo.b, geo.h, geo.lq, geo.d, dtype=dtype, device=q.device)

@@ -67,9 +67,8 @@ from .._errors import guarded
 from .._jit import LazyJit, interpreting
 from .._masks import check_window
 
-__all__ = ["SbaFunction", "sba_triton", "SUPPORTED_DTYPES", "REMAINDERS", "interpreting"]
+__all__ = ["SbaFunction", "sba_triton", "REMAINDERS", "interpreting"]
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REMAINDERS = {"discard": 0, "current": 1, "bias": 2}
 
 #: a carry above this leaves exp(-carry) < the smallest float32 subnormal: no stick left.
@@ -610,7 +609,7 @@ def sba_triton(
 
     Args:
         q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D), H a multiple of Hkv, last dims contiguous; one dtype of
-            ``SUPPORTED_DTYPES``; D <= 128.
+            ``hf_posenc.kernels._common.KERNEL_DTYPES``; D <= ``MAX_HEAD_DIM`` (128).
         mask: (B|1, 1, Lq, Lk) bool (True = may attend) or None; causality by index is always applied.
         q_offset: query i is key ``q_offset + i`` (``q_offset + Lq <= Lk``).
         bias: (H, D) the per-head remainder vector of ``remainder="bias"``.

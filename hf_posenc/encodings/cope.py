@@ -75,7 +75,7 @@ from ..kernels.cope import cope, cope_backend, cope_tiled
 from ..kernels.cope.naive import cope_attention
 from ..ops import expand_kv
 from ..registry import param, register_encoding
-from .base import ModelInfo, PosContext, PositionEncoding
+from .base import EngineAttention, ModelInfo, PosContext
 
 __all__ = ["Cope"]
 
@@ -103,7 +103,7 @@ class CopeParams:
     "raster-order counts in both directions on ViT",
     paper="https://arxiv.org/abs/2405.18719",
 )
-class Cope(PositionEncoding):
+class Cope(EngineAttention):
     """CoPE; see the module docstring for the formula.
 
     Parameters: ``pos_emb`` (num_layers, head_dim, npos_max); on ViT also ``pos_emb_after`` (keys after
@@ -128,19 +128,6 @@ class Cope(PositionEncoding):
                 with torch.no_grad():
                     nn.init.normal_(weight, mean=0.0, std=std)
             self.register_parameter(name, weight)
-
-    def _needs_reference(self, need_weights: bool, dropout: float, training: bool) -> bool:
-        """Whether ``attend`` runs the full-matrix reference (the probabilities requested, attention dropout while
-        training, the bidirectional variant on ViT and BERT) rather than a kernel or the causal tile-wise engine."""
-        return not self.info.causal or need_weights or (dropout > 0.0 and training)
-
-    def _check_reference_memory(self, op: str, args: tuple) -> None:
-        """The memory pre-check of the O(L^2) reference, only where the reference will run."""
-        if op == "attend" and len(args) >= 9 and not self._needs_reference(
-            bool(getattr(args[0], "need_weights", False)), args[7], args[8]
-        ):
-            return
-        super()._check_reference_memory(op, args)
 
     def attend(
         self,
@@ -178,7 +165,7 @@ class Cope(PositionEncoding):
         )
         if backend == "triton":
             return cope(query, key, value, self.pos_emb[layer], mask, scaling, ctx.q_offset, window=window), None
-        if not self._needs_reference(ctx.need_weights, dropout, training):
+        if not self.attend_uses_reference(ctx, dropout, training):
             # the tile-wise engine: O(L·block) memory, no probabilities formed
             return cope_tiled(query, key, value, self.pos_emb[layer], mask, scaling, ctx.q_offset, window=window), None
         b, h, q_len, _ = query.shape

@@ -76,7 +76,7 @@ from ..kernels.sba import sba_backend, sba_tiled, stick_breaking
 from ..kernels.sba.naive import SOFTPLUS_THRESHOLD, stick_breaking_attention
 from ..ops import expand_kv
 from ..registry import param, register_encoding
-from .base import ModelInfo, PosContext, PositionEncoding
+from .base import EngineAttention, ModelInfo, PosContext
 
 __all__ = ["StickBreaking", "stick_breaking_grid_attention", "grid_key_ranks"]
 
@@ -177,7 +177,7 @@ def stick_breaking_grid_attention(
     summary="stick-breaking attention in log space (no other position term); weights sum to <= 1",
     paper="https://arxiv.org/abs/2410.17980",
 )
-class StickBreaking(PositionEncoding):
+class StickBreaking(EngineAttention):
     """Stick-breaking attention; see the module docstring for the formula.
 
     Parameters: none, or ``remainder_bias`` (num_layers, num_heads, head_dim) with ``remainder="bias"``.
@@ -195,19 +195,6 @@ class StickBreaking(PositionEncoding):
         self.remainder = config.params["remainder"]
         if self.remainder == "bias":
             self.remainder_bias = nn.Parameter(torch.zeros(info.num_layers, info.num_heads, info.head_dim))
-
-    def _needs_reference(self, need_weights: bool, dropout: float, training: bool) -> bool:
-        """Whether ``attend`` runs the full-matrix reference (the weights requested, attention dropout while
-        training, the distance-ordered variant on ViT and BERT) rather than a kernel or the tile-wise engine."""
-        return not self.info.causal or need_weights or (dropout > 0.0 and training)
-
-    def _check_reference_memory(self, op: str, args: tuple) -> None:
-        """The memory pre-check of the O(L^2) reference, only where the reference will run."""
-        if op == "attend" and len(args) >= 9 and not self._needs_reference(
-            bool(getattr(args[0], "need_weights", False)), args[7], args[8]
-        ):
-            return
-        super()._check_reference_memory(op, args)
 
     def attend(
         self,
@@ -247,7 +234,7 @@ class StickBreaking(PositionEncoding):
                 query, key, value, mask, scaling, ctx.q_offset, self.attend_current, self.remainder, bias, window=window
             )
             return out, None
-        if not self._needs_reference(ctx.need_weights, dropout, training):
+        if not self.attend_uses_reference(ctx, dropout, training):
             # the tile-wise engine: O(L·block) memory, no weights formed
             bias = self.remainder_bias[layer] if self.remainder == "bias" else None
             out = sba_tiled(

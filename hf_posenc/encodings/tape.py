@@ -82,8 +82,8 @@ G = H / Hkv query heads), so transformers' caches store them with the keys and t
 beam-search ``reorder_cache`` and StaticCache (allocated lazily with the first update's shape) for free;
 ``attend`` strips them. The states of the new tokens reach ``attend`` for their queries through
 ``PosContext.memo`` (queries are not cached).
-In a bfloat16/float16 cache each float32 value x is stored as two channels hi = x.to(dtype),
-lo = (x − hi).to(dtype), read back as hi + lo (16 or 22 significant bits instead of 8 or 11).
+In a bfloat16/float16 cache each float32 value is stored as two channels (hi, lo), as FoX stores its gates
+(:mod:`hf_posenc.encodings.cache_state`: 16 or 22 significant bits instead of 8 or 11).
 
 The states of the new tokens pass from layer l's attention (Ê^l, computed in ``attend``) to its MLP hook
 (E^{l+1}, :meth:`Tape.mlp_output`) and on to layer l+1 (``prepare``) through the per-forward context
@@ -108,37 +108,16 @@ from ..kernels._common import compute_dtype
 from ..ops import expand_kv
 from ..registry import param, register_encoding
 from .base import PLAIN_CAUSAL, ModelInfo, PosContext, PositionEncoding
+from .cache_state import pack_state, unpack_state
 from ..kernels._masks import allowed_keys
 from .rope import apply_rotary, rope_inv_freq
 
-__all__ = ["Tape", "pack_state", "unpack_state"]
+__all__ = ["Tape"]
 
 _ATTN_STATE = "tape_attn_state"  # memo key: (name, layer) -> Ê^layer of the new tokens (B, H, Lq, D) float32
 _Q_STATE = "tape_q_state"  # memo key: (name, layer) -> E^layer of the new tokens as prepared for their queries
 _STATE = "tape_state"  # memo key: (name, layer) -> E^layer of the new tokens, from layer - 1's MLP hook
 _LEAF = "tape_leaf"  # memo key: (name, layer) -> the leaf copy of E^layer read by layer (reentrant recompute)
-
-
-def _width(dtype: torch.dtype) -> int:
-    """Channels per stored value: 1 in a float32/float64 tensor, 2 (hi, lo) in a 16-bit one."""
-    return 1 if dtype in (torch.float32, torch.float64) else 2
-
-
-def pack_state(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(..., n) float values -> (..., n * w) channels of ``dtype``: x, or [hi, lo] with hi = x.to(dtype),
-    lo = (x - hi).to(dtype) in a 16-bit dtype."""
-    if _width(dtype) == 1:
-        return x.to(dtype)
-    hi = x.to(dtype)
-    lo = (x - hi.to(x.dtype)).to(dtype)
-    return torch.cat([hi, lo], dim=-1)
-
-
-def unpack_state(t: torch.Tensor, n: int, compute: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`pack_state`: (..., n * w) -> (..., n) in ``compute`` dtype."""
-    if _width(t.dtype) == 1:
-        return t[..., :n].to(compute)
-    return t[..., :n].to(compute) + t[..., n : 2 * n].to(compute)
 
 
 class _StateTunnel(torch.autograd.Function):

@@ -42,6 +42,8 @@ Grouped-query models: each query head uses its own q against its key/value head'
 Padding: masked keys are no breakpoints (their softplus terms are 0) and get no weight, so a left-padded
 row gives the weights of the row alone. KV cache: A_ij involves q_i and the keys only, so the cache holds
 all it needs; nothing else is stored.
+The causal reference (``stick_breaking_attention``) takes tensors only and lives beside the kernels, in
+:mod:`hf_posenc.kernels.sba.naive`.
 
 ViT (bidirectional), a documented generalisation. The paper breaks the stick over the keys in order from
 the query outwards (nearest first) and defines no order for an image; here each query orders its keys by
@@ -79,6 +81,7 @@ from ..registry import param, register_encoding
 from .base import EngineAttention, ModelInfo, PosContext
 
 __all__ = ["StickBreaking", "stick_breaking_grid_attention", "grid_key_ranks"]
+
 
 @dataclass
 class SbaParams:

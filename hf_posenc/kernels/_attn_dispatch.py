@@ -18,6 +18,7 @@ from .defaults import cuda_default_backend
 
 __all__ = ["choose", "common_unsupported"]
 
+
 def _interpreting() -> bool:
     from ._jit import interpreting
 

@@ -43,7 +43,7 @@ def stick_breaking_attention(
         scaling: logit scale s.
         q_index: (Lq,) key index of each query (its own key, the diagonal).
         attend_current: whether the diagonal is a breakpoint.
-        remainder: "discard", "current" or "bias" (see the module docstring).
+        remainder: "discard", "current" or "bias" (see ``hf_posenc/encodings/sba.py``).
         bias: (H, D) the per-head vector of ``remainder="bias"``.
 
     Returns:

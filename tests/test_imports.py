@@ -17,7 +17,11 @@ running module ``A`` imports module ``B``:
   function that are named there, each with the reason it must stay lazy. Every entry is checked to still
   exist, so the list cannot go stale.
 
-Only modules of hf_posenc are nodes; imports of other packages (torch, transformers, triton) are left out.
+Only modules of hf_posenc are nodes; imports of other packages (torch, transformers, triton) are left out, and so
+is ``hf_posenc.kernels._common.triton_import_error``'s ``importlib`` probe of a kernel module (a name in a string).
+
+``test_shared_things_are_defined_once`` also reads the source: the window check, the mask helpers, the kernel
+dtypes, the head-dim limit, the Triton probe and the cache-state packing are each defined in one module.
 """
 
 from __future__ import annotations
@@ -209,6 +213,54 @@ def test_lazy_allowances_are_used():
     lazy = {(e.source, e.target) for e in import_graph() if e.lazy}
     stale = sorted(set(LAZY_ALLOWED) - lazy)
     assert not stale, f"LAZY_ALLOWED names imports that no longer exist: {stale}"
+
+
+# Names with one definition in the package (issue 32: each had two to seven copies that drifted apart).
+SINGLE_DEFINITIONS = {
+    "check_window": "hf_posenc.kernels._masks",
+    "band_allowed": "hf_posenc.kernels._masks",
+    "allowed_keys": "hf_posenc.kernels._masks",
+    "windowed_allowed": "hf_posenc.kernels._masks",
+    "MAX_HEAD_DIM": "hf_posenc.kernels._common",
+    "KERNEL_DTYPES": "hf_posenc.kernels._common",
+    "triton_import_error": "hf_posenc.kernels._common",
+    "compute_dtype": "hf_posenc.kernels._common",
+    "pack_state": "hf_posenc.encodings.cache_state",
+    "unpack_state": "hf_posenc.encodings.cache_state",
+    "state_width": "hf_posenc.encodings.cache_state",
+}
+
+
+def _definitions(root: Path = ROOT, package: str = PACKAGE) -> dict[str, list[str]]:
+    """name -> the modules that define it at module level (a def, a class or an assignment), and every module
+    that assigns a tuple of the three kernel dtypes, under the name ``(float32, bfloat16, float16)``."""
+    found: dict[str, list[str]] = {}
+    for name, path in _modules(root, package).items():
+        for node in ast.parse(path.read_text()).body:
+            names = []
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [t.id for t in targets if isinstance(t, ast.Name)]
+                value = node.value
+                if isinstance(value, ast.Tuple) and sorted(
+                    e.attr for e in value.elts if isinstance(e, ast.Attribute)
+                ) == ["bfloat16", "float16", "float32"]:
+                    names.append("(float32, bfloat16, float16)")
+            for defined in names:
+                found.setdefault(defined, []).append(name)
+    return found
+
+
+def test_shared_things_are_defined_once():
+    defs = _definitions()
+    wrong = {
+        name: defs.get(name, [])
+        for name, module in {**SINGLE_DEFINITIONS, "(float32, bfloat16, float16)": "hf_posenc.kernels._common"}.items()
+        if defs.get(name, []) != [module]
+    }
+    assert not wrong, f"defined elsewhere or more than once (name: modules): {wrong}"
 
 
 # The checker itself, on small packages written to a temporary folder: it must find what it is for.

@@ -67,6 +67,28 @@ def _load_rows(ptr, rows, stride, offs_d, row_ok, d_ok):
                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
 
+def _query_rows(m, LQ, Q_OFF, BM: tl.constexpr):
+    """Query block ``m``: its rows (BM,), which exist (BM,) bool, and their key indices (query i is key
+    Q_OFF + i)."""
+    rows = m * BM + tl.arange(0, BM)
+    row_ok = rows < LQ
+    qidx = rows + Q_OFF
+    return rows, row_ok, qidx
+
+
+def _batch_kv_head(pair, HKV):
+    """The batch index and the key/value head (int64) of the (batch, key/value head) ``pair``."""
+    b = (pair // HKV).to(tl.int64)
+    g = (pair % HKV).to(tl.int64)
+    return b, g
+
+
+def _store_rows(ptr, rows, stride, offs_d, row_ok, d_ok, value):
+    """Store ``value`` (len(rows), BD) into rows ``rows`` of a (L, D) slice with row stride ``stride``
+    (:func:`_load_rows`'s counterpart)."""
+    tl.store(ptr + rows[:, None].to(tl.int64) * stride + offs_d[None, :], value, mask=row_ok[:, None] & d_ok[None, :])
+
+
 def _key_tile(k_base, v_base, t, sk_n, sv_n, offs_d, d_ok, LK, BN: tl.constexpr):
     """Key tile ``t``: its key indices (BN,), which exist (BN,) bool, and its K and V tiles (BN, BD)."""
     keys = t * BN + tl.arange(0, BN)
@@ -132,8 +154,8 @@ def _load_checkpoint(c_base, s_base, ckpt, m, rows, row_ok, qidx, sees, LQ, Q_OF
 
 #: every device helper above, for the kernel modules' LazyJit (each binds them into its own globals).
 DEVICE_HELPERS = [
-    _add, _min, _max, _mm, _first_tile, _load_rows, _key_tile, _window_and_mask, _store_checkpoint, _query_blocks,
-    _load_checkpoint,
+    _add, _min, _max, _mm, _first_tile, _load_rows, _query_rows, _batch_kv_head, _store_rows, _key_tile,
+    _window_and_mask, _store_checkpoint, _query_blocks, _load_checkpoint,
 ]
 #: the combine functions among them, and the equivalents of ``triton.language.standard`` the interpreter binds.
 INTERPRETER_COMBINES = {"_add": "_sum_combine", "_min": "_elementwise_min", "_max": "_elementwise_max"}

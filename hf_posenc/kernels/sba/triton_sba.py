@@ -114,8 +114,8 @@ CARRY_BUDGET_BYTES = 256 * 1024 * 1024
 
 # ----------------------------------------------------------------------------------------------------
 # helpers (jitted lazily; see the module docstring). The tile-walk helpers shared with the CoPE kernels -- _add,
-# _min, _max, _mm, _first_tile, _load_rows, _key_tile, _window_and_mask, _store_checkpoint, _query_blocks,
-# _load_checkpoint -- are in hf_posenc/kernels/_triton_tiles.py and bound into this module's globals by _JIT.
+# _min, _max, _mm, _first_tile, _load_rows, _query_rows, _batch_kv_head, _store_rows, _key_tile,
+# _window_and_mask, _store_checkpoint, _query_blocks, _load_checkpoint -- are in hf_posenc/kernels/_triton_tiles.py and bound into this module's globals by _JIT.
 
 
 def _softplus(z):
@@ -171,9 +171,7 @@ def _sba_fwd(
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     g = h // G
-    rows = pid_m * BM + tl.arange(0, BM)
-    row_ok = rows < LQ
-    qidx = rows + Q_OFF
+    rows, row_ok, qidx = _query_rows(pid_m, LQ, Q_OFF, BM)
     offs_d = tl.arange(0, BD)
     d_ok = offs_d < D
     q = _load_rows(Q + b * sq_b + h * sq_h, rows, sq_m, offs_d, row_ok, d_ok)
@@ -233,12 +231,9 @@ def _sba_bwd_q(
     pid_m = tl.program_id(0)
     lbh = tl.program_id(1)  # (pair, head of the group) within this chunk
     pair = PAIR0 + lbh // G
-    b = (pair // HKV).to(tl.int64)
-    g = (pair % HKV).to(tl.int64)
+    b, g = _batch_kv_head(pair, HKV)
     h = g * G + (lbh % G)
-    rows = pid_m * BM + tl.arange(0, BM)
-    row_ok = rows < LQ
-    qidx = rows + Q_OFF
+    rows, row_ok, qidx = _query_rows(pid_m, LQ, Q_OFF, BM)
     offs_d = tl.arange(0, BD)
     d_ok = offs_d < D
     q = _load_rows(Q + b * sq_b + h * sq_h, rows, sq_m, offs_d, row_ok, d_ok)
@@ -304,8 +299,7 @@ def _sba_bwd_kv(
     pid_n = tl.program_id(0)
     lpair = tl.program_id(1)
     pair = PAIR0 + lpair
-    b = (pair // HKV).to(tl.int64)
-    g = (pair % HKV).to(tl.int64)
+    b, g = _batch_kv_head(pair, HKV)
     offs_d = tl.arange(0, BD)
     d_ok = offs_d < D
     n_start = pid_n * BN
@@ -328,9 +322,7 @@ def _sba_bwd_kv(
         do_base = DO + b * sd_b + h * sd_h
         bh = (b * H + h) * LQ
         for m in range(m_lo, m_hi):
-            rows = m * BM + tl.arange(0, BM)
-            row_ok = rows < LQ
-            qidx = rows + Q_OFF
+            rows, row_ok, qidx = _query_rows(m, LQ, Q_OFF, BM)
             sees = row_ok & (qidx >= n_start)
             q = _load_rows(q_base, rows, sq_m, offs_d, row_ok, d_ok)
             do = _load_rows(do_base, rows, sd_m, offs_d, row_ok, d_ok)
@@ -359,11 +351,8 @@ def _sba_bwd_kv(
                 dv += _mm(tl.trans(a).to(do.dtype), do, PREC, UPCAST)
                 dk += _mm(tl.trans(dz).to(q.dtype), q, PREC, UPCAST)
 
-    st_mask = k_ok[:, None] & d_ok[None, :]
-    dk_ptrs = keys[:, None].to(tl.int64) * sdk_n + offs_d[None, :]
-    dv_ptrs = keys[:, None].to(tl.int64) * sdv_n + offs_d[None, :]
-    tl.store(DK + b * sdk_b + g * sdk_h + dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=st_mask)
-    tl.store(DV + b * sdv_b + g * sdv_h + dv_ptrs, dv.to(DV.dtype.element_ty), mask=st_mask)
+    _store_rows(DK + b * sdk_b + g * sdk_h, keys, sdk_n, offs_d, k_ok, d_ok, (dk * scale).to(DK.dtype.element_ty))
+    _store_rows(DV + b * sdv_b + g * sdv_h, keys, sdv_n, offs_d, k_ok, d_ok, dv.to(DV.dtype.element_ty))
 
 
 _JIT = LazyJit(

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .auto import check_config_class, mark_config
+from .auto_config import check_config_class, mark_config
 from .attention import ATTN_IMPLEMENTATION, attention_backend, register_with_transformers
 from .config import CONFIG_KEY, PosEncConfig, coerce_plan, is_plan
 from .encodings.base import ModelInfo, unwrap

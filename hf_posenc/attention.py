@@ -42,7 +42,7 @@ from .kernels.attention import (
 )
 from .kernels.attention import _triton_import_error as _attention_triton_error
 from .kernels.defaults import cuda_default_backend
-from .kernels.attention.naive import band_allowed
+from .kernels._masks import band_allowed
 from .kernels.attention.tiled import tiled_attention, tiled_unsupported
 from .ops import expand_kv, masked_softmax
 

@@ -1,12 +1,13 @@
 """Model types of hf_posenc's own, registered with transformers' Auto classes (public registration API only).
 
-For every family ``F`` (``hf_posenc.registry.FAMILIES``) this module builds
+For every family ``F`` (``hf_posenc.registry.FAMILIES``) there are
 
 - ``<Config>WithPosEnc`` (``LlamaConfigWithPosEnc``): a subclass of the family's config class whose
   ``model_type`` is ``posenc_<F>``
-  (``posenc_llama``, ``posenc_gpt2``, ...). It adds nothing to the config's fields; ``position_encoding``
-  rides along as before.
-- ``<Head>WithPosEnc`` for every head class that transformers maps to the family in one of its ``AutoModel*``
+  (``posenc_llama``, ``posenc_gpt2``, ...), built by :mod:`hf_posenc.auto_config` (below
+  :mod:`hf_posenc.api`, which calls it; re-exported here). It adds nothing to the config's fields;
+  ``position_encoding`` rides along as before.
+- ``<Head>WithPosEnc``, built here, for every head class that transformers maps to the family in one of its ``AutoModel*``
   classes (``LlamaForCausalLMWithPosEnc``, ``ViTForImageClassificationWithPosEnc``, ...): loaders whose
   ``from_pretrained`` is :func:`hf_posenc.from_pretrained` with the family's head class, and whose
   ``_from_config`` (``AutoModel*.from_config``) builds the family's head and patches it from
@@ -36,6 +37,19 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from .api import from_pretrained as load_patched, patch_model
+from .auto_config import (
+    LOADER_MODULE,
+    PREFIX,
+    native_config_class,
+    built_classes,
+    check_config_class,
+    config_class,
+    family_of,
+    loader_heads,
+    loader_name,
+    mark_config,
+)
 from .config import CONFIG_KEY
 from .registry import FAMILIES
 
@@ -43,75 +57,16 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "PREFIX", "LOADER_MODULE", "family_of", "config_class", "loader_classes", "check_config_class", "mark_config",
-    "register",
+    "register", "all_classes",
 ]
 
-#: ``model_type`` of the registered types: ``PREFIX + family``.
-PREFIX = "posenc_"
-#: the module written beside every checkpoint (its file name is what ``auto_map`` names).
-LOADER_MODULE = "hf_posenc.hf_posenc_loader"
-
-_CONFIGS: dict[str, type] = {}  # family -> PosEnc config class
-_HEADS: dict[str, dict[str, type]] = {}  # family -> {Auto class name: loader class}
-_BUILT: dict[str, type] = {}  # every class built here, by name (what hf_posenc_loader exports)
-
-
-def family_of(model_type: Any) -> Any:
-    """``llama`` for ``posenc_llama``; any other value unchanged."""
-    if isinstance(model_type, str) and model_type.startswith(PREFIX) and model_type[len(PREFIX):] in FAMILIES:
-        return model_type[len(PREFIX):]
-    return model_type
-
-
-def _camel(name: str) -> str:
-    return "".join(part[:1].upper() + part[1:] for part in name.split("_"))
-
-
-def _auto_classes() -> list[tuple[str, type, str]]:
-    """``(Auto class name, Auto class, names mapping)`` for every ``AutoModel*`` class of transformers."""
-    import transformers.models.auto.modeling_auto as modeling_auto
-
-    found = []
-    for name in sorted(dir(modeling_auto)):
-        auto = getattr(modeling_auto, name)
-        mapping = getattr(auto, "_model_mapping", None)
-        if name.startswith("AutoModel") and isinstance(auto, type) and hasattr(mapping, "_model_mapping"):
-            found.append((name, auto, mapping._model_mapping))
-    return found
-
-
-def _native_config_class(family: str) -> type:
-    from transformers import CONFIG_MAPPING
-
-    return CONFIG_MAPPING[family]
-
-
-def config_class(family: str) -> type:
-    """``<Config>WithPosEnc`` for ``family`` (built once)."""
-    if family not in _CONFIGS:
-        native = _native_config_class(family)
-        cls = type(
-            f"{native.__name__}WithPosEnc",
-            (native,),
-            {
-                "model_type": PREFIX + family,
-                # config.save_pretrained copies the loader module and writes auto_map["AutoConfig"]
-                "_auto_class": "AutoConfig",
-                "__module__": LOADER_MODULE,
-                "__doc__": f"{native.__name__} of a model patched by hf_posenc (model_type {PREFIX + family!r}).",
-            },
-        )
-        _CONFIGS[family] = cls
-        _BUILT[cls.__name__] = cls
-    return _CONFIGS[family]
+_LOADERS: dict[str, dict[str, type]] = {}  # family -> {Auto class name: loader class}
 
 
 def _loader_class(head: type, config_cls: type) -> type:
     """``<Head>WithPosEnc``: ``from_pretrained`` / ``_from_config`` give ``head`` patched by hf_posenc."""
 
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
-        from .api import from_pretrained as load
-
         if model_args:
             raise TypeError(
                 f"{cls.__name__}.from_pretrained takes no positional model arguments, got {len(model_args)}"
@@ -122,11 +77,9 @@ def _loader_class(head: type, config_cls: type) -> type:
                 f"{cls.__name__} takes a {config_cls.__name__} (model_type {config_cls.model_type!r}), "
                 f"got {type(config).__name__}"
             )
-        return load(pretrained_model_name_or_path, model_class=head, config=config, **kwargs)
+        return load_patched(pretrained_model_name_or_path, model_class=head, config=config, **kwargs)
 
     def _from_config(cls, config, **kwargs):
-        from .api import patch_model
-
         stored = getattr(config, CONFIG_KEY, None)
         if stored is None:
             raise ValueError(
@@ -142,7 +95,7 @@ def _loader_class(head: type, config_cls: type) -> type:
         )
 
     return type(
-        f"{head.__name__}WithPosEnc",
+        loader_name(head),
         (head,),
         {
             "config_class": config_cls,
@@ -157,100 +110,25 @@ def _loader_class(head: type, config_cls: type) -> type:
 
 def loader_classes(family: str) -> dict[str, type]:
     """``{Auto class name: <Head>WithPosEnc}`` for every head class transformers maps to ``family``."""
-    if family not in _HEADS:
-        import transformers
-
+    if family not in _LOADERS:
         config_cls = config_class(family)
-        heads: dict[str, type] = {}
         built: dict[str, type] = {}
-        for auto_name, _, names in _auto_classes():
-            head_name = names.get(family)
-            if isinstance(head_name, (list, tuple)):
-                head_name = head_name[0] if head_name else None
-            head = getattr(transformers, head_name, None) if isinstance(head_name, str) else None
-            if head is None or getattr(head, "config_class", None) is not _native_config_class(family):
-                continue  # (a few mappings list another model's class under a family's key)
-            if head_name not in built:
-                built[head_name] = _loader_class(head, config_cls)
-            heads[auto_name] = built[head_name]
-        _HEADS[family] = heads
+        loaders: dict[str, type] = {}
+        for auto_name, head in loader_heads(family).items():
+            if head.__name__ not in built:
+                built[head.__name__] = _loader_class(head, config_cls)
+            loaders[auto_name] = built[head.__name__]
+        _LOADERS[family] = loaders
         for cls in built.values():
-            _BUILT[cls.__name__] = cls
-    return _HEADS[family]
+            built_classes()[cls.__name__] = cls
+    return _LOADERS[family]
 
 
 def all_classes() -> dict[str, type]:
     """Every class built here, by name (every family's config and loaders)."""
     for family in FAMILIES:
         loader_classes(family)
-    return dict(_BUILT)
-
-
-def _rope_is_native(config: Any, params: dict) -> bool:
-    """rope computes Llama's own function: the ``half`` layout (transformers' ``rotate_half``) and a ``theta``
-    that is None (the model's own, scaled rotary) or the config's ``rope_theta`` with default (unscaled) rotary;
-    no sliding window, no scaling and no partial rotary of its own."""
-    if params.get("layout", "half") != "half":
-        return False
-    if any(params.get(key) is not None for key in ("window", "scaling", "partial_rotary_factor")):
-        return False
-    theta = params.get("theta")
-    if theta is None:
-        return True
-    rope = getattr(config, "rope_parameters", None) or {}
-    if not isinstance(rope, dict):
-        return False
-    native_theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
-    if rope.get("rope_type", "default") != "default" or native_theta is None:
-        return False
-    return float(native_theta) == float(theta)
-
-
-def check_config_class(config: Any) -> None:
-    """``ValueError`` unless ``config`` is the family's own config class or ``<Config>WithPosEnc``: the class of
-    any other (a subclass from remote code, ...) cannot be swapped without losing what it adds, and its
-    checkpoint would load unpatched. Called by ``patch_model`` before it changes anything."""
-    family = family_of(getattr(config, "model_type", None))
-    if family not in FAMILIES:
-        return
-    native, ours = _native_config_class(family), config_class(family)
-    if type(config) not in (native, ours):
-        raise ValueError(
-            f"hf_posenc patches {family} models whose config is a {native.__name__}; this one is a "
-            f"{type(config).__name__} (config subclasses are not supported: build the model from a {native.__name__})"
-        )
-
-
-def mark_config(config: Any) -> None:
-    """Give a patched model's own config (already un-shared) the class ``<Config>WithPosEnc`` and the ``auto_map``
-    of the family's loaders, or, for rope on Llama at its own frequencies, the family's plain config class.
-    Instance-level: the config object's class changes, no class does."""
-    family = family_of(getattr(config, "model_type", None))
-    if family not in FAMILIES:
-        return
-    native, ours = _native_config_class(family), config_class(family)
-    stored = getattr(config, CONFIG_KEY, None) or {}
-    plain = (
-        family == "llama" and isinstance(stored, dict) and stored.get("name") == "rope"
-        and _rope_is_native(config, stored)
-    )
-    loader_file = LOADER_MODULE.rsplit(".", 1)[-1]
-    auto_map = dict(getattr(config, "auto_map", None) or {})
-    auto_map = {k: v for k, v in auto_map.items() if not (isinstance(v, str) and v.startswith(loader_file + "."))}
-    if plain:
-        if type(config) is ours:
-            config.__class__ = native
-        if auto_map:
-            config.auto_map = auto_map
-        elif "auto_map" in vars(config):
-            delattr(config, "auto_map")  # written only when set: a plain Llama checkpoint has none
-        return
-    check_config_class(config)
-    if type(config) is native:
-        config.__class__ = ours
-    for auto_name, cls in loader_classes(family).items():
-        auto_map[auto_name] = f"{loader_file}.{cls.__name__}"
-    config.auto_map = auto_map
+    return dict(built_classes())
 
 
 _REGISTERED = False
@@ -296,7 +174,7 @@ def _register_preprocessor(family: str, config_cls: type) -> None:
         level = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # "requires torchvision ... falling back to the PIL processor"
         try:
-            native = IMAGE_PROCESSOR_MAPPING[_native_config_class(family)]
+            native = IMAGE_PROCESSOR_MAPPING[native_config_class(family)]
         finally:
             hf_logging.set_verbosity(level)
         try:

@@ -9,6 +9,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .kernels._masks import check_window
 from .registry import EncodingSpec, get_encoding
 
 __all__ = ["PosEncConfig", "CONFIG_KEY", "WINDOW_HELP", "check_window", "coerce_plan", "is_plan"]
@@ -67,19 +68,6 @@ WINDOW_HELP = (
     "(the keys transformers' sliding_window gives Mistral); on bidirectional models the keys less than `window` "
     "positions away on either side (per grid axis on ViT); None: every key"
 )
-
-
-def check_window(window: Any, where: str = "window") -> int | None:
-    """``window``: None or an int >= 1 (a bool, a float or a string is refused)."""
-    window = _plain(window)
-    if window is None:
-        return None
-    if isinstance(window, bool) or not isinstance(window, int):
-        raise TypeError(f"{where} must be an int >= 1 (keys each query sees, itself included) or None, got "
-                        f"{type(window).__name__} ({window!r})")
-    if window < 1:
-        raise ValueError(f"{where} must be >= 1 (keys each query sees, itself included), got {window}")
-    return window
 
 
 @dataclass(frozen=True)

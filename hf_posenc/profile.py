@@ -246,7 +246,7 @@ def _last_query_gates(ctx: PosContext, query: torch.Tensor, key: torch.Tensor, m
                       scaling: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """sigma(s q_i . k_j) of the last query (H, Lk) float64 over the keys it may see (0 elsewhere; cope's
     ``allowed_keys``), and that allowed row (H|1, Lk) bool. Batch row 0."""
-    from .encodings.cope import allowed_keys
+    from .kernels._masks import allowed_keys
 
     q_len, k_len = query.shape[2], key.shape[2]
     k = expand_kv(key[..., : query.shape[-1]], query.shape[1] // key.shape[1]).double()
@@ -311,7 +311,7 @@ class _Recorder:
     def _cope(self, enc: nn.Module, args: tuple) -> None:
         if not args or args[0] != "attend":
             return
-        from .encodings.cope import cope_positions
+        from .kernels.cope.naive import cope_positions
 
         ctx, layer, query, key, _value, mask, scaling = args[1:8]
         gates, _ = _last_query_gates(ctx, query, key, mask, scaling, enc.info.causal)

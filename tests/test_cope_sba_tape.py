@@ -556,6 +556,20 @@ def test_tape_state_packing_in_16_bit():
     assert torch.equal(unpack_state(pack_state(x, torch.float32), 7, torch.float32), x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tape_state_round_trips_as_fox_state(dtype):
+    """TaPE's states in a 16-bit cache come back as FoX's gates do (one packing): in float16 the lo channel is
+    stored scaled by 2^11, so states of small magnitude (1e-4 .. 1) keep 22 significant bits instead of losing
+    lo to float16's subnormals (relative error 4e-3 at |x| ~ 1e-4 without the scale)."""
+    from hf_posenc.encodings import fox
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 64, generator=g) * torch.logspace(-4, 1, 64)
+    back = unpack_state(pack_state(x, dtype), 64, torch.float32)
+    assert torch.equal(back, fox.unpack_state(fox.pack_state(x, dtype), 64, torch.float32))
+    assert (((back - x).abs() / x.abs()).max() < 2.0**-15), ((back - x).abs() / x.abs()).max().item()
+
+
 # ===================================================================================================
 # all three: cache, padding, generation, checkpointing, bf16, finite differences
 # ===================================================================================================

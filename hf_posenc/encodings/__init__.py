@@ -8,7 +8,8 @@ from .comrope import ComRope
 from .cope import Cope
 from .fire import Fire
 from .fope import Fope
-from .fox import Fox, FoxPro
+from .fox import Fox
+from .fox_pro import FoxPro
 from .kerple import Kerple
 from .liere import Liere
 from .rope import Rope

@@ -26,7 +26,7 @@ from torch import nn
 from ..backend import forced_backend
 from ..config import PosEncConfig
 
-__all__ = ["ModelInfo", "PosContext", "PositionEncoding", "RelativePositions", "relative_positions", "unwrap", "vit_token_coords"]
+__all__ = ["EngineAttention", "ModelInfo", "PosContext", "PositionEncoding", "RelativePositions", "relative_positions", "unwrap", "vit_token_coords"]
 
 
 @dataclass(frozen=True)
@@ -306,10 +306,10 @@ class PositionEncoding(nn.Module):
         if op == "rotate":
             return self.rotate(*args, **kwargs)
         if op == "bias":
-            self._check_reference_memory(op, args)
+            self._check_bias_memory(*args, **kwargs)
             return self.score_bias(*args, **kwargs)
         if op == "attend":
-            self._check_reference_memory(op, args)
+            self._check_attend_memory(*args, **kwargs)
             return self.attend(*args, **kwargs)
         if op == "prepare":
             return self.prepare(*args, **kwargs)
@@ -327,27 +327,49 @@ class PositionEncoding(nn.Module):
         """Estimated peak bytes of this encoding's reference attention at this shape (``grad``: with autograd)."""
         return int(self.reference_footprint[1 if grad else 0] * batch * heads * q_len * k_len * itemsize)
 
-    def _check_reference_memory(self, op: str, args: tuple) -> None:
-        """``bias`` (ctx, q_len, k_len, device, ...) or ``attend`` (ctx, layer, query, key, ...): raise
-        ``ReferenceMemoryError`` before building the O(L^2) intermediates if they would not fit the budget."""
-        if len(args) < 4:
+    def attend_uses_reference(self, ctx: PosContext, dropout: float, training: bool) -> bool:
+        """Whether ``attend`` runs its O(L^2) PyTorch reference for this call (the memory pre-check applies to
+        that reference only). True here; an encoding whose ``attend`` also has kernels or a tile-wise engine
+        (O(L · block) memory) says when it does not (see :class:`EngineAttention`)."""
+        return True
+
+    def _check_attend_memory(
+        self,
+        ctx: PosContext,
+        layer: int,
+        query: Any,
+        key: Any,
+        value: Any = None,
+        mask: Any = None,
+        scaling: float = 1.0,
+        dropout: float = 0.0,
+        training: bool = False,
+    ) -> None:
+        """Before ``attend``, with its arguments (same names): raise ``ReferenceMemoryError`` before building the
+        O(L^2) intermediates of the reference if they would not fit the budget (only where the reference runs:
+        :meth:`attend_uses_reference`)."""
+        if not self.attend_uses_reference(ctx, dropout, training):
             return
+        if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)):
+            return
+        batch, heads, q_len = query.shape[:3]
+        itemsize = 8 if query.dtype == torch.float64 else 4
+        self._check_memory("attention", batch, heads, q_len, key.shape[2], query.device, itemsize)
+
+    def _check_bias_memory(self, ctx: PosContext, q_len: int, k_len: int, device: Any, layer: int = 0) -> None:
+        """Before ``score_bias``, with its arguments (same names): the same pre-check for the bias and the
+        attention that uses it."""
+        position_ids = getattr(ctx, "position_ids", None)
+        batch = position_ids.shape[0] if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 else 1
+        self._check_memory("score bias", batch, self.info.num_heads, q_len, k_len, device, 4)
+
+    def _check_memory(
+        self, what: str, batch: int, heads: int, q_len: int, k_len: int, device: Any, itemsize: int
+    ) -> None:
         from ..memory import check_reference_memory
 
-        if op == "attend":
-            ctx, _, query, key = args[:4]
-            if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)):
-                return
-            batch, heads, q_len = query.shape[:3]
-            k_len, device = key.shape[2], query.device
-            itemsize = 8 if query.dtype == torch.float64 else 4
-        else:
-            ctx, q_len, k_len, device = args[:4]
-            position_ids = getattr(ctx, "position_ids", None)
-            batch = position_ids.shape[0] if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 else 1
-            heads, itemsize = self.info.num_heads, 4
         nbytes = self.reference_bytes(batch, heads, int(q_len), int(k_len), torch.is_grad_enabled(), itemsize)
-        shape = f"{'attention' if op == 'attend' else 'score bias'} at B={batch}, H={heads}, Lq={q_len}, Lk={k_len}"
+        shape = f"{what} at B={batch}, H={heads}, Lq={q_len}, Lk={k_len}"
         check_reference_memory(self.name, shape, nbytes, torch.device(device))
 
     def embed(self, ctx: PosContext, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -405,3 +427,14 @@ class PositionEncoding(nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.posenc_config.params.items())
+
+
+class EngineAttention(PositionEncoding):
+    """A custom attention (``attend``) that runs a fused kernel or a tile-wise PyTorch engine (O(L · block)
+    memory, no probabilities formed) on causal models, and its full-matrix O(L^2) reference only where those
+    cannot: the probabilities requested (``output_attentions``), attention dropout while training, or a
+    bidirectional model (ViT, BERT). CoPE and stick-breaking attention."""
+
+    def attend_uses_reference(self, ctx: PosContext, dropout: float, training: bool) -> bool:
+        """Whether ``attend`` runs the full-matrix reference rather than a kernel or the tile-wise engine."""
+        return not self.info.causal or ctx.need_weights or (dropout > 0.0 and training)

@@ -179,11 +179,9 @@ class Cape(PositionEncoding):
         positions = base._query_positions(ctx, q_len, device)  # (B|1, Lq)
         return "fire", (fn.w1, fn.b1, fn.w2, fn.b2, fn.c, fn.threshold, positions)
 
-    def _check_reference_memory(self, op: str, args: tuple) -> None:
+    def attend_uses_reference(self, ctx: PosContext, dropout: float, training: bool) -> bool:
         """The O(L^2) pre-check applies to the reference only: the tiles need O(L · block)."""
-        if op == "attend" and len(args) >= 9 and self.uses_tiles(args[0], args[7], args[8]):
-            return
-        super()._check_reference_memory(op, args)
+        return not self.uses_tiles(ctx, dropout, training)
 
     def attend(
         self,

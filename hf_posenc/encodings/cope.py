@@ -37,6 +37,8 @@ indices, ...) plus O(B·H·Lq·npos), whatever head_dim is: ``benchmarks/bench_c
 peak of about 17 float32 (B, H, L, L) tensors in a forward (27 with the backward) at L = 1024, the same at
 head_dim 16 and 256, where one (B, H, L, L, head_dim) tensor alone would be 16 to 256 of them.
 ⌊p⌋ and ⌈p⌉ carry no gradient; the weight p − ⌊p⌋ does (so the gates are trained through it).
+The reference math (``cope_attention``, ``cope_positions``, ``interpolate_logits``) takes tensors only and
+lives beside the kernels, in :mod:`hf_posenc.kernels.cope.naive`.
 
 KV cache: the gates of query i only involve q_i and the keys, which the cache already holds; nothing else
 is stored. Left padding: padded keys are masked, so their gates are 0 before the sum and they are not
@@ -67,14 +69,17 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from ..config import PosEncConfig
+from ..kernels._common import compute_dtype
+from ..kernels._masks import allowed_keys
+from ..kernels.cope import cope, cope_backend, cope_tiled
+from ..kernels.cope.naive import cope_attention
 from ..ops import expand_kv
 from ..registry import param, register_encoding
-from .base import ModelInfo, PosContext, PositionEncoding
+from .base import EngineAttention, ModelInfo, PosContext
 
-__all__ = ["Cope", "allowed_keys", "cope_positions", "interpolate_logits", "cope_attention"]
+__all__ = ["Cope"]
 
 
 @dataclass
@@ -92,120 +97,6 @@ class CopeParams:
     )
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32, or float64 for float64 inputs (gradient checks)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def allowed_keys(
-    mask: torch.Tensor | None,
-    q_len: int,
-    k_len: int,
-    q_offset: int | torch.Tensor,
-    causal: bool,
-    device: torch.device,
-) -> torch.Tensor | None:
-    """(B|1, 1, Lq, Lk) bool: the keys each query may see -- the attention mask, and on causal models also
-    key index <= query index (query i is key ``q_offset + i``), so an absent mask never exposes future or
-    empty cache slots. None when every query sees every key."""
-    if causal:
-        q_idx = torch.arange(q_len, device=device)[:, None] + (
-            q_offset.to(device) if isinstance(q_offset, torch.Tensor) else q_offset
-        )
-        causal_mask = (q_idx >= torch.arange(k_len, device=device)[None, :])[None, None]
-        return causal_mask if mask is None else (mask & causal_mask)
-    return mask
-
-
-def cope_positions(gates: torch.Tensor, direction: str = "before") -> torch.Tensor:
-    """Contextual positions from masked gates (..., Lq, Lk).
-
-    ``before``: p_ij = Σ_{k >= j} g_ik (with the gates after the query zeroed, = Σ_{k=j..i} g_ik; the
-    paper's flip-cumsum-flip). ``after``: p_ij = Σ_{k <= j} g_ik (with the gates before the query zeroed,
-    = Σ_{k=i..j} g_ik)."""
-    if direction == "before":
-        return gates.flip(-1).cumsum(-1).flip(-1)
-    return gates.cumsum(-1)
-
-
-def interpolate_logits(z: torch.Tensor, positions: torch.Tensor, npos_max: int) -> torch.Tensor:
-    """z_i[p_ij] interpolated between ⌊p⌋ and ⌈p⌉.
-
-    Args:
-        z: (B, H, Lq, npos_max) = q_i · e[p] for the integer positions.
-        positions: (B, H, Lq, Lk) non-negative contextual positions (clipped here to npos_max - 1).
-
-    Returns:
-        (B, H, Lq, Lk): (p − ⌊p⌋) z[⌈p⌉] + (1 − p + ⌊p⌋) z[⌊p⌋].
-    """
-    positions = positions.clamp(max=npos_max - 1)
-    floor = positions.floor()
-    w = positions - floor  # differentiable, as in the code
-    idx_floor = floor.long()
-    idx_ceil = positions.ceil().long()
-    z_floor = z.gather(-1, idx_floor)
-    z_ceil = z.gather(-1, idx_ceil)
-    return z_ceil * w + z_floor * (1 - w)
-
-
-def cope_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    allowed: torch.Tensor | None,
-    scaling: float,
-    table: torch.Tensor,
-    table_after: torch.Tensor | None = None,
-    q_index: torch.Tensor | None = None,
-    no_position: torch.Tensor | None = None,
-    uncounted: torch.Tensor | None = None,
-    dropout: float = 0.0,
-    training: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """CoPE attention (the reference), everything in the dtype of ``q``.
-
-    Args:
-        q: (B, H, Lq, D); k, v: (B, H, Lk, D) (key/value heads already expanded).
-        allowed: (B|1, 1, Lq, Lk) bool (True = attend), or None (every key).
-        scaling: logit scale s (gates σ(s q·k), logits s q·k + z).
-        table: (D, npos_max) position embeddings e (keys at or before the query).
-        table_after: (D, npos_max) for keys after the query (bidirectional models) or None (causal).
-        q_index: (Lq,) key index of each query; needed with ``table_after``.
-        no_position: (Lq, Lk) bool, pairs that take no position term (those involving CLS), or None.
-        uncounted: (Lk,) bool, keys whose gates are never counted (CLS), or None.
-
-    Returns:
-        out (B, H, Lq, D) and the probabilities (B, H, Lq, Lk).
-    """
-    npos = table.shape[-1]
-    logits = (q @ k.transpose(-1, -2)) * scaling
-    gates = torch.sigmoid(logits)
-    if allowed is not None:
-        gates = gates.masked_fill(~allowed, 0.0)
-    if uncounted is not None:
-        gates = gates.masked_fill(uncounted, 0.0)
-    if table_after is None:
-        position_logits = interpolate_logits(q @ table, cope_positions(gates, "before"), npos)
-    else:
-        k_idx = torch.arange(k.shape[2], device=q.device)
-        before = k_idx[None, :] <= q_index[:, None]  # (Lq, Lk)
-        p_before = cope_positions(gates.masked_fill(~before, 0.0), "before")
-        p_after = cope_positions(gates.masked_fill(before & (k_idx[None, :] != q_index[:, None]), 0.0), "after")
-        position_logits = torch.where(
-            before,
-            interpolate_logits(q @ table, p_before, npos),
-            interpolate_logits(q @ table_after, p_after, npos),
-        )
-    if no_position is not None:
-        position_logits = position_logits.masked_fill(no_position, 0.0)
-    scores = logits + position_logits
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)  # fully masked rows (left padding) -> 0
-    dropped = F.dropout(probs, p=dropout, training=training)
-    return dropped @ v, probs
-
-
 @register_encoding(
     "cope",
     params=CopeParams,
@@ -214,7 +105,7 @@ def cope_attention(
     "raster-order counts in both directions on ViT",
     paper="https://arxiv.org/abs/2405.18719",
 )
-class Cope(PositionEncoding):
+class Cope(EngineAttention):
     """CoPE; see the module docstring for the formula.
 
     Parameters: ``pos_emb`` (num_layers, head_dim, npos_max); on ViT also ``pos_emb_after`` (keys after
@@ -239,19 +130,6 @@ class Cope(PositionEncoding):
                 with torch.no_grad():
                     nn.init.normal_(weight, mean=0.0, std=std)
             self.register_parameter(name, weight)
-
-    def _needs_reference(self, need_weights: bool, dropout: float, training: bool) -> bool:
-        """Whether ``attend`` runs the full-matrix reference (the probabilities requested, attention dropout while
-        training, the bidirectional variant on ViT and BERT) rather than a kernel or the causal tile-wise engine."""
-        return not self.info.causal or need_weights or (dropout > 0.0 and training)
-
-    def _check_reference_memory(self, op: str, args: tuple) -> None:
-        """The memory pre-check of the O(L^2) reference, only where the reference will run."""
-        if op == "attend" and len(args) >= 9 and not self._needs_reference(
-            bool(getattr(args[0], "need_weights", False)), args[7], args[8]
-        ):
-            return
-        super()._check_reference_memory(op, args)
 
     def attend(
         self,
@@ -280,8 +158,6 @@ class Cope(PositionEncoding):
             only when the probabilities are requested, with attention dropout while training, and for the
             bidirectional ViT variant.
         """
-        from ..kernels.cope import cope, cope_backend, cope_tiled
-
         # a sliding window (hf_posenc's, the model's own) is in ``mask`` already (a band); the engines also take
         # it as a number, to skip the key tiles outside it
         window = ctx.engine_window(layer)
@@ -291,13 +167,13 @@ class Cope(PositionEncoding):
         )
         if backend == "triton":
             return cope(query, key, value, self.pos_emb[layer], mask, scaling, ctx.q_offset, window=window), None
-        if not self._needs_reference(ctx.need_weights, dropout, training):
+        if not self.attend_uses_reference(ctx, dropout, training):
             # the tile-wise engine: O(L·block) memory, no probabilities formed
             return cope_tiled(query, key, value, self.pos_emb[layer], mask, scaling, ctx.q_offset, window=window), None
         b, h, q_len, _ = query.shape
         k_len = key.shape[2]
         groups = h // key.shape[1]
-        dtype = _compute_dtype(query.dtype)
+        dtype = compute_dtype(query.dtype)
         q = query.to(dtype)
         k = expand_kv(key, groups).to(dtype)
         v = expand_kv(value, groups).to(dtype)

@@ -42,6 +42,8 @@ Grouped-query models: each query head uses its own q against its key/value head'
 Padding: masked keys are no breakpoints (their softplus terms are 0) and get no weight, so a left-padded
 row gives the weights of the row alone. KV cache: A_ij involves q_i and the keys only, so the cache holds
 all it needs; nothing else is stored.
+The causal reference (``stick_breaking_attention``) takes tensors only and lives beside the kernels, in
+:mod:`hf_posenc.kernels.sba.naive`.
 
 ViT (bidirectional), a documented generalisation. The paper breaks the stick over the keys in order from
 the query outwards (nearest first) and defines no order for an image; here each query orders its keys by
@@ -70,16 +72,15 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..config import PosEncConfig
+from ..kernels._common import compute_dtype
+from ..kernels._masks import allowed_keys
+from ..kernels.sba import sba_backend, sba_tiled, stick_breaking
+from ..kernels.sba.naive import SOFTPLUS_THRESHOLD, stick_breaking_attention
 from ..ops import expand_kv
 from ..registry import param, register_encoding
-from .base import ModelInfo, PosContext, PositionEncoding
-from .cope import allowed_keys
+from .base import EngineAttention, ModelInfo, PosContext
 
-__all__ = ["StickBreaking", "stick_breaking_attention", "stick_breaking_grid_attention", "grid_key_ranks",
-           "SOFTPLUS_THRESHOLD"]
-
-#: above this the softplus is linear (the code's threshold, also in its Triton kernel's inline assembly).
-SOFTPLUS_THRESHOLD = 15.0
+__all__ = ["StickBreaking", "stick_breaking_grid_attention", "grid_key_ranks"]
 
 
 @dataclass
@@ -97,61 +98,6 @@ class SbaParams:
         type=str,
         choices=("discard", "current", "bias"),
     )
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def stick_breaking_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    allowed: torch.Tensor | None,
-    scaling: float,
-    q_index: torch.Tensor,
-    attend_current: bool = False,
-    remainder: str = "discard",
-    bias: torch.Tensor | None = None,
-    dropout: float = 0.0,
-    training: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stick-breaking attention in log space (the reference), in the dtype of ``q``.
-
-    Args:
-        q: (B, H, Lq, D); k, v: (B, H, Lk, D) (key/value heads already expanded).
-        allowed: (B|1, 1, Lq, Lk) bool, the keys each query may see (causality included), or None.
-        scaling: logit scale s.
-        q_index: (Lq,) key index of each query (its own key, the diagonal).
-        attend_current: whether the diagonal is a breakpoint.
-        remainder: "discard", "current" or "bias" (see the module docstring).
-        bias: (H, D) the per-head vector of ``remainder="bias"``.
-
-    Returns:
-        out (B, H, Lq, D) and the attention weights (B, H, Lq, Lk) (with the remainder on the diagonal
-        for ``remainder="current"``).
-    """
-    z = (q @ k.transpose(-1, -2)) * scaling
-    k_idx = torch.arange(k.shape[2], device=q.device)
-    breaks = (k_idx[None, :] < q_index[:, None]) if not attend_current else (k_idx[None, :] <= q_index[:, None])
-    breaks = breaks[None, None]
-    if allowed is not None:
-        breaks = breaks & allowed
-    softplus = F.softplus(z, beta=1.0, threshold=SOFTPLUS_THRESHOLD).masked_fill(~breaks, 0.0)
-    # Σ_{k >= j} softplus(z_ik) over the breakpoints = Σ_{k=j}^{i-1} (or ^{i}) softplus(z_ik)
-    suffix = softplus.flip(-1).cumsum(-1).flip(-1)
-    log_a = (z - suffix).masked_fill(~breaks, float("-inf"))
-    weights = torch.exp(log_a)
-    out = F.dropout(weights, p=dropout, training=training) @ v
-    if remainder == "discard":
-        return out, weights
-    rest = torch.exp(-softplus.sum(-1, keepdim=True))  # 1 - Σ_j A_ij = Π_j (1 - β_ij), >= 0 exactly
-    if remainder == "bias":
-        return out + rest * bias[None, :, None, :], weights
-    # "current": the query's own value takes the rest of the stick
-    own = v.index_select(2, q_index)
-    diag = (k_idx[None, :] == q_index[:, None])[None, None]
-    return out + rest * own, weights + rest * diag
 
 
 def grid_key_ranks(grid: tuple[int, int], device: torch.device) -> torch.Tensor:
@@ -234,7 +180,7 @@ def stick_breaking_grid_attention(
     summary="stick-breaking attention in log space (no other position term); weights sum to <= 1",
     paper="https://arxiv.org/abs/2410.17980",
 )
-class StickBreaking(PositionEncoding):
+class StickBreaking(EngineAttention):
     """Stick-breaking attention; see the module docstring for the formula.
 
     Parameters: none, or ``remainder_bias`` (num_layers, num_heads, head_dim) with ``remainder="bias"``.
@@ -252,19 +198,6 @@ class StickBreaking(PositionEncoding):
         self.remainder = config.params["remainder"]
         if self.remainder == "bias":
             self.remainder_bias = nn.Parameter(torch.zeros(info.num_layers, info.num_heads, info.head_dim))
-
-    def _needs_reference(self, need_weights: bool, dropout: float, training: bool) -> bool:
-        """Whether ``attend`` runs the full-matrix reference (the weights requested, attention dropout while
-        training, the distance-ordered variant on ViT and BERT) rather than a kernel or the tile-wise engine."""
-        return not self.info.causal or need_weights or (dropout > 0.0 and training)
-
-    def _check_reference_memory(self, op: str, args: tuple) -> None:
-        """The memory pre-check of the O(L^2) reference, only where the reference will run."""
-        if op == "attend" and len(args) >= 9 and not self._needs_reference(
-            bool(getattr(args[0], "need_weights", False)), args[7], args[8]
-        ):
-            return
-        super()._check_reference_memory(op, args)
 
     def attend(
         self,
@@ -294,8 +227,6 @@ class StickBreaking(PositionEncoding):
         """
         if ctx.grid is not None or not self.info.causal:  # ViT's grid, or bidirectional text (BERT)
             return self._attend_grid(ctx, layer, query, key, value, mask, scaling, dropout, training)
-        from ..kernels.sba import sba_backend, sba_tiled, stick_breaking
-
         # a sliding window (hf_posenc's, the model's own) is in ``mask`` already (a band); the engines also take
         # it as a number, to skip the key tiles outside it
         window = ctx.engine_window(layer)
@@ -306,7 +237,7 @@ class StickBreaking(PositionEncoding):
                 query, key, value, mask, scaling, ctx.q_offset, self.attend_current, self.remainder, bias, window=window
             )
             return out, None
-        if not self._needs_reference(ctx.need_weights, dropout, training):
+        if not self.attend_uses_reference(ctx, dropout, training):
             # the tile-wise engine: O(L·block) memory, no weights formed
             bias = self.remainder_bias[layer] if self.remainder == "bias" else None
             out = sba_tiled(
@@ -316,7 +247,7 @@ class StickBreaking(PositionEncoding):
         b, h, q_len, _ = query.shape
         k_len = key.shape[2]
         groups = h // key.shape[1]
-        dtype = _compute_dtype(query.dtype)
+        dtype = compute_dtype(query.dtype)
         q = query.to(dtype)
         k = expand_kv(key, groups).to(dtype)
         v = expand_kv(value, groups).to(dtype)
@@ -344,7 +275,7 @@ class StickBreaking(PositionEncoding):
         """ViT: stick-breaking over each query's keys in grid-distance order; bidirectional text (BERT): in
         sequence-distance order (module docstring); the PyTorch reference on every device. Shapes as for ``attend``; the weights are returned."""
         groups = query.shape[1] // key.shape[1]
-        dtype = _compute_dtype(query.dtype)
+        dtype = compute_dtype(query.dtype)
         if ctx.grid is not None:
             ranks = grid_key_ranks(ctx.grid, query.device)[-query.shape[2]:, -key.shape[2]:]
         else:

@@ -82,8 +82,8 @@ G = H / Hkv query heads), so transformers' caches store them with the keys and t
 beam-search ``reorder_cache`` and StaticCache (allocated lazily with the first update's shape) for free;
 ``attend`` strips them. The states of the new tokens reach ``attend`` for their queries through
 ``PosContext.memo`` (queries are not cached).
-In a bfloat16/float16 cache each float32 value x is stored as two channels hi = x.to(dtype),
-lo = (x − hi).to(dtype), read back as hi + lo (16 or 22 significant bits instead of 8 or 11).
+In a bfloat16/float16 cache each float32 value is stored as two channels (hi, lo), as FoX stores its gates
+(:mod:`hf_posenc.encodings.cache_state`: 16 or 22 significant bits instead of 8 or 11).
 
 The states of the new tokens pass from layer l's attention (Ê^l, computed in ``attend``) to its MLP hook
 (E^{l+1}, :meth:`Tape.mlp_output`) and on to layer l+1 (``prepare``) through the per-forward context
@@ -104,44 +104,20 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..config import PosEncConfig
+from ..kernels._common import compute_dtype
 from ..ops import expand_kv
 from ..registry import param, register_encoding
 from .base import PLAIN_CAUSAL, ModelInfo, PosContext, PositionEncoding
-from .cope import allowed_keys
+from .cache_state import pack_state, unpack_state
+from ..kernels._masks import allowed_keys
 from .rope import apply_rotary, rope_inv_freq
 
-__all__ = ["Tape", "pack_state", "unpack_state"]
+__all__ = ["Tape"]
 
 _ATTN_STATE = "tape_attn_state"  # memo key: (name, layer) -> Ê^layer of the new tokens (B, H, Lq, D) float32
 _Q_STATE = "tape_q_state"  # memo key: (name, layer) -> E^layer of the new tokens as prepared for their queries
 _STATE = "tape_state"  # memo key: (name, layer) -> E^layer of the new tokens, from layer - 1's MLP hook
 _LEAF = "tape_leaf"  # memo key: (name, layer) -> the leaf copy of E^layer read by layer (reentrant recompute)
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _width(dtype: torch.dtype) -> int:
-    """Channels per stored value: 1 in a float32/float64 tensor, 2 (hi, lo) in a 16-bit one."""
-    return 1 if dtype in (torch.float32, torch.float64) else 2
-
-
-def pack_state(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(..., n) float values -> (..., n * w) channels of ``dtype``: x, or [hi, lo] with hi = x.to(dtype),
-    lo = (x - hi).to(dtype) in a 16-bit dtype."""
-    if _width(dtype) == 1:
-        return x.to(dtype)
-    hi = x.to(dtype)
-    lo = (x - hi.to(x.dtype)).to(dtype)
-    return torch.cat([hi, lo], dim=-1)
-
-
-def unpack_state(t: torch.Tensor, n: int, compute: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`pack_state`: (..., n * w) -> (..., n) in ``compute`` dtype."""
-    if _width(t.dtype) == 1:
-        return t[..., :n].to(compute)
-    return t[..., :n].to(compute) + t[..., n : 2 * n].to(compute)
 
 
 class _StateTunnel(torch.autograd.Function):
@@ -285,7 +261,7 @@ class Tape(PositionEncoding):
         b, h, n, d = q.shape
         hkv = k.shape[1]
         if layer == 0:
-            state = self.initial_state(ctx, n, q.device).to(_compute_dtype(q.dtype)).expand(b, h, n, d)
+            state = self.initial_state(ctx, n, q.device).to(compute_dtype(q.dtype)).expand(b, h, n, d)
         else:
             state = ctx.memo.get((_STATE, layer))
             if state is None:
@@ -349,7 +325,7 @@ class Tape(PositionEncoding):
         b, h, q_len, d = query.shape
         hkv, k_len = key.shape[1], key.shape[2]
         groups = h // hkv
-        dtype = _compute_dtype(value.dtype)
+        dtype = compute_dtype(value.dtype)
         q_state = ctx.memo.get((_Q_STATE, layer))
         if q_state is None:
             raise RuntimeError(f"tape: the attention of layer {layer} ran without its prepare step in this forward")

@@ -8,30 +8,15 @@ the reason; unset -> the kernel on CUDA when it supports the inputs, the referen
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import torch
 
 from ..backend import forced_backend
+from ._common import KERNEL_DTYPES, MAX_HEAD_DIM, triton_import_error
 from .defaults import cuda_default_backend
 
-__all__ = ["KERNEL_DTYPES", "MAX_HEAD_DIM", "choose", "common_unsupported", "triton_import_error"]
-
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MAX_HEAD_DIM = 128
-
-
-@functools.lru_cache(maxsize=None)
-def triton_import_error(module: str) -> str | None:
-    """None when triton and the kernel module ``hf_posenc.kernels.<module>`` import, else why not."""
-    try:
-        import importlib
-
-        importlib.import_module(f"hf_posenc.kernels.{module}")
-    except ImportError as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None
+__all__ = ["choose", "common_unsupported"]
 
 
 def _interpreting() -> bool:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ._masks import check_window
+
 __all__ = [
     "Geometry", "Tile", "blocked_mask_rows", "call_options", "fill_blocked", "from_groups", "key_tiles", "tile_blocked",
     "tile_sizes", "to_groups",
@@ -174,8 +176,6 @@ def call_options(
     None is given (``block_n`` None: sized to memory), checked positive, and a tensor offset snapshotted (a
     StaticCache mutates its length in place before backward). Raises ``ValueError`` for a non-positive size, and
     ``TypeError`` / ``ValueError`` for a ``window`` that is neither None nor an int >= 1."""
-    from .attention.naive import check_window
-
     check_window(window)
     block_m = default_m if block_m is None else block_m
     block_n = default_n if block_n is None else block_n

@@ -23,6 +23,7 @@ import functools
 
 import torch
 
+from .._common import KERNEL_DTYPES, MAX_HEAD_DIM, triton_import_error
 from .naive import attention_reference, term_bias
 from .terms import FLEX_KINDS, KERNEL_KINDS, KernelTerm
 from .tiled import TILED_KINDS, tiled_attention, tiled_unsupported
@@ -42,18 +43,8 @@ __all__ = [
     "tiled_unsupported",
 ]
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MAX_HEAD_DIM = 128
-
-
-@functools.lru_cache(maxsize=1)
-def _triton_import_error() -> str | None:
-    """None when Triton and the kernel module import, else why not."""
-    try:
-        from . import triton_attention  # noqa: F401
-    except ImportError as exc:  # triton missing, or too old for the kernel module
-        return f"{type(exc).__name__}: {exc}"
-    return None
+#: None when Triton and the kernel module import, else why not.
+_triton_import_error = functools.partial(triton_import_error, "attention.triton_attention")
 
 
 def kernel_unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, term: KernelTerm) -> str | None:
@@ -78,13 +69,13 @@ def kernel_unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if len({query.device, key.device, value.device}) > 1:
         return "query, key and value are on different devices"
     dtypes = {query.dtype, key.dtype, value.dtype}
-    if len(dtypes) > 1 or query.dtype not in _DTYPES:
+    if len(dtypes) > 1 or query.dtype not in KERNEL_DTYPES:
         return f"the attention kernel supports one of float32, bfloat16, float16 for q, k and v, got {sorted(map(str, dtypes))}"
     d = query.shape[-1]
     if key.shape[-1] != d or value.shape[-1] != d:
         return f"the attention kernel needs one head_dim for q, k and v, got {query.shape[-1]}, {key.shape[-1]}, {value.shape[-1]}"
-    if d > _MAX_HEAD_DIM:
-        return f"the attention kernel supports head_dim <= {_MAX_HEAD_DIM}, got {d}"
+    if d > MAX_HEAD_DIM:
+        return f"the attention kernel supports head_dim <= {MAX_HEAD_DIM}, got {d}"
     if query.shape[1] % key.shape[1]:
         return f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]})"
     heads = term.num_heads

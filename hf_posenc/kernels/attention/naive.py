@@ -14,40 +14,14 @@ from __future__ import annotations
 import torch
 
 from ...ops import expand_kv
+from .._masks import band_allowed, check_window
 from .terms import KernelTerm
 
-__all__ = ["attention_reference", "band_allowed", "check_window", "fire_interpolate", "term_bias"]
+__all__ = ["attention_reference", "fire_interpolate", "term_bias"]
 
 
 def _upcast(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
-
-
-def check_window(window: object) -> int | None:
-    """``window`` validated: None (no window) or an int >= 1 (bool is refused). Raises TypeError / ValueError."""
-    if window is None:
-        return None
-    if isinstance(window, bool) or not isinstance(window, int):
-        raise TypeError(f"window must be an int >= 1 or None, got {type(window).__name__} {window!r}")
-    if window < 1:
-        raise ValueError(f"window must be an int >= 1 or None, got {window}")
-    return window
-
-
-def band_allowed(
-    q_idx: torch.Tensor, k_idx: torch.Tensor, causal: bool, window: int | None
-) -> torch.Tensor:
-    """(Lq, Lk) bool: True where the query at key index ``q_idx[i]`` may see key ``k_idx[j]`` by position.
-
-    causal: j <= qi, and with a window qi − window < j (the last ``window`` keys, the query's own included:
-    transformers' ``sliding_window``); bidirectional with a window: |qi − j| < window; otherwise all."""
-    delta = q_idx[:, None] - k_idx[None, :]
-    allowed = torch.ones(delta.shape, dtype=torch.bool, device=delta.device)
-    if causal:
-        allowed = delta >= 0
-    if window is not None:
-        allowed = allowed & (delta < window) & (delta > -window)
-    return allowed
 
 
 def fire_interpolate(table: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -67,10 +67,8 @@ from .._errors import guarded
 from .naive import check_window
 from .terms import KERNEL_KINDS, KernelTerm
 
-__all__ = ["FusedAttentionFunction", "fused_attention", "interpreting", "stdlib_matches_mode", "SUPPORTED_DTYPES"]
+__all__ = ["FusedAttentionFunction", "fused_attention", "interpreting", "stdlib_matches_mode"]
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MAX_HEAD_DIM = 128
 
 # Launch parameters: (BLOCK_M, BLOCK_N, num_warps) per kernel, term group and head-dim class ("wide": padded
 # head dim 128, i.e. D = 80..128; "narrow": D <= 64). NOT TIMED: no GPU was available when this was written.

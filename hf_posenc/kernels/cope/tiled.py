@@ -55,6 +55,7 @@ from __future__ import annotations
 import torch
 
 from ...ops import eager_value_checks
+from .._common import compute_dtype
 from .._cpu_flash import FLASH_BACKWARD as _flash_bwd, FLASH_FORWARD as _flash_fwd
 from .._subnormal import exp_flushed
 from .._reverse_tiles import (
@@ -73,10 +74,6 @@ __all__ = ["cope_tiled", "CopeTiledFunction", "BLOCK_M", "BLOCK_N"]
 #: default query block; the key tile is sized to about ``_reverse_tiles.TILE_ELEMENTS`` per float tile (None).
 BLOCK_M = 128
 BLOCK_N: int | None = 256
-
-
-def _dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _row_tables(qb: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -138,7 +135,7 @@ def _tile(qs, kt, pairs, carry, blocked, top, with_slope):
 def _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, with_rows, window=None):
     geo = Geometry.of(q, k)
     block_m, block_n = tile_sizes(geo, block_m, block_n)
-    dtype = _dtype(q)
+    dtype = compute_dtype(q.dtype)
     top = float(table.shape[1] - 1)
     e = table.to(dtype)
     kr = k.flip(2).to(dtype)
@@ -209,7 +206,7 @@ def _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, with_rows,
 def _backward(q, k, v, table, mask, scale, q_offset, block_m, block_n, out, lse, u_rows, c_rows, do, window=None):
     geo = Geometry.of(q, k)
     block_m, block_n = tile_sizes(geo, block_m, block_n)
-    dtype = _dtype(q)
+    dtype = compute_dtype(q.dtype)
     npos = table.shape[1]
     top = float(npos - 1)
     e = table.to(dtype)

@@ -58,12 +58,22 @@ import triton.language as tl
 
 from .._errors import guarded
 from .._jit import LazyJit, interpreting
-from ..attention.naive import check_window
+from .._masks import check_window
+from .._triton_tiles import (
+    BIG as _BIG,
+    DEVICE_HELPERS,
+    INTERPRETER_COMBINES,
+    bhld_out,
+    carry_layout,
+    device_offset,
+    dot_precision,
+    mask_args,
+    pair_chunks,
+    pick_blocks,
+)
 
-__all__ = ["CopeFunction", "cope_triton", "SUPPORTED_DTYPES", "interpreting"]
+__all__ = ["CopeFunction", "cope_triton", "interpreting"]
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_BIG = tl.constexpr(1.0e30)
 _NEG_INF = tl.constexpr(float("-inf"))
 _POS_INF = tl.constexpr(float("inf"))
 
@@ -97,49 +107,17 @@ CARRY_BUDGET_BYTES = 256 * 1024 * 1024
 # helpers
 
 
-def _add(a, b):
-    return a + b
-
-
-def _min(a, b):
-    return tl.minimum(a, b)
-
-
-def _max(a, b):
-    return tl.maximum(a, b)
-
-
-def _mm(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """a @ b with float32 accumulation (both operands in float32 in the interpreter)."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PREC)
-
-
-def _first_tile(pid_m, Q_OFF, WINDOW, BM: tl.constexpr, BN: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """The first key tile the query block pid_m may see: 0, or with a window the tile of its first query's
-    first key (qi − WINDOW + 1); the tiles left of it are never visited (their keys add no gate)."""
-    t_lo = 0
-    if HAS_WINDOW:
-        t_lo = tl.maximum(Q_OFF + pid_m * BM - WINDOW + 1, 0) // BN
-    return t_lo
-
-
-def _load_rows(ptr, rows, stride, offs_d, row_ok, d_ok):
-    return tl.load(ptr + rows[:, None].to(tl.int64) * stride + offs_d[None, :],
-                   mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+# (the tile-walk helpers shared with the stick-breaking kernels -- _add, _min, _max, _mm, _first_tile,
+# _load_rows, _query_rows, _batch_kv_head, _store_rows, _key_tile, _window_and_mask, _store_checkpoint,
+# _query_blocks, _load_checkpoint -- are in hf_posenc/kernels/_triton_tiles.py and bound into this module's
+# globals by _JIT)
 
 
 def _allowed(rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, WINDOW, HAS_MASK: tl.constexpr,
              HAS_WINDOW: tl.constexpr):
-    """(BM, BN) bool: causal by index, the window's band and the mask."""
+    """(BM, BN) bool: causal by index, the window's band and the mask (a key outside either adds no gate)."""
     ok = (keys[None, :] <= qidx[:, None]) & row_ok[:, None] & (keys < LK)[None, :]
-    if HAS_WINDOW:  # keys outside the window are absent: no weight, no gate
-        ok = ok & (keys[None, :] > qidx[:, None] - WINDOW)
-    if HAS_MASK:
-        mv = tl.load(mptr + rows[:, None].to(tl.int64) * sm_m + keys[None, :].to(tl.int64) * sm_n, mask=ok, other=0)
-        ok = ok & (mv != 0)
-    return ok
+    return _window_and_mask(ok, rows, keys, qidx, mptr, sm_m, sm_n, WINDOW, HAS_MASK, HAS_WINDOW)
 
 
 def _logits_gates(q, k, rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, scale, WINDOW,
@@ -209,9 +187,7 @@ def _cope_fwd(
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     g = h // G
-    rows = pid_m * BM + tl.arange(0, BM)
-    row_ok = rows < LQ
-    qidx = rows + Q_OFF
+    rows, row_ok, qidx = _query_rows(pid_m, LQ, Q_OFF, BM)
     offs_d = tl.arange(0, BD)
     d_ok = offs_d < D
     tcol = tl.arange(0, NP)
@@ -232,10 +208,7 @@ def _cope_fwd(
     acc = tl.full((BM, BD), 0.0, tl.float32)
     for it in range(0, n_tiles - t_lo):
         t = n_tiles - 1 - it
-        keys = t * BN + tl.arange(0, BN)
-        k_ok = keys < LK
-        k = _load_rows(k_base, keys, sk_n, offs_d, k_ok, d_ok)
-        v = _load_rows(v_base, keys, sv_n, offs_d, k_ok, d_ok)
+        keys, k_ok, k, v = _key_tile(k_base, v_base, t, sk_n, sv_n, offs_d, d_ok, LK, BN)
         w, ok, gate = _logits_gates(q, k, rows, keys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
                                     WINDOW, HAS_MASK, PREC, UPCAST, HAS_WINDOW)
         if tl.reduce(carry, 0, _min) >= npm1:  # every position clamped: z[npos - 1]
@@ -278,8 +251,7 @@ def _cope_bwd_q(
     mb = tl.program_id(0)
     lbh = tl.program_id(1)
     pair = PAIR0 + lbh // G
-    b = (pair // HKV).to(tl.int64)
-    g = (pair % HKV).to(tl.int64)
+    b, g = _batch_kv_head(pair, HKV)
     h = g * G + (lbh % G)
     offs_d = tl.arange(0, BD)
     d_ok = offs_d < D
@@ -293,9 +265,7 @@ def _cope_bwd_q(
     sk_base = SK + lbh.to(tl.int64) * NSLOT * LQ
     zq_base = ZQB + lbh.to(tl.int64) * LQ * NP
     dzq_base = DZQ + lbh.to(tl.int64) * LQ * NP
-    rows = mb * BM + tl.arange(0, BM)
-    row_ok = rows < LQ
-    qidx = rows + Q_OFF
+    rows, row_ok, qidx = _query_rows(mb, LQ, Q_OFF, BM)
     q = _load_rows(Q + b * sq_b + h * sq_h, rows, sq_m, offs_d, row_ok, d_ok)
     do = _load_rows(DO + b * sd_b + h * sd_h, rows, sd_m, offs_d, row_ok, d_ok)
     o = _load_rows(O + b * so_b + h * so_h, rows, so_m, offs_d, row_ok, d_ok)
@@ -318,10 +288,7 @@ def _cope_bwd_q(
     for it in range(0, n_tiles - t_lo):
         t = n_tiles - 1 - it
         if tl.reduce(carry, 0, _min) < npm1:
-            keys = t * BN + tl.arange(0, BN)
-            k_ok = keys < LK
-            k = _load_rows(k_base, keys, sk_n, offs_d, k_ok, d_ok)
-            v = _load_rows(v_base, keys, sv_n, offs_d, k_ok, d_ok)
+            keys, k_ok, k, v = _key_tile(k_base, v_base, t, sk_n, sv_n, offs_d, d_ok, LK, BN)
             w, ok, gate = _logits_gates(q, k, rows, keys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
                                         WINDOW, HAS_MASK, PREC, UPCAST, HAS_WINDOW)
             p, fi, frac, zf, zc = _positions(gate, carry, zq, npm1, MONO)
@@ -339,14 +306,8 @@ def _cope_bwd_q(
     dzq = tl.full((BM, NP), 0.0, tl.float32)
     for it in range(0, n_tiles - t_lo):
         t = n_tiles - 1 - it
-        if t % CSTRIDE == CSTRIDE - 1:
-            slot = t // CSTRIDE
-            tl.store(gk_base + slot * LQ + rows, carry, mask=row_ok)
-            tl.store(sk_base + slot * LQ + rows, s_dp, mask=row_ok)
-        keys = t * BN + tl.arange(0, BN)
-        k_ok = keys < LK
-        k = _load_rows(k_base, keys, sk_n, offs_d, k_ok, d_ok)
-        v = _load_rows(v_base, keys, sv_n, offs_d, k_ok, d_ok)
+        _store_checkpoint(gk_base, sk_base, t, CSTRIDE, LQ, rows, row_ok, carry, s_dp)
+        keys, k_ok, k, v = _key_tile(k_base, v_base, t, sk_n, sv_n, offs_d, d_ok, LK, BN)
         w, ok, gate = _logits_gates(q, k, rows, keys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
                                     WINDOW, HAS_MASK, PREC, UPCAST, HAS_WINDOW)
         dprob = _mm(do, tl.trans(v), PREC, UPCAST) - delta[:, None]
@@ -391,30 +352,20 @@ def _cope_bwd_kv(
     pid_n = tl.program_id(0)
     lpair = tl.program_id(1)
     pair = PAIR0 + lpair
-    b = (pair // HKV).to(tl.int64)
-    g = (pair % HKV).to(tl.int64)
+    b, g = _batch_kv_head(pair, HKV)
     offs_d = tl.arange(0, BD)
     d_ok = offs_d < D
     tcol = tl.arange(0, NP)
     npm1 = NPOS - 1.0
     n_start = pid_n * BN
-    keys = n_start + tl.arange(0, BN)
-    k_ok = keys < LK
     k_base = K + b * sk_b + g * sk_h
     v_base = V + b * sv_b + g * sv_h
     m_base = M + b * sm_b
-    k = _load_rows(k_base, keys, sk_n, offs_d, k_ok, d_ok)
-    v = _load_rows(v_base, keys, sv_n, offs_d, k_ok, d_ok)
+    keys, k_ok, k, v = _key_tile(k_base, v_base, pid_n, sk_n, sv_n, offs_d, d_ok, LK, BN)
     dk = tl.full((BN, BD), 0.0, tl.float32)
     dv = tl.full((BN, BD), 0.0, tl.float32)
 
-    first_row = tl.maximum(n_start - Q_OFF, 0)
-    m_lo = first_row // BM
-    n_mblocks = (LQ + BM - 1) // BM
-    m_hi = n_mblocks
-    if HAS_WINDOW:  # query blocks whose first query's window starts right of this tile see none of its keys
-        reach = n_start + BN + WINDOW - 2 - Q_OFF  # the last query row whose window reaches the tile
-        m_hi = tl.where(reach < 0, 0, tl.minimum(n_mblocks, tl.maximum(reach, 0) // BM + 1))
+    m_lo, m_hi = _query_blocks(n_start, LQ, Q_OFF, WINDOW, BM, BN, HAS_WINDOW)
     ckpt = pid_n + (CSTRIDE - 1) - pid_n % CSTRIDE
     for hh in range(0, G):
         h = g * G + hh
@@ -426,9 +377,7 @@ def _cope_bwd_kv(
         do_base = DO + b * sd_b + h * sd_h
         bh = (b * H + h) * LQ
         for m in range(m_lo, m_hi):
-            rows = m * BM + tl.arange(0, BM)
-            row_ok = rows < LQ
-            qidx = rows + Q_OFF
+            rows, row_ok, qidx = _query_rows(m, LQ, Q_OFF, BM)
             sees = row_ok & (qidx >= n_start)
             q = _load_rows(q_base, rows, sq_m, offs_d, row_ok, d_ok)
             do = _load_rows(do_base, rows, sd_m, offs_d, row_ok, d_ok)
@@ -436,17 +385,8 @@ def _cope_bwd_kv(
             delta = tl.load(DELTA + bh + rows, mask=row_ok, other=0.0)
             dtot = tl.load(DTOT + bh + rows, mask=row_ok, other=0.0)
             zlast = tl.load(ZL + bh + rows, mask=row_ok, other=0.0)
-            dmax = (tl.minimum(m * BM + BM, LQ) - 1 + Q_OFF) // BN
-            if ckpt <= dmax:
-                ld = row_ok & (qidx // BN >= ckpt)
-                carry = tl.load(gk_base + (ckpt // CSTRIDE) * LQ + rows, mask=ld, other=0.0)
-                s_dp = tl.load(sk_base + (ckpt // CSTRIDE) * LQ + rows, mask=ld, other=0.0)
-                start = ckpt
-            else:
-                carry = tl.full((BM,), 0.0, tl.float32)
-                s_dp = tl.full((BM,), 0.0, tl.float32)
-                start = dmax
-            carry = tl.where(sees, carry, _BIG)
+            carry, s_dp, start = _load_checkpoint(gk_base, sk_base, ckpt, m, rows, row_ok, qidx, sees, LQ, Q_OFF,
+                                                  CSTRIDE, BM, BN)
             zq = tl.full((BM, NP), 0.0, tl.float32)
             if tl.reduce(carry, 0, _min) < npm1:
                 zq = tl.load(zq_base + rows[:, None].to(tl.int64) * NP + tcol[None, :], mask=row_ok[:, None], other=0.0)
@@ -454,10 +394,7 @@ def _cope_bwd_kv(
             for wi in range(0, start - pid_n):
                 t = start - wi
                 if tl.reduce(carry, 0, _min) < npm1:
-                    wkeys = t * BN + tl.arange(0, BN)
-                    wk_ok = wkeys < LK
-                    wk = _load_rows(k_base, wkeys, sk_n, offs_d, wk_ok, d_ok)
-                    wv = _load_rows(v_base, wkeys, sv_n, offs_d, wk_ok, d_ok)
+                    wkeys, wk_ok, wk, wv = _key_tile(k_base, v_base, t, sk_n, sv_n, offs_d, d_ok, LK, BN)
                     ww, wok, wgate = _logits_gates(q, wk, rows, wkeys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
                                                    WINDOW, HAS_MASK, PREC, UPCAST, HAS_WINDOW)
                     wp, wfi, wfrac, wzf, wzc = _positions(wgate, carry, zq, npm1, MONO)
@@ -484,32 +421,20 @@ def _cope_bwd_kv(
             dv += _mm(tl.trans(prob).to(do.dtype), do, PREC, UPCAST)
             dk += _mm(tl.trans(dw).to(q.dtype), q, PREC, UPCAST)
 
-    st_mask = k_ok[:, None] & d_ok[None, :]
-    dk_ptrs = keys[:, None].to(tl.int64) * sdk_n + offs_d[None, :]
-    dv_ptrs = keys[:, None].to(tl.int64) * sdv_n + offs_d[None, :]
-    tl.store(DK + b * sdk_b + g * sdk_h + dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=st_mask)
-    tl.store(DV + b * sdv_b + g * sdv_h + dv_ptrs, dv.to(DV.dtype.element_ty), mask=st_mask)
+    _store_rows(DK + b * sdk_b + g * sdk_h, keys, sdk_n, offs_d, k_ok, d_ok, (dk * scale).to(DK.dtype.element_ty))
+    _store_rows(DV + b * sdv_b + g * sdv_h, keys, sdv_n, offs_d, k_ok, d_ok, dv.to(DV.dtype.element_ty))
 
 
 _JIT = LazyJit(
     globals(),
-    [_add, _min, _max, _mm, _first_tile, _load_rows, _allowed, _logits_gates, _positions, _table, _bins],
+    [*DEVICE_HELPERS, _allowed, _logits_gates, _positions, _table, _bins],
     [_cope_fwd, _cope_bwd_q, _cope_bwd_kv],
-    {"_add": "_sum_combine", "_min": "_elementwise_min", "_max": "_elementwise_max"}
+    INTERPRETER_COMBINES,
 )
 
 
 # ----------------------------------------------------------------------------------------------------
 # launchers
-
-
-def _precision(dtype: torch.dtype) -> str:
-    """Dot precision for float32 inputs: 3xTF32 (tensor cores, about float32 accuracy; an "ieee" dot runs on
-    the FMA units and spills heavily at these tiles), or TF32 where torch allows it
-    (``torch.backends.cuda.matmul.allow_tf32``). Half-precision inputs ignore it."""
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "tf32x3"
-    return "tf32"
 
 
 def _table_precision(dtype: torch.dtype) -> str:
@@ -530,31 +455,15 @@ def _blocks(kind: str, dtype: torch.dtype, npos: int = 64) -> tuple[int, int, in
     few candidates compared (see ``GPU_FP32``), the tiles whose shared memory fits an A100's per-block limit
     (166912 B) with the fewest register spills. Half precision keeps its tiles (sm_90, Triton 3.9) at 2 stages.
     """
-    if interpreting():
-        bm, bn = INTERPRETER_BLOCKS
-        return bm, bn, 1, 1
-    if dtype == torch.float32:
-        bm, bn, warps = GPU_FP32[kind]
+    gpu_half = {"fwd": GPU_FWD, "bwd_q": GPU_BWD_Q, "bwd_kv": GPU_BWD_KV}
+    bm, bn, warps, stages = pick_blocks(kind, dtype, INTERPRETER_BLOCKS, gpu_half, GPU_FP32, NUM_STAGES)
+    if dtype == torch.float32 and not interpreting():
         # the (BM, NP) float32 table tiles grow with npos: at NP = 256 and BM = 64 the forward needed 256 KiB and
         # the query-major backward 384 KiB of shared memory on sm_90 (Triton 3.6); halve BM per doubling of NP.
         # At NP = 256, BM = 16 (compile_check, Triton 3.6, D = 128): forward 131072 B, query-major backward
         # 139264 B, key-major 98304 B on sm_90 and sm_80; spill stores 724 / 2908 / 1084 B per thread (sm_90).
         bm = max(16, bm * 64 // max(64, _np(npos)))
-        return bm, bn, warps, NUM_STAGES["float32"]
-    bm, bn, warps = {"fwd": GPU_FWD, "bwd_q": GPU_BWD_Q, "bwd_kv": GPU_BWD_KV}[kind]
-    return bm, bn, warps, NUM_STAGES["half"]
-
-
-def _mask_args(mask: torch.Tensor | None, q: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
-    if mask is None:
-        return q, 0, 0, 0
-    m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-    return m, (0 if m.shape[0] == 1 else m.stride(0)), m.stride(2), m.stride(3)
-
-
-def _bhld_out(b: int, h: int, length: int, d: int, like: torch.Tensor) -> torch.Tensor:
-    """An empty (B, H, L, D) tensor laid out as (B, L, H, D) (the attention function's transpose is free)."""
-    return torch.empty((b, length, h, d), dtype=like.dtype, device=like.device).transpose(1, 2)
+    return bm, bn, warps, stages
 
 
 def _np(npos: int) -> int:
@@ -566,9 +475,9 @@ def _forward(q, k, v, table, mask, scale, q_offset, window=None):
     hkv, lk = k.shape[1], k.shape[2]
     npos = table.shape[1]
     bm, bn, warps, stages = _blocks("fwd", q.dtype, npos)
-    o = _bhld_out(b, h, lq, d, q)
+    o = bhld_out(b, h, lq, d, q)
     lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
-    m, sm_b, sm_m, sm_n = _mask_args(mask, q)
+    m, sm_b, sm_m, sm_n = mask_args(mask, q)
     _JIT.bind()
     shapes = {"q": q.shape, "k/v": k.shape, "table": table.shape}
     guarded(_cope_fwd, "cope", shapes, q.dtype)[(triton.cdiv(lq, bm), b * h)](
@@ -578,16 +487,10 @@ def _forward(q, k, v, table, mask, scale, q_offset, window=None):
         table.stride(0), table.stride(1), sm_b, sm_m, sm_n,
         h, h // hkv, lq, lk, q_offset, scale, npos, 0 if window is None else window,
         D=d, BD=max(16, triton.next_power_of_2(d)), BM=bm, BN=bn, NP=_np(npos), HAS_MASK=mask is not None,
-        PREC=_precision(q.dtype), UPCAST=interpreting(), MONO=not interpreting(), TPREC=_table_precision(q.dtype),
+        PREC=dot_precision(q.dtype), UPCAST=interpreting(), MONO=not interpreting(), TPREC=_table_precision(q.dtype),
         HAS_WINDOW=window is not None, num_warps=warps, num_stages=stages,
     )
     return o, lse
-
-
-def _carry_layout(lk: int, bn: int) -> tuple[int, int]:
-    n_tiles = triton.cdiv(lk, bn)
-    stride = max(1, triton.cdiv(n_tiles, max(1, CARRY_SLOTS)))
-    return stride, max(1, n_tiles // stride)
 
 
 def _backward(q, k, v, table, o, lse, do, mask, scale, q_offset, window=None):
@@ -601,16 +504,16 @@ def _backward(q, k, v, table, o, lse, do, mask, scale, q_offset, window=None):
     bm2, bn2, warps2, stages2 = _blocks("bwd_kv", q.dtype, npos)
     if bn2 != bn:
         raise ValueError(f"the two backward kernels must share their key tile (BLOCK_N {bn} != {bn2})")
-    cstride, nslot = _carry_layout(lk, bn)
+    cstride, nslot = carry_layout(lk, bn, CARRY_SLOTS)
     if do.stride(-1) != 1:
         do = do.contiguous()
-    dq = _bhld_out(b, h, lq, d, q)
+    dq = bhld_out(b, h, lq, d, q)
     dk = torch.empty((b, hkv, lk, d), dtype=k.dtype, device=k.device)
     dv = torch.empty((b, hkv, lk, d), dtype=v.dtype, device=v.device)
     rows = torch.empty((4, b, h, lq), dtype=torch.float32, device=q.device)
     zl, delta, dtot = rows[0], rows[1], rows[2]
-    m, sm_b, sm_m, sm_n = _mask_args(mask, q)
-    prec, upcast = _precision(q.dtype), interpreting()
+    m, sm_b, sm_m, sm_n = mask_args(mask, q)
+    prec, upcast = dot_precision(q.dtype), interpreting()
     n_mblocks = triton.cdiv(lq, bm1)
     dtable = torch.zeros((d, npos), dtype=torch.float32, device=q.device)
     # (B*Hkv, G, Lq, D): the query heads of each (batch, key/value head) pair, for the table gradient
@@ -618,9 +521,7 @@ def _backward(q, k, v, table, o, lse, do, mask, scale, q_offset, window=None):
     _JIT.bind()
     shapes = {"q": q.shape, "k/v": k.shape, "table": table.shape}
     per_pair = groups * 4 * lq * (2 * nslot + 2 * np_ + d)
-    per_chunk = max(1, min(b * hkv, CARRY_BUDGET_BYTES // max(1, per_pair)))
-    for pair0 in range(0, b * hkv, per_chunk):
-        n_pairs = min(per_chunk, b * hkv - pair0)
+    for pair0, n_pairs in pair_chunks(b * hkv, per_pair, CARRY_BUDGET_BYTES):
         nbh = n_pairs * groups
         gk = torch.empty((nbh, nslot, lq), dtype=torch.float32, device=q.device)
         sk = torch.empty_like(gk)
@@ -687,7 +588,7 @@ def cope_triton(
 
     Args:
         q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D), H a multiple of Hkv, last dims contiguous, one dtype of
-            ``SUPPORTED_DTYPES``; D <= 128.
+            ``hf_posenc.kernels._common.KERNEL_DTYPES``; D <= ``MAX_HEAD_DIM`` (128).
         table: (D, npos) position embeddings (any float dtype; read in float32).
         mask: (B|1, 1, Lq, Lk) bool or None; causality by index is always applied.
         q_offset: query i is key ``q_offset + i``: an int, or a 1-element integer tensor the kernels load.
@@ -703,6 +604,5 @@ def cope_triton(
         TypeError, ValueError: ``window`` is not None or an int >= 1.
     """
     window = check_window(window)
-    # (1,) int32 on the device, loaded by the kernels: a tensor offset (a StaticCache's) is never read on the host
-    offset = torch.as_tensor(q_offset).to(device=q.device, dtype=torch.int32).reshape(1)
+    offset = device_offset(q_offset, q.device)  # loaded by the kernels, never read on the host
     return CopeFunction.apply(q, k, v, table, mask, float(scale), offset, window)

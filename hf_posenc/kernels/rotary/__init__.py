@@ -24,6 +24,7 @@ import functools
 import torch
 
 from ...backend import forced_backend
+from .._common import KERNEL_DTYPES, triton_import_error
 from ..defaults import cuda_default_backend
 from .naive import apply_block_rotation_reference
 
@@ -36,17 +37,8 @@ __all__ = [
 ]
 
 _KERNEL_BLOCK_SIZES = (2, 4, 8)
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@functools.lru_cache(maxsize=1)
-def _triton_import_error() -> str | None:
-    """None when Triton and the kernel module import, else why not."""
-    try:
-        from . import triton_rotary  # noqa: F401
-    except ImportError as exc:  # triton missing, or too old for the kernel module
-        return f"{type(exc).__name__}: {exc}"
-    return None
+#: None when Triton and the kernel module import, else why not.
+_triton_import_error = functools.partial(triton_import_error, "rotary.triton_rotary")
 
 
 def _interpreting() -> bool:
@@ -99,7 +91,7 @@ def _kernel_unsupported(q: torch.Tensor | None, k: torch.Tensor, rot: torch.Tens
     if s not in _KERNEL_BLOCK_SIZES:
         return f"the Triton rotary kernel supports block sizes {_KERNEL_BLOCK_SIZES}, got {s}"
     for name, t in (("q", q), ("k", k)):
-        if t is not None and t.dtype not in _KERNEL_DTYPES:
+        if t is not None and t.dtype not in KERNEL_DTYPES:
             return f"the Triton rotary kernel supports float32, bfloat16 and float16, got {name}.dtype={t.dtype}"
     if q is not None and q.dtype != k.dtype:
         return f"the Triton rotary kernel needs q and k of one dtype, got {q.dtype} and {k.dtype}"

@@ -47,10 +47,9 @@ import triton.language as tl
 
 from .._errors import guarded
 
-__all__ = ["RotaryQKFunction", "rotary_qk", "rotary_single", "SUPPORTED_BLOCK_SIZES", "SUPPORTED_DTYPES"]
+__all__ = ["RotaryQKFunction", "rotary_qk", "rotary_single", "SUPPORTED_BLOCK_SIZES"]
 
 SUPPORTED_BLOCK_SIZES = (2, 4, 8)
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Launch parameters (module attributes, so that benchmarks/bench_rotary.py can sweep them on a GPU).
 #: elements of the (BLOCK_L, next_pow2(D), s) float32 rotation tile held by one program. Chosen from the

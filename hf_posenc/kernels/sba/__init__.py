@@ -26,7 +26,7 @@ import torch
 
 from ...ops import eager_value_checks
 from .._attn_dispatch import choose, common_unsupported
-from ..attention.naive import check_window
+from .._masks import check_window
 from .naive import sba_reference
 from .tiled import sba_tiled
 

@@ -1,15 +1,76 @@
-"""Reference of the stick-breaking kernels: the encoding's own PyTorch math, behind the kernel's interface."""
+"""Stick-breaking attention's reference math in plain PyTorch (Tan et al. 2024, "Scaling Stick-Breaking
+Attention: An Efficient Implementation and In-depth Study", https://arxiv.org/abs/2410.17980; the formula is in
+``hf_posenc/encodings/sba.py``), and the reference of the stick-breaking kernels behind their interface
+(:func:`sba_reference`, the test oracle).
+
+The encoding (``hf_posenc.encodings.sba``) calls :func:`stick_breaking_attention` for what no kernel covers
+(the weights, attention dropout); it takes tensors only.
+"""
 
 from __future__ import annotations
 
 import torch
+from torch.nn import functional as F
 
-from ...encodings.cope import allowed_keys
-from ...encodings.sba import stick_breaking_attention
 from ...ops import expand_kv
-from ..cope.naive import windowed_allowed
+from .._common import compute_dtype
+from .._masks import allowed_keys, windowed_allowed
 
-__all__ = ["sba_reference"]
+__all__ = ["SOFTPLUS_THRESHOLD", "sba_reference", "stick_breaking_attention"]
+
+#: above this the softplus is linear (the code's threshold, also in its Triton kernel's inline assembly).
+SOFTPLUS_THRESHOLD = 15.0
+
+
+def stick_breaking_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scaling: float,
+    q_index: torch.Tensor,
+    attend_current: bool = False,
+    remainder: str = "discard",
+    bias: torch.Tensor | None = None,
+    dropout: float = 0.0,
+    training: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stick-breaking attention in log space (the reference), in the dtype of ``q``.
+
+    Args:
+        q: (B, H, Lq, D); k, v: (B, H, Lk, D) (key/value heads already expanded).
+        allowed: (B|1, 1, Lq, Lk) bool, the keys each query may see (causality included), or None.
+        scaling: logit scale s.
+        q_index: (Lq,) key index of each query (its own key, the diagonal).
+        attend_current: whether the diagonal is a breakpoint.
+        remainder: "discard", "current" or "bias" (see ``hf_posenc/encodings/sba.py``).
+        bias: (H, D) the per-head vector of ``remainder="bias"``.
+
+    Returns:
+        out (B, H, Lq, D) and the attention weights (B, H, Lq, Lk) (with the remainder on the diagonal
+        for ``remainder="current"``).
+    """
+    z = (q @ k.transpose(-1, -2)) * scaling
+    k_idx = torch.arange(k.shape[2], device=q.device)
+    breaks = (k_idx[None, :] < q_index[:, None]) if not attend_current else (k_idx[None, :] <= q_index[:, None])
+    breaks = breaks[None, None]
+    if allowed is not None:
+        breaks = breaks & allowed
+    softplus = F.softplus(z, beta=1.0, threshold=SOFTPLUS_THRESHOLD).masked_fill(~breaks, 0.0)
+    # Σ_{k >= j} softplus(z_ik) over the breakpoints = Σ_{k=j}^{i-1} (or ^{i}) softplus(z_ik)
+    suffix = softplus.flip(-1).cumsum(-1).flip(-1)
+    log_a = (z - suffix).masked_fill(~breaks, float("-inf"))
+    weights = torch.exp(log_a)
+    out = F.dropout(weights, p=dropout, training=training) @ v
+    if remainder == "discard":
+        return out, weights
+    rest = torch.exp(-softplus.sum(-1, keepdim=True))  # 1 - Σ_j A_ij = Π_j (1 - β_ij), >= 0 exactly
+    if remainder == "bias":
+        return out + rest * bias[None, :, None, :], weights
+    # "current": the query's own value takes the rest of the stick
+    own = v.index_select(2, q_index)
+    diag = (k_idx[None, :] == q_index[:, None])[None, None]
+    return out + rest * own, weights + rest * diag
 
 
 def sba_reference(
@@ -24,7 +85,7 @@ def sba_reference(
     bias: torch.Tensor | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Stick-breaking attention as ``hf_posenc.encodings.sba.stick_breaking_attention`` computes it.
+    """Stick-breaking attention as :func:`stick_breaking_attention` computes it, behind the kernels' interface.
 
     Args:
         q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D), H a multiple of Hkv (expanded here).
@@ -39,7 +100,7 @@ def sba_reference(
     Returns:
         (B, H, Lq, D) in q's dtype, computed in float32 (float64 for float64 inputs).
     """
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(q.dtype)
     b, h, lq, _ = q.shape
     lk = k.shape[2]
     groups = h // k.shape[1]

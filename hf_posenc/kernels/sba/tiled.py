@@ -49,17 +49,17 @@ import torch
 from torch.nn import functional as F
 
 from ...ops import eager_value_checks
+from .._common import compute_dtype
 from .._reverse_tiles import (
     Geometry, blocked_mask_rows, call_options, fill_blocked, key_tiles, tile_blocked, tile_sizes, to_groups,
 )
+from .naive import SOFTPLUS_THRESHOLD  # softplus is linear above this (the paper code's threshold)
 
 __all__ = ["sba_tiled", "SbaTiledFunction", "BLOCK_M", "BLOCK_N"]
 
 #: default query block; the key tile is sized to about ``_reverse_tiles.TILE_ELEMENTS`` per float tile (None).
 BLOCK_M = 128
 BLOCK_N: int | None = 256
-#: softplus is linear above this (the code's threshold; ``hf_posenc.encodings.sba.SOFTPLUS_THRESHOLD``).
-_THRESHOLD = 15.0
 #: a stick carry above this leaves exp(-carry) below the smallest float32 subnormal.
 _EXHAUSTED = 110.0
 #: weights below exp(floor) -- about the smallest normal number, 1.2e-38 in float32 -- are set to exactly 0:
@@ -67,10 +67,6 @@ _EXHAUSTED = 110.0
 #: and products of subnormal numbers are as slow, so the log-weights are clamped at the floor before the exp
 #: and what comes out at the floor is zeroed (float32 would round most of those weights to 0 anyway).
 _LOG_FLOOR = {torch.float32: -87.0, torch.float64: -707.0}
-
-
-def _dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _exhausted(c: torch.Tensor, stop_early: bool) -> bool:
@@ -91,7 +87,7 @@ def _tile(qs, kt, c, blocked):
     the carry* c (reversed keys: a plain cumsum; the carry is folded into the first column, so that column
     of the returned softplus holds sp + c) and the weights A = exp(z - Σ_{k >= j} sp)."""
     z = fill_blocked(qs @ kt.transpose(-1, -2), blocked, float("-inf"))
-    sp = F.softplus(z, beta=1.0, threshold=_THRESHOLD)  # softplus(-inf) = 0: blocked keys break nothing
+    sp = F.softplus(z, beta=1.0, threshold=SOFTPLUS_THRESHOLD)  # softplus(-inf) = 0: blocked keys break nothing
     sp[..., 0] += c
     cs = sp.cumsum(-1)
     floor = _LOG_FLOOR[z.dtype]
@@ -110,7 +106,7 @@ def _own_values(v: torch.Tensor, geo: Geometry, m0: int, m1: int, q_offset, dtyp
 def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n, window=None):
     geo = Geometry.of(q, k)
     block_m, block_n = tile_sizes(geo, block_m, block_n)
-    dtype = _dtype(q)
+    dtype = compute_dtype(q.dtype)
     kr = k.flip(2).to(dtype)
     vr = v.flip(2).to(dtype)
     out = torch.empty(geo.b, geo.h, geo.lq, geo.d, dtype=dtype, device=q.device)
@@ -145,7 +141,7 @@ def _backward(q, k, v, o, do, mask, bias, scale, q_offset, attend_current, remai
               window=None):
     geo = Geometry.of(q, k)
     block_m, block_n = tile_sizes(geo, block_m, block_n)
-    dtype = _dtype(q)
+    dtype = compute_dtype(q.dtype)
     kr = k.flip(2).to(dtype)
     vr = v.flip(2).to(dtype)
     dq = torch.empty(geo.b, geo.h, geo.lq, geo.d, dtype=dtype, device=q.device)

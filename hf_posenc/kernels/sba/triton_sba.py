@@ -65,17 +65,26 @@ import triton.language as tl
 
 from .._errors import guarded
 from .._jit import LazyJit, interpreting
-from ..attention.naive import check_window
+from .._masks import check_window
+from .._triton_tiles import (
+    BIG as _BIG,
+    DEVICE_HELPERS,
+    INTERPRETER_COMBINES,
+    bhld_out,
+    carry_layout,
+    device_offset,
+    dot_precision,
+    mask_args,
+    pair_chunks,
+    pick_blocks,
+)
 
-__all__ = ["SbaFunction", "sba_triton", "SUPPORTED_DTYPES", "REMAINDERS", "interpreting"]
+__all__ = ["SbaFunction", "sba_triton", "REMAINDERS", "interpreting"]
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REMAINDERS = {"discard": 0, "current": 1, "bias": 2}
 
 #: a carry above this leaves exp(-carry) < the smallest float32 subnormal: no stick left.
 EXHAUSTED = tl.constexpr(110.0)
-#: carry of rows past the end of the queries (never block the early exit).
-_BIG = tl.constexpr(1.0e30)
 
 # Launch parameters (module attributes; benchmarks/bench_sba_cope.py can override them on a GPU).
 #: (BLOCK_M, BLOCK_N, num_warps) of the forward / query-major backward / key-major backward on a GPU; the two
@@ -104,15 +113,9 @@ CARRY_BUDGET_BYTES = 256 * 1024 * 1024
 
 
 # ----------------------------------------------------------------------------------------------------
-# helpers (jitted lazily; see the module docstring)
-
-
-def _add(a, b):
-    return a + b
-
-
-def _min(a, b):
-    return tl.minimum(a, b)
+# helpers (jitted lazily; see the module docstring). The tile-walk helpers shared with the CoPE kernels -- _add,
+# _min, _max, _mm, _first_tile, _load_rows, _query_rows, _batch_kv_head, _store_rows, _key_tile,
+# _window_and_mask, _store_checkpoint, _query_blocks, _load_checkpoint -- are in hf_posenc/kernels/_triton_tiles.py and bound into this module's globals by _JIT.
 
 
 def _softplus(z):
@@ -126,13 +129,6 @@ def _dsoftplus(z):
     return tl.where(z > 15.0, 1.0, 1.0 / (1.0 + tl.exp(-z)))
 
 
-def _mm(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """a @ b with float32 accumulation (both operands in float32 in the interpreter)."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PREC)
-
-
 def _breakpoints(rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, WINDOW, ATTEND_CURRENT: tl.constexpr,
                  HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """(BM, BN) bool: key j is a breakpoint of query i (causal by index, the window's band, and the mask)."""
@@ -140,13 +136,8 @@ def _breakpoints(rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, WINDOW, ATTEND_
         ok = keys[None, :] <= qidx[:, None]
     else:
         ok = keys[None, :] < qidx[:, None]
-    if HAS_WINDOW:  # keys outside the window are absent: no weight, no break
-        ok = ok & (keys[None, :] > qidx[:, None] - WINDOW)
     ok = ok & row_ok[:, None] & (keys < LK)[None, :]
-    if HAS_MASK:
-        mv = tl.load(mptr + rows[:, None].to(tl.int64) * sm_m + keys[None, :].to(tl.int64) * sm_n, mask=ok, other=0)
-        ok = ok & (mv != 0)
-    return ok
+    return _window_and_mask(ok, rows, keys, qidx, mptr, sm_m, sm_n, WINDOW, HAS_MASK, HAS_WINDOW)
 
 
 def _stick(q, k, c, rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, scale, WINDOW,
@@ -159,20 +150,6 @@ def _stick(q, k, c, rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, scale, WINDO
     suffix = tl.associative_scan(sp, 1, _add, reverse=True)
     a = tl.where(brk, tl.exp(z - suffix - c[:, None]), 0.0)
     return z, brk, sp, suffix, a
-
-
-def _first_tile(pid_m, Q_OFF, WINDOW, BM: tl.constexpr, BN: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """The first key tile the query block pid_m may see: 0, or with a window the tile of its first query's
-    first key (qi − WINDOW + 1); the tiles left of it are never visited (their keys break nothing)."""
-    t_lo = 0
-    if HAS_WINDOW:
-        t_lo = tl.maximum(Q_OFF + pid_m * BM - WINDOW + 1, 0) // BN
-    return t_lo
-
-
-def _load_rows(ptr, rows, stride, offs_d, row_ok, d_ok):
-    return tl.load(ptr + rows[:, None].to(tl.int64) * stride + offs_d[None, :],
-                   mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -194,9 +171,7 @@ def _sba_fwd(
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     g = h // G
-    rows = pid_m * BM + tl.arange(0, BM)
-    row_ok = rows < LQ
-    qidx = rows + Q_OFF
+    rows, row_ok, qidx = _query_rows(pid_m, LQ, Q_OFF, BM)
     offs_d = tl.arange(0, BD)
     d_ok = offs_d < D
     q = _load_rows(Q + b * sq_b + h * sq_h, rows, sq_m, offs_d, row_ok, d_ok)
@@ -216,10 +191,7 @@ def _sba_fwd(
     for it in range(0, n_tiles - t_lo):
         t = n_tiles - 1 - it
         if tl.reduce(c, 0, _min) <= EXHAUSTED:
-            keys = t * BN + tl.arange(0, BN)
-            k_ok = keys < LK
-            k = _load_rows(k_base, keys, sk_n, offs_d, k_ok, d_ok)
-            v = _load_rows(v_base, keys, sv_n, offs_d, k_ok, d_ok)
+            keys, k_ok, k, v = _key_tile(k_base, v_base, t, sk_n, sv_n, offs_d, d_ok, LK, BN)
             z, brk, sp, suffix, a = _stick(q, k, c, rows, keys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
                                            WINDOW, ATTEND_CURRENT, HAS_MASK, PREC, UPCAST, HAS_WINDOW)
             acc += _mm(a.to(v.dtype), v, PREC, UPCAST)
@@ -259,12 +231,9 @@ def _sba_bwd_q(
     pid_m = tl.program_id(0)
     lbh = tl.program_id(1)  # (pair, head of the group) within this chunk
     pair = PAIR0 + lbh // G
-    b = (pair // HKV).to(tl.int64)
-    g = (pair % HKV).to(tl.int64)
+    b, g = _batch_kv_head(pair, HKV)
     h = g * G + (lbh % G)
-    rows = pid_m * BM + tl.arange(0, BM)
-    row_ok = rows < LQ
-    qidx = rows + Q_OFF
+    rows, row_ok, qidx = _query_rows(pid_m, LQ, Q_OFF, BM)
     offs_d = tl.arange(0, BD)
     d_ok = offs_d < D
     q = _load_rows(Q + b * sq_b + h * sq_h, rows, sq_m, offs_d, row_ok, d_ok)
@@ -290,15 +259,9 @@ def _sba_bwd_q(
     dq = tl.full((BM, BD), 0.0, tl.float32)
     for it in range(0, n_tiles - t_lo):
         t = n_tiles - 1 - it
-        if t % CSTRIDE == CSTRIDE - 1:
-            slot = t // CSTRIDE
-            tl.store(ck_base + slot * LQ + rows, c, mask=row_ok)
-            tl.store(sk_base + slot * LQ + rows, s_g, mask=row_ok)
+        _store_checkpoint(ck_base, sk_base, t, CSTRIDE, LQ, rows, row_ok, c, s_g)
         if tl.reduce(c, 0, _min) <= EXHAUSTED:
-            keys = t * BN + tl.arange(0, BN)
-            k_ok = keys < LK
-            k = _load_rows(k_base, keys, sk_n, offs_d, k_ok, d_ok)
-            v = _load_rows(v_base, keys, sv_n, offs_d, k_ok, d_ok)
+            keys, k_ok, k, v = _key_tile(k_base, v_base, t, sk_n, sv_n, offs_d, d_ok, LK, BN)
             z, brk, sp, suffix, a = _stick(q, k, c, rows, keys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
                                            WINDOW, ATTEND_CURRENT, HAS_MASK, PREC, UPCAST, HAS_WINDOW)
             gg = a.to(v.dtype).to(tl.float32) * _mm(do, tl.trans(v), PREC, UPCAST)
@@ -336,29 +299,19 @@ def _sba_bwd_kv(
     pid_n = tl.program_id(0)
     lpair = tl.program_id(1)
     pair = PAIR0 + lpair
-    b = (pair // HKV).to(tl.int64)
-    g = (pair % HKV).to(tl.int64)
+    b, g = _batch_kv_head(pair, HKV)
     offs_d = tl.arange(0, BD)
     d_ok = offs_d < D
     n_start = pid_n * BN
-    keys = n_start + tl.arange(0, BN)
-    k_ok = keys < LK
     k_base = K + b * sk_b + g * sk_h
     v_base = V + b * sv_b + g * sv_h
     m_base = M + b * sm_b
-    k = _load_rows(k_base, keys, sk_n, offs_d, k_ok, d_ok)
-    v = _load_rows(v_base, keys, sv_n, offs_d, k_ok, d_ok)
+    keys, k_ok, k, v = _key_tile(k_base, v_base, pid_n, sk_n, sv_n, offs_d, d_ok, LK, BN)
     dk = tl.full((BN, BD), 0.0, tl.float32)
     dv = tl.full((BN, BD), 0.0, tl.float32)
 
-    # the first query that can see a key of this tile, and the checkpoint at or right of the tile
-    first_row = tl.maximum(n_start - Q_OFF, 0)
-    m_lo = first_row // BM
-    n_mblocks = (LQ + BM - 1) // BM
-    m_hi = n_mblocks
-    if HAS_WINDOW:  # query blocks whose first query's window starts right of this tile see none of its keys
-        reach = n_start + BN + WINDOW - 2 - Q_OFF  # the last query row whose window reaches the tile
-        m_hi = tl.where(reach < 0, 0, tl.minimum(n_mblocks, tl.maximum(reach, 0) // BM + 1))
+    # the query blocks that can see a key of this tile, and the checkpoint at or right of the tile
+    m_lo, m_hi = _query_blocks(n_start, LQ, Q_OFF, WINDOW, BM, BN, HAS_WINDOW)
     ckpt = pid_n + (CSTRIDE - 1) - pid_n % CSTRIDE
     for hh in range(0, G):
         h = g * G + hh
@@ -369,32 +322,18 @@ def _sba_bwd_kv(
         do_base = DO + b * sd_b + h * sd_h
         bh = (b * H + h) * LQ
         for m in range(m_lo, m_hi):
-            rows = m * BM + tl.arange(0, BM)
-            row_ok = rows < LQ
-            qidx = rows + Q_OFF
+            rows, row_ok, qidx = _query_rows(m, LQ, Q_OFF, BM)
             sees = row_ok & (qidx >= n_start)
             q = _load_rows(q_base, rows, sq_m, offs_d, row_ok, d_ok)
             do = _load_rows(do_base, rows, sd_m, offs_d, row_ok, d_ok)
             total = tl.load(TT + bh + rows, mask=row_ok, other=0.0)
-            dmax = (tl.minimum(m * BM + BM, LQ) - 1 + Q_OFF) // BN
-            if ckpt <= dmax:
-                ld = row_ok & (qidx // BN >= ckpt)
-                c = tl.load(ck_base + (ckpt // CSTRIDE) * LQ + rows, mask=ld, other=0.0)
-                s_g = tl.load(sk_base + (ckpt // CSTRIDE) * LQ + rows, mask=ld, other=0.0)
-                start = ckpt
-            else:
-                c = tl.full((BM,), 0.0, tl.float32)
-                s_g = tl.full((BM,), 0.0, tl.float32)
-                start = dmax
-            c = tl.where(sees, c, _BIG)
+            c, s_g, start = _load_checkpoint(ck_base, sk_base, ckpt, m, rows, row_ok, qidx, sees, LQ, Q_OFF, CSTRIDE,
+                                             BM, BN)
             # advance the carries from the checkpoint over the tiles start, ..., pid_n + 1
             for w in range(0, start - pid_n):
                 t = start - w
                 if tl.reduce(c, 0, _min) <= EXHAUSTED:
-                    wkeys = t * BN + tl.arange(0, BN)
-                    wk_ok = wkeys < LK
-                    wk = _load_rows(k_base, wkeys, sk_n, offs_d, wk_ok, d_ok)
-                    wv = _load_rows(v_base, wkeys, sv_n, offs_d, wk_ok, d_ok)
+                    wkeys, wk_ok, wk, wv = _key_tile(k_base, v_base, t, sk_n, sv_n, offs_d, d_ok, LK, BN)
                     wz, wbrk, wsp, wsuffix, wa = _stick(q, wk, c, rows, wkeys, qidx, row_ok, LK, m_base, sm_m, sm_n,
                                                         scale, WINDOW, ATTEND_CURRENT, HAS_MASK, PREC, UPCAST,
                                                         HAS_WINDOW)
@@ -412,32 +351,20 @@ def _sba_bwd_kv(
                 dv += _mm(tl.trans(a).to(do.dtype), do, PREC, UPCAST)
                 dk += _mm(tl.trans(dz).to(q.dtype), q, PREC, UPCAST)
 
-    st_mask = k_ok[:, None] & d_ok[None, :]
-    dk_ptrs = keys[:, None].to(tl.int64) * sdk_n + offs_d[None, :]
-    dv_ptrs = keys[:, None].to(tl.int64) * sdv_n + offs_d[None, :]
-    tl.store(DK + b * sdk_b + g * sdk_h + dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=st_mask)
-    tl.store(DV + b * sdv_b + g * sdv_h + dv_ptrs, dv.to(DV.dtype.element_ty), mask=st_mask)
+    _store_rows(DK + b * sdk_b + g * sdk_h, keys, sdk_n, offs_d, k_ok, d_ok, (dk * scale).to(DK.dtype.element_ty))
+    _store_rows(DV + b * sdv_b + g * sdv_h, keys, sdv_n, offs_d, k_ok, d_ok, dv.to(DV.dtype.element_ty))
 
 
 _JIT = LazyJit(
     globals(),
-    [_add, _min, _softplus, _dsoftplus, _mm, _breakpoints, _stick, _first_tile, _load_rows],
+    [*DEVICE_HELPERS, _softplus, _dsoftplus, _breakpoints, _stick],
     [_sba_fwd, _sba_bwd_q, _sba_bwd_kv],
-    {"_add": "_sum_combine", "_min": "_elementwise_min"}
+    INTERPRETER_COMBINES,
 )
 
 
 # ----------------------------------------------------------------------------------------------------
 # launchers
-
-
-def _precision(dtype: torch.dtype) -> str:
-    """Dot precision for float32 inputs: 3xTF32 (tensor cores, about float32 accuracy; an "ieee" dot runs on
-    the FMA units and spills heavily at these tiles), or TF32 where torch allows it
-    (``torch.backends.cuda.matmul.allow_tf32``). Half-precision inputs ignore it."""
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "tf32x3"
-    return "tf32"
 
 
 def _blocks(kind: str, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -448,42 +375,17 @@ def _blocks(kind: str, dtype: torch.dtype) -> tuple[int, int, int, int]:
     few candidates compared (see ``GPU_FP32``), the tiles whose shared memory fits an A100's per-block limit
     (166912 B) with the fewest register spills. Half precision keeps its tiles (sm_90, Triton 3.9) at 2 stages.
     """
-    if interpreting():
-        bm, bn = INTERPRETER_BLOCKS
-        return bm, bn, 1, 1
-    if dtype == torch.float32:
-        bm, bn, warps = GPU_FP32[kind]
-        return bm, bn, warps, NUM_STAGES["float32"]
-    bm, bn, warps = {"fwd": GPU_FWD, "bwd_q": GPU_BWD_Q, "bwd_kv": GPU_BWD_KV}[kind]
-    return bm, bn, warps, NUM_STAGES["half"]
-
-
-def _mask_args(mask: torch.Tensor | None, q: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
-    """(pointer tensor, stride_b, stride_m, stride_n) of the (B|1, 1, Lq, Lk) bool mask, as uint8."""
-    if mask is None:
-        return q, 0, 0, 0  # never dereferenced (HAS_MASK is False)
-    m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-    sb = 0 if m.shape[0] == 1 else m.stride(0)
-    return m, sb, m.stride(2), m.stride(3)
-
-
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _bhld_out(b: int, h: int, length: int, d: int, like: torch.Tensor) -> torch.Tensor:
-    """An empty (B, H, L, D) tensor laid out as (B, L, H, D): the attention function's transpose(1, 2)
-    of it is then contiguous and copy-free."""
-    return torch.empty((b, length, h, d), dtype=like.dtype, device=like.device).transpose(1, 2)
+    gpu_half = {"fwd": GPU_FWD, "bwd_q": GPU_BWD_Q, "bwd_kv": GPU_BWD_KV}
+    return pick_blocks(kind, dtype, INTERPRETER_BLOCKS, gpu_half, GPU_FP32, NUM_STAGES)
 
 
 def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, save_residual, window=None):
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     bm, bn, warps, stages = _blocks("fwd", q.dtype)
-    o = _bhld_out(b, h, lq, d, q)
-    res = _bhld_out(b, h, lq, d, q) if save_residual else o
-    m, sm_b, sm_m, sm_n = _mask_args(mask, q)
+    o = bhld_out(b, h, lq, d, q)
+    res = bhld_out(b, h, lq, d, q) if save_residual else o
+    m, sm_b, sm_m, sm_n = mask_args(mask, q)
     bias_t = bias.contiguous() if bias is not None else q
     _JIT.bind()
     grid = (triton.cdiv(lq, bm), b * h)
@@ -495,23 +397,10 @@ def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, sa
         h, h // hkv, lq, lk, q_offset, scale, 0 if window is None else window,
         D=d, BD=max(16, triton.next_power_of_2(d)), BM=bm, BN=bn,
         ATTEND_CURRENT=attend_current, REMAINDER=REMAINDERS[remainder], HAS_MASK=mask is not None,
-        SAVE_RES=save_residual, PREC=_precision(q.dtype), UPCAST=interpreting(), HAS_WINDOW=window is not None,
+        SAVE_RES=save_residual, PREC=dot_precision(q.dtype), UPCAST=interpreting(), HAS_WINDOW=window is not None,
         num_warps=warps, num_stages=stages,
     )
     return o, (res if save_residual else None)
-
-
-def _chunks(n_pairs: int, per_pair_bytes: int) -> list[tuple[int, int]]:
-    """[(first pair, pair count)] covering n_pairs, each chunk's buffers within CARRY_BUDGET_BYTES."""
-    per_chunk = max(1, min(n_pairs, CARRY_BUDGET_BYTES // max(1, per_pair_bytes)))
-    return [(p, min(per_chunk, n_pairs - p)) for p in range(0, n_pairs, per_chunk)]
-
-
-def _carry_layout(lk: int, bn: int) -> tuple[int, int]:
-    """(CSTRIDE, NSLOT): checkpoints every CSTRIDE key tiles, NSLOT <= CARRY_SLOTS of them per row."""
-    n_tiles = triton.cdiv(lk, bn)
-    stride = max(1, triton.cdiv(n_tiles, max(1, CARRY_SLOTS)))
-    return stride, max(1, n_tiles // stride)
 
 
 def _backward(q, k, v, o, res, do, mask, scale, q_offset, attend_current, remainder, window=None):
@@ -523,18 +412,19 @@ def _backward(q, k, v, o, res, do, mask, scale, q_offset, attend_current, remain
     bm2, bn2, warps2, stages2 = _blocks("bwd_kv", q.dtype)
     if bn2 != bn:
         raise ValueError(f"the two backward kernels must share their key tile (BLOCK_N {bn} != {bn2})")
-    cstride, nslot = _carry_layout(lk, bn)
-    do = _last_dim_contiguous(do)
-    dq = _bhld_out(b, h, lq, d, q)
+    cstride, nslot = carry_layout(lk, bn, CARRY_SLOTS)
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    dq = bhld_out(b, h, lq, d, q)
     dk = torch.empty((b, hkv, lk, d), dtype=k.dtype, device=k.device)
     dv = torch.empty((b, hkv, lk, d), dtype=v.dtype, device=v.device)
     total = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
     rest = torch.empty((b, h, lq), dtype=torch.float32, device=q.device) if remainder != "discard" else total
-    m, sm_b, sm_m, sm_n = _mask_args(mask, q)
+    m, sm_b, sm_m, sm_n = mask_args(mask, q)
     resid = res if res is not None else o
-    prec, upcast = _precision(q.dtype), interpreting()
+    prec, upcast = dot_precision(q.dtype), interpreting()
     _JIT.bind()
-    for pair0, n_pairs in _chunks(b * hkv, 2 * 4 * nslot * lq * groups):
+    for pair0, n_pairs in pair_chunks(b * hkv, 2 * 4 * nslot * lq * groups, CARRY_BUDGET_BYTES):
         ck = torch.empty((n_pairs * groups, nslot, lq), dtype=torch.float32, device=q.device)
         sk = torch.empty_like(ck)
         guarded(_sba_bwd_q, "sba", {"q": q.shape, "k/v": k.shape}, q.dtype)[(triton.cdiv(lq, bm1), n_pairs * groups)](
@@ -610,7 +500,7 @@ def sba_triton(
 
     Args:
         q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D), H a multiple of Hkv, last dims contiguous; one dtype of
-            ``SUPPORTED_DTYPES``; D <= 128.
+            ``hf_posenc.kernels._common.KERNEL_DTYPES``; D <= ``MAX_HEAD_DIM`` (128).
         mask: (B|1, 1, Lq, Lk) bool (True = may attend) or None; causality by index is always applied.
         q_offset: query i is key ``q_offset + i`` (``q_offset + Lq <= Lk``).
         bias: (H, D) the per-head remainder vector of ``remainder="bias"``.
@@ -626,6 +516,5 @@ def sba_triton(
         TypeError, ValueError: ``window`` is not None or an int >= 1.
     """
     window = check_window(window)
-    # (1,) int32 on the device, loaded by the kernels: a tensor offset (a StaticCache's) is never read on the host
-    offset = torch.as_tensor(q_offset).to(device=q.device, dtype=torch.int32).reshape(1)
+    offset = device_offset(q_offset, q.device)  # loaded by the kernels, never read on the host
     return SbaFunction.apply(q, k, v, mask, bias, float(scale), offset, bool(attend_current), remainder, window)

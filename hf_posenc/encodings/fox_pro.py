@@ -1,0 +1,265 @@
+"""``fox_pro``: FoX with the "Pro" block of the Forgetting Transformer.
+
+"Forgetting Transformer: Softmax Attention with a Forget Gate", Lin, Nikishin, He and Courville, ICLR 2025,
+https://arxiv.org/abs/2503.02130. "The code" below is the authors' implementation,
+github.com/zhixuan-lin/forgetting-transformer (``ForgettingAttentionLayer``, ``ShiftLinear``, ``GroupRMSNorm``);
+the forgetting attention itself, its gates, padding, cache state and ViT generalisation are ``fox``'s
+(:mod:`hf_posenc.encodings.fox`).
+
+FoX with the "Pro" block of the paper (the authors' ``configs/experiment/*/forgetting_transformer/pro_*.yaml``:
+``qk_norm``, ``use_k_shift``, ``use_v_shift``, ``use_output_gate``, ``use_output_norm``, ``use_rope:
+false``), in the code's order:
+
+    k_t, v_t        raw projections (the model's own k_proj / v_proj)
+    k̃_t = α^k_t k_{t−1} + (1 − α^k_t) k_t,   α^k_t = σ(u^k_g · x_t)      data-dependent token shift,
+    ṽ_t = α^v_t v_{t−1} + (1 − α^v_t) v_t,   α^v_t = σ(u^v_g · x_t)      one α per key/value head g,
+                                                                       no bias (``ShiftLinear``); k_{t-1} = 0
+                                                                       for the first token (and after left
+                                                                       padding or a document boundary)
+    q̂_t = RMSNorm(q_t) ⊙ γ^q_h,  k̂_t = RMSNorm(k̃_t) ⊙ γ^k_g          QK-norm per head, eps 1e-5
+    o_i = forgetting attention of (q̂, k̂, ṽ) as in ``fox`` (no RoPE)
+    o_i ← σ(W_o x_i) ⊙ RMSNorm(o_i) ⊙ γ^o_h                          output norm per head (eps 1e-6, the
+                                                                       code's ``norm_eps``), then the sigmoid
+                                                                       output gate (``ogate_proj``, no bias);
+                                                                       then the model's o_proj
+
+RMSNorm(x) = x / sqrt(mean(x²) + eps) over one head's channels. Initialisation as in the code: u^k, u^v
+and W_o ~ N(0, initializer_range); γ^q, γ^k, γ^o = 1 (per head and channel:
+``qk_norm_share_param_across_head=False``, the code's default since its 2025-03-31 changelog).
+The code supports no GQA (``num_kv_heads`` must be None); here the shift gates and γ^k belong to the
+key/value heads, the forget gates and γ^q, γ^o to the query heads. The shift, the key norm and the value
+shift are computed in float32 inside the attention (the code rounds k̃ to the model dtype before its
+norm); q̂ is computed in float32 and rounded to the model dtype, as in the code.
+
+Cache state: k_raw ‖ [α^k, log f (G)] and v_raw ‖ [α^v] (+ log g on ViT), packed by
+:mod:`hf_posenc.encodings.cache_state`. FoX Pro stores the raw (unshifted, unnormalised) k and v: the shift
+of the first new token at a decode step needs the previous token's raw k and v, which only the cache holds, so
+the shift and the key norm are applied in ``attend`` to every key (O(L·D) per head, negligible next to the
+scores). On ViT it shifts each patch's k and v from the previous patch in raster order (the first patch has a
+zero predecessor; CLS is not shifted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..config import PosEncConfig
+from ..kernels._common import compute_dtype
+from ..kernels.attention.terms import KernelTerm
+from ..registry import register_encoding
+from .base import UNWINDOWED_MASK, ModelInfo, PosContext
+from .cache_state import pack_state, unpack_state
+from .fox import Fox, cumulative_gates, forgetting_attention, key_validity
+
+__all__ = ["FoxPro"]
+
+#: eps of the QK-norm (the code's ``GroupRMSNorm`` default) and of the output norm (the code's ``norm_eps``).
+QK_NORM_EPS = 1e-5
+OUT_NORM_EPS = 1e-6
+
+
+def _native_window_has_prev(ctx: PosContext, layer: int, k_len: int, device: torch.device) -> torch.Tensor | None:
+    """``has_prev`` (B|1, Lk) on a layer with the model's own sliding window (Mistral, Gemma 3's local layers),
+    or None elsewhere. transformers bands that layer's mask, so the first key of a query's window has no
+    visible predecessor there, though it has one in the sequence; the token shift is the token's, so read the
+    neighbours from the model's key padding (``PosContext.key_padding``) instead. None when that is unknown
+    (a custom 4D mask): the mask is then all there is."""
+    windows = ctx.info.sliding_windows
+    if not windows or layer >= len(windows) or windows[layer] is None or ctx.key_padding is None:
+        return None
+    if ctx.key_padding is True:
+        real = torch.ones(1, k_len, dtype=torch.bool, device=device)
+    else:
+        real = ctx.key_padding.to(device=device, dtype=torch.bool)[:, :k_len]
+        real = F.pad(real, (0, k_len - real.shape[1]), value=False)  # a StaticCache's empty slots
+    return F.pad(real[:, 1:] & real[:, :-1], (1, 0), value=False)
+
+
+class _RmsNorm(torch.autograd.Function):
+    """y = x r w, r = 1 / sqrt(mean(x², -1) + eps), w broadcast to x. Saves x and r (autograd's chain of the same
+    expression keeps x r as well: one more tensor of x's size per norm, three norms a layer in FoX Pro)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):  # type: ignore[override]
+        r = torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, r, weight)
+        return x * r * weight
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):  # type: ignore[override]
+        x, r, weight = ctx.saved_tensors
+        xh = x * r
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            g = dy * weight
+            dx = (g - xh * (g * xh).mean(dim=-1, keepdim=True)) * r
+        if ctx.needs_input_grad[1]:
+            dw = (dy * xh).sum_to_size(weight.shape)
+        return dx, dw, None
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x², -1) + eps) * weight, in the dtype of x."""
+    return _RmsNorm.apply(x, weight, eps)
+
+
+def _previous(x: torch.Tensor, has_prev: torch.Tensor) -> torch.Tensor:
+    """x_{t-1} along the key axis of x (B, Hkv, Lk, D), 0 where not ``has_prev`` (B|1, Lk)."""
+    prev = F.pad(x[..., :-1, :], (0, 0, 1, 0))
+    return torch.where(has_prev[:, None, :, None], prev, torch.zeros_like(prev))
+
+
+class _TokenShift(torch.autograd.Function):
+    """y_t = α_t x_{t-1} + (1 - α_t) x_t (x_{t-1} = 0 where not ``has_prev``). Saves x and α only: the shifted copy
+    is rebuilt in backward (autograd's chain keeps it and (1 - α) x alongside x)."""
+
+    @staticmethod
+    def forward(ctx, x, alpha, has_prev):  # type: ignore[override]
+        ctx.save_for_backward(x, alpha, has_prev)
+        a = alpha[..., None]
+        return a * _previous(x, has_prev) + (1 - a) * x
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):  # type: ignore[override]
+        x, alpha, has_prev = ctx.saved_tensors
+        a = alpha[..., None]
+        dx = da = None
+        if ctx.needs_input_grad[0]:
+            to_prev = torch.where(has_prev[:, None, :, None], dy * a, torch.zeros_like(dy))  # dL/dx_{t-1} via y_t
+            dx = dy * (1 - a) + F.pad(to_prev[..., 1:, :], (0, 0, 0, 1))
+        if ctx.needs_input_grad[1]:
+            da = (dy * (_previous(x, has_prev) - x)).sum(dim=-1)
+        return dx, da, None
+
+
+@dataclass
+class FoxProParams:
+    pass
+
+
+@register_encoding(
+    "fox_pro",
+    params=FoxProParams,
+    kind="data-dependent",
+    summary="FoX Pro: forget gates plus QK-norm, data-dependent token shift of k and v, output norm and "
+    "sigmoid output gate; no RoPE; raster order both ways on ViT",
+    paper="https://arxiv.org/abs/2503.02130",
+)
+class FoxPro(Fox):
+    """FoX with the Pro block; see the module docstring.
+
+    Parameters (per layer, stacked on dim 0): the forget gates of :class:`Fox`, ``key_shift_weight`` and
+    ``value_shift_weight`` (num_layers, Hkv, C), ``q_norm_weight`` (num_layers, H, D), ``k_norm_weight``
+    (num_layers, Hkv, D), ``out_norm_weight`` (num_layers, H, D) and ``out_gate_weight`` (num_layers, H*D, C).
+    """
+
+    finishes_output = True
+
+    def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:
+        super().__init__(config, info)
+        n, h, hkv, d, c = info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim, info.hidden_size
+        std = info.initializer_range
+        self.key_shift_weight = nn.Parameter(torch.randn(n, hkv, c) * std)
+        self.value_shift_weight = nn.Parameter(torch.randn(n, hkv, c) * std)
+        self.q_norm_weight = nn.Parameter(torch.ones(n, h, d))
+        self.k_norm_weight = nn.Parameter(torch.ones(n, hkv, d))
+        self.out_norm_weight = nn.Parameter(torch.ones(n, h, d))
+        self.out_gate_weight = nn.Parameter(torch.randn(n, h * d, c) * std)
+
+    @classmethod
+    def resolve(cls, config: PosEncConfig, info: ModelInfo) -> PosEncConfig:
+        return config
+
+    def shift_gates(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """α^k, α^v (B, Hkv, L) = σ(u · x_t) in float32 (float64 for float64 inputs)."""
+        dtype = compute_dtype(hidden.dtype)
+        x = hidden.to(dtype)
+        a_k = torch.sigmoid(F.linear(x, self.key_shift_weight[layer].to(dtype)))
+        a_v = torch.sigmoid(F.linear(x, self.value_shift_weight[layer].to(dtype)))
+        return a_k.transpose(1, 2), a_v.transpose(1, 2)
+
+    def prepare(
+        self, ctx: PosContext, layer: int, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q -> QK-normed q; k -> raw k ‖ [α^k, log-gates]; v -> raw v ‖ [α^v] (the shift and the key norm
+        need the previous token's raw k and v, so they are applied in ``attend``)."""
+        compute = compute_dtype(q.dtype)
+        q = _rms_norm(q.to(compute), self.q_norm_weight[layer].to(compute)[None, :, None, :], QK_NORM_EPS).to(q.dtype)
+        a_k, a_v = self.shift_gates(layer, hidden)
+        gates = self._gates_to_kv(self.log_gates(layer, hidden))
+        k_state = torch.cat([a_k[..., None], gates], dim=-1)
+        k = torch.cat([k, pack_state(k_state, k.dtype)], dim=-1)
+        v = torch.cat([v, pack_state(a_v[..., None], v.dtype)], dim=-1)
+        return q, k, v
+
+    def _shift(self, x: torch.Tensor, alpha: torch.Tensor, has_prev: torch.Tensor, ctx: PosContext) -> torch.Tensor:
+        """α_t x_{t-1} + (1 - α_t) x_t over the key axis (x_{t-1} = 0 where not ``has_prev``).
+
+        x (B, Hkv, Lk, D), alpha (B, Hkv, Lk), has_prev (B|1, Lk) bool."""
+        if ctx.grid is not None:  # the CLS token is not shifted
+            alpha = alpha.clone()
+            alpha[..., 0] = 0.0
+        return _TokenShift.apply(x, alpha, has_prev)
+
+    def attend(
+        self,
+        ctx: PosContext,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+        scaling: float,
+        dropout: float,
+        training: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Shift k and v, normalise k, then forgetting attention. q (B, H, Lq, D) already normalised; key
+        (B, Hkv, Lk, D + state), value (B, Hkv, Lk, D + state). Returns out (B, H, Lq, D), probs (B, H, Lq, Lk)."""
+        k, v, gates, valid = self._attention_kv(ctx, layer, query, key, value, mask)
+        bias = self._bias(ctx, gates, valid, query.shape[2], key.device)
+        return forgetting_attention(query, k, v, bias, mask, scaling, dropout, training)
+
+    def kernel_term(self, ctx: PosContext, layer: int, query, key, value, mask) -> KernelTerm | None:
+        """The fused-attention term: c of the forward gates, with the shifted, normalised keys and the shifted
+        values (in the query's dtype) replacing the cached ones. None on ViT (two-way gates)."""
+        if self.bidirectional or ctx.grid is not None:
+            return None
+        k, v, gates, valid = self._attention_kv(ctx, layer, query, key, value, mask)
+        return KernelTerm.fox(cumulative_gates(gates[0], valid), key=k.to(query.dtype), value=v.to(query.dtype))
+
+    def _attention_kv(self, ctx: PosContext, layer: int, query, key, value, mask):
+        """(shifted + normalised k, shifted v (B, Hkv, Lk, D) in float32, the log-gates, key validity)."""
+        d = query.shape[-1]
+        compute = compute_dtype(query.dtype)
+        n_gates = self.num_gate_sets * self.groups
+        k_state = unpack_state(key[..., d:], 1 + n_gates, compute)
+        a_k, gates = k_state[..., 0], self._gates_from_kv(k_state[..., 1:])
+        a_v = unpack_state(value[..., d:], 1, compute)[..., 0]
+        k_len = key.shape[2]
+        # which keys have a real predecessor: from the mask before a sliding window cut it (the shift belongs to
+        # the token, not to the queries that may see it)
+        unwindowed = ctx.memo.get((UNWINDOWED_MASK, id(mask)), mask) if mask is not None else None
+        valid, has_prev = key_validity(unwindowed, k_len, key.device)
+        native = _native_window_has_prev(ctx, layer, k_len, key.device)
+        if native is not None:
+            has_prev = native
+        if ctx.grid is not None:  # CLS (index 0) is no patch's predecessor
+            has_prev = has_prev.clone()
+            has_prev[:, : min(2, k_len)] = False
+        k = self._shift(key[..., :d].to(compute), a_k, has_prev, ctx)
+        k = _rms_norm(k, self.k_norm_weight[layer].to(compute)[None, :, None, :], QK_NORM_EPS)
+        v = self._shift(value[..., :d].to(compute), a_v, has_prev, ctx)
+        return k, v, gates, valid
+
+    def finish(self, ctx: PosContext, layer: int, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out (B, Lq, H, D) -> σ(W_o x) ⊙ RMSNorm(out) ⊙ γ^o, per head, computed in float32."""
+        compute = compute_dtype(out.dtype)
+        o = _rms_norm(out.to(compute), self.out_norm_weight[layer].to(compute), OUT_NORM_EPS)
+        gate = torch.sigmoid(F.linear(hidden.to(compute), self.out_gate_weight[layer].to(compute)))
+        return (o * gate.view(o.shape)).to(out.dtype)

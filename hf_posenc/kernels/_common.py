@@ -1,0 +1,36 @@
+"""What every kernel family shares: the dtypes and head dims the Triton kernels take, the Triton import probe,
+and the dtype the PyTorch references and engines compute in. One definition each; the dispatchers
+(``_attn_dispatch.py``, ``attention/__init__.py``, ``rotary/__init__.py``) and the encodings read them here.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+
+__all__ = ["KERNEL_DTYPES", "MAX_HEAD_DIM", "compute_dtype", "triton_import_error"]
+
+#: the dtypes of q, k, v (and of the rotary inputs) the Triton kernels take; one dtype per call.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: the widest head dim the Triton attention kernels (fused terms, CoPE, SBA) take (their tiles hold D columns).
+MAX_HEAD_DIM = 128
+
+
+@functools.lru_cache(maxsize=None)
+def triton_import_error(module: str) -> str | None:
+    """None when Triton and the kernel module ``hf_posenc.kernels.<module>`` (``"cope.triton_cope"``) import,
+    else why not (``"ModuleNotFoundError: No module named 'triton'"``): Triton missing, or too old for the
+    kernel module. Cached per module."""
+    try:
+        importlib.import_module(f"hf_posenc.kernels.{module}")
+    except ImportError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the PyTorch references and engines compute in for inputs of ``dtype``: float64 for float64
+    inputs (gradient checks), float32 for everything else (float32, bfloat16, float16)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -1,0 +1,94 @@
+"""Which keys each query may see: the window check and the boolean masks shared by the references, the engines,
+the encodings and the configuration (one definition each; the kernels themselves skip tiles, they build no mask).
+
+Query i is key ``q_offset + i`` throughout (its own key index, ``qi``).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+__all__ = ["allowed_keys", "band_allowed", "check_window", "windowed_allowed"]
+
+
+def check_window(window: object, where: str = "window") -> int | None:
+    """``window`` validated: None (no window) or an int >= 1, the number of keys each query sees, itself included
+    (a numpy integer is taken as the int it holds; a bool, a float or a string is refused).
+
+    Args:
+        window: the value to check.
+        where: how the error message names it (``"window"``, ``"window of encoding 'alibi'"``).
+
+    Returns:
+        None or the window as a Python int.
+
+    Raises:
+        TypeError: not None and not an int (a bool included).
+        ValueError: an int below 1.
+    """
+    if window is None:
+        return None
+    if type(window) not in (bool, int, float, str):  # a numpy (or other ``numbers``) scalar: the value it holds
+        if isinstance(window, numbers.Integral):
+            window = int(window)
+        elif isinstance(window, numbers.Real):
+            window = float(window)
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise TypeError(
+            f"{where} must be an int >= 1 (keys each query sees, itself included) or None, got "
+            f"{type(window).__name__} ({window!r})"
+        )
+    if window < 1:
+        raise ValueError(f"{where} must be >= 1 (keys each query sees, itself included), got {window}")
+    return window
+
+
+def band_allowed(q_idx: torch.Tensor, k_idx: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor:
+    """(Lq, Lk) bool: True where the query at key index ``q_idx[i]`` may see key ``k_idx[j]`` by position.
+
+    causal: j <= qi, and with a window qi − window < j (the last ``window`` keys, the query's own included:
+    transformers' ``sliding_window``); bidirectional with a window: |qi − j| < window; otherwise all."""
+    delta = q_idx[:, None] - k_idx[None, :]
+    allowed = torch.ones(delta.shape, dtype=torch.bool, device=delta.device)
+    if causal:
+        allowed = delta >= 0
+    if window is not None:
+        allowed = allowed & (delta < window) & (delta > -window)
+    return allowed
+
+
+def allowed_keys(
+    mask: torch.Tensor | None,
+    q_len: int,
+    k_len: int,
+    q_offset: int | torch.Tensor,
+    causal: bool,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """(B|1, 1, Lq, Lk) bool: the keys each query may see -- the attention mask, and on causal models also
+    key index <= query index (query i is key ``q_offset + i``), so an absent mask never exposes future or
+    empty cache slots. None when every query sees every key."""
+    if causal:
+        q_idx = torch.arange(q_len, device=device)[:, None] + (
+            q_offset.to(device) if isinstance(q_offset, torch.Tensor) else q_offset
+        )
+        causal_mask = (q_idx >= torch.arange(k_len, device=device)[None, :])[None, None]
+        return causal_mask if mask is None else (mask & causal_mask)
+    return mask
+
+
+def windowed_allowed(
+    allowed: torch.Tensor, lq: int, lk: int, q_offset: int | torch.Tensor, window: int | None
+) -> torch.Tensor:
+    """(B|1, 1, Lq, Lk) bool: ``allowed`` (causal, from :func:`allowed_keys`) and, with a ``window``, the band
+    j > qi − window (query i is key ``q_offset + i``). The encodings' references treat a key the mask removes as
+    absent: no weight, no CoPE gate, no stick-breaking break; so does the window. TypeError / ValueError for a
+    window that is neither None nor an int >= 1."""
+    window = check_window(window)
+    if window is None:
+        return allowed
+    off = q_offset.to(allowed.device) if isinstance(q_offset, torch.Tensor) else q_offset
+    qi = torch.arange(lq, device=allowed.device) + off
+    return allowed & band_allowed(qi, torch.arange(lk, device=allowed.device), True, window)[None, None]

@@ -252,6 +252,23 @@ def test_save_and_reload(family, tmp_path):
         assert torch.equal(main_output(loaded(**inputs)), before)
 
 
+def test_every_backend(monkeypatch):
+    """xpos has no term inside the attention (its decay is a q/k factor), so every attention backend runs SDPA on
+    the transformed q and k: HF_POSENC_BACKEND=torch and flex give the default's logits, and triton raises the
+    clear error rope raises (the transform is elementwise, run by PyTorch at memory bandwidth)."""
+    model = make_model("llama", encoding="xpos", scale_base=4.0)
+    ids, mask = left_pad([make_ids(1, 6, seed=2)[0], make_ids(1, 9, seed=3)[0]])
+    kw = dict(attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False)
+    with torch.no_grad():
+        default = model(ids, **kw).logits
+        for backend in ("torch", "flex"):
+            monkeypatch.setenv("HF_POSENC_BACKEND", backend)
+            assert torch.equal(model(ids, **kw).logits, default), backend
+        monkeypatch.setenv("HF_POSENC_BACKEND", "triton")
+        with pytest.raises(ValueError, match="'xpos' has no Triton kernel for its q/k transform"):
+            model(ids, **kw)
+
+
 # ---------------------------------------------------------------------------------------------------
 # refusals
 # ---------------------------------------------------------------------------------------------------

@@ -89,9 +89,9 @@ def xpos_zeta(rotary_dim: int, gamma: float) -> torch.Tensor:
 
 
 def xpos_decay(positions: torch.Tensor, zeta: torch.Tensor, scale_base: float, center: int) -> torch.Tensor:
-    """The query factors zeta_i^((n - c)/B): (B|1, L, R/2) float32 for ``positions`` n (B|1, L) (any int or
-    float dtype), ``zeta`` (R/2,); the key factors are their reciprocals."""
-    exponent = (positions.to(torch.float64) - center).to(torch.float32) / scale_base
+    """The query factors zeta_i^((n - c)/B): (B|1, L, R/2) float32 for integer ``positions`` n (B|1, L),
+    ``zeta`` (R/2,); the key factors are their reciprocals. n - c is taken in int64 (exact), then float32."""
+    exponent = (positions.long() - center).to(torch.float32) / scale_base
     return torch.pow(zeta.to(positions.device), exponent[..., None])
 
 
@@ -183,17 +183,18 @@ class Xpos(Rope):
 
     def decay(
         self, ctx: PosContext, positions: torch.Tensor, device: torch.device, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """zeta_i^((n - c)/B) (B|1, 1, L, R/2) float32 for the new tokens at ``positions`` (B|1, L); built once
-        per forward (``ctx.memo``) and shared by the layers. Raises ValueError (eager, positions on the CPU) where
-        a factor would leave the range of ``dtype`` (module docstring, Range)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(zeta_i^((n - c)/B), its reciprocal): (B|1, 1, L, R/2) float32 each, the query and key factors of the
+        new tokens at ``positions`` (B|1, L); built once per forward (``ctx.memo``) and shared by the layers.
+        Raises ValueError (eager, positions on the CPU) where a factor would leave the range of ``dtype`` (module
+        docstring, Range)."""
         key = ("xpos_decay", device, dtype)
         if key in ctx.memo:
             return ctx.memo[key]
         if not torch.compiler.is_compiling() and positions.device.type == "cpu" and positions.numel():
             self._check_range(positions, dtype)
-        out = xpos_decay(positions.to(device), self.zeta, self.scale_base, self.center)[:, None]
-        ctx.memo[key] = out
+        up = xpos_decay(positions.to(device), self.zeta, self.scale_base, self.center)[:, None]
+        ctx.memo[key] = out = (up, 1.0 / up)
         return out
 
     def _check_range(self, positions: torch.Tensor, dtype: torch.dtype) -> None:
@@ -214,8 +215,7 @@ class Xpos(Rope):
         """Rotate the first ``rotary_dim`` dims of q (B, H, L, D) and k (B, Hkv, L, D) of the new tokens as rope
         does and scale pair i by zeta_i^((n - c)/B) on the queries, zeta_i^(-(n - c)/B) on the keys."""
         positions, cos, sin = self.rotation_tables(ctx, q.device, layer)
-        up = self.decay(ctx, positions, q.device, q.dtype)
-        down = 1.0 / up
+        up, down = self.decay(ctx, positions, q.device, q.dtype)
         q_tables = ((cos * up).to(q.dtype), (sin * up).to(q.dtype))
         k_tables = ((cos * down).to(q.dtype), (sin * down).to(q.dtype))
         return self.apply_tables(q, k, q_tables, k_tables)

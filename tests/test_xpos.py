@@ -143,7 +143,7 @@ def test_interleaved_layout_reproduces_torchscale(length):
 
 def test_scores_depend_on_the_distance_only():
     """The same content at every position: the score matrix is Toeplitz (S[n, m] = S[n+1, m+1]), and shifting
-    every position by 100 leaves it unchanged; the decay is really there (far keys weigh less than under rope)."""
+    every position by 100 leaves it unchanged; with equal query and key content the scores follow the decay."""
     d, length = 8, 12
     enc = build(text_info(head_dim=d), scale_base=8.0)
     g = torch.Generator().manual_seed(2)
@@ -154,7 +154,7 @@ def test_scores_depend_on_the_distance_only():
     assert torch.allclose(s[1:, 1:], s[:-1, :-1], atol=1e-5)
     q2, k2 = transform(enc, tokens_q, tokens_k, list(range(100, 100 + length)))
     assert torch.allclose(q2[0, 0] @ k2[0, 0].T, s, atol=1e-5)
-    # control: the same check on q.q with rope's rotation alone gives |scores| that do not shrink like zeta^(n/B)
+    # the decay itself: with the query's content as the key's, S[n, 0] = sum_i |q~_i|^2 zeta_i^(n/B) cos(n theta_i)
     same_q, same_k = transform(enc, qv.expand(1, 1, length, d), qv.expand(1, 1, length, d), list(range(length)))
     norms = (same_q[0, 0] @ same_k[0, 0].T).diagonal(offset=0)
     assert torch.allclose(norms, qv.dot(qv).expand(length), rtol=1e-5)  # distance 0: |q|^2, no decay
@@ -162,7 +162,8 @@ def test_scores_depend_on_the_distance_only():
     theta = 10000.0 ** (-torch.arange(0, r, 2, dtype=torch.float64) / r)
     qc = pairs(qv, r, "half")
     dist = torch.arange(length, dtype=torch.float64)
-    want = ((qc.abs() ** 2) * xpos_zeta(r, 0.4).double() ** (dist[:, None] / 8.0) * torch.cos(dist[:, None] * theta)).sum(-1)
+    decay = xpos_zeta(r, 0.4).double() ** (dist[:, None] / 8.0)
+    want = (qc.abs() ** 2 * decay * torch.cos(dist[:, None] * theta)).sum(-1)
     assert torch.allclose((same_q[0, 0] @ same_k[0, 0].T)[:, 0].double(), want, atol=1e-5)
 
 

@@ -45,6 +45,9 @@ Where they differ and what hf_posenc does:
   partial_rotary_factor, scaling; the model's own scaled or per-layer rotary where theta is None). With partial
   rotary only the R rotated dims are scaled (zeta over R/2 frequencies); the pass-through dims carry no
   position and no decay. A large ``scale_base`` turns xpos into rope (zeta^(x/B) -> 1).
+* The paper's second component, blockwise causal attention at inference (attending to the keys of the previous
+  and the current block of the training length), is an attention pattern, not part of this encoding; every
+  encoding's sliding ``window`` is the nearest thing hf_posenc offers.
 * Angles and the scales are computed in float32, then the combined factors cos * zeta^(+-) and sin * zeta^(+-)
   are cast to the activations' dtype, as rope casts cos and sin. Positions are the logical ``position_ids``
   (the KV-cache offset and left padding included), as for rope.

@@ -94,8 +94,9 @@ def _family_subsets() -> dict[str, tuple[str, ...]]:
         "mistral": ("rope", "alibi", "tape"),
         "qwen2": ("rope", "kerple", "cape"),
         "qwen3": ("rope", "t5", "sba"),
-        "gemma3_text": ("rope", "cope", "shaw", "fox"),  # its 6-key window on the local layer meets each term
-        "phi3": ("rope", "fire", "sinusoidal"),
+        "gemma3_text": ("rope", "cope", "shaw", "fox", "xpos"),  # its 6-key window on the local layer meets each
+        # term; xpos: rope's per-layer bases with the decay
+        "phi3": ("rope", "fire", "sinusoidal", "xpos"),  # xpos: the decay on a partial rotary
         "gpt_neox": ("rope", "rope2d", "nope", "learned"),
         "bert": ("learned", "alibi", "t5", "rope", "fox", "sinusoidal"),
     }

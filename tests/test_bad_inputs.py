@@ -208,6 +208,7 @@ def test_unpatched_model_in_describe_and_encoding_module():
 # GPT-2 with n_embd 20 and 4 heads: head_dim 5 (Llama refuses an odd head_dim in its own config already).
 ODD_HEAD_DIM = [
     ("rope", {}, r"rope needs an even head_dim, got 5"),
+    ("xpos", {}, r"xpos needs an even head_dim, got 5"),
     ("rope2d", {}, r"rope2d needs head_dim divisible by 2 on text, got head_dim=5"),
     ("comrope", {}, r"comrope-ap finds no block size in \[8, 4, 2\] for head_dim=5"),
     ("fope", {}, r"fope needs head_dim divisible by 2 on gpt2 \(coordinate pairs\), got 5"),

@@ -266,7 +266,7 @@ def test_support_follows_the_family_kinds():
 
 
 def test_unsupported_encoding_on_bert_lists_the_families():
-    """Every built-in encoding runs on BERT; one registered for causal text only is refused, naming its families."""
+    """An encoding registered for causal text only (xpos; here a test one) is refused on BERT, naming its families."""
     from dataclasses import dataclass
 
     from hf_posenc.encodings.alibi import Alibi

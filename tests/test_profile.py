@@ -12,13 +12,14 @@ import torch
 import hf_posenc
 from hf_posenc.cli import main as cli_main
 from hf_posenc.encodings.alibi import alibi_slopes
+from hf_posenc.registry import get_encoding
 from hf_posenc.show import small_model
 from conftest import make_ids, make_model
 
 #: The issue's kinds, written out (an independent statement of what each encoding's profile must be).
 EXPECTED_KIND = {
     **dict.fromkeys(("alibi", "t5", "kerple", "sandwich", "fire"), "score_bias"),
-    **dict.fromkeys(("rope", "rope2d", "liere", "comrope", "fope"), "qk_transform"),
+    **dict.fromkeys(("rope", "rope2d", "liere", "comrope", "fope", "xpos"), "qk_transform"),
     **dict.fromkeys(("sinusoidal", "learned"), "absolute"),
     **dict.fromkeys(("fox", "fox_pro", "cope", "sba", "cape", "tape", "shaw"), "data_dependent"),
     "nope": "none",
@@ -74,7 +75,7 @@ def test_profile_form(encoding):
         assert len(profile["tokens"]) == n
 
 
-@pytest.mark.parametrize("encoding", hf_posenc.list_encodings())
+@pytest.mark.parametrize("encoding", [e for e in hf_posenc.list_encodings() if "vit" in get_encoding(e).families])
 def test_profile_form_on_vit(encoding):
     """On ViT: maps over the 4 x 4 patch grid from the centre patch, similarities between the 16 patches,
     attention over CLS + 16 patches."""

@@ -19,5 +19,6 @@ from .sba import StickBreaking
 from .shaw import Shaw
 from .t5 import T5Bias
 from .tape import Tape
+from .xpos import Xpos
 
-__all__ = ["Alibi", "Cape", "ComRope", "Cope", "Fire", "Fope", "Fox", "FoxPro", "Kerple", "Learned", "Liere", "ModelInfo", "NoPE", "PosContext", "PositionEncoding", "Rope", "Rope2d", "Sandwich", "Shaw", "Sinusoidal", "StickBreaking", "T5Bias", "Tape"]
+__all__ = ["Alibi", "Cape", "ComRope", "Cope", "Fire", "Fope", "Fox", "FoxPro", "Kerple", "Learned", "Liere", "ModelInfo", "NoPE", "PosContext", "PositionEncoding", "Rope", "Rope2d", "Sandwich", "Shaw", "Sinusoidal", "StickBreaking", "T5Bias", "Tape", "Xpos"]

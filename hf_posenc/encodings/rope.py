@@ -152,13 +152,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: 
     return out.flatten(-2)
 
 
-def _check_scaling(scaling: dict) -> None:
-    """``scaling``: a JSON-able dict with a ``rope_type`` that transformers' ``ROPE_INIT_FUNCTIONS`` has."""
+def _check_scaling(scaling: dict, encoding: str = "rope") -> None:
+    """``scaling`` of ``encoding`` (rope or a rotary built on it): a JSON-able dict with a ``rope_type`` that
+    transformers' ``ROPE_INIT_FUNCTIONS`` has."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     import json
 
-    where = "parameter 'scaling' of encoding 'rope'"
+    where = f"parameter 'scaling' of encoding {encoding!r}"
     if not all(isinstance(k, str) for k in scaling):
         raise TypeError(f"{where} must have str keys, got {sorted(map(repr, scaling))}")
     try:
@@ -243,7 +244,7 @@ class Rope(PositionEncoding):
                 scaling["rope_type"] = scaling.pop("type")
             given = scaling.pop("rope_theta", None)
             if given is not None and p["theta"] is not None and float(given) != float(p["theta"]):
-                raise ValueError(f"rope: theta={p['theta']} and scaling's rope_theta={given} differ; give one")
+                raise ValueError(f"{cls.name}: theta={p['theta']} and scaling's rope_theta={given} differ; give one")
             theta = p["theta"] if p["theta"] is not None else given
             if theta is None:
                 theta = float(info.rope_theta) if info.rope_theta is not None else 10000.0
@@ -255,7 +256,7 @@ class Rope(PositionEncoding):
                     kind = params.get("rope_type", "default")
                     if kind not in ("default", *SCALED_ROPE_TYPES) or kind == "dynamic":
                         raise ValueError(
-                            f"a layer's rope_parameters use rope_type={kind!r}, which hf_posenc's rope does not "
+                            f"a layer's rope_parameters use rope_type={kind!r}, which hf_posenc's {cls.name} does not "
                             f"implement; supported: 'default', {', '.join(repr(t) for t in SCALED_ROPE_TYPES)}. "
                             "Pass an explicit theta to use plain rotary embedding"
                         )
@@ -264,8 +265,8 @@ class Rope(PositionEncoding):
                 return PosEncConfig(config.name, p)  # theta stays None: the model's scaled rotary
             if info.rope_type not in (None, "default"):
                 raise ValueError(
-                    f"the model's rope_parameters use rope_type={info.rope_type!r}, which hf_posenc's rope does not "
-                    f"implement; supported: 'default', {', '.join(repr(t) for t in SCALED_ROPE_TYPES)}. Pass an "
+                    f"the model's rope_parameters use rope_type={info.rope_type!r}, which hf_posenc's {cls.name} does "
+                    f"not implement; supported: 'default', {', '.join(repr(t) for t in SCALED_ROPE_TYPES)}. Pass an "
                     "explicit theta to use plain rotary embedding"
                 )
             p["theta"] = float(info.rope_theta) if info.rope_theta is not None else 10000.0
@@ -317,13 +318,14 @@ class Rope(PositionEncoding):
 
     def check_model(self, info: ModelInfo) -> None:
         if info.head_dim % 2:
-            raise ValueError(f"rope needs an even head_dim, got {info.head_dim}")
+            raise ValueError(f"{self.name} needs an even head_dim, got {info.head_dim}")
         factor = self.posenc_config.params.get("partial_rotary_factor")
         rotary_dim = int(info.head_dim * factor) if factor is not None else (info.rotary_dim or info.head_dim)
         if rotary_dim % 2 or not 0 < rotary_dim <= info.head_dim:
             given = f" (partial_rotary_factor={factor} x head_dim={info.head_dim})" if factor is not None else ""
             raise ValueError(
-                f"rope needs an even number of rotated dims in 2 .. head_dim={info.head_dim}, got {rotary_dim}{given}"
+                f"{self.name} needs an even number of rotated dims in 2 .. head_dim={info.head_dim}, got "
+                f"{rotary_dim}{given}"
             )
 
     def _frequencies(
@@ -371,12 +373,21 @@ class Rope(PositionEncoding):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate the first ``rotary_dim`` dims of q (B, H, L, D) and k (B, Hkv, L, D) of the new tokens
         (all of them unless the model's rotary is partial) with ``layer``'s rotary."""
+        _, cos, sin = self.rotation_tables(ctx, q.device, layer)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        return self.apply_tables(q, k, (cos, sin), (cos, sin))
+
+    def rotation_tables(
+        self, ctx: PosContext, device: torch.device, layer: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(positions (B|1, L) of the new tokens, cos, sin (B|1, 1, L, R/2) float32) of ``layer``'s rotary,
+        times the attention scaling; on ViT the CLS token (position -1) gets cos 1, sin 0 (no rotation)."""
         if ctx.grid is None:
             positions = ctx.position_ids
         else:
             rows, cols = ctx.grid
-            positions = torch.arange(rows * cols + 1, device=q.device)[None] - 1
-        angles, scaling = self._angles(positions, q.device, layer, ctx.memo)
+            positions = torch.arange(rows * cols + 1, device=device)[None] - 1
+        angles, scaling = self._angles(positions, device, layer, ctx.memo)
         angles = angles[:, None]  # (B|1, 1, L, D/2)
         cos, sin = angles.cos(), angles.sin()
         if scaling != 1.0:  # as LlamaRotaryEmbedding: cos * attention_scaling, sin * attention_scaling
@@ -386,12 +397,23 @@ class Rope(PositionEncoding):
             sin = sin.clone()
             cos[..., 0, :] = 1.0
             sin[..., 0, :] = 0.0
-        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        return positions, cos, sin
+
+    def apply_tables(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_tables: tuple[torch.Tensor, torch.Tensor],
+        k_tables: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (B, H, L, D) and k (B, Hkv, L, D) with their first ``rotary_dim`` dims mapped by
+        x * cos + rotate(x) * sin in this encoding's ``layout``, (cos, sin) (B|1, 1, L, R/2) in q's dtype:
+        ``q_tables`` for the queries, ``k_tables`` for the keys; the dims past R pass through."""
         layout = self.posenc_config.params["layout"]
         r = self.rotary_dim
         if r == q.shape[-1]:
-            return apply_rotary(q, cos, sin, layout), apply_rotary(k, cos, sin, layout)
+            return apply_rotary(q, *q_tables, layout), apply_rotary(k, *k_tables, layout)
         # partial rotary (as transformers' GPT-NeoX and Phi): the dims past r pass through unrotated
-        q = torch.cat([apply_rotary(q[..., :r], cos, sin, layout), q[..., r:]], dim=-1)
-        k = torch.cat([apply_rotary(k[..., :r], cos, sin, layout), k[..., r:]], dim=-1)
+        q = torch.cat([apply_rotary(q[..., :r], *q_tables, layout), q[..., r:]], dim=-1)
+        k = torch.cat([apply_rotary(k[..., :r], *k_tables, layout), k[..., r:]], dim=-1)
         return q, k

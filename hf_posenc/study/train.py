@@ -435,7 +435,7 @@ def _train_and_eval(
     bar = tqdm(total=c.steps, desc=f"[{index}/{total}] {spec}{seeded}", unit="step", disable=not c.progress,
                mininterval=0.5, file=sys.stderr, dynamic_ncols=True)
     losses: list[float] = []
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     model.train()
     try:
         for batch, _ in data.train_batches():
@@ -449,11 +449,11 @@ def _train_and_eval(
             losses.append(loss.item())
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
-        train_s = time.perf_counter() - t0
+        train_s, train_cpu = time.perf_counter() - t0, time.process_time() - cpu0
         if c.out is not None:  # what the model learned, before any evaluation-time re-patching
             result["profile"] = _write_profile(model, data, c, spec)
         evals = []
-        t1 = time.perf_counter()
+        t1, cpu1 = time.perf_counter(), time.process_time()
         def at_length(n: int) -> dict[str, Any]:
             """What evaluating at length ``n`` ran with: rope re-patched for ``n`` under eval_scaling."""
             if entry.eval_scaling is None:
@@ -472,7 +472,7 @@ def _train_and_eval(
                 for n in lengths:
                     scaled = at_length(n)
                     other_splits[split].append({"length": n, **data.evaluate(model, n, device, split), **scaled})
-        eval_s = time.perf_counter() - t1
+        eval_s, eval_cpu = time.perf_counter() - t1, time.process_time() - cpu1
         shown = " ".join(_fmt_metric(e["metric"], c.task) for e in evals)
         bar.set_postfix_str(f"loss={losses[-1]:.3f} | {shown}", refresh=True)
     finally:
@@ -482,9 +482,10 @@ def _train_and_eval(
         status="ok",
         train={"loss_first": losses[0], "loss_last": losses[-1],
                "loss_last_10pct": sum(losses[-k * 2 :]) / len(losses[-k * 2 :]), "losses": losses,
-               "seconds": round(train_s, 3)},
+               "seconds": round(train_s, 3), "cpu_seconds": round(train_cpu, 3)},
         eval=evals,
         eval_seconds=round(eval_s, 3),
+        eval_cpu_seconds=round(eval_cpu, 3),
     )
     if other_splits:
         result["splits"] = other_splits

@@ -47,7 +47,7 @@ def _figure(size: tuple[float, float]) -> Any:
     return fig
 
 
-def _curves(ax: Any, entry: dict[str, Any], key: str, ylabel: str) -> None:
+def _curves(ax: Any, entry: dict[str, Any], key: str, ylabel: str, legend_size: float = 6) -> None:
     distance = entry["distance"]
     values = entry[key]
     shared = entry.get("shared", False)
@@ -61,7 +61,7 @@ def _curves(ax: Any, entry: dict[str, Any], key: str, ylabel: str) -> None:
     ax.set_xlabel("distance d (query N-1, key N-1-d)")
     ax.set_ylabel(ylabel)
     if len(values) <= 16:
-        ax.legend(fontsize=6, ncol=2)
+        ax.legend(fontsize=legend_size, ncol=2)
 
 
 def _side_by_side(maps: list) -> list:
@@ -115,7 +115,8 @@ def _draw_panel(fig: Any, ax: Any, entry: dict[str, Any], what: str, payload: An
     """Draw one panel of ``entry`` (a layer of a profile) on ``ax``: ``what`` and ``payload`` from
     :func:`_panels`, ``head`` the panel's title line."""
     if what == "curves":
-        _curves(ax, entry, payload, "bias" if payload == "bias" else "trace(T_i^T T_j) / head_dim")
+        _curves(ax, entry, payload, "bias" if payload == "bias" else "trace(T_i^T T_j) / head_dim",
+                legend_size=6 if title_size < 10 else 9)
         ax.set_title(head, fontsize=title_size)
     elif what == "grid":
         shared = " (all heads)" if entry.get("shared") else ", heads left to right"
@@ -197,10 +198,11 @@ def draw_profiles_grid(items: list[tuple[str, dict[str, Any]]], path: str | os.P
         ax = axes[i // cols][i % cols]
         entry = representative_layer(profile)
         what, payload = _panels(entry)[0]
-        layers = len(profile["layers"])
-        head = f"{label}\nlayer {entry['layer']} of {layers}: {entry['encoding']}"
-        if what in ("grid", "matrix", "attention"):
-            head = f"{label}  (layer {entry['layer']} of {layers}: {entry['encoding']})"
+        where = f"layer {entry['layer']} of 0-{len(profile['layers']) - 1}"
+        if entry["encoding"] != label:
+            where += f": {entry['encoding']}"
+        # heatmaps add a line of their own under the title
+        head = f"{label}  ({where})" if what in ("grid", "matrix", "attention") else f"{label}\n{where}"
         _draw_panel(fig, ax, entry, what, payload, head, title_size=12)
     for j in range(len(items), rows * cols):
         axes[j // cols][j % cols].axis("off")

@@ -88,7 +88,7 @@ class StudyConfig:
     family: str = "llama"
     task: str | None = None  # text families: "text" (default) or a synthetic task; vit: "digits"
     train_len: int | None = None  # tokens (text, tasks: default 64) or image side in pixels (vit: default 16)
-    steps: int = 400
+    steps: int = 300  # make demo (this default study, --jobs 2) in under 3 minutes on 2 cores (docs/study.md)
     layers: int = 4  # a multiple of 4: the default rope*3/nope hybrid repeats over the depth
     hidden: int = 64
     heads: int | None = None  # default hidden // 16

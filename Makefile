@@ -3,16 +3,17 @@
 #   make test     run the test suite
 #   make test-oldest  a subset of the suite against the oldest supported versions (.venv-oldest), and
 #                 checkpoints saved under each end of the version range loaded under the other
-#   make demo     run a default `hf-posenc study` (10 encodings, evaluated at 1x-8x the training length; out/study)
+#   make demo     the default `hf-posenc study`, 2 models at a time (DEMO_JOBS; 12 models, 1x-8x; out/study)
 #   make quickstart  run examples/quickstart.py (train a tiny ALiBi Llama, save, reload)
 #   make bench    run benchmarks/bench_forward.py (writes benchmarks/results/forward_<device>.json)
 #   make matrix   rewrite the README's support matrix from hf_posenc.support_matrix()
+#   make docs     build the documentation site (mkdocs.yml, docs/) into site/ with mkdocs build --strict
 #   make gpu-check  on a CUDA machine: hf-posenc doctor + every GPU benchmark (benchmarks/results/gpu_check_<gpu>.*);
 #                 GPU_CHECK_ARGS=--pytest adds pytest -m gpu
 #   make compile-check  compile every Triton kernel for sm_90 and sm_80 without a GPU (ptxas from Triton)
 #   make test-triton36  the kernel tests in the interpreter with Triton 3.6 and numpy < 2.4 (a venv in $(VENV36))
 #
-# Setup: python3 -m venv .venv, then torch, then `pip install -e ".[test]"`. Torch comes first so that
+# Setup: python3 -m venv .venv, then torch, then `pip install -e ".[test,study]"`. Torch comes first so that
 # the dependency on torch in pyproject.toml is already satisfied: on a machine without nvidia-smi that is
 # the CPU build torch==$(TORCH_CPU_VERSION) (a plain `pip install torch` would pull the multi-GB CUDA
 # wheels); with nvidia-smi, the default (CUDA) torch. A torch already importable in .venv is kept.
@@ -39,6 +40,9 @@ STAMP := $(VENV)/.hf_posenc-setup-$(subst $(comma),-,$(EXTRAS))
 
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
+# make demo trains its models two at a time (worker processes, one torch thread each; the same numbers as
+# --jobs 1): on 2 cores the default study then takes about half the time (docs/study.md).
+DEMO_JOBS ?= 2
 QUICKSTART_ARGS ?=
 BENCH_ARGS ?=
 GPU_CHECK_ARGS ?=
@@ -78,7 +82,7 @@ OLDEST_DESELECT ?= --deselect tests/test_api.py::test_backend_override_is_valida
 	--deselect tests/test_ecosystem.py::test_ddp_two_cpu_processes_keep_encoding_in_sync
 CROSS_DIR ?= $(OLDEST_VENV)/cross-version
 
-.PHONY: help setup test test-oldest demo quickstart bench matrix clean-venv gpu-check compile-check test-triton36
+.PHONY: help setup test test-oldest demo quickstart bench matrix docs clean-venv gpu-check compile-check test-triton36
 
 help:
 	@sed -n '2,14p' Makefile | sed 's/^# *//'
@@ -124,7 +128,7 @@ test-oldest: $(STAMP) $(OLDEST_STAMP)
 	$(OLDEST_PY) -m pytest -q -p no:cacheprovider $(OLDEST_DESELECT) -k "$(OLDEST_K)" $(OLDEST_TESTS)
 
 demo: $(STAMP)
-	$(VENV)/bin/hf-posenc study $(DEMO_ARGS)
+	$(VENV)/bin/hf-posenc study --jobs $(DEMO_JOBS) $(DEMO_ARGS)
 
 quickstart: $(STAMP)
 	$(PY) examples/quickstart.py $(QUICKSTART_ARGS)
@@ -137,6 +141,17 @@ matrix: $(STAMP)
 		s, e = "<!-- support-matrix:start -->", "<!-- support-matrix:end -->"; \
 		t = re.sub(re.escape(s) + ".*?" + re.escape(e), lambda m: s + "\n" + hf_posenc.support_matrix() + "\n" + e, \
 		p.read_text(), count=1, flags=re.S); p.write_text(t); print("README.md support matrix updated")'
+
+# The docs extra (mkdocs, mkdocs-material, mkdocstrings) on top of the setup; mkdocs reads the package's
+# source (griffe), it does not import it. --strict: a broken link or anchor, a page missing from the nav or a
+# docstring mkdocstrings cannot render fails the build. The site goes to site/ (gitignored).
+DOCS_STAMP := $(VENV)/.hf_posenc-setup-docs
+$(DOCS_STAMP): pyproject.toml | $(STAMP)
+	$(PY) -m pip install -e ".[docs]"
+	@touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 clean-venv:
 	rm -rf $(VENV)

@@ -9,9 +9,8 @@ measured in a fresh subprocess per model: the rise of the peak resident set (VmH
     PYTHONPATH=. python benchmarks/bench_cape_comrope_cpu.py [--length 2048] [--rounds 5] [--threads 2]
 
 Writes benchmarks/results/train_cape_comrope_<device>_L<length>_t<threads>.json and prints a table. On a
-shared machine the absolute times move with the load; the ratios, timed interleaved, move less. With two
-threads on a loaded 2-core VM every multithreaded op waits for both threads (tens of ms per op), which
-punishes many-op implementations: the README's CPU benchmarks use --threads 1 for that reason.
+shared machine the absolute times move with the load; the ratios, timed interleaved, move less. What was
+measured with it, and why with one thread: docs/benchmarks.md.
 """
 
 from __future__ import annotations

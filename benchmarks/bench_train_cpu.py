@@ -103,7 +103,7 @@ def peak_step_mib(model: torch.nn.Module, x: torch.Tensor) -> float | None:
 def _median_peaks(base: torch.nn.Module, model: torch.nn.Module, x: torch.Tensor, repeats: int
                   ) -> tuple[float | None, float | None]:
     """Median peak growth (MiB) of each model over ``repeats`` interleaved steps (A B A B ...): one step's growth
-    moved by about 10 % between measurements on the shared VM (the unpatched model's: 246-292 MiB in one run)."""
+    varies between measurements on a shared machine (how much: docs/benchmarks.md), the median steadies it."""
     peaks: dict[str, list[float]] = {"base": [], "model": []}
     for _ in range(repeats):
         for key, m in (("base", base), ("model", model)):

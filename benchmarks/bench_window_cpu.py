@@ -8,10 +8,9 @@ stick-breaking tile walks in ``hf_posenc/kernels/_reverse_tiles.py``), so a caus
 O(L · (window + block)) instead of O(L²/2). Per engine (the attention engine with no term and with ALiBi, CoPE,
 stick-breaking), one causal forward, and one forward + backward, of q, k, v (1, 8, L, 32) float32, with
 ``window=None`` (A) and ``window=W`` (B), run A B A B ... (``--repeats`` rounds after one warmup each); the
-ratio of the medians is reported, so the drift of a shared machine hits both alike. One torch thread by default:
-on a loaded 2-core VM each small op of a 2-thread run waited ~10 ms on OpenMP scheduling (profiled), which
-swamped the work the window saves. Prints a table and
-writes JSON (default ``benchmarks/results/window_cpu_<device>.json``).
+ratio of the medians is reported, so the drift of a shared machine hits both alike. One torch thread by default
+(why: docs/benchmarks.md). Prints a table and writes JSON (default
+``benchmarks/results/window_cpu_<device>.json``).
 """
 
 from __future__ import annotations
@@ -68,8 +67,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (default 1: on a loaded shared CPU, 2 threads measured ~10x slower per "
-                             "small op, from OpenMP scheduling, which hides the work saved)")
+                        help="torch threads (default 1: on a loaded shared CPU, OpenMP scheduling of 2 threads hides "
+                             "the work saved; see docs/benchmarks.md)")
     parser.add_argument("--engines", nargs="+", default=None, help="default: every engine")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

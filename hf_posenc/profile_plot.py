@@ -1,6 +1,8 @@
 """Drawing a position profile (the PNG of ``hf-posenc show``) with matplotlib (Agg canvas), imported lazily.
 
-One row of panels per layer, drawn the way the papers draw each kind:
+:func:`draw_profile` draws one profile, one row of panels per layer; :func:`draw_profiles_grid` draws several
+(the study's ``profiles.png``), one panel each from a representative layer, in a grid of at most four columns.
+Each kind is drawn the way the papers draw it:
 
 * ``score_bias`` / ``qk_transform`` on text: the bias (or similarity) against distance, one line per head,
   the distance axis logarithmic (symlog, linear up to 1) when it spans more than two decades' worth of tokens
@@ -19,7 +21,7 @@ import math
 import os
 from typing import Any
 
-__all__ = ["draw_profile"]
+__all__ = ["GRID_COLUMNS", "draw_profile", "draw_profiles_grid", "representative_layer"]
 
 _NO_MATPLOTLIB = 'drawing a profile needs matplotlib: pip install "hf_posenc[study]"'
 
@@ -45,7 +47,7 @@ def _figure(size: tuple[float, float]) -> Any:
     return fig
 
 
-def _curves(ax: Any, entry: dict[str, Any], key: str, ylabel: str) -> None:
+def _curves(ax: Any, entry: dict[str, Any], key: str, ylabel: str, legend_size: float = 6) -> None:
     distance = entry["distance"]
     values = entry[key]
     shared = entry.get("shared", False)
@@ -59,7 +61,7 @@ def _curves(ax: Any, entry: dict[str, Any], key: str, ylabel: str) -> None:
     ax.set_xlabel("distance d (query N-1, key N-1-d)")
     ax.set_ylabel(ylabel)
     if len(values) <= 16:
-        ax.legend(fontsize=6, ncol=2)
+        ax.legend(fontsize=legend_size, ncol=2)
 
 
 def _side_by_side(maps: list) -> list:
@@ -76,7 +78,8 @@ def _side_by_side(maps: list) -> list:
     return out
 
 
-def _heatmap(fig: Any, ax: Any, matrix: list, title: str, xlabel: str = "", ylabel: str = "") -> None:
+def _heatmap(fig: Any, ax: Any, matrix: list, title: str, xlabel: str = "", ylabel: str = "",
+             title_size: float = 8) -> None:
     """A heatmap with a colour bar; a logarithmic colour scale when every value is positive and they span more
     than a factor 100 (FoX's decays)."""
     from matplotlib.colors import LogNorm
@@ -87,7 +90,7 @@ def _heatmap(fig: Any, ax: Any, matrix: list, title: str, xlabel: str = "", ylab
     if ylabel == "head" and len(matrix) <= 16:
         ax.set_yticks(range(len(matrix)))
     fig.colorbar(image, ax=ax, fraction=0.046, pad=0.02)
-    ax.set_title(title, fontsize=8)
+    ax.set_title(title, fontsize=title_size)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
 
@@ -107,8 +110,39 @@ def _panels(entry: dict[str, Any]) -> list[tuple[str, Any]]:
     return [("none", None)]
 
 
+def _draw_panel(fig: Any, ax: Any, entry: dict[str, Any], what: str, payload: Any, head: str,
+                title_size: float = 9) -> None:
+    """Draw one panel of ``entry`` (a layer of a profile) on ``ax``: ``what`` and ``payload`` from
+    :func:`_panels`, ``head`` the panel's title line."""
+    if what == "curves":
+        _curves(ax, entry, payload, "bias" if payload == "bias" else "trace(T_i^T T_j) / head_dim",
+                legend_size=6 if title_size < 10 else 9)
+        ax.set_title(head, fontsize=title_size)
+    elif what == "grid":
+        shared = " (all heads)" if entry.get("shared") else ", heads left to right"
+        _heatmap(fig, ax, _side_by_side(entry[payload]),
+                 f"{head}\n{payload} from the centre patch{shared}", "patch column", "patch row", title_size)
+    elif what == "matrix":
+        _heatmap(fig, ax, entry[payload], f"{head}\ncosine similarity of position vectors", "position",
+                 "position", title_size)
+    elif what == "attention":
+        att = entry["attention"]
+        heads = len(att)
+        mean = [[sum(att[h][i][j] for h in range(heads)) / heads for j in range(len(att[0][i]))]
+                for i in range(len(att[0]))]
+        _heatmap(fig, ax, mean, f"{head}\nattention (mean over {heads} heads)", "key", "query", title_size)
+    elif what == "quantity":
+        key, title = payload
+        _heatmap(fig, ax, entry[key], title, "key / token", "head", title_size)
+    else:
+        ax.text(0.5, 0.5, "no position signal", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(head, fontsize=title_size)
+        ax.axis("off")
+
+
 def draw_profile(profile: dict[str, Any], path: str | os.PathLike) -> None:
-    """Draw ``profile`` (from :func:`hf_posenc.position_profile`) into the PNG file ``path``.
+    """Draw ``profile`` (from :func:`hf_posenc.position_profile`) into the PNG file ``path``: one row of
+    panels per layer.
 
     Raises ImportError naming ``pip install "hf_posenc[study]"`` when matplotlib is missing."""
     layers = profile["layers"]
@@ -121,28 +155,58 @@ def draw_profile(profile: dict[str, Any], path: str | os.PathLike) -> None:
             ax.axis("off")
         head = f"layer {entry['layer']}: {entry['encoding']} ({entry['kind']})"
         for ax, (what, payload) in zip(line, panels):
-            if what == "curves":
-                _curves(ax, entry, payload, "bias" if payload == "bias" else "trace(T_i^T T_j) / head_dim")
-                ax.set_title(head, fontsize=9)
-            elif what == "grid":
-                shared = " (all heads)" if entry.get("shared") else ", heads left to right"
-                _heatmap(fig, ax, _side_by_side(entry[payload]),
-                         f"{head}\n{payload} from the centre patch{shared}", "patch column", "patch row")
-            elif what == "matrix":
-                _heatmap(fig, ax, entry[payload], f"{head}\ncosine similarity of position vectors", "position",
-                         "position")
-            elif what == "attention":
-                att = entry["attention"]
-                heads = len(att)
-                mean = [[sum(att[h][i][j] for h in range(heads)) / heads for j in range(len(att[0][i]))]
-                        for i in range(len(att[0]))]
-                _heatmap(fig, ax, mean, f"{head}\nattention (mean over {heads} heads)", "key", "query")
-            elif what == "quantity":
-                key, title = payload
-                _heatmap(fig, ax, entry[key], title, "key / token", "head")
-            else:
-                ax.text(0.5, 0.5, "no position signal", ha="center", va="center", transform=ax.transAxes)
-                ax.set_title(head, fontsize=9)
-                ax.axis("off")
+            _draw_panel(fig, ax, entry, what, payload, head)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def representative_layer(profile: dict[str, Any]) -> dict[str, Any]:
+    """The layer of ``profile`` that stands for the whole model in an overview: the last layer with a position
+    signal (kind other than ``none``), or the last layer when none has one. For a plan such as
+    rope, rope, rope, nope this is the last rope layer."""
+    layers = profile["layers"]
+    if not layers:
+        raise ValueError("the profile has no layers")
+    with_signal = [e for e in layers if e["kind"] != "none"]
+    return (with_signal or layers)[-1]
+
+
+#: The overview grid's columns at most, and the size of one panel (inches at 100 dpi: 5.4 x 4.0 in is
+#: 540 x 400 px, so four columns stay under 2,200 px).
+GRID_COLUMNS = 4
+_PANEL_SIZE = (5.4, 4.0)
+
+
+def draw_profiles_grid(items: list[tuple[str, dict[str, Any]]], path: str | os.PathLike,
+                       title: str | None = None) -> None:
+    """Draw several profiles into one PNG file ``path``: a grid of at most :data:`GRID_COLUMNS` columns, one
+    panel per item, each from its profile's :func:`representative_layer` (the main panel of that layer: the
+    curve or heatmap of its kind; for the data-dependent encodings the attention map), titled with the item's
+    label and the layer drawn. ``items``: (label, profile from :func:`hf_posenc.position_profile`) pairs.
+
+    At 100 dpi, the file is at most about 2,200 pixels wide, with 12-pt titles: legible at 100 % on a
+    laptop screen. Raises ImportError naming ``pip install "hf_posenc[study]"`` when matplotlib is missing,
+    ValueError when ``items`` is empty."""
+    if not items:
+        raise ValueError("draw_profiles_grid needs at least one (label, profile) pair")
+    cols = min(GRID_COLUMNS, len(items))
+    rows = math.ceil(len(items) / cols)
+    top = 0.5 if title else 0.0
+    fig = _figure((_PANEL_SIZE[0] * cols, _PANEL_SIZE[1] * rows + top))
+    axes = fig.subplots(rows, cols, squeeze=False)
+    for i, (label, profile) in enumerate(items):
+        ax = axes[i // cols][i % cols]
+        entry = representative_layer(profile)
+        what, payload = _panels(entry)[0]
+        where = f"layer {entry['layer']} of 0-{len(profile['layers']) - 1}"
+        if entry["encoding"] != label:
+            where += f": {entry['encoding']}"
+        # heatmaps add a line of their own under the title
+        head = f"{label}  ({where})" if what in ("grid", "matrix", "attention") else f"{label}\n{where}"
+        _draw_panel(fig, ax, entry, what, payload, head, title_size=12)
+    for j in range(len(items), rows * cols):
+        axes[j // cols][j % cols].axis("off")
+    if title:
+        fig.suptitle(title, fontsize=14)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -81,7 +81,9 @@ def param(
         type: the accepted Python type(s); ``int`` is accepted where ``float`` is.
         optional: whether ``None`` is accepted.
         choices: the allowed values, if the parameter is an enumeration.
-        gt, ge, le: numeric bounds (strictly greater, greater or equal, less or equal).
+        gt: numeric bound: the value must be strictly greater.
+        ge: numeric bound: greater or equal.
+        le: numeric bound: less or equal.
     """
     meta = {"help": help, "type": type, "optional": optional, "choices": choices, "gt": gt, "ge": ge, "le": le}
     return dataclasses.field(default=default, metadata=meta)

@@ -346,6 +346,29 @@ def test_readme_support_matrix_matches_registry():
     assert found.group(1).strip() == hf_posenc.support_matrix().strip()
 
 
+def test_support_matrix_names_the_families_an_encoding_lacks():
+    """The compact matrix: ``all`` for an encoding on every family, ``all but ...`` naming the missing ones."""
+    from dataclasses import dataclass
+
+    from hf_posenc.encodings.alibi import Alibi
+    from hf_posenc.registry import _REGISTRY, FAMILIES, register_encoding
+
+    rows = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in hf_posenc.support_matrix().splitlines()[2:]}
+    assert set(rows) == {f"`{n}`" for n in hf_posenc.list_encodings()} and set(rows.values()) == {"all"}
+
+    @register_encoding("_text_only_alibi", params=dataclass(type("P", (), {})), kind="score bias", summary="test",
+                       paper="none", families=("llama",))
+    class TextOnly(Alibi):
+        pass
+
+    try:
+        row = next(line for line in hf_posenc.support_matrix().splitlines() if line.startswith("| `_text_only_alibi`"))
+        assert row.split("|")[3].strip() == "all but vit, bert"
+        assert all(f" {fam} " in hf_posenc.support_matrix().splitlines()[0] for fam in FAMILIES)
+    finally:
+        _REGISTRY.pop("_text_only_alibi", None)
+
+
 def test_cli_lists_encodings(capsys):
     from hf_posenc.cli import main
 

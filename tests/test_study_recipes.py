@@ -81,3 +81,41 @@ def test_study_writes_what_each_model_learned(tmp_path):
         assert len(profile["layers"]) == 2 and (tmp_path / run["profile"].replace(".json", ".png")).is_file()
     cope = json.loads((tmp_path / res["results"][1]["profile"]).read_text())
     assert cope["layers"][0]["kind"] == "data_dependent" and len(cope["tokens"]) == 20
+
+
+def test_profiles_overview_is_a_grid_of_at_most_four_columns(tmp_path):
+    """profiles.png: one panel per entry, from its last layer with a position signal (the rope layer of a
+    rope/nope plan), titled with the entry; at most 4 columns and 2,400 px wide, so 5 entries give 2 rows."""
+    from matplotlib.figure import Figure
+    from PIL import Image
+
+    import hf_posenc
+    from hf_posenc import profile_plot
+    from hf_posenc.profile_plot import draw_profiles_grid, representative_layer
+
+    from conftest import make_model
+
+    plan = hf_posenc.patch_model(make_model("llama"), ["rope", "nope"])
+    profile = hf_posenc.position_profile(plan, length=6)
+    assert representative_layer(profile)["encoding"] == "rope" and representative_layer(profile)["layer"] == 0
+    nope = hf_posenc.position_profile(make_model("llama", encoding="nope"), length=6)
+    assert representative_layer(nope)["layer"] == len(nope["layers"]) - 1  # no signal anywhere: the last layer
+    titles = []
+    real_savefig = Figure.savefig
+
+    def savefig(fig, *args, **kwargs):
+        titles.extend(ax.get_title() for ax in fig.axes if ax.get_title())
+        return real_savefig(fig, *args, **kwargs)
+
+    items = [(f"entry {i}", profile if i % 2 else nope) for i in range(5)]
+    try:
+        Figure.savefig = savefig
+        draw_profiles_grid(items, tmp_path / "grid.png", title="overview")
+    finally:
+        Figure.savefig = real_savefig
+    width, height = Image.open(tmp_path / "grid.png").size
+    assert width <= 2400 and width > height  # 4 columns, 2 rows
+    assert [t.split("\n")[0].split("  (")[0] for t in titles] == [f"entry {i}" for i in range(5)]
+    assert profile_plot.GRID_COLUMNS == 4
+    with pytest.raises(ValueError, match="at least one"):
+        draw_profiles_grid([], tmp_path / "none.png")

@@ -15,7 +15,8 @@ import torch
 from hf_posenc.cli import main as cli_main
 from hf_posenc.study import StudyConfig, report, run_study
 from hf_posenc.study import data as D
-from hf_posenc.study.train import _Data, _subseed, eval_lengths
+from hf_posenc.study.sources import make_source
+from hf_posenc.study.train import _subseed, eval_lengths
 
 TINY = {"steps": 3, "train_len": 16, "hidden": 32, "layers": 1, "batch": 4, "eval_sequences": 6, "progress": False,
         "factors": [1, 2]}
@@ -141,7 +142,7 @@ def test_passkey_depths_and_labels():
 
 def test_in_distribution_eval_sets_keep_their_seeds_and_splits_are_recorded():
     c = StudyConfig(task="selective-copy", **{**TINY, "train_len": 20}).resolved()
-    data = _Data(c, eval_lengths(c))
+    data = make_source(c, eval_lengths(c))
     for n in (20, 40):  # the sets that the study evaluated on before splits existed
         want = D.task_batch(D.SelectiveCopy(), random.Random(_subseed(0, "eval", n)), 6, n)
         assert all(torch.equal(a, b) for a, b in zip(data.eval_sets["in-distribution", n], want))

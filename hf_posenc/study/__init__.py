@@ -2,8 +2,9 @@
 
 Trains one small model per encoding (same initial weights, same batches) and evaluates each at 1x, 2x, 4x
 and 8x the training length; prints a markdown table and writes ``results.json``, ``table.md`` and
-``study.png``. Modules: ``data`` (corpus, synthetic tasks, digits), ``train`` (models, training,
-evaluation, :func:`run_study`), ``report`` (table, JSON, plot).
+``study.png``. Modules: ``data`` (corpus, synthetic tasks, digits), ``sources`` (one data source per task:
+training batches and evaluation), ``recipes`` (plans and evaluation-time scaling), ``train`` (models,
+training, :func:`run_study`), ``report`` (table, JSON, plots).
 
 From Python::
 

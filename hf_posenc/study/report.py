@@ -346,11 +346,12 @@ def write_outputs(results: dict[str, Any], out_dir: str | os.PathLike) -> dict[s
 
 
 def write_profiles_figure(results: dict[str, Any], out_dir: str | os.PathLike) -> str | None:
-    """What each model learned, side by side: every run's profile (``profiles/*.json``, written after its
-    training, see :func:`hf_posenc.position_profile`) drawn to ``profiles/<run>.png`` by
-    :func:`hf_posenc.profile_plot.draw_profile`, and the first seed's of each entry tiled, left to right, into
-    ``profiles.png``. Returns its path, or None when no run has a profile. A failure is printed and recorded
-    as ``results["profiles_error"]`` (the numbers are on disk already)."""
+    """What each model learned: every run's profile (``profiles/*.json``, written after its training, see
+    :func:`hf_posenc.position_profile`) drawn, every layer, to ``profiles/<run>.png`` by
+    :func:`hf_posenc.profile_plot.draw_profile`; and ``profiles.png``, an overview grid of at most four columns
+    with one panel per entry (its first seed), drawn from one representative layer
+    (:func:`hf_posenc.profile_plot.draw_profiles_grid`). Returns its path, or None when no run has a profile.
+    A failure is printed and recorded as ``results["profiles_error"]`` (the numbers are on disk already)."""
     import json
     import sys
     from pathlib import Path
@@ -360,28 +361,16 @@ def write_profiles_figure(results: dict[str, Any], out_dir: str | os.PathLike) -
     if not runs:
         return None
     try:
-        import matplotlib
+        from ..profile_plot import draw_profile, draw_profiles_grid
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        from ..profile_plot import draw_profile
-
-        firsts: dict[str, dict[str, Any]] = {}
+        firsts: dict[str, tuple[str, dict[str, Any]]] = {}
         for r in runs:
-            png = out / (r["profile"][: -len(".json")] + ".png")
-            draw_profile(json.loads((out / r["profile"]).read_text()), png)
-            firsts.setdefault(r["encoding"], {**r, "png": png})
-        fig, axes = plt.subplots(1, len(firsts), figsize=(4.5 * len(firsts), 9), squeeze=False)
-        for ax, r in zip(axes[0], firsts.values()):
-            ax.imshow(plt.imread(str(r["png"])))
-            ax.set_title(entry_label(r), fontsize=11)
-            ax.axis("off")
-        fig.suptitle("What each model learned (hf_posenc.position_profile of the trained model, first seed)")
-        fig.tight_layout()
+            profile = json.loads((out / r["profile"]).read_text())
+            draw_profile(profile, out / (r["profile"][: -len(".json")] + ".png"))
+            firsts.setdefault(r["encoding"], (entry_label(r), profile))
         path = out / "profiles.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        draw_profiles_grid(list(firsts.values()), path, title="What each model learned (hf_posenc.position_profile "
+                           "of the trained model, first seed; every layer in profiles/)")
         return str(path)
     except Exception as e:  # noqa: BLE001 - recorded and reported; the numbers are already on disk
         results["profiles_error"] = f"{type(e).__name__}: {e}"

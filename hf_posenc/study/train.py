@@ -41,7 +41,6 @@ import copy
 import math
 import os
 import platform
-import random
 import sys
 import time
 import traceback
@@ -58,6 +57,8 @@ from ..config import PosEncConfig
 from ..registry import list_encodings
 from . import data as D
 from .recipes import StudyEntry, apply_eval_scaling, parse_study_entry
+from .sources import VIT_PATCH, DataSource, make_source
+from .sources import subseed as _subseed  # noqa: F401 - the tests' name for it
 
 __all__ = [
     "DEFAULT_ENCODINGS", "TEXT_TASKS", "MissingDependencyError", "StudyConfig", "check_dependencies", "eval_lengths",
@@ -72,7 +73,6 @@ DEFAULT_ENCODINGS: tuple[str, ...] = (
 )
 #: Tasks for the text families (llama, gpt2); ``digits`` is the ViT task.
 TEXT_TASKS: tuple[str, ...] = ("text", *D.TASKS)
-VIT_PATCH = 4
 VIT_TASKS: tuple[str, ...] = ("digits",)
 SCHEMA_VERSION = 1
 
@@ -88,7 +88,7 @@ class StudyConfig:
     family: str = "llama"
     task: str | None = None  # text families: "text" (default) or a synthetic task; vit: "digits"
     train_len: int | None = None  # tokens (text, tasks: default 64) or image side in pixels (vit: default 16)
-    steps: int = 400
+    steps: int = 300  # make demo (this default study, --jobs 2) in under 3 minutes on 2 cores (docs/study.md)
     layers: int = 4  # a multiple of 4: the default rope*3/nope hybrid repeats over the depth
     hidden: int = 64
     heads: int | None = None  # default hidden // 16
@@ -403,169 +403,8 @@ def _lr_lambda(steps: int):
     return f
 
 
-class _Data:
-    """What one study trains and evaluates on (built once, shared by every encoding)."""
-
-    def __init__(self, config: StudyConfig, lengths: list[int], seed: int | None = None) -> None:
-        c = config
-        self.config, self.lengths = c, lengths
-        self.seed = c.seed if seed is None else seed
-        self.corpus = self.task = self.digits = None
-        if c.task == "text":
-            self.corpus = D.load_corpus(c.data)
-            if self.corpus.train.numel() <= c.train_len:
-                raise ValueError(f"the training split has {self.corpus.train.numel()} bytes: too few for --train-len")
-            self.windows = D.eval_windows(self.corpus.val, lengths, c.eval_tokens)
-            self.vocab_size = 256
-        elif c.task == "digits":
-            self.digits = D.load_digits_images()
-            self.vocab_size = 0
-        else:
-            self.task = D.get_task(c.task)
-            for n in (c.train_len, *lengths):
-                self.task.check_length(n)
-            self.vocab_size = self.task.vocab_size
-            self.splits = self.task.splits()
-            self.eval_sets: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
-            for split, task in self.splits.items():
-                for n in lengths:
-                    # The in-distribution sets keep the seeds they had before splits existed (same numbers).
-                    key = (self.seed, "eval", n) if split == D.IN_DISTRIBUTION else (self.seed, "eval", split, n)
-                    rng = random.Random(_subseed(*key))
-                    self.eval_sets[split, n] = D.task_batch(task, rng, c.eval_sequences, n)
-
-    def profile_sample(self) -> torch.Tensor | None:
-        """(1, train_len) token ids on which the study draws the data-dependent encodings' profiles: the first
-        validation bytes (text), the first in-distribution evaluation sequence at the training length (tasks,
-        e.g. selective copy: one sees whether CoPE counts the non-blank tokens); None on ViT (its profile uses
-        an image of its own)."""
-        c = self.config
-        if self.corpus is not None:
-            return self.corpus.val[: c.train_len][None].long()
-        if self.task is not None:
-            n = c.train_len if (D.IN_DISTRIBUTION, c.train_len) in self.eval_sets else min(self.lengths)
-            return self.eval_sets[D.IN_DISTRIBUTION, n][0][:1]
-        return None
-
-    def describe(self) -> dict[str, Any]:
-        c = self.config
-        if self.corpus is not None:
-            first = next(iter(self.windows.values()))
-            return {
-                **self.corpus.describe(),
-                "eval_bytes_per_length": int(first.numel()),
-                "eval": "the same validation bytes at every length, cut into windows; every byte but each "
-                "window's first is predicted from the bytes before it in its window",
-            }
-        if self.digits is not None:
-            return {**self.digits.describe(), "patch_size": VIT_PATCH}
-        return {**self.task.describe(), "eval_sequences_per_length": c.eval_sequences,
-                "splits": self.task.describe_splits()}
-
-    def train_batches(self) -> Iterator[tuple[dict[str, torch.Tensor], int]]:
-        """The training batches of one model: the same sequence for every encoding of a study."""
-        c = self.config
-        if self.corpus is not None:
-            gen = torch.Generator().manual_seed(_subseed(self.seed, "train"))
-            data = self.corpus.train
-            for _ in range(c.steps):
-                starts = torch.randint(0, data.numel() - c.train_len + 1, (c.batch,), generator=gen)
-                x = torch.stack([data[s : s + c.train_len] for s in starts.tolist()])
-                yield {"input_ids": x, "labels": x}, x.numel()
-        elif self.task is not None:
-            rng = random.Random(_subseed(self.seed, "train"))
-            for _ in range(c.steps):
-                x, y = D.task_batch(self.task, rng, c.batch, c.train_len)
-                yield {"input_ids": x, "labels": y}, x.numel()
-        else:
-            gen = torch.Generator().manual_seed(_subseed(self.seed, "train"))
-            x_all, y_all = self.digits.images("train", c.train_len)
-            for _ in range(c.steps):
-                idx = torch.randint(0, y_all.numel(), (c.batch,), generator=gen)
-                yield {"pixel_values": x_all[idx], "labels": y_all[idx]}, idx.numel()
-
-    @torch.no_grad()
-    def evaluate(self, model: nn.Module, length: int, device: torch.device,
-                 split: str = D.IN_DISTRIBUTION) -> dict[str, Any]:
-        """Metrics of ``model`` at one evaluation length (tokens, or image side for ViT); tasks: on one split.
-
-        Tasks report ``accuracy`` (answer tokens), ``sequence_accuracy`` (sequences whose every answer is the
-        argmax: for passkey, the retrieved keys, since teacher forcing then equals greedy decoding) and
-        ``sequence_length`` (the split's true length; ``length`` is the nominal one)."""
-        c = self.config
-        model.eval()
-        if self.corpus is not None:
-            windows = self.windows[length]
-            per_batch = max(1, 4096 // length)
-            total = tail = 0.0
-            n_total = n_tail = 0
-            for i in range(0, windows.shape[0], per_batch):
-                x = windows[i : i + per_batch].to(device)
-                logits = model(input_ids=x).logits.float()
-                nll = nn.functional.cross_entropy(
-                    logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="none"
-                ).view(x.shape[0], -1)
-                total += nll.sum().item()
-                n_total += nll.numel()
-                beyond = nll[:, c.train_len - 1 :]  # targets at positions >= train_len
-                tail += beyond.sum().item()
-                n_tail += beyond.numel()
-            loss = total / n_total
-            out = {"loss": loss, "perplexity": _exp(loss), "bits_per_byte": loss / math.log(2), "tokens": n_total}
-            if n_tail:
-                out["loss_beyond_train_len"] = tail / n_tail
-                out["perplexity_beyond_train_len"] = _exp(tail / n_tail)
-            out["metric"] = out["perplexity"]
-            return out
-        if self.task is not None:
-            x_all, y_all = self.eval_sets[split, length]
-            per_batch = max(1, 8192 // x_all.shape[1])
-            correct = count = seq_ok = 0
-            loss_sum = 0.0
-            for i in range(0, x_all.shape[0], per_batch):
-                x, y = x_all[i : i + per_batch].to(device), y_all[i : i + per_batch].to(device)
-                logits = model(input_ids=x).logits[:, :-1].float()
-                target = y[:, 1:]
-                mask = target != -100
-                pred = logits.argmax(-1)
-                right = (pred == target) & mask
-                correct += right.sum().item()
-                count += mask.sum().item()
-                seq_ok += (right.sum(1) == mask.sum(1)).sum().item()
-                loss_sum += nn.functional.cross_entropy(logits[mask], target[mask], reduction="sum").item()
-            acc = correct / count
-            return {"accuracy": acc, "loss": loss_sum / count, "answers": count,
-                    "sequence_accuracy": seq_ok / x_all.shape[0], "sequence_length": int(x_all.shape[1]),
-                    # passkey is judged by retrieval (the whole key), as in Mohtashami and Jaggi (2023)
-                    "metric": seq_ok / x_all.shape[0] if c.task == "passkey" else acc}
-        x_all, y_all = self.digits.images("test", length)
-        correct = 0
-        loss_sum = 0.0
-        for i in range(0, y_all.numel(), 128):
-            x, y = x_all[i : i + 128].to(device), y_all[i : i + 128].to(device)
-            logits = model(pixel_values=x, interpolate_pos_encoding=True).logits.float()
-            correct += (logits.argmax(-1) == y).sum().item()
-            loss_sum += nn.functional.cross_entropy(logits, y, reduction="sum").item()
-        n = y_all.numel()
-        grid = length // VIT_PATCH
-        return {"accuracy": correct / n, "loss": loss_sum / n, "images": n, "patches": grid * grid,
-                "metric": correct / n}
-
-
-def _exp(x: float) -> float | None:
-    return math.exp(x) if x < 700 else None
-
-
-def _subseed(seed: int, *parts: Any) -> int:
-    """A stable 63-bit seed from the study seed and a purpose (no Python ``hash``, which is salted)."""
-    import hashlib
-
-    h = hashlib.sha256(repr((seed, *parts)).encode()).digest()
-    return int.from_bytes(h[:8], "little") >> 1
-
-
 def _train_and_eval(
-    spec: str, index: int, total: int, config: StudyConfig, data: _Data, device: torch.device
+    spec: str, index: int, total: int, config: StudyConfig, data: DataSource, device: torch.device
 ) -> dict[str, Any]:
     c = config
     lengths = data.lengths
@@ -596,7 +435,7 @@ def _train_and_eval(
     bar = tqdm(total=c.steps, desc=f"[{index}/{total}] {spec}{seeded}", unit="step", disable=not c.progress,
                mininterval=0.5, file=sys.stderr, dynamic_ncols=True)
     losses: list[float] = []
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     model.train()
     try:
         for batch, _ in data.train_batches():
@@ -610,11 +449,11 @@ def _train_and_eval(
             losses.append(loss.item())
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
-        train_s = time.perf_counter() - t0
+        train_s, train_cpu = time.perf_counter() - t0, time.process_time() - cpu0
         if c.out is not None:  # what the model learned, before any evaluation-time re-patching
             result["profile"] = _write_profile(model, data, c, spec)
         evals = []
-        t1 = time.perf_counter()
+        t1, cpu1 = time.perf_counter(), time.process_time()
         def at_length(n: int) -> dict[str, Any]:
             """What evaluating at length ``n`` ran with: rope re-patched for ``n`` under eval_scaling."""
             if entry.eval_scaling is None:
@@ -626,14 +465,14 @@ def _train_and_eval(
             scaled = at_length(n)
             evals.append({"length": n, **data.evaluate(model, n, device), **scaled})
         other_splits: dict[str, list[dict[str, Any]]] = {}
-        for split in (data.splits if data.task is not None else ()):
+        for split in data.splits:
             if split != D.IN_DISTRIBUTION:
                 bar.set_postfix_str(f"loss={losses[-1]:.3f} eval {split}", refresh=True)
                 other_splits[split] = []
                 for n in lengths:
                     scaled = at_length(n)
                     other_splits[split].append({"length": n, **data.evaluate(model, n, device, split), **scaled})
-        eval_s = time.perf_counter() - t1
+        eval_s, eval_cpu = time.perf_counter() - t1, time.process_time() - cpu1
         shown = " ".join(_fmt_metric(e["metric"], c.task) for e in evals)
         bar.set_postfix_str(f"loss={losses[-1]:.3f} | {shown}", refresh=True)
     finally:
@@ -643,9 +482,10 @@ def _train_and_eval(
         status="ok",
         train={"loss_first": losses[0], "loss_last": losses[-1],
                "loss_last_10pct": sum(losses[-k * 2 :]) / len(losses[-k * 2 :]), "losses": losses,
-               "seconds": round(train_s, 3)},
+               "seconds": round(train_s, 3), "cpu_seconds": round(train_cpu, 3)},
         eval=evals,
         eval_seconds=round(eval_s, 3),
+        eval_cpu_seconds=round(eval_cpu, 3),
     )
     if other_splits:
         result["splits"] = other_splits
@@ -659,7 +499,7 @@ def _profile_slug(spec: str, seed: int) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", spec) + f"_seed{seed}"
 
 
-def _write_profile(model: nn.Module, data: _Data, c: StudyConfig, spec: str) -> str:
+def _write_profile(model: nn.Module, data: DataSource, c: StudyConfig, spec: str) -> str:
     """Write the trained model's position profile (:func:`hf_posenc.position_profile`) to
     ``<out>/profiles/<spec>_seed<k>.json``; returns that path relative to ``out``."""
     import json
@@ -743,7 +583,7 @@ def _jsonish(x: Any) -> Any:
     return json.loads(json.dumps(x))
 
 
-def _assemble(c: StudyConfig, device: torch.device, lengths: list[int], env: dict[str, Any], data: _Data,
+def _assemble(c: StudyConfig, device: torch.device, lengths: list[int], env: dict[str, Any], data: DataSource,
               results: list[dict[str, Any]], t0: float, complete: bool, kept: list[str]) -> dict[str, Any]:
     vit = c.family == "vit"
     out: dict[str, Any] = {
@@ -790,8 +630,8 @@ def _error_record(spec: str, seed: int, e: BaseException) -> dict[str, Any]:
             "reason": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
 
 
-#: ``_Data`` of a worker process, per seed (built once per seed and process).
-_WORKER_DATA: dict[int, _Data] = {}
+#: The data source of a worker process, per seed (built once per seed and process).
+_WORKER_DATA: dict[int, DataSource] = {}
 
 
 def _worker_run(spec: str, seed: int, index: int, total: int, config: StudyConfig, lengths: list[int],
@@ -802,7 +642,7 @@ def _worker_run(spec: str, seed: int, index: int, total: int, config: StudyConfi
     with deterministic(device, config.threads):
         try:
             if seed not in _WORKER_DATA:
-                _WORKER_DATA[seed] = _Data(config, lengths, seed)
+                _WORKER_DATA[seed] = make_source(config, lengths, seed)
             return _train_and_eval(spec, index, total, config, _WORKER_DATA[seed], device)
         except Exception as e:  # noqa: BLE001 - recorded, reported and counted by the parent
             return _error_record(spec, seed, e)
@@ -842,11 +682,11 @@ def run_study(config: StudyConfig) -> dict[str, Any]:
     runs = [(spec, seed) for spec in c.encodings for seed in c.seeds]
     with deterministic(device, c.threads):
         env = environment(device, c.threads)
-        datas: dict[int, _Data] = {c.seeds[0]: _Data(c, lengths, c.seeds[0])}
+        datas: dict[int, DataSource] = {c.seeds[0]: make_source(c, lengths, c.seeds[0])}
 
-        def data_for(seed: int) -> _Data:
+        def data_for(seed: int) -> DataSource:
             if seed not in datas:
-                datas[seed] = _Data(c, lengths, seed)
+                datas[seed] = make_source(c, lengths, seed)
             return datas[seed]
 
         done: dict[tuple[str, int], dict[str, Any]] = {}

@@ -5,6 +5,7 @@ from .alibi import Alibi
 from .base import ModelInfo, PosContext, PositionEncoding
 from .cape import Cape
 from .comrope import ComRope
+from .compose import ComposedEncoding
 from .cope import Cope
 from .fire import Fire
 from .fope import Fope
@@ -19,4 +20,4 @@ from .shaw import Shaw
 from .t5 import T5Bias
 from .tape import Tape
 
-__all__ = ["Alibi", "Cape", "ComRope", "Cope", "Fire", "Fope", "Fox", "FoxPro", "Kerple", "Learned", "Liere", "ModelInfo", "NoPE", "PosContext", "PositionEncoding", "Rope", "Rope2d", "Sandwich", "Shaw", "Sinusoidal", "StickBreaking", "T5Bias", "Tape"]
+__all__ = ["Alibi", "Cape", "ComRope", "ComposedEncoding", "Cope", "Fire", "Fope", "Fox", "FoxPro", "Kerple", "Learned", "Liere", "ModelInfo", "NoPE", "PosContext", "PositionEncoding", "Rope", "Rope2d", "Sandwich", "Shaw", "Sinusoidal", "StickBreaking", "T5Bias", "Tape"]

@@ -99,8 +99,18 @@ class PosEncConfig:
             object.__setattr__(self, "params", params)
             object.__setattr__(self, "window", given)
         object.__setattr__(self, "window", check_window(self.window, f"window of encoding {self.name!r}"))
+        if spec.normalise is not None:  # a composition ("rope+fox"): its parts validate their own parameters
+            object.__setattr__(self, "params", spec.normalise(self.params))
+            return
         known = {f.name: f for f in spec.param_fields()}
         unknown = sorted(set(self.params) - set(known))
+        if unknown == ["init"]:
+            raise ValueError(
+                f"init= starts the term of a composition inert beside the model's own rotary or absolute encoding; "
+                f"{self.name!r} alone has no such option: use a composition such as "
+                f"'{'rope+fire' if spec.kind in ('absolute', 'q/k transform') else 'rope+' + self.name}' "
+                "(see hf_posenc.encodings.compose)"
+            )
         if unknown:
             allowed = ", ".join(known) if known else "none"
             raise ValueError(

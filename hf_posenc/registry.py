@@ -19,6 +19,7 @@ __all__ = [
     "FAMILIES",
     "FAMILY_KINDS",
     "supported_families",
+    "set_composer",
 ]
 
 #: The model families hf_posenc can patch, by ``config.model_type``, each with the kind of sequence its
@@ -101,6 +102,9 @@ class EncodingSpec:
     paper: str
     #: every family the encoding supports (derived from its declaration by :func:`supported_families`).
     families: tuple[str, ...] = FAMILIES
+    #: compositions only (``"rope+fox"``, see :mod:`hf_posenc.encodings.compose`): the full stored parameters
+    #: from what the user gave, validated; None for a registered encoding (its ``params`` fields validate it).
+    normalise: Callable[[Any], dict] | None = None
 
     def param_fields(self) -> list[dataclasses.Field]:
         """The dataclass fields of the parameter schema, in declaration order."""
@@ -111,6 +115,15 @@ class EncodingSpec:
 
 
 _REGISTRY: dict[str, EncodingSpec] = {}
+#: builds the spec of a composition ``"<first>+<term>"``; set by :mod:`hf_posenc.encodings.compose` (the registry
+#: sits below the encodings and never imports them).
+_COMPOSER: Callable[[str], EncodingSpec] | None = None
+
+
+def set_composer(composer: Callable[[str], EncodingSpec]) -> None:
+    """Install the builder of composition specs (called once, by ``hf_posenc.encodings.compose``)."""
+    global _COMPOSER
+    _COMPOSER = composer
 
 
 def register_encoding(
@@ -143,6 +156,8 @@ def get_encoding(name: str) -> EncodingSpec:
     """The spec registered under ``name``; ``ValueError`` listing the known names otherwise."""
     if not isinstance(name, str):
         raise TypeError(f"encoding name must be a str, got {type(name).__name__}")
+    if "+" in name and _COMPOSER is not None:
+        return _COMPOSER(name)
     try:
         return _REGISTRY[name]
     except KeyError:

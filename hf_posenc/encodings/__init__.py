@@ -5,6 +5,7 @@ from .alibi import Alibi
 from .base import ModelInfo, PosContext, PositionEncoding
 from .cape import Cape
 from .comrope import ComRope
+from .compose import ComposedEncoding
 from .cope import Cope
 from .fire import Fire
 from .fope import Fope
@@ -21,4 +22,4 @@ from .t5 import T5Bias
 from .tape import Tape
 from .xpos import Xpos
 
-__all__ = ["Alibi", "Cape", "ComRope", "Cope", "Fire", "Fope", "Fox", "FoxPro", "Kerple", "Learned", "Liere", "ModelInfo", "NoPE", "PosContext", "PositionEncoding", "Rope", "Rope2d", "Sandwich", "Shaw", "Sinusoidal", "StickBreaking", "T5Bias", "Tape", "Xpos"]
+__all__ = ["Alibi", "Cape", "ComRope", "ComposedEncoding", "Cope", "Fire", "Fope", "Fox", "FoxPro", "Kerple", "Learned", "Liere", "ModelInfo", "NoPE", "PosContext", "PositionEncoding", "Rope", "Rope2d", "Sandwich", "Shaw", "Sinusoidal", "StickBreaking", "T5Bias", "Tape", "Xpos"]

@@ -62,6 +62,8 @@ class AlibiParams:
 class Alibi(PositionEncoding):
     """ALiBi; see the module docstring for the formula."""
 
+    no_inert_reason = "its slopes are fixed (Press et al.), so its bias is never zero"
+
     has_score_bias = True
     relative = True  # -m_h |i - j| from key/query indices; position_ids are never read
     reference_footprint = (2.0, 3.0)  # float32 (B, H, Lq, Lk) tensors (hf_posenc.memory)

@@ -151,7 +151,9 @@ class PosContext:
         KV cache; ``hidden`` (B, Lq, C) is the attention input. Rotary encodings rotate q and k here;
         data-dependent ones may also append per-token state to k or v, so the cache carries it."""
         enc = unwrap(self.encoding)
-        if getattr(enc, "rotates_qk", False) and not getattr(enc, "uses_rotary_kernel", False):
+        in_attention = getattr(enc, "has_score_bias", False) or getattr(enc, "custom_attention", False)
+        if getattr(enc, "rotates_qk", False) and not getattr(enc, "uses_rotary_kernel", False) and not in_attention:
+            # (a composition's forced backend is its term's: the rotation before it runs in PyTorch)
             if forced_backend() == "triton":
                 raise ValueError(
                     f"HF_POSENC_BACKEND='triton': {enc.name!r} has no Triton kernel for its q/k transform (an "
@@ -279,6 +281,11 @@ class PositionEncoding(nn.Module):
     #: 2048 (tests/test_long_inputs.py reports it); ``reference_bytes`` turns it into bytes for the pre-check
     #: of hf_posenc.memory, which refuses a shape that would not fit with an error naming the amount.
     reference_footprint: ClassVar[tuple[float, float]] = (0.0, 0.0)
+    #: A term's inert start (``init="identity"`` of a composition, :mod:`hf_posenc.encodings.compose`): the
+    #: parameters whose zero makes the term add exactly nothing; empty where none does.
+    inert_zero: ClassVar[tuple[str, ...]] = ()
+    #: why the encoding has no inert start, in ``start_inert``'s error.
+    no_inert_reason: ClassVar[str] = "no setting of its parameters makes it add nothing"
 
     def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:
         super().__init__()
@@ -298,6 +305,18 @@ class PositionEncoding(nn.Module):
     def adopt_native(self, native: dict[str, torch.Tensor]) -> bool:
         """Take over the model's own position weights (e.g. GPT-2's ``wpe``) if they fit; True if adopted."""
         return False
+
+    def start_inert(self) -> str:
+        """Set the parameters so that the term changes nothing (``init="identity"``); returns how exact that is
+        (``"exact"``, or the documented tolerance). Raises ``ValueError`` with the reason where there is none."""
+        if not self.inert_zero:
+            raise ValueError(f"{self.name!r} has no inert start (init='identity'): {self.no_inert_reason}")
+        with torch.no_grad():
+            for name in self.inert_zero:
+                weight = getattr(self, name, None)
+                if weight is not None:
+                    weight.zero_()
+        return "exact"
 
     # -- the call interface -----------------------------------------------------------------------
     def forward(self, op: str, *args: Any, **kwargs: Any) -> Any:

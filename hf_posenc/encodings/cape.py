@@ -123,6 +123,19 @@ class Cape(PositionEncoding):
         per_pair = (3.5 * hidden + 10 * heads) if grad else (2 * hidden + 8 * heads)
         return int(per_pair * batch * q_len * k_len * itemsize)
 
+    def start_inert(self) -> str:
+        """``init="identity"``: the base bias inert (only ``base="fire"`` has an inert start) and f's last layer
+        at zero, so A = Q K^T * scaling exactly."""
+        try:
+            self.base.start_inert()
+        except ValueError as e:
+            raise ValueError(f"cape has no inert start with base={self.base.name!r} ({e}); use base='fire'") from None
+        with torch.no_grad():
+            for mlp in self.mlps:
+                mlp.fc2.weight.zero_()
+                mlp.fc2.bias.zero_()
+        return "exact"
+
     @property
     def relative(self) -> bool:  # type: ignore[override]
         """Shift invariant on text exactly when the base bias is (alibi, kerple: yes; fire: no): f only sees

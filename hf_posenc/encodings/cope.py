@@ -112,6 +112,8 @@ class Cope(EngineAttention):
     the query in raster order).
     """
 
+    inert_zero = ("pos_emb", "pos_emb_after")  # zero position embeddings: q·e[p] = 0, plain attention (exact)
+
     custom_attention = True
     #: ``attend`` runs its own fused kernel for these backends (``hf_posenc.kernels.cope``; causal models).
     attention_kernels = ("triton",)

@@ -128,6 +128,8 @@ class FireFunction:
 class Fire(PositionEncoding):
     """FIRE; see the module docstring for the formula, the initialisation and the ViT generalisation."""
 
+    inert_zero = ("fc2_weight", "fc2_bias")  # f_θ's last layer at zero: the bias is 0 everywhere (exact)
+
     has_score_bias = True
     relative = False  # the normaliser psi(max(L, i)) reads the query's absolute position i
 

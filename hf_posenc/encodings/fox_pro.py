@@ -51,7 +51,7 @@ from ..config import PosEncConfig
 from ..kernels._common import compute_dtype
 from ..kernels.attention.terms import KernelTerm
 from ..registry import register_encoding
-from .base import UNWINDOWED_MASK, ModelInfo, PosContext
+from .base import UNWINDOWED_MASK, ModelInfo, PosContext, PositionEncoding
 from .cache_state import pack_state, unpack_state
 from .fox import Fox, cumulative_gates, forgetting_attention, key_validity
 
@@ -158,6 +158,11 @@ class FoxPro(Fox):
     ``value_shift_weight`` (num_layers, Hkv, C), ``q_norm_weight`` (num_layers, H, D), ``k_norm_weight``
     (num_layers, Hkv, D), ``out_norm_weight`` (num_layers, H, D) and ``out_gate_weight`` (num_layers, H*D, C).
     """
+
+    no_inert_reason = "its QK-norm and output gate change the attention even with every forget gate at 1"
+
+    def start_inert(self) -> str:
+        return PositionEncoding.start_inert(self)  # raises with no_inert_reason
 
     finishes_output = True
 

@@ -75,6 +75,8 @@ class KerpleParams:
 class Kerple(PositionEncoding):
     """KERPLE; see the module docstring for the formula and the reparametrisation."""
 
+    no_inert_reason = "r1 and r2 are kept >= 0.01 by its reparametrisation, so its bias never vanishes"
+
     has_score_bias = True
     relative = True  # a kernel of |i - j| (key/query indices); position_ids are never read
     reference_footprint = (3.0, 8.0)  # float32 (B, H, Lq, Lk) tensors (hf_posenc.memory)

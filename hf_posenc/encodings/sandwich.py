@@ -58,6 +58,8 @@ class SandwichParams:
 class Sandwich(PositionEncoding):
     """Sandwich; see the module docstring for the formula."""
 
+    no_inert_reason = "its cosine-sum bias is fixed (it has no parameters)"
+
     has_score_bias = True
     relative = True  # a function of i - j (key/query indices); position_ids are never read
     reference_footprint = (3.0, 3.5)  # float32 (B, H, Lq, Lk) tensors (hf_posenc.memory)

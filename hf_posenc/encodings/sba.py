@@ -186,6 +186,8 @@ class StickBreaking(EngineAttention):
     Parameters: none, or ``remainder_bias`` (num_layers, num_heads, head_dim) with ``remainder="bias"``.
     """
 
+    no_inert_reason = "stick-breaking replaces the softmax; no parameter setting gives softmax attention back"
+
     custom_attention = True
     #: ``attend`` runs its own fused kernel for these backends (``hf_posenc.kernels.sba``).
     attention_kernels = ("triton",)

@@ -68,6 +68,9 @@ class Shaw(PositionEncoding):
     ``rel_key_col``, ``rel_value_row``, ``rel_value_col`` of that shape.
     """
 
+    # zero a^K and a^V: no logit term, no value term (exact)
+    inert_zero = ("rel_key", "rel_value", "rel_key_row", "rel_key_col", "rel_value_row", "rel_value_col")
+
     custom_attention = True
     relative = True  # tables indexed by clip(j - i) (indices); position_ids are never read
     reference_footprint = (7.0, 8.0)  # float32 (B, H, Lq, Lk) tensors (hf_posenc.memory)

@@ -113,6 +113,8 @@ class T5Bias(PositionEncoding):
     ViT: ``table_row`` and ``table_col`` of those shapes.
     """
 
+    inert_zero = ("table", "table_row", "table_col")  # a zero table adds 0 everywhere: exact
+
     has_score_bias = True
     relative = True  # buckets of key - query (indices); position_ids are never read
     reference_footprint = (5.0, 6.0)  # float32 (B, H, Lq, Lk) tensors (hf_posenc.memory)

@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .train import DEFAULT_ENCODINGS, TEXT_TASKS, MissingDependencyError, StudyConfig, run_study
+from .pretrained import CONVERSION_ENCODINGS
+from .train import CONVERSION_STEPS, DEFAULT_ENCODINGS, TEXT_TASKS, MissingDependencyError, StudyConfig, run_study
 
 __all__ = [
     "DEFAULT_ENCODINGS",
@@ -47,7 +48,7 @@ accuracy."""
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``hf-posenc study``."""
     d = StudyConfig()
-    p.add_argument("--encodings", nargs="+", default=list(DEFAULT_ENCODINGS), metavar="ENC",
+    p.add_argument("--encodings", nargs="+", default=None, metavar="ENC",
                    help="encodings to compare, separated by spaces or commas: names, 'name:key=value,...' for "
                    "parameters (e.g. rope,alibi kerple:variant=power,per_layer=true,fire), or 'all'. After a "
                    "comma, a piece with '=' and no ':' is another parameter of the encoding before it, "
@@ -55,19 +56,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "rope:eval_scaling=yarn|linear scales rope at evaluation only (hf_posenc/study/recipes.py); the "
                    "default's two recipes join where they fit (the hybrid when --layers is a multiple of 4, YaRN on "
                    "text). "
-                   f"Default: {' '.join(DEFAULT_ENCODINGS)}")
+                   f"Default: {' '.join(DEFAULT_ENCODINGS)}; with --from: {' '.join(CONVERSION_ENCODINGS)}")
     p.add_argument("--family", choices=("llama", "gpt2", "vit"), default=d.family, help="model family (default llama)")
     p.add_argument("--task", choices=(*TEXT_TASKS, "digits"), default=None,
                    help="text (default on llama/gpt2), flip-flop, selective-copy, counting, passkey; digits (vit, the "
                    "default there)")
     p.add_argument("--train-len", type=int, default=None,
                    help="training length: tokens (default 64), or the image side in pixels on vit (default 16)")
-    p.add_argument("--steps", type=int, default=d.steps, help=f"training steps per model (default {d.steps})")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"training steps per model (default 300; with --from {CONVERSION_STEPS})")
     p.add_argument("--layers", type=int, default=d.layers, help=f"layers (default {d.layers})")
     p.add_argument("--hidden", type=int, default=d.hidden, help=f"hidden size (default {d.hidden})")
     p.add_argument("--heads", type=int, default=None, help="attention heads (default hidden / 16)")
     p.add_argument("--batch", type=int, default=None, help="batch size (default 16; 64 on vit)")
-    p.add_argument("--lr", type=float, default=d.lr, help=f"peak AdamW learning rate (default {d.lr})")
+    p.add_argument("--lr", type=float, default=None, help="peak AdamW learning rate (default 3e-3; with --from 1e-4)")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed: same seed, same numbers (default {d.seed})")
     p.add_argument("--seeds", type=int, nargs="+", default=None, metavar="S",
                    help="several seeds (e.g. 0 1 2): every encoding is trained once per seed; the table gives the "
@@ -83,10 +85,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=d.out, metavar="DIR", help=f"output folder (default {d.out})")
     p.add_argument("--data", default=None, metavar="PATH",
                    help="text file or folder to use instead of the standard library's source (--task text)")
-    p.add_argument("--factors", nargs="+", type=float, default=list(d.factors), metavar="F",
-                   help="evaluation lengths as multiples of --train-len (default 1 2 4 8; on vit, of the patch count)")
-    p.add_argument("--eval-tokens", type=int, default=d.eval_tokens,
-                   help=f"text: validation bytes scored at every length (default {d.eval_tokens})")
+    p.add_argument("--factors", nargs="+", type=float, default=None, metavar="F",
+                   help="evaluation lengths as multiples of --train-len (default 1 2 4 8; with --from 1 2 4; on vit, "
+                   "of the patch count)")
+    p.add_argument("--eval-tokens", type=int, default=None,
+                   help="text: validation bytes (tokens with --from) scored at every length (default 16384; with "
+                   "--from 2048)")
+    p.add_argument("--from", dest="source", default=None, metavar="CHECKPOINT",
+                   help="a conversion study: fine-tune this pretrained causal LM (a checkpoint directory, or "
+                   "'smollm2' for the cached SmolLM2-135M-Instruct) after each swap, on English text, and evaluate "
+                   "it before the swap, right after it and after fine-tuning (hf_posenc/study/pretrained.py)")
     p.add_argument("--eval-sequences", type=int, default=d.eval_sequences,
                    help=f"synthetic tasks: evaluation sequences per length (default {d.eval_sequences})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -102,7 +110,7 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         layers=args.layers, hidden=args.hidden, heads=args.heads, batch=args.batch, lr=args.lr, seed=args.seed,
         seeds=args.seeds, jobs=args.jobs, device=args.device, threads=args.threads, out=args.out, data=args.data,
         factors=args.factors, eval_tokens=args.eval_tokens, eval_sequences=args.eval_sequences, progress=not args.no_progress,
-        resume=args.resume,
+        resume=args.resume, source=args.source,
     )
 
 

@@ -135,6 +135,8 @@ def markdown_table(results: dict[str, Any]) -> str:
     bold. Rows for encodings that do not support the family read ``n/a``, rows that failed ``error``;
     footnotes say what the numbers are.
     """
+    if results.get("before") is not None:
+        return conversion_table(results)
     s = results["study"]
     task = s["task"]
     splits = split_names(results)
@@ -208,6 +210,8 @@ def plot(results: dict[str, Any], path: str | os.PathLike) -> None:
     One panel per evaluation split (tasks with out-of-distribution splits). With several seeds each line is
     the mean over the seeds, with a band over their range (min to max). Passkey adds one heatmap per
     encoding: retrieval accuracy by depth (rows) and length (columns), mean over the seeds."""
+    if results.get("before") is not None:
+        return plot_conversion(results, path)
     # The object-oriented API with the Agg canvas: no pyplot, so no global backend switch for the caller.
     import matplotlib
     import matplotlib.ticker
@@ -295,6 +299,83 @@ def plot(results: dict[str, Any], path: str | os.PathLike) -> None:
                  f"{settings['steps']} steps, {seed_text}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
+
+
+def plot_conversion(results: dict[str, Any], path: str | os.PathLike) -> None:
+    """A conversion study (``--from``): perplexity against fine-tuning step, one line per entry, from the
+    per-step training losses (a running mean over 5 steps; the marker at step 0 is the evaluation right after the
+    swap at the training length); and perplexity against evaluation length before the swap (black), right after
+    it (dashed) and after fine-tuning (solid)."""
+    import matplotlib
+    import matplotlib.ticker
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    s = results["study"]
+    fig = Figure(figsize=(13, 5), dpi=120)
+    FigureCanvasAgg(fig)
+    steps_ax, len_ax = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    colors = matplotlib.colormaps["tab10"]
+    x = s["eval_lengths"]
+    runs = [r for _, rs in group_runs(results) for r in rs[:1] if r["status"] == "ok"]
+    for i, r in enumerate(runs):
+        color = colors(i % 10)
+        label = entry_label(r)
+        start = r.get("eval_start") or []
+        losses = r["train"]["losses"]
+        if losses:
+            smooth = [sum(losses[max(0, j - 4): j + 1]) / len(losses[max(0, j - 4): j + 1]) for j in range(len(losses))]
+            steps_ax.plot(range(1, len(losses) + 1), [math.exp(v) for v in smooth], color=color, label=label)
+        if start and start[0]["metric"] is not None:
+            steps_ax.plot([0], [start[0]["metric"]], marker="o", color=color, **({} if losses else {"label": label}))
+        len_ax.plot(x, [e["metric"] if e["metric"] is not None else float("nan") for e in r["eval"]], "-o",
+                    color=color, label=label, markersize=4)
+        if start:
+            len_ax.plot(x, [e["metric"] if e["metric"] is not None else float("nan") for e in start], "--",
+                        color=color, linewidth=1, alpha=0.7)
+    len_ax.plot(x, [e["metric"] for e in results["before"]], "-s", color="black", label="before the swap",
+                markersize=4)
+    for ax in (steps_ax, len_ax):
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.grid(True, which="both", alpha=0.3)
+        ax.set_ylabel("perplexity per token (lower is better)")
+    steps_ax.set_xlabel(f"fine-tuning step (training loss at {s['train_length']} tokens; step 0: evaluated)")
+    len_ax.set_xscale("log", base=2)
+    len_ax.set_xticks(x)
+    len_ax.set_xticklabels([str(n) for n in x])
+    len_ax.set_xlabel("evaluation length, tokens (dashed: right after the swap; solid: fine-tuned)")
+    len_ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    name = results["checkpoint"]["name"]
+    fig.suptitle(f"hf-posenc study --from {name}: {results['settings']['steps']} fine-tuning steps at "
+                 f"{s['train_length']} tokens", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def conversion_table(results: dict[str, Any]) -> str:
+    """A conversion study's perplexities at each length: before the swap, right after it, and fine-tuned."""
+    x = results["study"]["eval_lengths"]
+    heads = " | ".join(f"{n}" for n in x)
+    lines = [f"| entry | after the swap: {heads} | fine-tuned: {heads} |",
+             "|---|" + "---|" * (2 * len(x)),
+             "| unpatched (before any swap) | " + " | ".join(_cell(e["metric"], "text") for e in results["before"])
+             + " | " + " | ".join("" for _ in x) + " |"]
+    for r in results["results"]:
+        if r["status"] != "ok":
+            lines.append(f"| {entry_label(r)} | {r['status']} |" + " |" * (2 * len(x) - 1))
+            continue
+        start = r.get("eval_start") or [{"metric": None}] * len(x)
+        tuned = "" if not r["train"]["losses"] else " | ".join(_cell(e["metric"], "text") for e in r["eval"])
+        lines.append(f"| {entry_label(r)} | " + " | ".join(_cell(e["metric"], "text") for e in start) + " | "
+                     + (tuned or " | ".join("not trained" for _ in x)) + " |")
+    c = results["checkpoint"]
+    st = results["settings"]
+    lines += ["", f"{c['name']} ({c['model_type']}, weights sha256 {c['weights_sha256'][:12]}), fine-tuned "
+              f"{st['steps']} steps x batch {st['batch']} x {st['train_len']} tokens at lr {st['lr']}; perplexity per "
+              f"token over the same {results['data']['eval_tokens_per_length']} validation tokens of "
+              f"{results['data']['source']} at every length."]
+    return "\n".join(lines)
 
 
 def _files(out_dir: str | os.PathLike) -> dict[str, str]:

@@ -57,6 +57,7 @@ from ..config import PosEncConfig
 from ..registry import list_encodings
 from . import data as D
 from .recipes import StudyEntry, apply_eval_scaling, parse_study_entry
+from .pretrained import CONVERSION_ENCODINGS, PretrainedTextSource, checkpoint_record, load_pretrained, resolve_source
 from .sources import VIT_PATCH, DataSource, make_source
 from .sources import subseed as _subseed  # noqa: F401 - the tests' name for it
 
@@ -75,6 +76,11 @@ DEFAULT_ENCODINGS: tuple[str, ...] = (
 TEXT_TASKS: tuple[str, ...] = ("text", *D.TASKS)
 VIT_TASKS: tuple[str, ...] = ("digits",)
 SCHEMA_VERSION = 1
+#: A conversion study's defaults (``--from``; hf_posenc.study.pretrained), chosen from the step time measured on
+#: the 2-core AMD EPYC VM so that the default run takes about 20 minutes (docs/study.md says what was measured).
+CONVERSION_STEPS = 40
+CONVERSION_TRAIN_LEN = 128
+CONVERSION_BATCH = 2
 
 
 @dataclass
@@ -84,16 +90,18 @@ class StudyConfig:
     ``None`` fields take a per-family default in :meth:`resolved`.
     """
 
-    encodings: list[str] = field(default_factory=lambda: list(DEFAULT_ENCODINGS))
+    encodings: list[str] | None = None  # default: DEFAULT_ENCODINGS (a conversion study: CONVERSION_ENCODINGS)
     family: str = "llama"
     task: str | None = None  # text families: "text" (default) or a synthetic task; vit: "digits"
     train_len: int | None = None  # tokens (text, tasks: default 64) or image side in pixels (vit: default 16)
-    steps: int = 300  # make demo (this default study, --jobs 2) in under 3 minutes on 2 cores (docs/study.md)
+    # steps: 300 (make demo, this default study with --jobs 2, in under 3 minutes on 2 cores: docs/study.md); a
+    # conversion study: CONVERSION_STEPS
+    steps: int | None = None
     layers: int = 4  # a multiple of 4: the default rope*3/nope hybrid repeats over the depth
     hidden: int = 64
     heads: int | None = None  # default hidden // 16
     batch: int | None = None  # default 16 (text, tasks), 64 (vit)
-    lr: float = 3e-3
+    lr: float | None = None  # 3e-3 (a conversion study: 1e-4)
     seed: int = 0
     seeds: list[int] | None = None  # several seeds: every encoding once per seed (default: [seed])
     jobs: int = 1  # worker processes for independent (encoding, seed) runs
@@ -101,8 +109,10 @@ class StudyConfig:
     threads: int = 1
     out: str | None = "out/study"
     data: str | None = None
-    factors: list[float] = field(default_factory=lambda: [1, 2, 4, 8])
-    eval_tokens: int = 16384
+    factors: list[float] | None = None  # 1 2 4 8 (a conversion study: 1 2 4)
+    #: a conversion study (``--from``): a checkpoint directory, or "smollm2" (hf_posenc.study.pretrained)
+    source: str | None = None
+    eval_tokens: int | None = None  # 16384 (a conversion study: 2048)
     eval_sequences: int = 128
     progress: bool = True
     resume: bool = False  # continue from out/results.json (same settings), skipping the models it holds
@@ -110,6 +120,24 @@ class StudyConfig:
     def resolved(self) -> StudyConfig:
         """A validated copy with every default filled in; ``ValueError`` naming what is allowed otherwise."""
         c = StudyConfig(**asdict(self))
+        convert = c.source is not None
+        if convert:
+            if not isinstance(c.source, str) or not c.source:
+                raise TypeError(f"--from must be a checkpoint directory or 'smollm2', got {c.source!r}")
+            if c.family != "llama" and c.family != "gpt2":
+                raise ValueError(f"--from fine-tunes a pretrained causal LM; --family {c.family} does not apply")
+            if c.task not in (None, "text"):
+                raise ValueError(f"--from runs the text task (English text, perplexity per token); got --task {c.task}")
+        if c.encodings is None:
+            c.encodings = list(CONVERSION_ENCODINGS if convert else DEFAULT_ENCODINGS)
+        if c.steps is None:
+            c.steps = CONVERSION_STEPS if convert else 300
+        if c.lr is None:
+            c.lr = 1e-4 if convert else 3e-3
+        if c.factors is None:
+            c.factors = [1, 2, 4] if convert else [1, 2, 4, 8]
+        if c.eval_tokens is None:
+            c.eval_tokens = 2048 if convert else 16384
         if c.family not in ("llama", "gpt2", "vit"):
             raise ValueError(f"--family must be one of llama, gpt2, vit; got {c.family!r}")
         vit = c.family == "vit"
@@ -121,9 +149,9 @@ class StudyConfig:
         if c.data is not None and c.task != "text":
             raise ValueError("--data is the text corpus; it only applies to --task text")
         if c.train_len is None:
-            c.train_len = 16 if vit else 64
+            c.train_len = CONVERSION_TRAIN_LEN if convert else 16 if vit else 64
         if c.batch is None:
-            c.batch = 64 if vit else 16
+            c.batch = CONVERSION_BATCH if convert else 64 if vit else 16
         if c.heads is None:
             c.heads = max(1, c.hidden // 16)
         for name in ("steps", "layers", "hidden", "heads", "batch", "threads", "eval_tokens", "eval_sequences", "jobs"):
@@ -169,7 +197,7 @@ class StudyConfig:
         expanded: list[str] = []
         # The default list's recipes join where they fit: the 3:1 hybrid when --layers is a multiple of its
         # length, rope + YaRN at evaluation on the text families. Given explicitly, a misfit is an error.
-        defaulted = list(c.encodings) == list(DEFAULT_ENCODINGS)
+        defaulted = list(c.encodings) in (list(DEFAULT_ENCODINGS), list(CONVERSION_ENCODINGS))
         for e in split_encodings(c.encodings):
             if e == "all":
                 expanded += [n for n in list_encodings() if n not in expanded]
@@ -330,10 +358,19 @@ def environment(device: torch.device, threads: int) -> dict[str, Any]:
 # -- models ---------------------------------------------------------------------------------------------
 
 
+def _make_source(config: StudyConfig, lengths: list[int], seed: int | None = None) -> DataSource:
+    """The study's data: English text in the checkpoint's tokens for a conversion study, else the task's source."""
+    if config.source is not None:
+        return PretrainedTextSource(config, lengths, seed)
+    return make_source(config, lengths, seed)
+
+
 def build_model(config: StudyConfig, vocab_size: int) -> nn.Module:
     """The unpatched model of the study (seed torch first). Text: a causal LM whose own maximum position
     is ``train_len`` (what it is trained on); ViT: a classifier for 1-channel images of ``train_len`` px."""
     c = config
+    if c.source is not None:  # a conversion study: the pretrained model
+        return load_pretrained(resolve_source(c.source))
     if c.family == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -427,18 +464,34 @@ def _train_and_eval(
     result["parameters"] = sum(p.numel() for p in model.parameters())
     result["encoding_parameters"] = sum(p.numel() for p in encoding_module(model).parameters())
 
+    def at_length(n: int) -> dict[str, Any]:
+        """What evaluating at length ``n`` ran with: rope re-patched for ``n`` under eval_scaling."""
+        if entry.eval_scaling is None:
+            return {}
+        return {"eval_position_encoding": apply_eval_scaling(model, entry, c.train_len, n)}
+
+    # A conversion study evaluates the pretrained model right after the swap too; its eval-time recipes
+    # (rope:eval_scaling=yarn) are baselines that are not trained.
+    train_steps = 0 if (c.source is not None and entry.eval_scaling is not None) else c.steps
+    if c.source is not None:
+        result["eval_start"] = [{"length": n, **at_length(n), **data.evaluate(model, n, device)} for n in lengths]
+        if train_steps == 0:
+            notes.append("a baseline evaluated at each length without training")
+
     from tqdm.auto import tqdm
 
     opt = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(c.steps))
     seeded = f" seed {data.seed}" if len(c.seeds or ()) > 1 else ""
-    bar = tqdm(total=c.steps, desc=f"[{index}/{total}] {spec}{seeded}", unit="step", disable=not c.progress,
+    bar = tqdm(total=train_steps, desc=f"[{index}/{total}] {spec}{seeded}", unit="step", disable=not c.progress,
                mininterval=0.5, file=sys.stderr, dynamic_ncols=True)
     losses: list[float] = []
     t0, cpu0 = time.perf_counter(), time.process_time()
     model.train()
     try:
-        for batch, _ in data.train_batches():
+        for step, (batch, _) in enumerate(data.train_batches()):
+            if step >= train_steps:
+                break
             batch = {k: v.to(device) for k, v in batch.items()}
             loss = model(**batch).loss
             opt.zero_grad(set_to_none=True)
@@ -454,34 +507,30 @@ def _train_and_eval(
             result["profile"] = _write_profile(model, data, c, spec)
         evals = []
         t1, cpu1 = time.perf_counter(), time.process_time()
-        def at_length(n: int) -> dict[str, Any]:
-            """What evaluating at length ``n`` ran with: rope re-patched for ``n`` under eval_scaling."""
-            if entry.eval_scaling is None:
-                return {}
-            return {"eval_position_encoding": apply_eval_scaling(model, entry, c.train_len, n)}
-
+        last = f"loss={losses[-1]:.3f}" if losses else "not trained"
         for n in lengths:
-            bar.set_postfix_str(f"loss={losses[-1]:.3f} eval {n}", refresh=True)
+            bar.set_postfix_str(f"{last} eval {n}", refresh=True)
             scaled = at_length(n)
             evals.append({"length": n, **data.evaluate(model, n, device), **scaled})
         other_splits: dict[str, list[dict[str, Any]]] = {}
         for split in data.splits:
             if split != D.IN_DISTRIBUTION:
-                bar.set_postfix_str(f"loss={losses[-1]:.3f} eval {split}", refresh=True)
+                bar.set_postfix_str(f"{last} eval {split}", refresh=True)
                 other_splits[split] = []
                 for n in lengths:
                     scaled = at_length(n)
                     other_splits[split].append({"length": n, **data.evaluate(model, n, device, split), **scaled})
         eval_s, eval_cpu = time.perf_counter() - t1, time.process_time() - cpu1
         shown = " ".join(_fmt_metric(e["metric"], c.task) for e in evals)
-        bar.set_postfix_str(f"loss={losses[-1]:.3f} | {shown}", refresh=True)
+        bar.set_postfix_str(f"{last} | {shown}", refresh=True)
     finally:
         bar.close()
     k = max(1, len(losses) // 20)
     result.update(
         status="ok",
-        train={"loss_first": losses[0], "loss_last": losses[-1],
-               "loss_last_10pct": sum(losses[-k * 2 :]) / len(losses[-k * 2 :]), "losses": losses,
+        train={"loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+               "loss_last_10pct": sum(losses[-k * 2 :]) / len(losses[-k * 2 :]) if losses else None,
+               "steps": len(losses), "losses": losses,
                "seconds": round(train_s, 3), "cpu_seconds": round(train_cpu, 3)},
         eval=evals,
         eval_seconds=round(eval_s, 3),
@@ -584,7 +633,8 @@ def _jsonish(x: Any) -> Any:
 
 
 def _assemble(c: StudyConfig, device: torch.device, lengths: list[int], env: dict[str, Any], data: DataSource,
-              results: list[dict[str, Any]], t0: float, complete: bool, kept: list[str]) -> dict[str, Any]:
+              results: list[dict[str, Any]], t0: float, complete: bool, kept: list[str],
+              conversion: dict[str, Any] | None = None) -> dict[str, Any]:
     vit = c.family == "vit"
     out: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
@@ -604,6 +654,7 @@ def _assemble(c: StudyConfig, device: torch.device, lengths: list[int], env: dic
                      "intermediate_size": 4 * c.hidden, "vit_patch_size": VIT_PATCH if vit else None},
         "environment": env,
         "data": data.describe(),
+        **(conversion or {}),
         "results": results,
         "errors": sum(r["status"] == "error" for r in results),
         "wall_seconds": round(time.perf_counter() - t0, 2),
@@ -642,7 +693,7 @@ def _worker_run(spec: str, seed: int, index: int, total: int, config: StudyConfi
     with deterministic(device, config.threads):
         try:
             if seed not in _WORKER_DATA:
-                _WORKER_DATA[seed] = make_source(config, lengths, seed)
+                _WORKER_DATA[seed] = _make_source(config, lengths, seed)
             return _train_and_eval(spec, index, total, config, _WORKER_DATA[seed], device)
         except Exception as e:  # noqa: BLE001 - recorded, reported and counted by the parent
             return _error_record(spec, seed, e)
@@ -682,13 +733,26 @@ def run_study(config: StudyConfig) -> dict[str, Any]:
     runs = [(spec, seed) for spec in c.encodings for seed in c.seeds]
     with deterministic(device, c.threads):
         env = environment(device, c.threads)
-        datas: dict[int, DataSource] = {c.seeds[0]: make_source(c, lengths, c.seeds[0])}
+        datas: dict[int, DataSource] = {c.seeds[0]: _make_source(c, lengths, c.seeds[0])}
 
         def data_for(seed: int) -> DataSource:
             if seed not in datas:
-                datas[seed] = make_source(c, lengths, seed)
+                datas[seed] = _make_source(c, lengths, seed)
             return datas[seed]
 
+        conversion = None
+        if c.source is not None:  # the checkpoint, and the pretrained model before any swap (once)
+            path = resolve_source(c.source)
+            record = checkpoint_record(path)
+            if prev is not None and prev.get("checkpoint", {}).get("weights_sha256") != record["weights_sha256"]:
+                raise ValueError(f"--resume: {c.out}/results.json was made from other weights than {path}")
+            before = (prev or {}).get("before")
+            if before is None:
+                print(f"hf-posenc study: evaluating {record['name']} before any swap", file=sys.stderr)
+                base = build_model(c, 0).to(device)
+                before = [{"length": n, **datas[c.seeds[0]].evaluate(base, n, device)} for n in lengths]
+                del base
+            conversion = {"checkpoint": record, "before": before}
         done: dict[tuple[str, int], dict[str, Any]] = {}
         if prev is not None:
             now_data = _jsonish(datas[c.seeds[0]].describe())
@@ -707,7 +771,7 @@ def run_study(config: StudyConfig) -> dict[str, Any]:
 
         def snapshot(complete: bool) -> dict[str, Any]:
             results = [finished[i] for i in sorted(finished)] + extra
-            out = _assemble(c, device, lengths, env, datas[c.seeds[0]], results, t0, complete, kept)
+            out = _assemble(c, device, lengths, env, datas[c.seeds[0]], results, t0, complete, kept, conversion)
             if c.out is not None:
                 out["files"] = report.write_results(out, c.out)
             return out

@@ -1,0 +1,154 @@
+"""The conversion study (``hf-posenc study --from CHECKPOINT``): what swapping a pretrained model's position
+encoding costs, and how much a short fine-tune heals it.
+
+For each entry the pretrained model is patched (a plain swap such as ``alibi``, or a composition that keeps the
+model's rotary, ``rope+fox:init=identity``) and fine-tuned for ``--steps`` on English text at ``--train-len``
+tokens. Perplexity per token is evaluated at each ``--factors`` multiple of the fine-tuning length (default 1x,
+2x, 4x) at three points: before the swap (the unpatched model, once per study), right after it (step 0), and
+after fine-tuning. Baselines: ``rope`` (the unpatched model, since ``rope`` reproduces it, fine-tuned the same
+way) and ``rope:eval_scaling=yarn`` (the unpatched model with YaRN at evaluation only: it is not trained).
+
+The text: ``--data`` if given, else the English documentation that ships with Python (``pydoc_data.topics``: the
+language reference's topics, about 110 thousand SmolLM2 tokens), tokenised with the checkpoint's tokenizer; the
+first 90 % trains, the last 10 % evaluates. No download beyond the checkpoint itself: ``--from smollm2`` builds
+the cached SmolLM2-135M-Instruct checkpoint (:func:`hf_posenc.testing.smollm2`).
+
+The run records the checkpoint's name and SHA-256 hashes of its config.json and its weight files.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from . import data as D
+from .sources import TextSource
+
+if TYPE_CHECKING:
+    from .train import StudyConfig
+
+__all__ = ["CONVERSION_ENCODINGS", "PretrainedTextSource", "checkpoint_record", "load_pretrained", "resolve_source"]
+
+#: The default entries of a conversion study: the baselines, plain swaps, and compositions that start inert.
+CONVERSION_ENCODINGS: tuple[str, ...] = (
+    "rope", "rope:eval_scaling=yarn", "nope", "alibi", "fire", "rope+fox:init=identity", "rope+fire:init=identity",
+)
+#: the fraction of the text's tokens that trains (the rest evaluates).
+TRAIN_FRACTION = 0.9
+
+_LOADED: dict[str, nn.Module] = {}
+
+
+def resolve_source(source: str) -> Path:
+    """The checkpoint directory of ``--from``: a directory with config.json, or ``smollm2`` (the cached
+    SmolLM2-135M-Instruct, built on first use by :func:`hf_posenc.testing.smollm2`)."""
+    if source == "smollm2":
+        from ..testing import smollm2
+
+        return Path(smollm2())
+    path = Path(source)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--from {source!r}: not a checkpoint directory (no config.json) and not 'smollm2'")
+    return path
+
+
+def _sha256(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def checkpoint_record(path: Path) -> dict[str, Any]:
+    """Name, model type, and SHA-256 of config.json and of the weight files (in name order)."""
+    config = json.loads((path / "config.json").read_text())
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        raise ValueError(f"{path} holds no *.safetensors weights (hf_posenc loads safetensors only)")
+    return {
+        "path": str(path),
+        "name": config.get("_model_name_or_path") or config.get("_name_or_path") or path.name,
+        "model_type": config.get("model_type"),
+        "config_sha256": _sha256([path / "config.json"]),
+        "weights_sha256": _sha256(weights),
+        "weight_files": [w.name for w in weights],
+    }
+
+
+def load_pretrained(path: Path) -> nn.Module:
+    """A fresh copy of the checkpoint's causal LM in float32 (loaded once per process, then deep-copied)."""
+    key = str(path)
+    if key not in _LOADED:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        model.config.use_cache = False
+        _LOADED[key] = model
+    return copy.deepcopy(_LOADED[key])
+
+
+def _english_text() -> tuple[str, str]:
+    import pydoc_data.topics as topics
+
+    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    return text, "pydoc_data.topics (the Python language reference's topics, shipped with Python)"
+
+
+class PretrainedTextSource(TextSource):
+    """Next-token prediction with the checkpoint's tokenizer on English text (see the module docstring);
+    metric: perplexity per token. Batches and evaluation windows as :class:`TextSource` builds them."""
+
+    def __init__(self, config: StudyConfig, lengths: list[int], seed: int | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.config, self.lengths = config, lengths
+        self.seed = config.seed if seed is None else seed
+        path = resolve_source(config.source)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if config.data is not None:
+            if not Path(config.data).is_file():
+                raise ValueError(f"--data {config.data!r}: a conversion study reads one text file")
+            text, what = Path(config.data).read_text(encoding="utf-8", errors="replace"), str(config.data)
+        else:
+            text, what = _english_text()
+        ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        cut = int(ids.numel() * TRAIN_FRACTION)
+        self.corpus = SimpleNamespace(train=ids[:cut], val=ids[cut:], source=what)
+        if self.corpus.train.numel() <= config.train_len:
+            raise ValueError(f"the training split has {self.corpus.train.numel()} tokens: too few for --train-len")
+        self.windows = D.eval_windows(self.corpus.val, lengths, config.eval_tokens)
+        self.vocab_size = len(tokenizer)
+        self.tokenizer_name = type(tokenizer).__name__
+
+    def describe(self) -> dict[str, Any]:
+        first = next(iter(self.windows.values()))
+        return {
+            "source": self.corpus.source,
+            "unit": "token",
+            "tokenizer": self.tokenizer_name,
+            "train_tokens": int(self.corpus.train.numel()),
+            "val_tokens": int(self.corpus.val.numel()),
+            "eval_tokens_per_length": int(first.numel()),
+            "eval": "the same validation tokens at every length, cut into windows; every token but each window's "
+            "first is predicted from the tokens before it in its window",
+        }
+
+    def evaluate(self, model: nn.Module, length: int, device: torch.device, split: str = D.IN_DISTRIBUTION
+                 ) -> dict[str, Any]:
+        out = super().evaluate(model, length, device, split)
+        out["bits_per_token"] = out.pop("bits_per_byte")
+        return out
+
+
+def perplexity(loss: float) -> float | None:
+    return math.exp(loss) if loss < 700 else None

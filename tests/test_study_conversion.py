@@ -1,0 +1,89 @@
+"""The conversion study (``hf-posenc study --from CHECKPOINT``) on a tiny pretrained-style checkpoint made here:
+a small Llama and a byte-level tokenizer saved with save_pretrained (no download)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("matplotlib")
+
+from hf_posenc.study import StudyConfig, run_study  # noqa: E402
+from hf_posenc.study import main as study_main  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("ckpt")
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(alphabet), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0,
+                      initializer_range=0.2)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+TINY = dict(steps=2, train_len=16, batch=2, eval_tokens=128, progress=False)
+
+
+def test_conversion_study_evaluates_before_after_the_swap_and_fine_tuned(checkpoint, tmp_path):
+    res = run_study(StudyConfig(source=str(checkpoint), out=str(tmp_path),
+                                encodings=["rope", "rope+t5:init=identity", "alibi", "rope:eval_scaling=yarn"], **TINY))
+    assert res["errors"] == 0
+    assert res["checkpoint"]["name"] and len(res["checkpoint"]["weights_sha256"]) == 64
+    assert res["data"]["unit"] == "token" and "pydoc_data" in res["data"]["source"]
+    before = [e["metric"] for e in res["before"]]
+    assert [e["length"] for e in res["before"]] == [16, 32, 64]
+    runs = {r["encoding"]: r for r in res["results"]}
+    start = {k: [e["metric"] for e in r["eval_start"]] for k, r in runs.items()}
+    assert start["rope"] == pytest.approx(before, rel=1e-6)  # rope is the unpatched model
+    assert start["rope+t5:init=identity"] == pytest.approx(before, rel=1e-5)  # an inert start
+    assert start["alibi"] != pytest.approx(before, rel=1e-3)  # a plain swap changes the model
+    assert len(runs["rope"]["train"]["losses"]) == 2
+    yarn = runs["rope:eval_scaling=yarn"]
+    assert yarn["train"]["losses"] == [] and any("without training" in n for n in yarn["notes"])
+    table = (tmp_path / "table.md").read_text()
+    assert "unpatched (before any swap)" in table and "not trained" in table
+    assert (tmp_path / "study.png").stat().st_size > 0
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["settings"]["source"] == str(checkpoint) and saved["settings"]["lr"] == 1e-4
+
+
+def test_conversion_resume_keeps_the_finished_runs(checkpoint, tmp_path, capsys):
+    cfg = dict(source=str(checkpoint), out=str(tmp_path), **TINY)
+    run_study(StudyConfig(encodings=["rope"], **cfg))
+    res = run_study(StudyConfig(encodings=["rope", "nope"], resume=True, **cfg))
+    assert "kept from results.json" in capsys.readouterr().err
+    assert [r["encoding"] for r in res["results"]] == ["rope", "nope"]
+
+
+def test_conversion_options_are_validated(checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="--from runs the text task"):
+        StudyConfig(source=str(checkpoint), task="counting").resolved()
+    with pytest.raises(ValueError, match="not a checkpoint directory"):
+        run_study(StudyConfig(source=str(tmp_path), out=None, encodings=["rope"], **TINY))
+    c = StudyConfig(source=str(checkpoint)).resolved()
+    assert c.steps == 40 and c.factors == [1.0, 2.0, 4.0] and "rope+fox:init=identity" in c.encodings
+
+
+def test_cli_from(checkpoint, tmp_path, capsys):
+    import argparse
+
+    from hf_posenc.study import add_arguments, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--from", str(checkpoint), "--encodings", "rope", "--steps", "1", "--train-len", "16",
+                         "--batch", "1", "--eval-tokens", "64", "--no-progress", "--out", str(tmp_path)])
+    assert config_from_args(args).source == str(checkpoint)
+    assert study_main(args) == 0
+    assert "unpatched (before any swap)" in capsys.readouterr().out

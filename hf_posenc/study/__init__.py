@@ -90,7 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "of the patch count)")
     p.add_argument("--eval-tokens", type=int, default=None,
                    help="text: validation bytes (tokens with --from) scored at every length (default 16384; with "
-                   "--from 2048)")
+                   "--from 1024)")
     p.add_argument("--from", dest="source", default=None, metavar="CHECKPOINT",
                    help="a conversion study: fine-tune this pretrained causal LM (a checkpoint directory, or "
                    "'smollm2' for the cached SmolLM2-135M-Instruct) after each swap, on English text, and evaluate "

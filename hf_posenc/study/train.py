@@ -112,7 +112,7 @@ class StudyConfig:
     factors: list[float] | None = None  # 1 2 4 8 (a conversion study: 1 2 4)
     #: a conversion study (``--from``): a checkpoint directory, or "smollm2" (hf_posenc.study.pretrained)
     source: str | None = None
-    eval_tokens: int | None = None  # 16384 (a conversion study: 2048)
+    eval_tokens: int | None = None  # 16384 (a conversion study: 1024)
     eval_sequences: int = 128
     progress: bool = True
     resume: bool = False  # continue from out/results.json (same settings), skipping the models it holds
@@ -137,7 +137,7 @@ class StudyConfig:
         if c.factors is None:
             c.factors = [1, 2, 4] if convert else [1, 2, 4, 8]
         if c.eval_tokens is None:
-            c.eval_tokens = 2048 if convert else 16384
+            c.eval_tokens = 1024 if convert else 16384
         if c.family not in ("llama", "gpt2", "vit"):
             raise ValueError(f"--family must be one of llama, gpt2, vit; got {c.family!r}")
         vit = c.family == "vit"

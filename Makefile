@@ -1,6 +1,8 @@
 # hf_posenc: every target sets up its own virtual environment (.venv) on first use.
 #
 #   make test     run the test suite
+#   make test-real  the real tier: tests/test_real.py on SmolLM2-135M-Instruct (built once into
+#                 $HF_POSENC_CACHE or ~/.cache/hf_posenc; skips without network; docs/real-checkpoint.md)
 #   make test-oldest  a subset of the suite against the oldest supported versions (.venv-oldest), and
 #                 checkpoints saved under each end of the version range loaded under the other
 #   make demo     the default `hf-posenc study`, 2 models at a time (DEMO_JOBS; 12 models, 1x-8x; out/study)
@@ -82,10 +84,10 @@ OLDEST_DESELECT ?= --deselect tests/test_api.py::test_backend_override_is_valida
 	--deselect tests/test_ecosystem.py::test_ddp_two_cpu_processes_keep_encoding_in_sync
 CROSS_DIR ?= $(OLDEST_VENV)/cross-version
 
-.PHONY: help setup test test-oldest demo quickstart bench matrix docs clean-venv gpu-check compile-check test-triton36
+.PHONY: help setup test test-real test-oldest demo quickstart bench matrix docs clean-venv gpu-check compile-check test-triton36
 
 help:
-	@sed -n '2,14p' Makefile | sed 's/^# *//'
+	@sed -n '2,/^$$/p' Makefile | sed 's/^# *//'
 
 setup: $(STAMP)
 
@@ -107,6 +109,11 @@ $(STAMP): pyproject.toml | $(PY)
 
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=10 $(PYTEST_ARGS) tests/
+
+# The real tier (marker `real`): about 45 tests on SmolLM2-135M-Instruct, one model loaded and shared. `-m real`
+# comes after any `-m` in pytest's addopts, so it selects the tier even where the default run deselects it.
+test-real: $(STAMP)
+	$(PY) -m pytest -q --durations=10 -m real $(PYTEST_ARGS) tests/test_real.py
 
 $(OLDEST_PY):
 	$(PYTHON) -m venv $(OLDEST_VENV)

@@ -1,6 +1,7 @@
 """Attention kernel family: FlashAttention-style attention with a position term chosen at compile time.
 
-* ``terms.py``: :class:`KernelTerm`, what an encoding hands over (``kernel_term`` on the encoding);
+* ``terms.py``: the term registry (:data:`~.terms.TERMS`: each term's tensors, form and value, stated once; every
+  engine derives from it) and :class:`KernelTerm`, what an encoding hands over (``kernel_term`` on the encoding);
 * ``naive.py``: :func:`attention_reference`, the PyTorch reference of every term (float32, O(L²));
 * ``triton_attention.py``: :func:`fused_attention`, the Triton kernels (forward and backward, O(L) memory);
 * ``flex.py``: :func:`flex_attention_term`, torch's FlexAttention with the same terms as a score_mod;
@@ -24,19 +25,23 @@ import functools
 import torch
 
 from .naive import attention_reference, term_bias
-from .terms import FLEX_KINDS, KERNEL_KINDS, KernelTerm
-from .tiled import TILED_KINDS, tiled_attention, tiled_unsupported
+from .terms import FLEX_KINDS, KERNEL_KINDS, TERM_KINDS, TERMS, TILED_KINDS, KernelTerm, TermSpec, register_term
+from .tiled import tiled_attention, tiled_unsupported
 
 __all__ = [
     "FLEX_KINDS",
     "KERNEL_KINDS",
     "KernelTerm",
+    "TERMS",
+    "TERM_KINDS",
     "TILED_KINDS",
+    "TermSpec",
     "attention_reference",
     "flex_attention_term",
     "flex_unsupported",
     "fused_attention",
     "kernel_unsupported",
+    "register_term",
     "term_bias",
     "tiled_attention",
     "tiled_unsupported",
@@ -63,6 +68,18 @@ def kernel_unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         return f"Triton is not available ({err}); install it with `pip install hf_posenc[triton]`"
     from .triton_attention import interpreting, stdlib_matches_mode
 
+    spec = term.spec
+    if spec.triton is None:
+        return f"the {term.kind} term has no Triton branch"
+    grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (query, key, value, *term.tensors.values(), term.key, term.value) if t is not None)
+    for ts in spec.tensors:
+        if grad and not ts.grad and term.tensors[ts.name].requires_grad:
+            return f"the Triton kernel returns no gradient for the {term.kind} term's {ts.name}"
+    if spec.triton_limit is not None:
+        reason = spec.triton_limit(term, grad)
+        if reason is not None:
+            return reason
     key = term.key if term.key is not None else key
     value = term.value if term.value is not None else value
     if query.device.type != "cuda" and not interpreting():

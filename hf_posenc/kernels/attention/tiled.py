@@ -87,13 +87,10 @@ import torch
 from .._cpu_flash import FLASH_BACKWARD as _flash_bwd, FLASH_FORWARD as _flash_fwd
 from .._subnormal import EXP_FLOOR, exp_flushed
 from .naive import check_window
-from .terms import KernelTerm
+from .terms import TILED_KINDS, TOEPLITZ_KINDS, KernelTerm, fire_cell, fire_psi, term_spec
 
 __all__ = ["TILED_KINDS", "TiledAttentionFunction", "tiled_attention", "tiled_unsupported"]
 
-#: every kind the tile-wise engine implements (all the kernel kinds).
-TILED_KINDS = ("none", "alibi", "kerple_log", "kerple_pow", "sandwich", "t5", "fire", "shaw", "fox")
-_TOEPLITZ = ("alibi", "kerple_log", "kerple_pow", "sandwich", "t5")
 #: default query rows per block, and keys per tile of the online-softmax passes (512: the tile of 8 heads x 256
 #: rows stays in the CPU caches; kerple's training step at L = 2048 ran 1.9x SDPA's against 2.5x with 4096 keys).
 BLOCK_Q = 256
@@ -105,32 +102,14 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def distance_values(term: KernelTerm, delta: torch.Tensor) -> torch.Tensor:
-    """The Toeplitz term at distances ``delta`` (N,) (δ = qi − j, integer-valued) -> (H, N), in the term's
-    compute dtype (float32, float64 for float64 tensors), differentiable in the term's tensors."""
-    kind, t = term.kind, term.tensors
-    if kind == "alibi":
-        slopes = t["slopes"]
-        dist = delta.abs().to(_compute_dtype(slopes.dtype))
-        return -slopes.to(dist.dtype)[:, None] * dist
-    if kind in ("kerple_log", "kerple_pow"):
-        r1, r2 = t["r1"], t["r2"]
-        dtype = _compute_dtype(r1.dtype)
-        r1, r2 = r1.to(dtype)[:, None], r2.to(dtype)[:, None]
-        dist = delta.abs().to(dtype)[None]
-        if kind == "kerple_log":
-            return -r1 * torch.log1p(r2 * dist)
-        safe = torch.where(dist > 0, dist, torch.ones_like(dist))
-        return torch.where(dist > 0, -r1 * safe.pow(r2), torch.zeros_like(r1 * dist))
-    if kind == "sandwich":
-        table = t["table"]
-        table = table.to(_compute_dtype(table.dtype))
-        return table[:, delta.abs().long().clamp(max=table.shape[1] - 1)]
-    if kind == "t5":
-        table, buckets = t["table"], t["buckets"].long()
-        table = table.to(_compute_dtype(table.dtype))
-        m = (buckets.shape[0] - 1) // 2
-        return table[buckets[(-delta.long()).clamp(-m, m) + m]].T
-    raise ValueError(f"{kind!r} is not a Toeplitz term")
+    """The Toeplitz term at distances ``delta`` (N,) (δ = qi − j, integer-valued) -> (H, N), from its registry
+    entry's ``distance``, in the term's compute dtype (float32, float64 for float64 tensors), differentiable in
+    the term's tensors."""
+    spec = term.spec
+    if spec.form != "toeplitz":
+        raise ValueError(f"{term.kind!r} is not a Toeplitz term")
+    heads = torch.arange(term.num_heads, device=delta.device)[:, None]
+    return spec.distance(term.tensors, heads, delta[None])
 
 
 class _FireTiles:
@@ -165,11 +144,9 @@ class _FireTiles:
     def bias(self, qi: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         """(B|1, H, n, m) for queries at key indices ``qi`` (rows q0:q1 of inv_norm) and keys k0 .. k1 − 1."""
         delta = (qi[:, None] - torch.arange(k0, k1, device=qi.device)[None, :]).clamp_(min=0).to(self.c.dtype)
-        psi = torch.log1p(self.c * delta)  # (n, m)
+        psi = fire_psi(self.c, delta)  # (n, m)
         raw = psi[None] * (self.inv_norm[:, q0:q1, None] * self.scale)  # (B|1, n, m)
-        u = raw.clamp(0.0, self.n - 1.0)
-        cell = u.floor().clamp_(max=self.n - 2)
-        w = u.sub_(cell)  # weight of cell + 1
+        cell, w = fire_cell(raw, self.n)  # w: the weight of cell + 1
         idx = cell.long().reshape(-1)
         # gather along a broadcast index: 4x faster than index_select on dim 1 here (measured, 2 threads)
         got = self.values.gather(1, idx[None].expand(2 * self.heads, -1)).view(2, self.heads, *raw.shape)
@@ -297,6 +274,7 @@ class _Plan:
         window: int | None = None,
     ) -> None:
         self.kind, self.names, self.ints = kind, names, ints
+        self.form = term_spec(kind).form
         self.scale, self.causal, self.q_offset = scale, causal, q_offset
         self.block_q, self.block_k = block_q, block_k
         self.window = window
@@ -370,19 +348,19 @@ class _Tile:
 
     def __init__(self, plan: _Plan, tensors: tuple[torch.Tensor, ...], q_off: int | torch.Tensor,
                  q_len: int, k_len: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.plan, self.kind = plan, plan.kind
+        self.plan, self.kind, self.form = plan, plan.kind, plan.form
         self.t = dict(zip(plan.names, tensors))
         self.q_off, self.q_len, self.k_len = q_off, q_len, k_len
         self.dtype, self.device = dtype, device
-        if self.kind in _TOEPLITZ:
+        if self.kind in TOEPLITZ_KINDS:
             # δ = q_offset + r for r = i − j = −(Lk − 1) .. Lq − 1, indexed by e = r + Lk − 1
             self.delta = torch.arange(-(k_len - 1), q_len, device=device) + q_off
             with torch.no_grad():
                 values = distance_values(plan.term(tensors), self.delta).to(dtype)
             self.rev = values.flip(-1).contiguous()  # rev[t] = F[N − 1 − t]
             self.squares: dict[int, torch.Tensor] = {}  # the diagonal square's term per size (see square)
-        if self.kind == "fox":
-            self.c = self.t["c"].detach().to(dtype)
+        if self.form == "gate":
+            self.c = tensors[0].detach().to(dtype)  # a gate's per-token vector c (B, H, Lk)
         elif self.kind == "alibi" and plan.causal and plan.q_offset is not None:  # for the key channel
             # FoX's c with a constant log-gate −slope (see key_channel and _alibi_channel)
             self.slopes = self.t["slopes"].detach().to(dtype)
@@ -397,12 +375,12 @@ class _Tile:
     def spread(self) -> float | None:
         """The largest gap between two of the term's values within a head (an upper bound), or None where it is
         not cheap to know (data-dependent terms)."""
-        if self.kind in _TOEPLITZ:
+        if self.kind in TOEPLITZ_KINDS:
             return float((self.rev.amax(-1) - self.rev.amin(-1)).max()) if self.rev.numel() else 0.0
         if self.kind == "fire":  # interpolated values lie between the table's
             values = self.fire.values[: self.fire.heads]
             return float((values.amax(-1) - values.amin(-1)).max())
-        if self.kind == "none":
+        if self.form == "none":
             return 0.0
         return None
 
@@ -411,7 +389,7 @@ class _Tile:
         keys k0 .. k0 + n − 1): (B, H, n, n), or None without a term. A Toeplitz term's square is the same on
         every block (δ = i − j): one copy per size for the call."""
         n = q1 - q0
-        if self.kind in _TOEPLITZ:
+        if self.kind in TOEPLITZ_KINDS:
             if n not in self.squares:
                 self.squares[n] = self.bias(None, q0, q1, k0, k0 + n, None).flip(-2)  # rows back in order
             sq = self.squares[n]
@@ -429,7 +407,7 @@ class _Tile:
         channel is slope · (j − r), rounded once (c[r] − c[j] would carry the rounding of two large values)."""
         r = qi[qi.shape[0] // 2 :][:1]
         ref = self.c.index_select(-1, r)
-        if self.kind == "fox":
+        if self.form == "gate":
             return ref - self.c[..., k0:k1], ref
         dist = (torch.arange(k0, k1, device=qi.device) - r).to(self.dtype)
         return (self.slopes[:, None] * dist[None])[None], ref
@@ -437,10 +415,10 @@ class _Tile:
     def bias(self, qi: torch.Tensor, q0: int, q1: int, k0: int, k1: int, ctx_q: torch.Tensor | None):
         """The additive term of the tile, broadcastable to (B, H, n, m), or None."""
         n, m = q1 - q0, k1 - k0
-        if self.kind in _TOEPLITZ:  # rows reversed: row i' is query q1 − 1 − i', T[i', j] = rev[t0 + i' + j]
+        if self.kind in TOEPLITZ_KINDS:  # rows reversed: row i' is query q1 − 1 − i', T[i', j] = rev[t0 + i' + j]
             t0 = self.q_len - q1 + k0
             return self.rev.unfold(-1, m, 1)[None, :, t0 : t0 + n]  # (1, H, n, m), a strided view
-        if self.kind == "fox":
+        if self.form == "gate":
             if isinstance(self.q_off, torch.Tensor):
                 cq = self.c.index_select(-1, qi)
             else:
@@ -717,7 +695,7 @@ def _block_parts(tile: "_Tile", plan: _Plan, qi: torch.Tensor, q0: int, q1: int,
     window, a tensor offset, bidirectional) one part: the term with −inf where masked, rows reversed for a
     Toeplitz term (a copy of the view)."""
     m = k_stop - k_start
-    rev = tile.kind in _TOEPLITZ and not channel
+    rev = tile.kind in TOEPLITZ_KINDS and not channel
     diag = _diagonal_start(plan, q0, q1, k_start, k_stop, valid)
     if diag is None:
         mask = _flash_mask(tile, plan, _rows(qi, rev, 0), q0, q1, k_start, k_stop, valid, b, 1 if channel else h,
@@ -896,8 +874,8 @@ class TiledAttentionFunction(torch.autograd.Function):
         lse = q.new_empty(b, h, q_len)
         flash = _flash_available(plan, query.device, dtype)
         # FoX's bias (and causal ALiBi's) rides in a key channel, the lse in the block's frame (Tile.key_channel)
-        channel = flash and (plan.kind == "fox" or _alibi_channel(plan, valid))
-        rev = plan.kind in _TOEPLITZ  # the online passes' row order (the fused path's parts choose their own)
+        channel = flash and (plan.form == "gate" or _alibi_channel(plan, valid))
+        rev = plan.kind in TOEPLITZ_KINDS  # the online passes' row order (the fused path's parts choose their own)
         online = not flash  # the online-softmax passes below, else the fused kernel per block
         if flash and plan.kind == "shaw":  # the value term from the band (see _ShawBand)
             _shaw_fused_forward(plan, tile, q, _expand_heads(k, h), _expand_heads(v, h), valid, q_off, b, h, d,
@@ -982,8 +960,8 @@ class TiledAttentionFunction(torch.autograd.Function):
         dv = torch.zeros_like(v)
         need = ctx.needs_input_grad[6:]
         want_term = any(need)
-        g_dist = q.new_zeros(tile.rev.shape) if plan.kind in _TOEPLITZ and want_term else None
-        dc = torch.zeros_like(tile.c) if plan.kind == "fox" and want_term else None
+        g_dist = q.new_zeros(tile.rev.shape) if plan.kind in TOEPLITZ_KINDS and want_term else None
+        dc = torch.zeros_like(tile.c) if plan.form == "gate" and want_term else None
         fire_grads: dict[str, torch.Tensor] = {}
         fire_need = dict(zip(plan.names, need))
         if plan.kind == "fire":
@@ -996,7 +974,7 @@ class TiledAttentionFunction(torch.autograd.Function):
             grads = _term_grads(plan, tensors, need, tile, None, None, fire_grads, d_akey, d_avalue)
             return (dq.mul_(plan.scale).to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None,
                     *grads)
-        if _flash_available(plan, query.device, dtype) and (plan.kind == "fox" or _alibi_channel(plan, valid)):
+        if _flash_available(plan, query.device, dtype) and (plan.form == "gate" or _alibi_channel(plan, valid)):
             # the forward's frame: the key channel (see Tile.key_channel)
             dq, dk, dv, dc = _channel_fused_backward(plan, tile, q, k, v, out, lse, do, valid, q_off, b, h, hkv, d,
                                                      want_term)
@@ -1012,10 +990,10 @@ class TiledAttentionFunction(torch.autograd.Function):
         # Otherwise (a mild term with padding or a window) the online passes below beat the fused backward with
         # its per-tile float mask (sandwich's step: 1.32x against 1.71x, measured), and they flush subnormal
         # probabilities themselves (``exp_flushed``).
-        underflow = plan.kind != "none" and _may_underflow(tile, q, k)
+        underflow = plan.form != "none" and _may_underflow(tile, q, k)
         flash = not want_term and _flash_available(plan, query.device, dtype) and (
-            plan.kind == "none" or underflow or _splits_at_diagonal(plan, valid))
-        rev = plan.kind in _TOEPLITZ
+            plan.form == "none" or underflow or _splits_at_diagonal(plan, valid))
+        rev = plan.kind in TOEPLITZ_KINDS
         if flash:  # no term gradient: the fused kernel's backward per query block
             kx, vx = _expand_heads(k, h), _expand_heads(v, h)
             dkx = torch.zeros_like(kx) if h != hkv else dk
@@ -1130,7 +1108,7 @@ def _shaw_buckets(tile: _Tile, p: torch.Tensor, qi: torch.Tensor, k0: int, k1: i
 def _term_grads(plan, tensors, need, tile, g_dist, dc, fire_grads, d_akey, d_avalue) -> list:
     """The gradients of the term tensors, in ``plan.names`` order."""
     grads: list = [None] * len(tensors)
-    if plan.kind in _TOEPLITZ and g_dist is not None:
+    if plan.kind in TOEPLITZ_KINDS and g_dist is not None:
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(bool(w)) for t, w in zip(tensors, need)]
             values = distance_values(plan.term(tuple(leaves)), tile.delta)
@@ -1140,8 +1118,8 @@ def _term_grads(plan, tensors, need, tile, g_dist, dc, fire_grads, d_akey, d_ava
         for i, w in enumerate(need):
             if w:
                 grads[i] = next(it)
-    elif plan.kind == "fox" and dc is not None:
-        grads[plan.names.index("c")] = dc
+    elif plan.form == "gate" and dc is not None:
+        grads[0] = dc
     elif plan.kind == "alibi" and dc is not None:  # c[j] = −slope · j (the key channel)
         j = torch.arange(dc.shape[-1], device=dc.device, dtype=dc.dtype)
         grads[plan.names.index("slopes")] = -(dc * j).sum((0, 2))

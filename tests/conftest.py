@@ -393,15 +393,17 @@ def build():
 @pytest.fixture
 def masked_tiles(monkeypatch):
     """The tiles the tile-wise attention engine masks, recorded as (q0, rows, k0, k1): its first query, number
-    of query rows and key range (``hf_posenc.kernels.attention.tiled._apply_mask`` is wrapped)."""
-    from hf_posenc.kernels.attention import tiled
+    of query rows and key range (``hf_posenc.kernels.attention._tiles._apply_mask`` is wrapped, in each of the
+    engine's modules that call it)."""
+    from hf_posenc.kernels.attention import _tiled_function, _tiled_fused, _tiles
 
     seen: list[tuple[int, int, int, int]] = []
-    real = tiled._apply_mask
+    real = _tiles._apply_mask
 
     def spy(s, plan, qi, q0, k0, k1, valid):
         seen.append((q0, s.shape[-2], k0, k1))
         return real(s, plan, qi, q0, k0, k1, valid)
 
-    monkeypatch.setattr(tiled, "_apply_mask", spy)
+    for module in (_tiles, _tiled_fused, _tiled_function):
+        monkeypatch.setattr(module, "_apply_mask", spy)
     return seen

@@ -49,7 +49,6 @@ returns ``KernelTerm.build(kind, ...)``; the reference, FlexAttention and the ti
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -125,8 +124,9 @@ class TermSpec:
         lower: the term rewritten for that other branch.
         triton_limit: why the Triton kernel cannot run this term instance (or None); called with the term and
             whether a gradient is wanted.
-        example: (shape (B, H, Hkv, Lq, Lk, D), q_offset, generator, device) -> (term, leaves): a random term for
-            tests and the compile check, with the leaf tensors whose gradients the tests compare.
+        example: (shape (B, H, Hkv, Lq, Lk, D), q_offset, generator, device, realistic=False) -> (term, leaves):
+            a random term for tests and the compile check, with the leaf tensors whose gradients the tests compare;
+            ``realistic``: tables of the sizes models use (they set the Triton kernels' compile-time sizes).
     """
 
     kind: str
@@ -196,9 +196,11 @@ def triton_id(kind: str) -> int:
     return KERNEL_KINDS.index(branch)
 
 
-def example_term(kind: str, shape: tuple, q_offset: int, g: torch.Generator, device="cpu") -> tuple["KernelTerm", list]:
-    """A random ``kind`` term for ``shape`` (B, H, Hkv, Lq, Lk, D) and the leaves whose gradients tests compare."""
-    return term_spec(kind).example(shape, q_offset, g, device)
+def example_term(kind: str, shape: tuple, q_offset: int, g: torch.Generator, device="cpu",
+                 realistic: bool = False) -> tuple["KernelTerm", list]:
+    """A random ``kind`` term for ``shape`` (B, H, Hkv, Lq, Lk, D) and the leaves whose gradients tests compare
+    (``realistic``: tables of the sizes models use, see :class:`TermSpec`)."""
+    return term_spec(kind).example(shape, q_offset, g, device, realistic)
 
 
 def _f(x: torch.Tensor) -> torch.Tensor:
@@ -218,10 +220,11 @@ def _leaf(t: torch.Tensor, device) -> torch.Tensor:
     return t.to(device).requires_grad_()
 
 
-register_term(TermSpec("none", "none", "0", triton="none", example=lambda shape, off, g, dev: (KernelTerm("none"), [])))
+register_term(TermSpec("none", "none", "0", triton="none",
+                       example=lambda shape, off, g, dev, realistic=False: (KernelTerm("none"), [])))
 
 
-def _alibi_example(shape, off, g, device):
+def _alibi_example(shape, off, g, device, realistic=False):
     h = shape[1]  # ALiBi's slopes for a power of two heads (Press et al.): 2^(−8k/H), k = 1 .. H
     return KernelTerm.alibi((2.0 ** (-8.0 * torch.arange(1, h + 1) / h)).to(device)), []
 
@@ -249,7 +252,7 @@ def _kerple_pow(t, h, delta):
 
 
 def _kerple_example(variant):
-    def make(shape, off, g, device):
+    def make(shape, off, g, device, realistic=False):
         h = shape[1]
         r1 = _leaf(torch.rand(h, generator=g) * 2 + 0.05, device)
         r2 = _leaf(torch.rand(h, generator=g) * (1.9 if variant == "power" else 1.0) + 0.05, device)
@@ -280,8 +283,8 @@ register_term(TermSpec(
     tensors=(TensorSpec("table", "(H, T)", grad=False, heads_dim=0, ndim=2),),
     distance=_sandwich, triton="sandwich",
     # a table shorter than the distances: the last column is reused
-    example=lambda shape, off, g, dev: (KernelTerm.sandwich(torch.randn(shape[1], shape[4] // 2, generator=g)
-                                                             .to(dev)), []),
+    example=lambda shape, off, g, dev, realistic=False: (
+        KernelTerm.sandwich(torch.randn(shape[1], shape[4] // 2, generator=g).to(dev)), []),
 ))
 
 
@@ -297,12 +300,11 @@ def _t5_validate(t: dict) -> None:
         raise ValueError(f"t5 buckets must be an integer vector of odd length 2M + 1, got {tuple(b.shape)}")
 
 
-def _t5_example(shape, off, g, device):
-    table = _leaf(torch.randn(8, shape[1], generator=g), device)
-    # T5's causal bucketing of −20 .. 20 into 8 buckets (4 exact, then log-spaced up to 20)
-    n = (-torch.arange(-20, 21)).clamp(min=0)
-    large = 4 + (torch.log(n.clamp(min=4).float() / 4) / math.log(20 / 4) * 4).long()
-    buckets = torch.where(n < 4, n, large.clamp(max=7))
+def _t5_example(shape, off, g, device, realistic=False):
+    nb, m = (32, 128) if realistic else (8, 20)  # T5's 32 buckets over ±128, or a small table
+    table = _leaf(torch.randn(nb, shape[1], generator=g), device)
+    # causal buckets of j − qi = −M .. M: the distance max(qi − j, 0) itself up to NB − 1, then the last bucket
+    buckets = (-torch.arange(-m, m + 1)).clamp(0, nb - 1)
     return KernelTerm.t5(table, buckets.to(device)), [table]
 
 
@@ -352,9 +354,9 @@ def _fire_check(term, query, key, q_offset) -> None:
         raise ValueError(f"fire inv_norm must be (1 or B={b}, Lq={q_len}), got {tuple(inv.shape)}")
 
 
-def _fire_example(shape, off, g, device):  # a small table (interpreter time); x_max covers every visible pair
-    b, h, lq = shape[0], shape[1], shape[3]
-    table = _leaf(torch.randn(h, 24, generator=g), device)
+def _fire_example(shape, off, g, device, realistic=False):
+    b, h, lq = shape[0], shape[1], shape[3]  # a small table (interpreter time); x_max covers every visible pair
+    table = _leaf(torch.randn(h, 64 if realistic else 24, generator=g), device)
     c = _leaf(torch.tensor(0.3), device)
     inv_norm = _leaf(torch.rand(b, lq, generator=g) * 0.2 + 0.2, device)
     q_idx = torch.arange(lq, dtype=torch.float32, device=device) + off
@@ -397,9 +399,10 @@ def _shaw_validate(t: dict) -> None:
         raise ValueError(f"shaw tables must both be (2K + 1, D), got {tuple(a.shape)} and {tuple(v.shape)}")
 
 
-def _shaw_example(shape, off, g, device):
-    d = shape[5]
-    a_k, a_v = _leaf(torch.randn(11, d, generator=g) * 0.3, device), _leaf(torch.randn(11, d, generator=g) * 0.3, device)
+def _shaw_example(shape, off, g, device, realistic=False):
+    d, rows = shape[5], 33 if realistic else 11  # K = 16 (Shaw et al.'s largest clip) or 5
+    a_k = _leaf(torch.randn(rows, d, generator=g) * 0.3, device)
+    a_v = _leaf(torch.randn(rows, d, generator=g) * 0.3, device)
     return KernelTerm.shaw(a_k, a_v), [a_k, a_v]
 
 
@@ -433,7 +436,7 @@ def _fox_check(term, query, key, q_offset) -> None:
         raise ValueError(f"fox needs the queries among the keys: q_offset + Lq <= Lk, got {offset} + {q_len} > {k_len}")
 
 
-def _fox_example(shape, off, g, device):
+def _fox_example(shape, off, g, device, realistic=False):
     b, h, lk = shape[0], shape[1], shape[4]
     log_f = _leaf(torch.nn.functional.logsigmoid(torch.randn(b, h, lk, generator=g) + 2.0), device)
     return KernelTerm.fox(log_f.cumsum(-1)), [log_f]
@@ -479,7 +482,7 @@ def _dpb_triton_limit(term: "KernelTerm", grad: bool) -> str | None:
     return None
 
 
-def _dpb_example(shape, off, g, device):
+def _dpb_example(shape, off, g, device, realistic=False):
     b, h, hkv, lq, lk, d = shape
     m = max(lk - 1, off + lq - 1)
     table = _leaf(torch.randn(h, 2 * m + 1, generator=g) * 0.5, device)

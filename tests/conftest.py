@@ -89,15 +89,15 @@ SLOW = bool(os.environ.get("HF_POSENC_SLOW"))
 def _family_subsets() -> dict[str, tuple[str, ...]]:
     """Encodings run on each later family in the default run: the native kind (``rope`` on the decoders,
     ``learned`` on BERT) and one encoding of each kind of term spread over them (rotary, absolute, static and
-    learned biases, MLP biases, score + value, score mixing, data-dependent, stick-breaking, contextual)."""
+    learned biases, MLP biases (fire, dpb), score + value, score mixing, data-dependent, stick-breaking, contextual)."""
     return {
         "mistral": ("rope", "alibi", "tape"),
-        "qwen2": ("rope", "kerple", "cape"),
+        "qwen2": ("rope", "kerple", "cape", "dpb"),
         "qwen3": ("rope", "t5", "sba"),
         "gemma3_text": ("rope", "cope", "shaw", "fox"),  # its 6-key window on the local layer meets each term
         "phi3": ("rope", "fire", "sinusoidal"),
         "gpt_neox": ("rope", "rope2d", "nope", "learned"),
-        "bert": ("learned", "alibi", "t5", "rope", "fox", "sinusoidal"),
+        "bert": ("learned", "alibi", "t5", "rope", "fox", "sinusoidal", "dpb"),
     }
 
 

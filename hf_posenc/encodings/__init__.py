@@ -6,6 +6,7 @@ from .base import ModelInfo, PosContext, PositionEncoding
 from .cape import Cape
 from .comrope import ComRope
 from .cope import Cope
+from .dpb import Dpb
 from .fire import Fire
 from .fope import Fope
 from .fox import Fox, FoxPro
@@ -19,4 +20,4 @@ from .shaw import Shaw
 from .t5 import T5Bias
 from .tape import Tape
 
-__all__ = ["Alibi", "Cape", "ComRope", "Cope", "Fire", "Fope", "Fox", "FoxPro", "Kerple", "Learned", "Liere", "ModelInfo", "NoPE", "PosContext", "PositionEncoding", "Rope", "Rope2d", "Sandwich", "Shaw", "Sinusoidal", "StickBreaking", "T5Bias", "Tape"]
+__all__ = ["Alibi", "Cape", "ComRope", "Cope", "Dpb", "Fire", "Fope", "Fox", "FoxPro", "Kerple", "Learned", "Liere", "ModelInfo", "NoPE", "PosContext", "PositionEncoding", "Rope", "Rope2d", "Sandwich", "Shaw", "Sinusoidal", "StickBreaking", "T5Bias", "Tape"]

@@ -6,7 +6,8 @@
 * ``triton_attention.py``: :func:`fused_attention`, the Triton kernels (forward and backward, O(L) memory);
 * ``flex.py``: :func:`flex_attention_term`, torch's FlexAttention with the same terms as a score_mod;
 * ``tiled.py``: :func:`tiled_attention`, the tile-wise PyTorch engine (any device, O(L·block) memory): the
-  default of the ``torch`` backend for every encoding with a kernel term.
+  default of the ``torch`` backend for every encoding with a kernel term (its paths in ``_tiles.py``,
+  ``_tiled_fused.py`` and ``_tiled_function.py``).
 
 Every entry point takes ``window`` (None, or an int >= 1: a sliding window, causal qi − window < j <= qi,
 bidirectional |qi − j| < window): the reference applies it as a band mask, the tile-wise engine and the Triton

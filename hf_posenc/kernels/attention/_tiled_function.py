@@ -17,7 +17,6 @@ from ._tiled_fused import (
     uses_key_channel,
 )
 from ._tiles import (
-    TOEPLITZ_KINDS,
     _antidiagonal_sums,
     _apply_mask,
     _group,
@@ -64,7 +63,7 @@ class TiledAttentionFunction(torch.autograd.Function):
         delta = (do * out).sum(-1, keepdim=True)  # (B, H, Lq, 1)
         need = ctx.needs_input_grad[6:]
         want_term = any(need)
-        g_dist = q.new_zeros(tile.rev.shape) if plan.kind in TOEPLITZ_KINDS and want_term else None
+        g_dist = q.new_zeros(tile.rev.shape) if plan.form == "toeplitz" and want_term else None
         dc = torch.zeros_like(tile.c) if plan.form == "gate" and want_term else None
         fire_grads: dict[str, torch.Tensor] = {}
         fire_need = dict(zip(plan.names, need))
@@ -111,7 +110,7 @@ def _online_forward(plan: _Plan, tile: _Tile, q, k, v, valid, q_off, b, h, hkv, 
     """Fill ``out`` and ``lse`` by an online softmax (running max and sum) over key tiles of ``block_k`` per query
     block (rows reversed for a Toeplitz term: its tiles are strided views)."""
     q_len, k_len = q.shape[2], k.shape[2]
-    rev = plan.kind in TOEPLITZ_KINDS
+    rev = plan.form == "toeplitz"
     for q0 in range(0, q_len, plan.block_q):
         q1 = min(q0 + plan.block_q, q_len)
         n = q1 - q0
@@ -155,7 +154,7 @@ def _online_backward(plan: _Plan, tile: _Tile, q, k, v, lse, do, delta, valid, q
     per-distance dS; ``dc``: a gate's; FIRE's and Shaw's tables) by recomputing each tile's probabilities from the
     saved log-sum-exp, in place."""
     q_len, k_len = q.shape[2], k.shape[2]
-    rev = plan.kind in TOEPLITZ_KINDS
+    rev = plan.form == "toeplitz"
     for q0 in range(0, q_len, plan.block_q):
         q1 = min(q0 + plan.block_q, q_len)
         n = q1 - q0
@@ -216,7 +215,7 @@ def _online_backward(plan: _Plan, tile: _Tile, q, k, v, lse, do, delta, valid, q
 def _term_grads(plan, tensors, need, tile, g_dist, dc, fire_grads, d_akey, d_avalue) -> list:
     """The gradients of the term tensors, in ``plan.names`` order."""
     grads: list = [None] * len(tensors)
-    if plan.kind in TOEPLITZ_KINDS and g_dist is not None:
+    if plan.form == "toeplitz" and g_dist is not None:
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(bool(w)) for t, w in zip(tensors, need)]
             values = distance_values(plan.term(tuple(leaves)), tile.delta)

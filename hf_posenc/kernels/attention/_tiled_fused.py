@@ -11,7 +11,6 @@ import torch
 from .._cpu_flash import FLASH_BACKWARD as _flash_bwd, FLASH_FORWARD as _flash_fwd
 from .._subnormal import EXP_FLOOR
 from ._tiles import (
-    TOEPLITZ_KINDS,
     _apply_mask,
     _empty_rows,
     _expand_heads,
@@ -271,7 +270,7 @@ def _block_parts(tile: "_Tile", plan: _Plan, qi: torch.Tensor, q0: int, q1: int,
     window, a tensor offset, bidirectional) one part: the term with −inf where masked, rows reversed for a
     Toeplitz term (a copy of the view)."""
     m = k_stop - k_start
-    rev = tile.kind in TOEPLITZ_KINDS and not channel
+    rev = tile.form == "toeplitz" and not channel
     diag = _diagonal_start(plan, q0, q1, k_start, k_stop, valid)
     if diag is None:
         mask = _flash_mask(tile, plan, _rows(qi, rev, 0), q0, q1, k_start, k_stop, valid, b, 1 if channel else h,
@@ -484,7 +483,7 @@ def fused_backward_plain(plan: _Plan, tile: _Tile, q, k, v, out, lse, do, valid,
     takes no gradient: on the forward's parts where the blocks split at their diagonal (or no probability can be
     subnormal), else with the block's float mask and ``_subnormal_free``."""
     q_len, k_len = q.shape[2], k.shape[2]
-    rev = plan.kind in TOEPLITZ_KINDS
+    rev = plan.form == "toeplitz"
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     kx, vx = _expand_heads(k, h), _expand_heads(v, h)
     dkx = torch.zeros_like(kx) if h != hkv else dk

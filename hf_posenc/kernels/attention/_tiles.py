@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from .terms import TOEPLITZ_KINDS, KernelTerm, fire_cell, fire_psi, term_spec
+from .terms import KernelTerm, fire_cell, fire_psi, term_spec
+
+#: the pair-form terms with a tile path here (FIRE's table cells, Shaw's buckets); Toeplitz and gate terms need
+#: none of their own (their values come from the term registry).
+PAIR_TILES = ("fire", "shaw")
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -221,7 +225,7 @@ class _Tile:
         self.t = dict(zip(plan.names, tensors))
         self.q_off, self.q_len, self.k_len = q_off, q_len, k_len
         self.dtype, self.device = dtype, device
-        if self.kind in TOEPLITZ_KINDS:
+        if self.form == "toeplitz":
             # δ = q_offset + r for r = i − j = −(Lk − 1) .. Lq − 1, indexed by e = r + Lk − 1
             self.delta = torch.arange(-(k_len - 1), q_len, device=device) + q_off
             with torch.no_grad():
@@ -244,7 +248,7 @@ class _Tile:
     def spread(self) -> float | None:
         """The largest gap between two of the term's values within a head (an upper bound), or None where it is
         not cheap to know (data-dependent terms)."""
-        if self.kind in TOEPLITZ_KINDS:
+        if self.form == "toeplitz":
             return float((self.rev.amax(-1) - self.rev.amin(-1)).max()) if self.rev.numel() else 0.0
         if self.kind == "fire":  # interpolated values lie between the table's
             values = self.fire.values[: self.fire.heads]
@@ -258,7 +262,7 @@ class _Tile:
         keys k0 .. k0 + n − 1): (B, H, n, n), or None without a term. A Toeplitz term's square is the same on
         every block (δ = i − j): one copy per size for the call."""
         n = q1 - q0
-        if self.kind in TOEPLITZ_KINDS:
+        if self.form == "toeplitz":
             if n not in self.squares:
                 self.squares[n] = self.bias(None, q0, q1, k0, k0 + n, None).flip(-2)  # rows back in order
             sq = self.squares[n]
@@ -284,7 +288,7 @@ class _Tile:
     def bias(self, qi: torch.Tensor, q0: int, q1: int, k0: int, k1: int, ctx_q: torch.Tensor | None):
         """The additive term of the tile, broadcastable to (B, H, n, m), or None."""
         n, m = q1 - q0, k1 - k0
-        if self.kind in TOEPLITZ_KINDS:  # rows reversed: row i' is query q1 − 1 − i', T[i', j] = rev[t0 + i' + j]
+        if self.form == "toeplitz":  # rows reversed: row i' is query q1 − 1 − i', T[i', j] = rev[t0 + i' + j]
             t0 = self.q_len - q1 + k0
             return self.rev.unfold(-1, m, 1)[None, :, t0 : t0 + n]  # (1, H, n, m), a strided view
         if self.form == "gate":

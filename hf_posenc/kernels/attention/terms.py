@@ -44,7 +44,9 @@ take no gradient in the Triton kernel (it refuses them when they require one); e
 return the gradient of each term tensor, and autograd carries it on to the encoding's parameters).
 
 Adding a term: one :func:`register_term` call below (its tensors, form, value and example), then its encoding
-returns ``KernelTerm.build(kind, ...)``; the reference, FlexAttention and the tile engine need nothing more.
+returns ``KernelTerm.build(kind, ...)``. The reference and FlexAttention need nothing more; nor does the tile
+engine for a Toeplitz or gate term (a pair term needs its tile path in ``_tiles.py``, which refuses it until
+then); the Triton kernel needs a branch, or an existing one through ``lower``.
 """
 
 from __future__ import annotations

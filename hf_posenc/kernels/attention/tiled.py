@@ -1,5 +1,11 @@
 """Tile-wise PyTorch attention with a position term: the engine wherever the Triton kernels do not run.
 
+Modules, along the engine's paths: this one (the entry, :func:`tiled_attention`); ``_tiles.py`` (the call's plan,
+each form's tiles: a Toeplitz term's strided views of its per-distance values from the term registry, a gate's
+vector, FIRE's table cells, Shaw's buckets; the masks); ``_tiled_fused.py`` (the fused-CPU path: float masks split
+at the diagonal, the key channel, Shaw's band, the subnormal flush); ``_tiled_function.py`` (the autograd
+Function, the online-softmax passes, the term's gradients).
+
 Same contract and math as the Triton kernels (``triton_attention.py``) and the reference (``naive.py``),
 in plain PyTorch, on any device (CPU, MPS, CUDA without Triton). Query i is key qi = q_offset + i::
 
@@ -82,7 +88,7 @@ from __future__ import annotations
 import torch
 
 from ._tiled_function import TiledAttentionFunction
-from ._tiles import _Plan
+from ._tiles import PAIR_TILES, _Plan
 from .naive import check_window
 from .terms import TILED_KINDS, KernelTerm, enter
 
@@ -98,8 +104,8 @@ def tiled_unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """None when :func:`tiled_attention` takes these inputs, else the reason (a sentence)."""
     key = term.key if term.key is not None else key
     value = term.value if term.value is not None else value
-    if term.kind not in TILED_KINDS:
-        return f"the tile-wise attention has no {term.kind!r} term"
+    if term.kind not in TILED_KINDS or (term.spec.form == "pair" and term.kind not in PAIR_TILES):
+        return f"the tile-wise attention has no {term.kind!r} term (a pair term needs its tile path in _tiles.py)"
     if not all(t.is_floating_point() for t in (query, key, value)):
         return "q, k and v must be floating point"
     if len({query.device, key.device, value.device}) > 1:

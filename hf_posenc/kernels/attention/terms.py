@@ -85,9 +85,8 @@ FORMS = ("none", "toeplitz", "pair", "gate")
 class TensorSpec:
     """One tensor of a term: its name, its shape (for messages and docs), whether every engine returns its gradient
     (False: the Triton kernel does not, and refuses it when it requires one; the reference and the tile engine
-    still do, by autograd and by hand), which
-    of its dimensions counts the heads (None: shared by the heads), its rank, and which dimension counts the
-    batch (B or 1; None: shared by the batch)."""
+    still do, by autograd and by hand), which of its dimensions counts the heads (None: shared by the heads),
+    its rank, and which dimension counts the batch (B or 1; None: shared by the batch)."""
 
     name: str
     shape: str
@@ -172,7 +171,8 @@ TERMS: dict[str, TermSpec] = {}
 
 
 def register_term(spec: TermSpec) -> TermSpec:
-    """Add ``spec`` to :data:`TERMS` (a kind is registered once)."""
+    """Add ``spec`` to :data:`TERMS` (a kind is registered once). The terms are registered in this module: the kind
+    tuples below (:data:`TERM_KINDS`, :data:`KERNEL_KINDS`, ...) are computed once, after the last entry."""
     if spec.kind in TERMS:
         raise ValueError(f"kernel term {spec.kind!r} is already registered")
     if spec.triton is not None and spec.triton != spec.kind and (spec.triton not in TERMS or spec.lower is None):

@@ -34,8 +34,8 @@ from torch.nn import functional as F
 from .backend import forced_backend
 from .encodings.base import PLAIN_CAUSAL, UNWINDOWED_MASK, PosContext, unwrap, vit_token_coords
 from .kernels.attention import (
-    KernelTerm,
     FLEX_KINDS,
+    KernelTerm,
     flex_attention_term,
     flex_unsupported,
     fused_attention,

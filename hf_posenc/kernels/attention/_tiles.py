@@ -62,7 +62,7 @@ class _FireTiles:
         delta = (qi[:, None] - torch.arange(k0, k1, device=qi.device)[None, :]).clamp_(min=0).to(self.c.dtype)
         psi = fire_psi(self.c, delta)  # (n, m)
         raw = psi[None] * (self.inv_norm[:, q0:q1, None] * self.scale)  # (B|1, n, m)
-        cell, w = fire_cell(raw, self.n)  # w: the weight of cell + 1
+        cell, w = fire_cell(raw, self.n, inplace=True)  # w: the weight of cell + 1
         idx = cell.long().reshape(-1)
         # gather along a broadcast index: 4x faster than index_select on dim 1 here (measured, 2 threads)
         got = self.values.gather(1, idx[None].expand(2 * self.heads, -1)).view(2, self.heads, *raw.shape)

@@ -322,10 +322,14 @@ def fire_psi(c: torch.Tensor, dpos: torch.Tensor) -> torch.Tensor:
     return torch.log1p(c * dpos)
 
 
-def fire_cell(u: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def fire_cell(u: torch.Tensor, n: int, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(cell ⌊u⌋ <= N − 2, weight u − cell of cell + 1) of FIRE's fractional cells ``u`` (clamped to [0, N − 1]),
-    for a table of N points. The cell carries no gradient; the weight carries u's."""
+    for a table of N points. The cell carries no gradient; the weight carries u's (``inplace``: the weight is
+    written over the clamped copy of u, one tile less to allocate; for inputs that need no gradient)."""
     u = u.clamp(0.0, n - 1.0)
+    if inplace:
+        cell = u.floor().clamp_(max=n - 2)
+        return cell, u.sub_(cell)
     cell = u.detach().floor().clamp(max=n - 2)
     return cell, u - cell
 

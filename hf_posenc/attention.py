@@ -35,6 +35,7 @@ from .backend import forced_backend
 from .encodings.base import PLAIN_CAUSAL, UNWINDOWED_MASK, PosContext, unwrap, vit_token_coords
 from .kernels.attention import (
     FLEX_KINDS,
+    KernelTerm,
     flex_attention_term,
     flex_unsupported,
     fused_attention,
@@ -277,6 +278,48 @@ def _key_validity(
     return result
 
 
+def _engine_inputs(
+    backend: str,
+    ctx: PosContext,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    causal: bool,
+    q_offset: int | torch.Tensor,
+    dropout: float,
+    training: bool,
+) -> tuple[KernelTerm | None, torch.Tensor | None, str | None]:
+    """The one eligibility check of the engines that take the encoding's ``kernel_term``: ``triton``, ``flex`` or
+    ``torch`` (the tile-wise engine). Returns (term, key_valid (B|1, Lk) bool or None, None) when ``backend`` can
+    run this call, else (None, None, the reason: a sentence)."""
+    enc = unwrap(ctx.encoding)
+    mask = _as_bool_mask(attention_mask)
+    if dropout > 0 and training:  # the engines have no attention dropout: the reference drops the probabilities
+        return None, None, f"attention dropout ({dropout}) is not implemented by the {backend} attention"
+    if backend == "torch" and torch.compiler.is_compiling():
+        # Dynamo cannot trace the engine's autograd.Function with its plan object (a graph break, an error under
+        # fullgraph=True, torch 2.13): compiled models run the reference. With an attention mask this was
+        # already so (its form cannot be checked without reading it).
+        return None, None, "the tile-wise engine does not run under torch.compile"
+    if mask is not None and (mask.dim() != 4 or tuple(mask.shape[-2:]) != (query.shape[2], key.shape[2])):
+        return None, None, f"the attention mask {tuple(mask.shape)} does not fit {query.shape[2]} queries and " \
+                           f"{key.shape[2]} keys"
+    term = ctx.encoding("kernel_term", ctx, layer, query, key, value, mask)
+    if term is None:
+        where = "the 2D patch grid" if ctx.grid is not None else ctx.info.family
+        return None, None, f"{enc.name!r} has no {backend} attention term on {where}"
+    key_valid, reason = _key_validity(ctx, mask, causal, query.shape[2], key.shape[2], q_offset,
+                                      ctx.native_window(layer))
+    if reason is None:
+        unsupported = {"triton": kernel_unsupported, "flex": flex_unsupported, "torch": tiled_unsupported}[backend]
+        reason = unsupported(query, key, value, term)
+    if reason is None and ctx.own_window() is not None and ctx.grid is not None:
+        reason = "a sliding window on ViT's grid is per axis; the kernels' window is 1D"
+    return (None, None, reason) if reason is not None else (term, key_valid, None)
+
+
 def _kernel_attention(
     backend: str,
     ctx: PosContext,
@@ -293,36 +336,14 @@ def _kernel_attention(
 ) -> torch.Tensor | None:
     """out (B, H, Lq, D) from the ``triton`` or ``flex`` backend, or None to run the reference (only when
     the backend is not forced; a forced backend that cannot run raises a ValueError with the reason)."""
-    forced = forced_backend() is not None
-    enc = unwrap(ctx.encoding)
-    mask = _as_bool_mask(attention_mask)
-    term, key_valid, reason = None, None, None
-    if dropout > 0 and training:
-        reason = f"attention dropout ({dropout}) is not implemented by the {backend} attention"
-    if reason is None:
-        term = ctx.encoding("kernel_term", ctx, layer, query, key, value, mask)
-        if term is None:
-            where = "the 2D patch grid" if ctx.grid is not None else ctx.info.family
-            reason = f"{enc.name!r} has no {backend} attention term on {where}"
-    if reason is None:
-        key_valid, reason = _key_validity(ctx, mask, causal, query.shape[2], key.shape[2], q_offset,
-                                          ctx.native_window(layer))
-    if reason is None:
-        if backend == "triton":
-            reason = kernel_unsupported(query, key, value, term)
-        else:
-            reason = flex_unsupported(query, key, value, term)
+    term, key_valid, reason = _engine_inputs(backend, ctx, layer, query, key, value, attention_mask, causal,
+                                             q_offset, dropout, training)
     if reason is not None:
-        if forced and reason != "empty tensors":
+        if forced_backend() is not None and reason != "empty tensors":
             raise ValueError(f"HF_POSENC_BACKEND={backend}, but {reason}")
         return None
     run = fused_attention if backend == "triton" else flex_attention_term
     extra = {} if backend == "triton" else {"memo": ctx.memo}
-    if ctx.own_window() is not None and ctx.grid is not None:
-        reason = "a sliding window on ViT's grid is per axis; the kernels' window is 1D"
-        if forced:
-            raise ValueError(f"HF_POSENC_BACKEND={backend}, but {reason}")
-        return None
     return run(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset, key_valid=key_valid,
                window=ctx.engine_window(layer), **extra)
 
@@ -345,25 +366,10 @@ def _tiled_torch_attention(
     docstring: dropout while training, no term for this model, a mask that is not causal + key padding)."""
     if not getattr(unwrap(ctx.encoding), "kernel_kinds", ()):
         return None
-    if dropout > 0 and training:
-        return None  # the engine has no attention dropout: the reference drops the probabilities
-    if torch.compiler.is_compiling():
-        # Dynamo cannot trace the engine's autograd.Function with its plan object (a graph break, an error under
-        # fullgraph=True, torch 2.13): compiled models run the reference. With an attention mask this was
-        # already so (its form cannot be checked without reading it).
+    term, key_valid, reason = _engine_inputs("torch", ctx, layer, query, key, value, attention_mask, causal,
+                                             q_offset, dropout, training)
+    if reason is not None:
         return None
-    mask = _as_bool_mask(attention_mask)
-    if mask is not None and (mask.dim() != 4 or tuple(mask.shape[-2:]) != (query.shape[2], key.shape[2])):
-        return None  # a mask that does not fit the keys: the reference reports it as it always did
-    term = ctx.encoding("kernel_term", ctx, layer, query, key, value, mask)
-    if term is None:
-        return None
-    key_valid, reason = _key_validity(ctx, mask, causal, query.shape[2], key.shape[2], q_offset,
-                                      ctx.native_window(layer))
-    if reason is not None or tiled_unsupported(query, key, value, term) is not None:
-        return None
-    if ctx.own_window() is not None and ctx.grid is not None:
-        return None  # ViT's window is per grid axis: the reference applies it as a band on the mask
     return tiled_attention(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset,
                            key_valid=key_valid, window=ctx.engine_window(layer))
 

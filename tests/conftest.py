@@ -89,16 +89,16 @@ SLOW = bool(os.environ.get("HF_POSENC_SLOW"))
 def _family_subsets() -> dict[str, tuple[str, ...]]:
     """Encodings run on each later family in the default run: the native kind (``rope`` on the decoders,
     ``learned`` on BERT) and one encoding of each kind of term spread over them (rotary, absolute, static and
-    learned biases, MLP biases, score + value, score mixing, data-dependent, stick-breaking, contextual)."""
+    learned biases, MLP biases (fire, dpb), score + value, score mixing, data-dependent, stick-breaking, contextual)."""
     return {
         "mistral": ("rope", "alibi", "tape"),
-        "qwen2": ("rope", "kerple", "cape"),
+        "qwen2": ("rope", "kerple", "cape", "dpb"),
         "qwen3": ("rope", "t5", "sba"),
         "gemma3_text": ("rope", "cope", "shaw", "fox", "xpos"),  # its 6-key window on the local layer meets each
         # term; xpos: rope's per-layer bases with the decay
         "phi3": ("rope", "fire", "sinusoidal", "xpos"),  # xpos: the decay on a partial rotary
         "gpt_neox": ("rope", "rope2d", "nope", "learned"),
-        "bert": ("learned", "alibi", "t5", "rope", "fox", "sinusoidal"),
+        "bert": ("learned", "alibi", "t5", "rope", "fox", "sinusoidal", "dpb"),
     }
 
 
@@ -394,15 +394,17 @@ def build():
 @pytest.fixture
 def masked_tiles(monkeypatch):
     """The tiles the tile-wise attention engine masks, recorded as (q0, rows, k0, k1): its first query, number
-    of query rows and key range (``hf_posenc.kernels.attention.tiled._apply_mask`` is wrapped)."""
-    from hf_posenc.kernels.attention import tiled
+    of query rows and key range (``hf_posenc.kernels.attention._tiles._apply_mask`` is wrapped, in each of the
+    engine's modules that call it)."""
+    from hf_posenc.kernels.attention import _tiled_function, _tiled_fused, _tiles
 
     seen: list[tuple[int, int, int, int]] = []
-    real = tiled._apply_mask
+    real = _tiles._apply_mask
 
     def spy(s, plan, qi, q0, k0, k1, valid):
         seen.append((q0, s.shape[-2], k0, k1))
         return real(s, plan, qi, q0, k0, k1, valid)
 
-    monkeypatch.setattr(tiled, "_apply_mask", spy)
+    for module in (_tiles, _tiled_fused, _tiled_function):
+        monkeypatch.setattr(module, "_apply_mask", spy)
     return seen

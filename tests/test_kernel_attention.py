@@ -16,14 +16,12 @@ import math
 
 import pytest
 import torch
-from torch.nn import functional as F
 
 from hf_posenc import attention as attention_module
-from hf_posenc.encodings.alibi import alibi_slopes
 from hf_posenc.encodings.base import PosContext
 from hf_posenc.encodings.fire import Fire
-from hf_posenc.encodings.t5 import t5_relative_position_bucket
 from hf_posenc.kernels.attention import FLEX_KINDS, KERNEL_KINDS, KernelTerm, attention_reference, term_bias
+from hf_posenc.kernels.attention.terms import example_term
 
 from conftest import left_pad, make_ids, make_model
 
@@ -69,41 +67,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor, floor: float = 1e-30) -> float
 
 
 def make_term(kind: str, shape, q_offset: int, g: torch.Generator, device=DEVICE) -> tuple[KernelTerm, list]:
-    """A term of ``kind`` for ``shape`` with fresh random tensors; returns it and the leaf tensors whose
-    gradients the tests compare (float32, on ``device``)."""
-    b, h, _, lq, lk, d = shape
-
-    def leaf(t):
-        return t.to(device).requires_grad_()
-
-    if kind == "none":
-        return KernelTerm.none(), []
-    if kind == "alibi":
-        return KernelTerm.alibi(alibi_slopes(h).to(device)), []
-    if kind in ("kerple_log", "kerple_pow"):
-        r1 = leaf(torch.rand(h, generator=g) * 2 + 0.05)
-        r2 = leaf(torch.rand(h, generator=g) * (1.9 if kind == "kerple_pow" else 1.0) + 0.05)
-        return KernelTerm.kerple("log" if kind == "kerple_log" else "power", r1, r2), [r1, r2]
-    if kind == "sandwich":  # a table shorter than the distances: the last column is reused
-        return KernelTerm.sandwich(torch.randn(h, lk // 2, generator=g).to(device)), []
-    if kind == "t5":
-        table = leaf(torch.randn(8, h, generator=g))
-        rel = torch.arange(-20, 21)
-        return KernelTerm.t5(table, t5_relative_position_bucket(rel, False, 8, 20).to(device)), [table]
-    if kind == "fire":  # a small table (interpreter time); x_max covers every visible pair
-        table = leaf(torch.randn(h, 24, generator=g))
-        c = leaf(torch.tensor(0.3))
-        inv_norm = leaf(torch.rand(b, lq, generator=g) * 0.2 + 0.2)
-        q_idx = torch.arange(lq, dtype=torch.float32, device=device) + q_offset
-        x_max = (torch.log1p(c.detach() * q_idx)[None] * inv_norm.detach()).max().clamp_min(1.0)
-        return KernelTerm.fire(table, c, inv_norm, x_max), [table, c, inv_norm]
-    if kind == "shaw":
-        a_k, a_v = leaf(torch.randn(11, d, generator=g) * 0.3), leaf(torch.randn(11, d, generator=g) * 0.3)
-        return KernelTerm.shaw(a_k, a_v), [a_k, a_v]
-    if kind == "fox":
-        log_f = leaf(F.logsigmoid(torch.randn(b, h, lk, generator=g) + 2.0))
-        return KernelTerm.fox(log_f.cumsum(-1)), [log_f]
-    raise ValueError(kind)
+    """A term of ``kind`` for ``shape`` with fresh random tensors (its registry entry's example); returns it and
+    the leaf tensors whose gradients the tests compare (float32, on ``device``)."""
+    return example_term(kind, shape, q_offset, g, device)
 
 
 def make_inputs(shape, dtype, seed, padding=True, device=DEVICE):

@@ -12,18 +12,38 @@ import torch
 import hf_posenc
 from hf_posenc.cli import main as cli_main
 from hf_posenc.encodings.alibi import alibi_slopes
+from hf_posenc.kernels.attention.terms import TERMS
 from hf_posenc.registry import get_encoding
 from hf_posenc.show import small_model
 from conftest import make_ids, make_model
 
-#: The issue's kinds, written out (an independent statement of what each encoding's profile must be).
+def _term_biases() -> tuple[str, ...]:
+    """The encodings whose fused term is a function of positions alone (the term registry's Toeplitz and pair
+    forms without a value term, built from no token state): their profile is a score bias."""
+    out = []
+    for name in hf_posenc.list_encodings():
+        kinds = getattr(get_encoding(name).cls, "kernel_kinds", ())
+        specs = [TERMS[kind] for kind in kinds]
+        if specs and all(s.form in ("toeplitz", "pair") and s.value_term is None for s in specs):
+            out.append(name)
+    return tuple(out)
+
+
+#: The issue's kinds: the score biases derived from the term registry (independently of the profile's own rule,
+#: which reads the encodings' registered kind), the others written out.
 EXPECTED_KIND = {
-    **dict.fromkeys(("alibi", "t5", "kerple", "sandwich", "fire"), "score_bias"),
+    **dict.fromkeys(_term_biases(), "score_bias"),
     **dict.fromkeys(("rope", "rope2d", "liere", "comrope", "fope", "xpos"), "qk_transform"),
     **dict.fromkeys(("sinusoidal", "learned"), "absolute"),
     **dict.fromkeys(("fox", "fox_pro", "cope", "sba", "cape", "tape", "shaw"), "data_dependent"),
     "nope": "none",
 }
+
+
+def test_the_term_biases_are_the_static_biases():
+    """The registry-derived score biases: ALiBi, T5, KERPLE, Sandwich, FIRE, DPB (a new one joins by its term)."""
+    assert {"alibi", "t5", "kerple", "sandwich", "fire", "dpb"} <= set(_term_biases())
+    assert not {"shaw", "fox", "fox_pro"} & set(_term_biases())
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

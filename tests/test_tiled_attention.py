@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hf_posenc import attention as attention_module
-from hf_posenc.kernels.attention import KERNEL_KINDS, KernelTerm, attention_reference
+from hf_posenc.kernels.attention import KERNEL_KINDS, TERM_KINDS, KernelTerm, attention_reference
 from hf_posenc.kernels.attention.tiled import TILED_KINDS, tiled_attention
 
 from conftest import make_model
@@ -55,7 +55,7 @@ def _check(kind, shape, dtype, causal, q_offset=None, tensor_offset=False, paddi
 
 
 def test_engine_covers_every_kernel_kind():
-    assert set(TILED_KINDS) == set(KERNEL_KINDS)
+    assert set(TILED_KINDS) == set(TERM_KINDS) and set(KERNEL_KINDS) <= set(TERM_KINDS)
 
 
 @pytest.mark.parametrize("kind", TILED_KINDS)
@@ -133,7 +133,7 @@ def test_causal_blocks_split_at_the_diagonal(monkeypatch, masked_tiles, kind):
     in a key channel (``_Tile.key_channel``), so it has no float mask at all, forward or backward; ALiBi,
     sandwich (no gradient) and plain attention take the same parts in backward. Output and every gradient (FoX's
     gates, FIRE's table) equal the reference's."""
-    from hf_posenc.kernels.attention import tiled
+    from hf_posenc.kernels.attention import _tiled_fused as tiled  # the fused-CPU path
 
     calls = []
     for name in ("_flash_fwd", "_flash_bwd"):
@@ -176,7 +176,7 @@ def test_key_channel_with_padding(monkeypatch, kind):
     """Causal with left padding (blocks that do not split at their diagonal), ALiBi and FoX ride in one more key
     channel (``_Tile.key_channel``: the fused kernel gets head_dim + 1), with learned ALiBi slopes, whose gradient
     comes from that channel (-sum_j j dc_j), against the reference: output and every gradient."""
-    from hf_posenc.kernels.attention import tiled
+    from hf_posenc.kernels.attention import _tiled_fused as tiled  # the fused-CPU path
 
     widths = []
     real = tiled._flash_fwd
@@ -344,7 +344,7 @@ def test_fire_tiles_are_freed_between_tiles(monkeypatch):
     """FIRE's tile builder keeps a tile's parts only from its bias to its gradient in the backward, and nothing
     after a forward or a backward (a held tile made every next one fault in fresh pages, measured). The gradients
     still match the reference."""
-    from hf_posenc.kernels.attention import tiled
+    from hf_posenc.kernels.attention import _tiles as tiled  # the tiles per kind
 
     built = []
 

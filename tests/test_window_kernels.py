@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_posenc.kernels.attention import KERNEL_KINDS, attention_reference, flex_attention_term, tiled_attention
+from hf_posenc.kernels.attention import TILED_KINDS, attention_reference, flex_attention_term, tiled_attention
 from hf_posenc.kernels.cope import cope, cope_reference, cope_tiled
 from hf_posenc.kernels.sba import sba_reference, sba_tiled, stick_breaking
 
@@ -67,7 +67,7 @@ def _attention_case(fn, kind, shape, causal, window, tensor_offset=False, dtype=
     return out
 
 
-@pytest.mark.parametrize("kind", KERNEL_KINDS)
+@pytest.mark.parametrize("kind", TILED_KINDS)
 def test_tiled_chunk_after_cache(kind):
     # 21 queries at keys 56..76, window 8, tiles of 8 keys: the first key tiles are never built
     _attention_case(tiled_attention, kind, SHAPE_CHUNK, True, 8, block_q=8, block_k=8)

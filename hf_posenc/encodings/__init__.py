@@ -7,6 +7,7 @@ from .cape import Cape
 from .comrope import ComRope
 from .compose import ComposedEncoding
 from .cope import Cope
+from .dpb import Dpb
 from .fire import Fire
 from .fope import Fope
 from .fox import Fox
@@ -22,4 +23,4 @@ from .t5 import T5Bias
 from .tape import Tape
 from .xpos import Xpos
 
-__all__ = ["Alibi", "Cape", "ComRope", "ComposedEncoding", "Cope", "Fire", "Fope", "Fox", "FoxPro", "Kerple", "Learned", "Liere", "ModelInfo", "NoPE", "PosContext", "PositionEncoding", "Rope", "Rope2d", "Sandwich", "Shaw", "Sinusoidal", "StickBreaking", "T5Bias", "Tape", "Xpos"]
+__all__ = ["Alibi", "Cape", "ComRope", "ComposedEncoding", "Cope", "Dpb", "Fire", "Fope", "Fox", "FoxPro", "Kerple", "Learned", "Liere", "ModelInfo", "NoPE", "PosContext", "PositionEncoding", "Rope", "Rope2d", "Sandwich", "Shaw", "Sinusoidal", "StickBreaking", "T5Bias", "Tape", "Xpos"]

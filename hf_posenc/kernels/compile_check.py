@@ -201,22 +201,14 @@ def _rand(shape, dtype, grad):
 def _attention(kind: str, dtype, d: int, causal=True, padded=True, hkv=HKV, lq=L, train=True, window=None):
     import torch
 
-    from .attention import KernelTerm
+    from .attention.terms import example_term
     from .attention.triton_attention import fused_attention
 
     def fn():
-        pos = lambda *s: torch.rand(*s).add_(0.1).requires_grad_(train)  # noqa: E731
-        term = {
-            "none": lambda: KernelTerm.none(),
-            "alibi": lambda: KernelTerm.alibi(torch.rand(H)),
-            "kerple_log": lambda: KernelTerm.kerple("log", pos(H), pos(H)),
-            "kerple_pow": lambda: KernelTerm.kerple("power", pos(H), pos(H)),
-            "sandwich": lambda: KernelTerm.sandwich(torch.randn(H, L)),
-            "t5": lambda: KernelTerm.t5(pos(32, H), torch.randint(0, 32, (2 * L + 1,))),
-            "fire": lambda: KernelTerm.fire(pos(H, 64), pos(1).reshape(()), pos(B, lq), torch.tensor(4.0)),
-            "shaw": lambda: KernelTerm.shaw(pos(33, d), pos(33, d)),
-            "fox": lambda: KernelTerm.fox(-pos(B, H, L)),
-        }[kind]()
+        # the term's registry example (random tensors of the term's shapes; gradients where it takes them)
+        with torch.set_grad_enabled(train):
+            term, _ = example_term(kind, (B, H, hkv, lq, L, d), L - lq, torch.Generator().manual_seed(0),
+                                   realistic=True)
         q = _rand((B, H, lq, d), dtype, train)
         k, v = _rand((B, hkv, L, d), dtype, train), _rand((B, hkv, L, d), dtype, train)
         valid = torch.ones(B, L, dtype=torch.bool) if padded else None
@@ -306,8 +298,10 @@ def cases(matrix: str = "representative") -> list[tuple[str, Callable[[], None]]
     """
     import torch
 
-    from .attention.terms import KERNEL_KINDS
+    from .attention.terms import TERMS
 
+    #: every term the Triton kernel runs, on its own branch or another's (dpb: t5's, with a table of 2L − 1 rows)
+    triton_terms = tuple(kind for kind, spec in TERMS.items() if spec.triton is not None)
     if matrix not in MATRICES:
         raise ValueError(f"matrix must be one of {MATRICES}, got {matrix!r}")
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
@@ -318,11 +312,11 @@ def cases(matrix: str = "representative") -> list[tuple[str, Callable[[], None]]
     if matrix == "gate-backward":
         return [_cope(f32, 128, npos=256), _attention("fox", bf16, 128), _sba(f16, 128)]
     if matrix == "representative":
-        dtypes = {kind: [bf16] for kind in KERNEL_KINDS}
+        dtypes = {kind: [bf16] for kind in triton_terms}
         dtypes["none"] = [f32, bf16, f16]
         dtypes["fire"] = [bf16, f32]
         dtypes["shaw"] = [bf16, f32]
-        for kind in KERNEL_KINDS:
+        for kind in triton_terms:
             for dt in dtypes[kind]:
                 out.append(_attention(kind, dt, 128))
         out += [_attention("alibi", f16, 40, padded=False), _attention("none", bf16, 128, lq=1, train=False)]
@@ -332,7 +326,7 @@ def cases(matrix: str = "representative") -> list[tuple[str, Callable[[], None]]
         out += [_attention("fox", bf16, 128, window=64), _attention("t5", bf16, 128, causal=False, window=64),
                 _sba(bf16, 128, window=64), _cope(bf16, 128, window=64)]
         return out
-    for kind in KERNEL_KINDS:
+    for kind in triton_terms:
         for dt in (f32, bf16, f16):
             for d in (40, 64, 128):
                 for causal, padded in ((True, True), (True, False), (False, True)):

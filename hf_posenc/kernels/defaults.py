@@ -11,41 +11,32 @@ Where the entries come from. "Defaults come from measurement" (issue 13): each e
 that passed ``pytest -m gpu`` and was fastest in ``make gpu-check`` (benchmarks/results/gpu_check_<GPU>.*)
 on an H100 / H200. **As of this writing no GPU has run these kernels: every entry is unmeasured, and is
 "triton" by design** (the kernels exist to be the default). The GPU session that runs ``make gpu-check``
-edits this table -- and only this table -- with the result it came from in ``MEASURED``.
+sets an entry below the derived defaults (``CUDA_DEFAULT_BACKEND[kind] = ...``) -- and only there -- with the result it came from in ``MEASURED``.
 """
 
 from __future__ import annotations
 
+from .attention.terms import TERM_KINDS, TERMS
+
 __all__ = ["CUDA_DEFAULT_BACKEND", "MEASURED", "KINDS", "cuda_default_backend"]
 
-#: attention terms (``kernels.attention.terms.KERNEL_KINDS``), the attentions with their own kernels and
-#: the rotary kernel.
-KINDS = ("none", "alibi", "kerple_log", "kerple_pow", "sandwich", "t5", "fire", "shaw", "fox", "sba", "cope",
-         "rotary")
+#: attention terms (the term registry, ``kernels.attention.terms.TERM_KINDS``), the attentions with their own
+#: kernels and the rotary kernel.
+KINDS = (*TERM_KINDS, "sba", "cope", "rotary")
 
-#: kind -> default backend on CUDA. Unmeasured (no GPU yet): triton by design, see the module docstring.
-CUDA_DEFAULT_BACKEND: dict[str, str] = {
-    "none": "triton",
-    "alibi": "triton",
-    "kerple_log": "triton",
-    "kerple_pow": "triton",
-    "sandwich": "triton",
-    "t5": "triton",
-    "fire": "triton",
-    "shaw": "triton",
-    "fox": "triton",
-    "sba": "triton",
-    "cope": "triton",
-    "rotary": "triton",
-}
+#: which backends each kind has on CUDA: triton where it has a Triton branch (its own or another term's), flex
+#: where a score_mod can say it (shaw's value term cannot), torch everywhere.
+_AVAILABLE = {kind: ("triton", "torch") for kind in ("sba", "cope", "rotary")}
+for _kind, _spec in TERMS.items():
+    _AVAILABLE[_kind] = (("triton",) if _spec.triton is not None else ()) + (("flex",) if _spec.flex else ()) + (
+        "torch",)
+
+#: kind -> default backend on CUDA. Unmeasured (no GPU yet): triton by design wherever a kind has a Triton
+#: branch, see the module docstring; a measured entry replaces its default here, with its source in MEASURED.
+CUDA_DEFAULT_BACKEND: dict[str, str] = {kind: backends[0] for kind, backends in _AVAILABLE.items()}
 
 #: kind -> the measurement an entry came from (GPU, benchmark file, ratio to the runner-up). Empty: unmeasured.
 MEASURED: dict[str, str] = {}
-
-#: which backends each kind has on CUDA (flex: the score_mod forms; shaw's value term has none).
-_AVAILABLE = {kind: ("triton", "torch") for kind in KINDS}
-for _kind in ("none", "alibi", "kerple_log", "kerple_pow", "sandwich", "t5", "fire", "fox"):
-    _AVAILABLE[_kind] = ("triton", "flex", "torch")
 
 
 def _validate(table: dict[str, str]) -> None:

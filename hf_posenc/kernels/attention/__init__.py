@@ -1,11 +1,13 @@
 """Attention kernel family: FlashAttention-style attention with a position term chosen at compile time.
 
-* ``terms.py``: :class:`KernelTerm`, what an encoding hands over (``kernel_term`` on the encoding);
+* ``terms.py``: the term registry (:data:`~.terms.TERMS`: each term's tensors, form and value, stated once; every
+  engine derives from it) and :class:`KernelTerm`, what an encoding hands over (``kernel_term`` on the encoding);
 * ``naive.py``: :func:`attention_reference`, the PyTorch reference of every term (float32, O(L²));
 * ``triton_attention.py``: :func:`fused_attention`, the Triton kernels (forward and backward, O(L) memory);
 * ``flex.py``: :func:`flex_attention_term`, torch's FlexAttention with the same terms as a score_mod;
 * ``tiled.py``: :func:`tiled_attention`, the tile-wise PyTorch engine (any device, O(L·block) memory): the
-  default of the ``torch`` backend for every encoding with a kernel term.
+  default of the ``torch`` backend for every encoding with a kernel term (its paths in ``_tiles.py``,
+  ``_tiled_fused.py`` and ``_tiled_function.py``).
 
 Every entry point takes ``window`` (None, or an int >= 1: a sliding window, causal qi − window < j <= qi,
 bidirectional |qi − j| < window): the reference applies it as a band mask, the tile-wise engine and the Triton
@@ -25,19 +27,23 @@ import torch
 
 from .._common import KERNEL_DTYPES, MAX_HEAD_DIM, triton_import_error
 from .naive import attention_reference, term_bias
-from .terms import FLEX_KINDS, KERNEL_KINDS, KernelTerm
-from .tiled import TILED_KINDS, tiled_attention, tiled_unsupported
+from .terms import FLEX_KINDS, KERNEL_KINDS, TERM_KINDS, TERMS, TILED_KINDS, KernelTerm, TermSpec, register_term
+from .tiled import tiled_attention, tiled_unsupported
 
 __all__ = [
     "FLEX_KINDS",
     "KERNEL_KINDS",
     "KernelTerm",
+    "TERMS",
+    "TERM_KINDS",
     "TILED_KINDS",
+    "TermSpec",
     "attention_reference",
     "flex_attention_term",
     "flex_unsupported",
     "fused_attention",
     "kernel_unsupported",
+    "register_term",
     "term_bias",
     "tiled_attention",
     "tiled_unsupported",
@@ -54,6 +60,18 @@ def kernel_unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         return f"Triton is not available ({err}); install it with `pip install hf_posenc[triton]`"
     from .triton_attention import interpreting, stdlib_matches_mode
 
+    spec = term.spec
+    if spec.triton is None:
+        return f"the {term.kind} term has no Triton branch"
+    grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (query, key, value, *term.tensors.values(), term.key, term.value) if t is not None)
+    for ts in spec.tensors:
+        if grad and not ts.grad and term.tensors[ts.name].requires_grad:
+            return f"the Triton kernel returns no gradient for the {term.kind} term's {ts.name}"
+    if spec.triton_limit is not None:
+        reason = spec.triton_limit(term, grad)
+        if reason is not None:
+            return reason
     key = term.key if term.key is not None else key
     value = term.value if term.value is not None else value
     if query.device.type != "cuda" and not interpreting():

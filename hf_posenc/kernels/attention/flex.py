@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from .naive import check_window
-from .terms import FLEX_KINDS, KernelTerm
+from .terms import FLEX_KINDS, KernelTerm, enter
 
 __all__ = ["flex_attention_term", "score_mod_for"]
 
@@ -28,72 +28,17 @@ def _compiled_flex():
 
 
 def score_mod_for(term: KernelTerm, q_offset: int):
-    """The score_mod ``(score, b, h, q_idx, kv_idx) -> score + B_h(i, j)`` of ``term`` (None for ``none``)."""
-    kind, t = term.kind, term.tensors
-    if kind not in FLEX_KINDS:
-        raise ValueError(f"the {kind} term has no FlexAttention form; allowed: {', '.join(FLEX_KINDS)}")
-    if kind == "none":
+    """The score_mod ``(score, b, h, q_idx, kv_idx) -> score + B_h(i, j)`` of ``term`` (None for ``none``): its
+    registry entry's value (:meth:`~.terms.TermSpec.value`) on FlexAttention's indices."""
+    spec = term.spec
+    if not spec.flex:
+        raise ValueError(f"the {term.kind} term has no FlexAttention form; allowed: {', '.join(FLEX_KINDS)}")
+    if spec.form == "none":
         return None
-    f32 = lambda x: x if x.dtype in (torch.float32, torch.float64) else x.float()  # noqa: E731
+    t, ints = dict(term.tensors), dict(term.ints)
 
-    if kind == "alibi":
-        slopes = f32(t["slopes"])
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return score - slopes[h] * (q_idx + q_offset - kv_idx).abs()
-
-    elif kind == "kerple_log":
-        r1, r2 = f32(t["r1"]), f32(t["r2"])
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            dist = (q_idx + q_offset - kv_idx).abs().to(torch.float32)
-            return score - r1[h] * torch.log1p(r2[h] * dist)
-
-    elif kind == "kerple_pow":
-        r1, r2 = f32(t["r1"]), f32(t["r2"])
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            dist = (q_idx + q_offset - kv_idx).abs().to(torch.float32)
-            powd = torch.exp(r2[h] * torch.log(torch.clamp(dist, min=1.0)))
-            return score - torch.where(dist > 0, r1[h] * powd, torch.zeros_like(powd))
-
-    elif kind == "sandwich":
-        table = f32(t["table"])
-        last = table.shape[1] - 1
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return score + table[h, torch.clamp((q_idx + q_offset - kv_idx).abs(), max=last)]
-
-    elif kind == "t5":
-        table, buckets = f32(t["table"]), t["buckets"].long()
-        m = (buckets.shape[0] - 1) // 2
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            rel = torch.clamp(kv_idx - q_idx - q_offset, -m, m) + m
-            return score + table[buckets[rel], h]
-
-    elif kind == "fire":
-        table, c = f32(t["table"]), f32(t["c"])
-        n = table.shape[1]
-        inv = f32(t["inv_norm"])
-        x_scale = (n - 1) / f32(t["x_max"]).detach()
-        per_batch = inv.shape[0] > 1
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            dpos = torch.clamp(q_idx + q_offset - kv_idx, min=0).to(torch.float32)
-            u = torch.log1p(c * dpos) * inv[b if per_batch else 0, q_idx] * x_scale
-            u = torch.clamp(u, 0.0, n - 1.0)
-            k0 = torch.clamp(torch.floor(u), max=n - 2.0)
-            w = u - k0
-            ki = k0.to(torch.int64)
-            t0 = table[h, ki]
-            return score + t0 + w * (table[h, ki + 1] - t0)
-
-    else:  # fox
-        c = f32(t["c"])
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return score + c[b, h, q_idx + q_offset] - c[b, h, kv_idx]
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + spec.value(t, ints, b, h, q_idx, q_idx + q_offset, kv_idx)
 
     return score_mod
 
@@ -146,11 +91,9 @@ def flex_attention_term(
     ``memo`` (e.g. the per-forward ``PosContext.memo``) keeps the block mask across layers. ``window``: None or
     an int >= 1, a sliding window folded into the block mask (causal: qi − window < j <= qi; bidirectional:
     |qi − j| < window), so the key blocks outside it are skipped; TypeError / ValueError otherwise."""
-    window = check_window(window)
+    key, value, window = enter(query, key, value, term, q_offset, window, check_window)
     from torch.nn.attention.flex_attention import flex_attention
 
-    key = term.key if term.key is not None else key
-    value = term.value if term.value is not None else value
     b, h, q_len, _ = query.shape
     k_len = key.shape[2]
     score_mod = score_mod_for(term, int(q_offset))

@@ -15,76 +15,41 @@ import torch
 
 from ...ops import expand_kv
 from .._masks import band_allowed, check_window
-from .terms import KernelTerm
+from .terms import KernelTerm, enter
 
-__all__ = ["attention_reference", "fire_interpolate", "term_bias"]
+__all__ = ["attention_reference", "band_allowed", "check_window", "term_bias"]
 
 
 def _upcast(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
-def fire_interpolate(table: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Linear interpolation of ``table`` (H, N) at fractional cells ``u`` (...) (clamped to [0, N − 1])
-    -> (H, ...): table[⌊u⌋] (1 − w) + table[⌊u⌋ + 1] w, w = u − ⌊u⌋, ⌊u⌋ <= N − 2."""
-    n = table.shape[1]
-    u = u.clamp(0.0, n - 1.0)
-    k0 = u.detach().floor().clamp(max=n - 2)
-    w = u - k0
-    idx = k0.long()
-    t0 = table[:, idx.reshape(-1)].reshape(table.shape[0], *u.shape)
-    t1 = table[:, (idx + 1).reshape(-1)].reshape(table.shape[0], *u.shape)
-    return t0 + w * (t1 - t0)
-
-
 def term_bias(
     term: KernelTerm, query: torch.Tensor | None, q_len: int, k_len: int, q_offset: int = 0
 ) -> torch.Tensor | None:
-    """The additive logit term (B|1, H, Lq, Lk) float32 of ``term`` (None for ``none``).
+    """The additive logit term (B|1, H, Lq, Lk) float32 of ``term`` (None for ``none``): its registry entry's
+    value (:class:`~.terms.TermSpec`) evaluated on broadcast index tensors (b, h, i, j).
 
-    ``query`` (B, H, Lq, D) is needed by ``shaw`` only (its key term is scale-free here: the caller scales
-    q . a^K with the logits; see :func:`attention_reference`)."""
-    kind, t = term.kind, term.tensors
-    if kind == "none":
+    ``query`` (B, H, Lq, D) is needed by terms with a ``prepare`` step only (shaw: its key term is scale-free
+    here: the caller scales q . a^K with the logits; see :func:`attention_reference`)."""
+    spec = term.spec
+    if spec.form == "none":
         return None
-    device = next(iter(t.values())).device if t else query.device
-    q_idx = torch.arange(q_len, device=device) + q_offset
-    k_idx = torch.arange(k_len, device=device)
-    delta = q_idx[:, None] - k_idx[None, :]  # (Lq, Lk) int64: key index of the query minus the key's
-    dist = delta.abs().float()
-    if kind == "alibi":
-        return -(_upcast(t["slopes"])[:, None, None] * dist)[None]
-    if kind == "kerple_log":
-        r1, r2 = _upcast(t["r1"])[:, None, None], _upcast(t["r2"])[:, None, None]
-        return (-r1 * torch.log1p(r2 * dist))[None]
-    if kind == "kerple_pow":
-        r1, r2 = _upcast(t["r1"])[:, None, None], _upcast(t["r2"])[:, None, None]
-        safe = torch.where(dist > 0, dist, torch.ones_like(dist))
-        return torch.where(dist > 0, -r1 * safe.pow(r2), torch.zeros_like(r1 * dist))[None]
-    if kind == "sandwich":
-        table = _upcast(t["table"])
-        idx = delta.abs().clamp(max=table.shape[1] - 1)
-        return table[:, idx][None]
-    if kind == "t5":
-        table, buckets = _upcast(t["table"]), t["buckets"].long()
-        m = (buckets.shape[0] - 1) // 2
-        rel = (-delta).clamp(-m, m) + m
-        return table[buckets[rel]].permute(2, 0, 1)[None]
-    if kind == "fire":
-        table, c, inv_norm = _upcast(t["table"]), _upcast(t["c"]), _upcast(t["inv_norm"])
-        n = table.shape[1]
-        psi = torch.log1p(c * delta.clamp(min=0).float())  # (Lq, Lk)
-        u = psi[None] * inv_norm[:, :, None] * ((n - 1) / _upcast(t["x_max"]).detach())  # (B|1, Lq, Lk)
-        return fire_interpolate(table, u).movedim(0, 1)
-    if kind == "shaw":
-        k = term.ints["max_relative_position"]
-        idx = (-delta).clamp(-k, k) + k  # (Lq, Lk)
-        qa = _upcast(query) @ _upcast(t["key_table"]).T  # (B, H, Lq, 2K + 1)
-        return qa.gather(-1, idx.expand(*qa.shape[:2], q_len, k_len))
-    if kind == "fox":
-        c = _upcast(t["c"])
-        return c[:, :, q_idx, None] - c[:, :, None, :]
-    raise ValueError(f"unknown kernel term {kind!r}")
+    t = dict(term.tensors)
+    if spec.prepare is not None:
+        t.update(spec.prepare(term, query))
+    device = next(iter(t.values())).device
+    heads = term.num_heads if term.num_heads is not None else query.shape[1]
+    batch = query.shape[0] if spec.prepare is not None else max(
+        [t[ts.name].shape[ts.batch_dim] for ts in spec.tensors if ts.batch_dim is not None], default=1)
+    b = torch.arange(batch, device=device)[:, None, None, None]
+    h = torch.arange(heads, device=device)[None, :, None, None]
+    i = torch.arange(q_len, device=device)[:, None]
+    qi = i + q_offset  # (Lq, 1) key index of each query
+    j = torch.arange(k_len, device=device)[None, :]
+    if spec.form == "toeplitz":  # a function of (h, δ): no batch dimension
+        return spec.distance(t, h[0], qi - j)[None]
+    return spec.pair(t, term.ints, b, h, i, qi, j)
 
 
 def attention_reference(
@@ -118,10 +83,7 @@ def attention_reference(
     Raises:
         TypeError, ValueError: ``window`` is not None or an int >= 1.
     """
-    window = check_window(window)
-    key = term.key if term.key is not None else key
-    value = term.value if term.value is not None else value
-    term.check(query, key, q_offset)
+    key, value, window = enter(query, key, value, term, q_offset, window, check_window)
     b, h, q_len, _ = query.shape
     k_len = key.shape[2]
     groups = h // key.shape[1]
@@ -130,7 +92,7 @@ def attention_reference(
     v = expand_kv(_upcast(value), groups)
     scores = q @ k.transpose(-1, -2)
     bias = term_bias(term, query, q_len, k_len, q_offset)
-    if term.kind == "shaw":
+    if term.spec.value_term is not None:  # shaw: scale · q · (k + a^K), its key term scale-free above
         scores = (scores + bias) * scale
     else:
         scores = scores * scale
@@ -143,10 +105,8 @@ def attention_reference(
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
     out = probs @ v
-    if term.kind == "shaw":
-        kmax = term.ints["max_relative_position"]
+    if term.spec.value_term is not None:  # shaw's value term
         q_idx = torch.arange(q_len, device=q.device) + q_offset
-        rel = (torch.arange(k_len, device=q.device)[None, :] - q_idx[:, None]).clamp(-kmax, kmax) + kmax
-        buckets = probs.new_zeros(b, h, q_len, 2 * kmax + 1).scatter_add(-1, rel.expand(b, h, q_len, k_len), probs)
-        out = out + buckets @ _upcast(term.tensors["value_table"])
+        out = out + term.spec.value_term(term.tensors, term.ints, probs, q_idx[:, None],
+                                         torch.arange(k_len, device=q.device)[None, :])
     return out.to(query.dtype)

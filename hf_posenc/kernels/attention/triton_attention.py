@@ -65,7 +65,7 @@ import triton.language as tl
 
 from .._errors import guarded
 from .naive import check_window
-from .terms import KERNEL_KINDS, KernelTerm
+from .terms import KERNEL_KINDS, KernelTerm, enter, triton_id
 
 __all__ = ["FusedAttentionFunction", "fused_attention", "interpreting", "stdlib_matches_mode"]
 
@@ -102,16 +102,21 @@ NUM_STAGES = 2
 INTERPRETER_BLOCK = 64
 
 _LOG2E = tl.constexpr(1.4426950408889634)
-# compile-time term ids (the order of terms.KERNEL_KINDS)
-_NONE = tl.constexpr(0)
-_ALIBI = tl.constexpr(1)
-_KERPLE_LOG = tl.constexpr(2)
-_KERPLE_POW = tl.constexpr(3)
-_SANDWICH = tl.constexpr(4)
-_T5 = tl.constexpr(5)
-_FIRE = tl.constexpr(6)
-_SHAW = tl.constexpr(7)
-_FOX = tl.constexpr(8)
+# compile-time term ids: one branch per entry of terms.KERNEL_KINDS, its id from the registry (terms.triton_id)
+_NONE = tl.constexpr(triton_id("none"))
+_ALIBI = tl.constexpr(triton_id("alibi"))
+_KERPLE_LOG = tl.constexpr(triton_id("kerple_log"))
+_KERPLE_POW = tl.constexpr(triton_id("kerple_pow"))
+_SANDWICH = tl.constexpr(triton_id("sandwich"))
+_T5 = tl.constexpr(triton_id("t5"))
+_FIRE = tl.constexpr(triton_id("fire"))
+_SHAW = tl.constexpr(triton_id("shaw"))
+_FOX = tl.constexpr(triton_id("fox"))
+#: the branches below, in id order; a term registered with its own branch needs one here (and in _term_bias).
+_BRANCHES = ("none", "alibi", "kerple_log", "kerple_pow", "sandwich", "t5", "fire", "shaw", "fox")
+assert _BRANCHES == KERNEL_KINDS, f"the Triton branches {_BRANCHES} do not match terms.KERNEL_KINDS {KERNEL_KINDS}"
+assert [c.value for c in (_NONE, _ALIBI, _KERPLE_LOG, _KERPLE_POW, _SANDWICH, _T5, _FIRE, _SHAW, _FOX)] == list(
+    range(len(_BRANCHES)))
 _TERM_ID = {kind: i for i, kind in enumerate(KERNEL_KINDS)}
 #: per-row gradient planes the dQ kernel writes, per term.
 _ROWG_PLANES = {"kerple_log": 2, "kerple_pow": 2, "fire": 2, "fox": 1}
@@ -770,6 +775,17 @@ def _term_grads(L: _Launch, needs, tensors, rowg, hist, dqa, dck) -> list[torch.
     return [g if (n and g is not None) else None for g, n in zip(grads, needs)]
 
 
+def lower(term: KernelTerm) -> KernelTerm:
+    """``term`` on its Triton branch: itself, or (a term registered on another term's branch) rewritten for it
+    by its registry entry's ``lower``. ValueError for a term without a Triton branch."""
+    spec = term.spec
+    if spec.triton is None:
+        raise ValueError(f"the {term.kind} term has no Triton branch")
+    if spec.triton == term.kind:
+        return term
+    return spec.lower(term)
+
+
 def fused_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -804,10 +820,8 @@ def fused_attention(
     Raises:
         TypeError, ValueError: ``window`` is not None or an int >= 1.
     """
-    window = check_window(window)
-    key = term.key if term.key is not None else key
-    value = term.value if term.value is not None else value
-    term.check(query, key, q_offset)
+    key, value, window = enter(query, key, value, term, q_offset, window, check_window)
+    term = lower(term)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
     valid = None
     if key_valid is not None:

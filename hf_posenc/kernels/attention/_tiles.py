@@ -1,0 +1,384 @@
+"""The tile engine's tiles (see ``tiled.py`` for the engine): the call's plan and geometry, each term's tile of
+values by form (a Toeplitz term's strided view of its per-distance values from the term registry, a gate's
+per-token vector, FIRE's table cells, Shaw's buckets), the masks, and the per-tile helpers both engine paths use."""
+
+from __future__ import annotations
+
+import torch
+
+from .terms import KernelTerm, fire_cell, fire_psi, term_spec
+
+#: the pair-form terms with a tile path here (FIRE's table cells, Shaw's buckets); Toeplitz and gate terms need
+#: none of their own (their values come from the term registry).
+PAIR_TILES = ("fire", "shaw")
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def distance_values(term: KernelTerm, delta: torch.Tensor) -> torch.Tensor:
+    """The Toeplitz term at distances ``delta`` (N,) (δ = qi − j, integer-valued) -> (H, N), from its registry
+    entry's ``distance``, in the term's compute dtype (float32, float64 for float64 tensors), differentiable in
+    the term's tensors."""
+    spec = term.spec
+    if spec.form != "toeplitz":
+        raise ValueError(f"{term.kind!r} is not a Toeplitz term")
+    heads = torch.arange(term.num_heads, device=delta.device)[:, None]
+    return spec.distance(term.tensors, heads, delta[None])
+
+
+class _FireTiles:
+    """FIRE's term tile by tile, by hand in both directions (autograd's gather backward, an index_put with
+    accumulation, took 30 % of a training step). b_hij = table_h(u_ij) interpolated linearly,
+    u_ij = ψ(δ_ij) · inv_norm_i · (N − 1) / x_max, ψ(δ) = log(1 + c δ), δ = max(qi − j, 0); u is the same for every
+    head, so the cells and weights are computed once per tile.
+
+    Forward: each head's value and slope at a pair's cell come from one gather of a (2H, N) table (a complex
+    (H, N) table of value + i slope gathers half as many elements, but the interpolation then reads strided
+    halves: no faster, measured). Backward: the table's gradient is a scatter of dS and dS · w over the cells;
+    consecutive keys of a row share their cell, so the scatter's adds to one address chain one after another: the
+    keys are dealt to ``SPLIT`` copies of the table (key p to copy p mod SPLIT), summed after (the scatter took
+    1.0 ms -> 0.4-0.9 ms on a (8, 256, 512) tile, measured). c's and inv_norm's gradients come through
+    du = Σ_h dS_h · slope_h."""
+
+    #: copies of the table the backward's scatter deals consecutive keys to (see the class docstring).
+    SPLIT = 4
+
+    def __init__(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        table = t["table"].detach().to(dtype)
+        self.heads, self.n = table.shape
+        slope = torch.cat([table.diff(dim=1), table.new_zeros(self.heads, 1)], dim=1)
+        self.values = torch.cat([table, slope], dim=0)  # (2H, N): f at cell k, f[k + 1] − f[k]
+        self.c = t["c"].detach().to(dtype)
+        self.inv_norm = t["inv_norm"].detach().to(dtype)  # (B|1, Lq)
+        self.scale = (self.n - 1) / t["x_max"].detach().to(dtype)
+        self.last = None  # the parts of the last tile built, for its gradient (kept when ``keep``: the backward)
+        self.keep = False
+        self._lanes = torch.empty(0, dtype=torch.long, device=table.device)
+
+    def bias(self, qi: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        """(B|1, H, n, m) for queries at key indices ``qi`` (rows q0:q1 of inv_norm) and keys k0 .. k1 − 1."""
+        delta = (qi[:, None] - torch.arange(k0, k1, device=qi.device)[None, :]).clamp_(min=0).to(self.c.dtype)
+        psi = fire_psi(self.c, delta)  # (n, m)
+        raw = psi[None] * (self.inv_norm[:, q0:q1, None] * self.scale)  # (B|1, n, m)
+        cell, w = fire_cell(raw, self.n, inplace=True)  # w: the weight of cell + 1
+        idx = cell.long().reshape(-1)
+        # gather along a broadcast index: 4x faster than index_select on dim 1 here (measured, 2 threads)
+        got = self.values.gather(1, idx[None].expand(2 * self.heads, -1)).view(2, self.heads, *raw.shape)
+        out = torch.addcmul(got[0], got[1], w[None]).movedim(1, 0)  # (B|1, H, n, m)
+        if self.keep:  # for grads(); else freed now (held, a block's 50 MB made every next tile fault in fresh pages)
+            self.last = (delta, psi, raw, w, idx, got[1])
+        return out
+
+    def _dealt(self, idx: torch.Tensor) -> torch.Tensor:
+        """The cells ``idx`` (P,) moved to copy p mod SPLIT of a (SPLIT · N) table."""
+        p = idx.numel()
+        if self._lanes.numel() < p:
+            self._lanes = torch.arange(p, device=idx.device) % self.SPLIT * self.n
+        return idx + self._lanes[:p]
+
+    def grads(self, ds: torch.Tensor, q0: int, q1: int, need: dict[str, bool], acc: dict[str, torch.Tensor]) -> None:
+        """Add the gradients of the last tile (dS ``ds`` (B, H, n, m)) to ``acc``: the table's by a scatter over
+        the cells, c's and inv_norm's through du = Σ_h dS_h · slope_h(cell)."""
+        delta, psi, raw, w, idx, slope = self.last
+        nb = raw.shape[0]
+        dsh = ds.movedim(1, 0)  # (H, B, n, m)
+        if nb != dsh.shape[1]:  # one inv_norm row for every batch: the cells are shared, sum dS over the batch
+            dsh = dsh.sum(1, keepdim=True)
+        if need["table"]:
+            flat = dsh.reshape(self.heads, -1)
+            cells = self._dealt(idx)[None].expand(self.heads, -1)
+            copies = self.values.new_zeros(self.heads, self.SPLIT * self.n)
+            whole = copies.scatter_add(1, cells, flat).view(self.heads, self.SPLIT, self.n).sum(1)  # Σ dS per cell
+            upper = copies.scatter_add_(1, cells, flat * w.reshape(1, -1)).view(self.heads, self.SPLIT, self.n).sum(1)
+            grad = whole - upper  # dS (1 − w) at the cell
+            grad[:, 1:] += upper[:, :-1]  # dS w at the cell above
+            acc["table"] = grad if "table" not in acc else acc["table"].add_(grad)
+        if need["c"] or need["inv_norm"]:
+            inside = (raw >= 0) & (raw <= self.n - 1)  # clamp passes no gradient outside [0, N − 1]
+            du = (dsh * slope).sum(0).masked_fill_(~inside, 0.0)  # (B|1, n, m)
+            if need["inv_norm"]:
+                d_inv = self.scale * (du * psi[None]).sum(-1)  # (B|1, n)
+                if "inv_norm" not in acc:
+                    acc["inv_norm"] = torch.zeros_like(self.inv_norm)
+                acc["inv_norm"][:, q0:q1] += d_inv
+            if need["c"]:
+                dpsi = du * (self.inv_norm[:, q0:q1, None] * self.scale)
+                dc = (dpsi * (delta / (1 + self.c * delta))[None]).sum()
+                acc["c"] = dc if "c" not in acc else acc["c"] + dc
+        self.last = None  # freed before the next tile is built
+
+
+def _skew_buffer(like: torch.Tensor, m: int) -> torch.Tensor:
+    """An uninitialised (..., n, m + n) buffer for a tile (..., n, m) whose anti-diagonals
+    :func:`_antidiagonal_sums` will sum: the tile is written into its first m columns, the n others are zero."""
+    n = like.shape[-2]
+    buf = like.new_empty(*like.shape[:-1], m + n)
+    buf[..., m:].zero_()
+    return buf
+
+
+def _antidiagonal_sums(buf: torch.Tensor, m: int) -> torch.Tensor:
+    """buf (B, H, n, m + n) from :func:`_skew_buffer`, the tile ds in its first m columns -> (H, n + m − 1):
+    entry c = Σ_{b, i + j = c} ds[b, :, i, j].
+
+    The Toeplitz tiles run with their query rows reversed (row i' is query q1 − 1 − i'), so the diagonals
+    of constant δ = qi − j are these anti-diagonals. Skew trick: rows of length m + n read back with row length
+    m + n − 1: row i is shifted right by i (the zero columns fill the gaps)."""
+    b, h, n, _ = buf.shape
+    skew = buf.view(b, h, n * (m + n))[..., : n * (m + n - 1)].view(b, h, n, m + n - 1)
+    return skew.sum((0, 2))
+
+
+class _Plan:
+    """What one call needs besides q, k, v: shapes, the term's detached precomputation, tile geometry."""
+
+    def __init__(
+        self,
+        kind: str,
+        names: tuple[str, ...],
+        ints: dict[str, int],
+        scale: float,
+        causal: bool,
+        q_offset: int | None,
+        block_q: int,
+        block_k: int,
+        window: int | None = None,
+    ) -> None:
+        self.kind, self.names, self.ints = kind, names, ints
+        self.form = term_spec(kind).form
+        self.scale, self.causal, self.q_offset = scale, causal, q_offset
+        self.block_q, self.block_k = block_q, block_k
+        self.window = window
+
+    def term(self, tensors: tuple[torch.Tensor, ...]) -> KernelTerm:
+        return KernelTerm(self.kind, dict(zip(self.names, tensors)), dict(self.ints))
+
+    def key_stop(self, q1: int, k_len: int) -> int:
+        """End of the keys the queries before ``q1`` may see: all of them unless causal or windowed with an int
+        offset (the last query q1 − 1 sees keys up to its own index, or up to index + window − 1 bidirectionally)."""
+        if self.q_offset is None:
+            return k_len
+        if self.causal:
+            return max(0, min(k_len, self.q_offset + q1))
+        if self.window is not None:
+            return max(0, min(k_len, self.q_offset + q1 - 1 + self.window))
+        return k_len
+
+    def key_start(self, q0: int, k_len: int) -> int:
+        """First key the queries from ``q0`` on may see: 0 unless windowed with an int offset (the first query
+        q0 sees keys from its index − window + 1); the key tiles before it are never built."""
+        if self.window is None or self.q_offset is None:
+            return 0
+        return max(0, min(k_len, self.q_offset + q0 - self.window + 1))
+
+
+def _rows(x: torch.Tensor, reverse: bool, dim: int = -2) -> torch.Tensor:
+    """``x`` with its query rows (dimension ``dim``) reversed when ``reverse`` (the Toeplitz tiles' order)."""
+    return x.flip(dim) if reverse else x
+
+
+def _query_index(q_off: int | torch.Tensor, q0: int, q1: int, device: torch.device) -> torch.Tensor:
+    """Key index (n,) int64 of the queries q0 .. q1 − 1."""
+    return torch.arange(q0, q1, device=device) + q_off
+
+
+def _query_blocks(plan: "_Plan", q_len: int, k_len: int, q_off, device: torch.device):
+    """(q0, q1, key index of the queries q0 .. q1 − 1, first and end key they may see) per query block."""
+    for q0 in range(0, q_len, plan.block_q):
+        q1 = min(q0 + plan.block_q, q_len)
+        yield q0, q1, _query_index(q_off, q0, q1, device), plan.key_start(q0, k_len), plan.key_stop(q1, k_len)
+
+
+def _apply_mask(
+    s: torch.Tensor, plan: _Plan, qi: torch.Tensor, q0: int, k0: int, k1: int, valid: torch.Tensor | None
+) -> torch.Tensor:
+    """Fill the masked logits of a tile s (B|1, H, n, m) (keys k0 .. k1 − 1, queries at key indices ``qi``,
+    in any row order) with −inf, in place (made B wide first when the padding differs per batch).
+    With an int offset only the columns right of the block's first query are compared (the causal window)."""
+    if valid is not None and valid.shape[0] > s.shape[0]:
+        s = s.expand(valid.shape[0], *s.shape[1:]).contiguous()
+    w = plan.window
+    if plan.causal or w is not None:  # upper edge: j <= qi (causal), j < qi + window (bidirectional window)
+        reach = 1 if plan.causal else w
+        c0 = k0 if plan.q_offset is None else max(k0, plan.q_offset + q0 + reach)
+        if c0 < k1:
+            cols = torch.arange(c0, k1, device=s.device)
+            s[..., c0 - k0 :].masked_fill_(cols[None, :] >= qi[:, None] + reach, float("-inf"))
+    if w is not None:  # lower edge of the window: j > qi − window; only columns left of the last query's edge
+        c1 = k1 if plan.q_offset is None else min(k1, plan.q_offset + q0 + qi.shape[0] - w)
+        if c1 > k0:
+            cols = torch.arange(k0, c1, device=s.device)
+            s[..., : c1 - k0].masked_fill_(cols[None, :] <= qi[:, None] - w, float("-inf"))
+    if valid is not None:
+        s.masked_fill_(~valid[:, None, None, k0:k1], float("-inf"))
+    return s
+
+
+class _Tile:
+    """The term's contribution to one (query block, key block) tile, and the reduction of its gradient."""
+
+    def __init__(self, plan: _Plan, tensors: tuple[torch.Tensor, ...], q_off: int | torch.Tensor,
+                 q_len: int, k_len: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.plan, self.kind, self.form = plan, plan.kind, plan.form
+        self.t = dict(zip(plan.names, tensors))
+        self.q_off, self.q_len, self.k_len = q_off, q_len, k_len
+        self.dtype, self.device = dtype, device
+        if self.form == "toeplitz":
+            # δ = q_offset + r for r = i − j = −(Lk − 1) .. Lq − 1, indexed by e = r + Lk − 1
+            self.delta = torch.arange(-(k_len - 1), q_len, device=device) + q_off
+            with torch.no_grad():
+                values = distance_values(plan.term(tensors), self.delta).to(dtype)
+            self.rev = values.flip(-1).contiguous()  # rev[t] = F[N − 1 − t]
+            self.squares: dict[int, torch.Tensor] = {}  # the diagonal square's term per size (see square)
+        if self.form == "gate":
+            self.c = tensors[0].detach().to(dtype)  # a gate's per-token vector c (B, H, Lk)
+        elif self.kind == "alibi" and plan.causal and plan.q_offset is not None:  # for the key channel
+            # FoX's c with a constant log-gate −slope (see key_channel and _alibi_channel)
+            self.slopes = self.t["slopes"].detach().to(dtype)
+            self.c = -(self.slopes[:, None] * torch.arange(k_len, device=device, dtype=dtype))[None]  # (1, H, Lk)
+        elif self.kind == "fire":
+            self.fire = _FireTiles(self.t, dtype)
+        elif self.kind == "shaw":
+            self.kmax = plan.ints["max_relative_position"]
+            self.a_key = self.t["key_table"].detach().to(dtype)
+            self.a_value = self.t["value_table"].detach().to(dtype)
+
+    def spread(self) -> float | None:
+        """The largest gap between two of the term's values within a head (an upper bound), or None where it is
+        not cheap to know (data-dependent terms)."""
+        if self.form == "toeplitz":
+            return float((self.rev.amax(-1) - self.rev.amin(-1)).max()) if self.rev.numel() else 0.0
+        if self.kind == "fire":  # interpolated values lie between the table's
+            values = self.fire.values[: self.fire.heads]
+            return float((values.amax(-1) - values.amin(-1)).max())
+        if self.form == "none":
+            return 0.0
+        return None
+
+    def square(self, qi: torch.Tensor, q0: int, q1: int, k0: int, b: int, h: int) -> torch.Tensor | None:
+        """The term on a block's diagonal square (queries at key indices ``qi`` = k0 .. k0 + n − 1, rows in order,
+        keys k0 .. k0 + n − 1): (B, H, n, n), or None without a term. A Toeplitz term's square is the same on
+        every block (δ = i − j): one copy per size for the call."""
+        n = q1 - q0
+        if self.form == "toeplitz":
+            if n not in self.squares:
+                self.squares[n] = self.bias(None, q0, q1, k0, k0 + n, None).flip(-2)  # rows back in order
+            sq = self.squares[n]
+        else:
+            sq = self.bias(qi, q0, q1, k0, k0 + n, None)
+        return None if sq is None else sq.expand(b, h, n, n)
+
+    def key_channel(self, qi: torch.Tensor, k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """FoX's (and causal ALiBi's) term as one more key channel, for the queries at key indices ``qi``:
+        (c[r] − c[j] for the keys k0 .. k1 − 1 (B|1, H, m), c[r] (B|1, H, 1)), r the block's middle query.
+
+        The bias c[qi] − c[j] is the row constant c[qi] − c[r] (which a softmax row ignores) plus c[r] − c[j]:
+        small near the diagonal, where the weight is (at most half a block of log-gates, which float32 rounds to
+        ~1e-7 of it); the row's log-sum-exp is kept in that frame, in forward and backward alike. ALiBi's
+        channel is slope · (j − r), rounded once (c[r] − c[j] would carry the rounding of two large values)."""
+        r = qi[qi.shape[0] // 2 :][:1]
+        ref = self.c.index_select(-1, r)
+        if self.form == "gate":
+            return ref - self.c[..., k0:k1], ref
+        dist = (torch.arange(k0, k1, device=qi.device) - r).to(self.dtype)
+        return (self.slopes[:, None] * dist[None])[None], ref
+
+    def bias(self, qi: torch.Tensor, q0: int, q1: int, k0: int, k1: int, ctx_q: torch.Tensor | None):
+        """The additive term of the tile, broadcastable to (B, H, n, m), or None."""
+        n, m = q1 - q0, k1 - k0
+        if self.form == "toeplitz":  # rows reversed: row i' is query q1 − 1 − i', T[i', j] = rev[t0 + i' + j]
+            t0 = self.q_len - q1 + k0
+            return self.rev.unfold(-1, m, 1)[None, :, t0 : t0 + n]  # (1, H, n, m), a strided view
+        if self.form == "gate":
+            if isinstance(self.q_off, torch.Tensor):
+                cq = self.c.index_select(-1, qi)
+            else:
+                cq = self.c[..., self.q_off + q0 : self.q_off + q1]
+            return cq[..., :, None] - self.c[..., None, k0:k1]
+        if self.kind == "fire":
+            return self.fire.bias(qi, q0, q1, k0, k1)
+        if self.kind == "shaw":
+            return ctx_q.gather(-1, self._shaw_index(qi, k0, k1, ctx_q.shape[:2]))  # scale · q · a^K
+        return None
+
+    def _shaw_index(self, qi: torch.Tensor, k0: int, k1: int, bh: torch.Size) -> torch.Tensor:
+        rel = torch.arange(k0, k1, device=self.device)[None, :] - qi[:, None]
+        idx = rel.clamp(-self.kmax, self.kmax) + self.kmax
+        return idx.expand(*bh, *idx.shape)
+
+
+def _prepare(query, key, value, plan: _Plan, tensors):
+    dtype = _compute_dtype(query.dtype)
+    b, h, q_len, d = query.shape
+    hkv, k_len = key.shape[1], key.shape[2]
+    q = query.to(dtype) * plan.scale
+    k = key.to(dtype)
+    v = value.to(dtype)
+    return dtype, b, h, hkv, q_len, k_len, d, q, k, v
+
+
+def _group(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """(B, H, n, X) -> (B, Hkv, G·n, X): the G query heads of each key/value head stacked (h = kv·G + g)."""
+    b, h, n, e = x.shape
+    if h == hkv:
+        return x
+    return x.reshape(b, hkv, (h // hkv) * n, e)
+
+
+def _ungroup(x: torch.Tensor, h: int) -> torch.Tensor:
+    b, hkv, gn, e = x.shape
+    return x if h == hkv else x.reshape(b, h, gn * hkv // h, e)
+
+
+def _empty_rows(plan: _Plan, qi: torch.Tensor, valid: torch.Tensor | None, k_start: int,
+                k_stop: int) -> torch.Tensor | None:
+    """(B|1, 1, n, 1) bool: query rows that see no key (left padding, a window past the keys), or None when
+    every row sees one (keys k_start .. k_stop − 1 are the block's; the others are outside every row's view)."""
+    if plan.window is not None:
+        w = plan.window
+        lo = (qi - w + 1).clamp(k_start, k_stop)  # each row's visible key range [lo, hi) by position
+        hi = (qi + (1 if plan.causal else w)).clamp(k_start, k_stop)
+        hi = torch.maximum(hi, lo)
+        if valid is None:
+            return (hi == lo)[None, None, :, None]
+        count = torch.cat([valid.new_zeros(valid.shape[0], 1, dtype=torch.long),
+                           valid[:, k_start:k_stop].long().cumsum(-1)], dim=-1)  # [b, t]: valid keys < k_start + t
+        seen = count.index_select(-1, hi - k_start) - count.index_select(-1, lo - k_start)
+        return (seen == 0)[:, None, :, None]
+    if valid is None:
+        return None
+    v = valid[:, :k_stop]
+    if plan.causal:
+        seen_any = torch.cat([v.new_zeros(v.shape[0], 1), v.cumsum(-1) > 0], dim=-1)  # [b, t]: a valid key < t
+        idx = (qi + 1).clamp(0, k_stop)
+        return ~seen_any.index_select(-1, idx)[:, None, :, None]
+    return ~v.any(-1)[:, None, None, None].expand(-1, 1, qi.shape[0], 1)
+
+
+def _expand_heads(x: torch.Tensor, h: int) -> torch.Tensor:
+    """(B, Hkv, L, D) -> (B, H, L, D) (a broadcast view made contiguous: the fused kernel takes no GQA)."""
+    b, hkv, n, d = x.shape
+    return x if hkv == h else x[:, :, None].expand(b, hkv, h // hkv, n, d).reshape(b, h, n, d)
+
+
+def _logits(qg: torch.Tensor, kb: torch.Tensor, bias: torch.Tensor | None, h: int, fresh: bool) -> torch.Tensor:
+    """q · k + bias of a tile (B, H, n, m), from the grouped queries qg (B, Hkv, G·n, D) and keys kb (B, Hkv, m, D).
+    A ``fresh`` bias of the full shape (FIRE's, built for this tile) takes the product in place (``baddbmm_``: one
+    pass over the tile less than a product and an add)."""
+    b, hkv, gn, d = qg.shape
+    m = kb.shape[2]
+    if bias is not None and fresh and bias.shape == (b, h, gn * hkv // h, m) and bias.is_contiguous():
+        bias.view(b * hkv, gn, m).baddbmm_(qg.reshape(b * hkv, gn, d), kb.reshape(b * hkv, m, d).transpose(1, 2))
+        return bias
+    s = _ungroup(qg @ kb.transpose(-1, -2), h)
+    if bias is None:
+        return s
+    return s + bias if s.shape != torch.broadcast_shapes(s.shape, bias.shape) else s.add_(bias)
+
+
+def _shaw_buckets(tile: _Tile, p: torch.Tensor, qi: torch.Tensor, k0: int, k1: int) -> torch.Tensor:
+    """Σ_j P_ij over the keys of each relative bucket: (B, H, n, 2K + 1)."""
+    idx = tile._shaw_index(qi, k0, k1, p.shape[:2])
+    return p.new_zeros(*p.shape[:3], 2 * tile.kmax + 1).scatter_add_(-1, idx, p)

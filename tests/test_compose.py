@@ -111,7 +111,7 @@ def test_rope_fox_equals_fox_with_its_own_rope():
         torch.testing.assert_close(composed(IDS).logits, alone(IDS).logits, rtol=0, atol=1e-6)
 
 
-TERMS = ("alibi", "t5", "kerple", "sandwich", "fire", "shaw", "fox", "cope", "sba", "cape")
+TERMS = ("alibi", "t5", "kerple", "sandwich", "fire", "dpb", "shaw", "fox", "cope", "sba", "cape")
 
 
 def _loss_and_grads(model, **kw):
@@ -169,6 +169,7 @@ ROUNDING = 1e-5
         ("llama", "rope+t5", {}),
         ("llama", "rope+fire", {}),
         ("llama", "rope+shaw", {}),
+        ("llama", "rope+dpb", {}),
         ("llama", "rope+cope", {}),
         ("llama", "rope+cape", {"base": "fire"}),
         ("gpt2", "learned+t5", {}),  # GPT-2's own table is adopted by `learned`

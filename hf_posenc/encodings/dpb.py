@@ -102,6 +102,8 @@ class Dpb(PositionEncoding):
     (n, depth, hidden).
     """
 
+    inert_zero = ("w_out", "b_out")  # the MLP's output layer at zero: the bias is 0 everywhere (exact)
+
     has_score_bias = True
     relative = True  # a function of i − j (key/query indices); position_ids are never read
     reference_footprint = (5.0, 6.0)  # float32 (B, H, Lq, Lk) tensors (hf_posenc.memory), as t5's table gather

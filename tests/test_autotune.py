@@ -6,6 +6,7 @@ import json
 import time
 
 import pytest
+import torch
 
 from hf_posenc.kernels import autotune
 
@@ -86,3 +87,57 @@ def test_shape_class_rounds_up_to_powers_of_two():
     assert autotune.shape_class(L=1) == "L1"
     with pytest.raises(ValueError, match="not one of its paths"):
         autotune.register_site("test.bad", ("a",), default="b", help="")
+
+
+# -- the tile engine's site: both paths exact ---------------------------------------------------------------
+from hf_posenc.kernels.attention import terms as _terms  # noqa: E402
+from hf_posenc.kernels.attention.naive import attention_reference  # noqa: E402
+from hf_posenc.kernels.attention.tiled import tiled_attention  # noqa: E402
+
+
+def _case(kind, causal, padding, seed=0):
+    shape = (2, 4, 2, 77, 77, 40)  # GQA, odd length and head_dim
+    g = torch.Generator().manual_seed(seed)
+    b, h, hkv, lq, lk, d = shape
+    q, k, v = (torch.randn(b, n, lq, d, generator=g) for n in (h, hkv, hkv))
+    term, leaves = _terms.example_term(kind, shape, 0, g)
+    valid = None
+    if padding:
+        valid = torch.ones(b, lk, dtype=torch.bool)
+        valid[1, :5] = False
+    return q, k, v, term, leaves, valid
+
+
+def _run(engine, q, k, v, term, leaves, valid, causal):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    for t in leaves:
+        t.grad = None
+    out = engine(q, k, v, term, scale=40 ** -0.5, causal=causal, key_valid=valid)
+    out.backward(torch.ones_like(out))
+    return [out.detach(), q.grad, k.grad, v.grad, *[t.grad.clone() for t in leaves]]
+
+
+@pytest.mark.parametrize("kind", [k for k in _terms.TILED_KINDS if k != "none"] + ["none"])
+@pytest.mark.parametrize("causal, padding", [(True, False), (True, True), (False, True)])
+def test_tile_engine_paths_give_the_same_numbers(kind, causal, padding, monkeypatch):
+    """Whatever the autotuner picks, the numbers are the reference's: each forced path, forward and every
+    gradient (q, k, v and the term's leaves), against the full-matrix reference."""
+    if kind == "shaw" and not causal:
+        pytest.skip("shaw runs the fused kernel only when causal (the online passes otherwise)")
+    q, k, v, term, leaves, valid = _case(kind, causal, padding)
+    ref = _run(attention_reference, q, k, v, term, leaves, valid, causal)
+    for path in ("fused", "online"):
+        monkeypatch.setenv(autotune.ENV_FORCE, f"tiled.engine={path}")
+        got = _run(tiled_attention, q, k, v, term, leaves, valid, causal)
+        for name, a, r in zip(["out", "dq", "dk", "dv", *[f"leaf{i}" for i in range(len(leaves))]], got, ref):
+            err = ((a.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30)).item()
+            assert err < 1e-4, f"{path} {name}: relative error {err:.2e}"  # the kernel tests' float32 bound
+
+
+def test_tile_engine_tunes_once_per_case(monkeypatch):
+    monkeypatch.setenv(autotune.ENV_TUNE, "on")
+    q, k, v, term, leaves, valid = _case("alibi", True, False)
+    tiled_attention(q, k, v, term, scale=0.2, causal=True)
+    choices = json.loads(autotune.cache_path().read_text())["choices"]
+    (entry,) = [key for key in choices if key.startswith("tiled.engine|alibi-causal-dense-full-infer-")]
+    assert choices[entry] in ("fused", "online")

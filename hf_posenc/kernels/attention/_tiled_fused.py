@@ -68,6 +68,12 @@ def _subnormal_free(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor, lse: t
 def _flash_available(plan: _Plan, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the tiles can go through torch's fused CPU attention kernel (additive float mask per tile):
     CPU float32 compute; Shaw (whose value term needs the probabilities) only when causal (``_ShawBand``)."""
+    return (fused_applies(plan, device, dtype) and plan.fused is not False)
+
+
+def fused_applies(plan: _Plan, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's fused CPU kernel can run this call at all (the autotuner chooses between it and the
+    online passes only where it can)."""
     return (device.type == "cpu" and dtype == torch.float32 and (plan.kind != "shaw" or plan.causal)
             and _flash_fwd is not None and _flash_bwd is not None)
 

@@ -151,6 +151,10 @@ class _Plan:
         self.scale, self.causal, self.q_offset = scale, causal, q_offset
         self.block_q, self.block_k = block_q, block_k
         self.window = window
+        #: the autotuner's choice between the two exact CPU paths (hf_posenc.kernels.autotune, site
+        #: ``tiled.engine``): True for torch's fused kernel per block, False for the online passes, None where
+        #: the fused kernel does not apply (``_flash_available`` decides). Forward and backward read the same one.
+        self.fused: bool | None = None
 
     def term(self, tensors: tuple[torch.Tensor, ...]) -> KernelTerm:
         return KernelTerm(self.kind, dict(zip(self.names, tensors)), dict(self.ints))

@@ -85,8 +85,12 @@ on OpenMP thread scheduling (many small parallel regions), which the single fuse
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
+from .. import autotune
+from ._tiled_fused import fused_applies
 from ._tiled_function import TiledAttentionFunction
 from ._tiles import PAIR_TILES, _Plan
 from .naive import check_window
@@ -177,4 +181,38 @@ def tiled_attention(
                  None if off_tensor else q_offset, block_q, block_k, window)
     valid = None if key_valid is None else key_valid.to(device=query.device, dtype=torch.bool)
     q_off_t = q_offset.to(device=query.device, dtype=torch.long).reshape(()) if off_tensor else None
-    return TiledAttentionFunction.apply(query, key, value, valid, q_off_t, plan, *term.tensors.values())
+    tensors = tuple(term.tensors.values())
+    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+    if fused_applies(plan, query.device, compute):
+        plan.fused = _choose_path(query, key, value, valid, q_off_t, plan, tensors) == "fused"
+    return TiledAttentionFunction.apply(query, key, value, valid, q_off_t, plan, *tensors)
+
+
+#: The two exact CPU paths of the tile engine: torch's fused attention kernel per query block (with the term as
+#: its float mask, split at the diagonal where it can be), or the online-softmax passes over batched-matmul tiles.
+#: The fused kernel was the faster on an AMD EPYC VM and, through its backward per tile, the slower on an Intel
+#: Xeon with AVX-512/AMX (DESIGN.md): the autotuner times both on first use per CPU and shape class.
+autotune.register_site("tiled.engine", ("fused", "online"), default="fused",
+                       help="the tile engine on the CPU: torch's fused kernel per block, or the online passes")
+
+
+def _choose_path(query, key, value, valid, q_off_t, plan, tensors) -> str:
+    """``fused`` or ``online`` for this call: :func:`hf_posenc.kernels.autotune.choose`, timing a forward (and,
+    when gradients flow, a backward) of each path on detached copies of these very inputs."""
+    train = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, *tensors))
+    b, h, q_len, d = query.shape
+    case = (f"{plan.kind}-{'causal' if plan.causal else 'bidir'}-{'masked' if valid is not None else 'dense'}-"
+            f"{'window' if plan.window is not None else 'full'}-{'train' if train else 'infer'}-"
+            + autotune.shape_class(B=b, H=h, Hkv=key.shape[1], Lq=q_len, Lk=key.shape[2], D=d))
+
+    def run(path: str) -> None:
+        trial = copy.copy(plan)
+        trial.fused = path == "fused"
+        with torch.enable_grad() if train else torch.no_grad():
+            args = [t.detach().requires_grad_(train and t.is_floating_point()) for t in (query, key, value)]
+            extra = [t.detach().requires_grad_(t.requires_grad and train) for t in tensors]
+            out = TiledAttentionFunction.apply(*args, valid, q_off_t, trial, *extra)
+            if train:
+                out.backward(torch.ones_like(out))
+
+    return autotune.choose("tiled.engine", case, run, device=query.device, dtype=query.dtype)

@@ -94,6 +94,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2, help="torch threads on CPU")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_<device>.json)")
+    parser.add_argument("--shape", choices=("small", "smollm2"), default="small",
+                        help="smollm2: SmolLM2-135M's shape (30 layers, hidden 576, 9 heads, 3 kv heads, intermediate "
+                        "1536, vocab 49152), a random model, prompt 256, 32 new tokens (overrides the size options)")
     args = parser.parse_args()
 
     device = torch.device(args.device)
@@ -101,8 +104,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     compile_mode = args.compile_mode or ("reduce-overhead" if device.type == "cuda" else "default")
     torch.manual_seed(0)
+    intermediate = 4 * args.hidden
+    if args.shape == "smollm2":
+        args.layers, args.hidden, args.heads, args.kv_heads, args.vocab = 30, 576, 9, 3, 49152
+        args.prompt, args.new_tokens, intermediate = 256, 32, 1536
     config = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
         max_position_embeddings=4096, attn_implementation="sdpa", tie_word_embeddings=False,
     )

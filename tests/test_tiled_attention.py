@@ -431,3 +431,34 @@ def test_exp_flushed_is_exp_with_nothing_below_the_floor():
     assert bool((got[got > 0] >= torch.finfo(torch.float32).tiny).all())  # nothing subnormal
     x64 = torch.tensor([-800.0, -100.0, 0.0], dtype=torch.float64)
     assert torch.equal(exp_flushed(x64.clone()), torch.exp(x64))
+
+
+@pytest.mark.parametrize("kind", [k for k in TILED_KINDS if k != "shaw"])
+@pytest.mark.parametrize("q_len, offset, window, causal", [(1, 40, None, True), (3, 38, 7, True), (2, 0, None, False)])
+def test_few_queries_without_gradients_match_the_reference(kind, q_len, offset, window, causal):
+    """A decoding step (a few queries, no gradient) runs one SDPA call with the term's rows as its mask
+    (``tiled.FEW_QUERIES``): against the reference, with GQA, left padding (a row that sees no key) and a window."""
+    from hf_posenc.kernels.attention import tiled as tiled_mod
+    from hf_posenc.kernels.attention.terms import example_term
+
+    calls = []
+    original = tiled_mod._few_queries
+    tiled_mod._few_queries = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        g = torch.Generator().manual_seed(5)
+        b, h, hkv, k_len, d = 2, 4, 2, offset + q_len if causal else 41, 24
+        shape = (b, h, hkv, q_len, k_len, d)
+        q, k, v = (torch.randn(b, n, ln, d, generator=g) for n, ln in ((h, q_len), (hkv, k_len), (hkv, k_len)))
+        term, _ = example_term(kind, shape, offset, g)
+        valid = torch.ones(b, k_len, dtype=torch.bool)
+        valid[1, : k_len - 1] = False  # row 1 sees only the last key, or none under a window when it is not causal
+        if not causal:
+            valid[1] = False
+        kw = dict(scale=d**-0.5, causal=causal, q_offset=offset, key_valid=valid, window=window)
+        with torch.no_grad():
+            got = tiled_attention(q, k, v, term, **kw)
+            ref = attention_reference(q, k, v, term, **kw)
+    finally:
+        tiled_mod._few_queries = original
+    assert calls, "the few-queries path did not run"
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

@@ -88,12 +88,14 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch.nn import functional as F
 
 from .. import autotune
 from ._tiled_fused import fused_applies
 from ._tiled_function import TiledAttentionFunction
 from ._tiles import PAIR_TILES, _Plan
-from .naive import check_window
+from .._masks import band_allowed
+from .naive import check_window, term_bias
 from .terms import TILED_KINDS, KernelTerm, enter
 
 __all__ = ["TILED_KINDS", "TiledAttentionFunction", "tiled_attention", "tiled_unsupported"]
@@ -176,6 +178,8 @@ def tiled_attention(
         raise ValueError(f"block_q and block_k must be positive ints, got {block_q!r}, {block_k!r}")
     if not off_tensor and not isinstance(q_offset, int):
         raise TypeError(f"q_offset must be an int or a 0-d tensor, got {type(q_offset).__name__}")
+    if _few_queries_apply(query, key, value, term, q_offset):
+        return _few_queries(query, key, value, term, float(scale), bool(causal), q_offset, key_valid, window)
     names = tuple(term.tensors)
     plan = _Plan(term.kind, names, dict(term.ints), float(scale), bool(causal),
                  None if off_tensor else q_offset, block_q, block_k, window)
@@ -186,6 +190,42 @@ def tiled_attention(
     if fused_applies(plan, query.device, compute):
         plan.fused = _choose_path(query, key, value, valid, q_off_t, plan, tensors) == "fused"
     return TiledAttentionFunction.apply(query, key, value, valid, q_off_t, plan, *tensors)
+
+
+#: At most this many queries (a decoding step, a short chunk after a cache) and no gradient wanted: the term's
+#: values for those rows are O(Lq · Lk) only, so one fused SDPA call with them as its float mask replaces the tile
+#: machinery (plan, tiles, a split at the diagonal, per-block kernel calls), which cost a decoding step more than the
+#: attention itself (30 layers of SmolLM2's shape: 2 fused-kernel calls and 15 copies per layer and token).
+FEW_QUERIES = 16
+
+
+def _few_queries_apply(query, key, value, term, q_offset) -> bool:
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, *term.tensors.values()))
+    return (query.shape[2] <= FEW_QUERIES and not grad and isinstance(q_offset, int)
+            and term.spec.value_term is None and term.spec.prepare is None)
+
+
+def _few_queries(query, key, value, term, scale, causal, q_offset, key_valid, window) -> torch.Tensor:
+    """A few queries without gradients: softmax(scale · q kᵀ + B) v by one SDPA call (grouped heads not expanded),
+    B the term's values for these rows (its registry entry, :func:`naive.term_bias`) with −inf where a key is
+    masked; rows that see no key are 0, as the tiles give them. Computed in float32 (float64 stays float64)."""
+    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+    b, h, q_len, _ = query.shape
+    k_len = key.shape[2]
+    bias = term_bias(term, query, q_len, k_len, q_offset)
+    q_idx = torch.arange(q_len, device=query.device) + q_offset
+    allowed = band_allowed(q_idx, torch.arange(k_len, device=query.device), causal, window)[None, None]
+    if key_valid is not None:
+        allowed = allowed & key_valid.to(device=query.device, dtype=torch.bool)[:, None, None, :]
+    empty = ~allowed.any(-1, keepdim=True)  # (B|1, 1, Lq, 1)
+    allowed = allowed | empty  # an empty row attends everywhere (finite), then is zeroed
+    mask = torch.zeros(allowed.shape, dtype=compute, device=query.device) if bias is None else bias.to(compute)
+    mask = mask.masked_fill(~allowed, float("-inf"))
+    out = F.scaled_dot_product_attention(query.to(compute), key.to(compute), value.to(compute), attn_mask=mask,
+                                         scale=scale, enable_gqa=key.shape[1] != h)
+    if bool(empty.any()):
+        out = out.masked_fill(empty, 0.0)
+    return out.to(query.dtype)
 
 
 #: The two exact CPU paths of the tile engine: torch's fused attention kernel per query block (with the term as

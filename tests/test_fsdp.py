@@ -70,6 +70,7 @@ def _encodings():
     return [pytest.param(name, params, id=name) for name, params in worker.ENCODINGS]
 
 
+@pytest.mark.slow  # two processes, one run shared by the parameters
 @pytest.mark.parametrize("name,params", _encodings())
 def test_fsdp2_matches_single_process_and_saves(fsdp_run, name, params):
     import _fsdp_worker as worker

@@ -105,7 +105,9 @@ def check_against_reference(shape, s, per_batch, per_head, dtype, seed=0, rot_gr
         assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
 
 
-@pytest.mark.parametrize("dtype", tiered([pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")], fast=["fp32"]))
+@pytest.mark.parametrize(
+    "dtype", tiered([pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")], fast=["fp32"])
+)
 @pytest.mark.parametrize("layout", list(ROT_LAYOUTS))
 @pytest.mark.parametrize("s", tiered([2, 4, 8], fast=[4]))
 def test_kernel_matches_reference(interpret, s, layout, dtype):

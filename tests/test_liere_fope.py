@@ -290,8 +290,9 @@ def test_liere_default_is_one_dense_block_per_head():
 
 
 @pytest.mark.parametrize(
-    "info", tiered([pytest.param(ModelInfo("llama", 64, 4, 2, 16, 1, True, 64), id="text"), pytest.param(GRID, id="vit")],
-                   fast=["text"])
+    "info",
+    tiered([pytest.param(ModelInfo("llama", 64, 4, 2, 16, 1, True, 64), id="text"), pytest.param(GRID, id="vit")],
+           fast=["text"]),
 )
 def test_liere_dense_block_is_exact_against_matrix_exp_float64(info):
     """q' = exp(Σ_i p_i A_i) q with one dense (D x D) generator per axis, against an independent float64

@@ -307,7 +307,7 @@ def supports(encoding: str, family: str) -> bool:
 # Three tiers, chosen by markers (registered in pyproject.toml, whose addopts deselects both by default; see
 # docs/testing.md):
 #   (no marker)  the fast tier: ``make test`` / plain ``pytest``. Every encoding on every family at least once,
-#                and every test function at least once, on a representative share of its parameters.
+#                and a representative share of each parametrised test.
 #   ``slow``     the rest of what CI runs: ``make test-all`` (-m "not soak").
 #   ``soak``     opt-in, tens of minutes to hours: ``make test-soak`` (-m soak).
 # A parameter gets its tier from the helpers below (``combos``, ``tiered``) or from a mark on the test.
@@ -328,7 +328,8 @@ def rotation(family: str, encoding: str, n: int) -> int:
     return (FAMILIES.index(family) + ENCODINGS.index(encoding)) % n
 
 
-def combos(families=FAMILIES, encodings=ENCODINGS, extra=None, extra_ids=None, *, fast="all", every_pair=False):
+def combos(families=FAMILIES, encodings=ENCODINGS, extra=None, extra_ids=None, *, fast: str | int = "all",
+           every_pair: bool = False) -> list[Any]:
     """pytest params (family, encoding[, *extra]) with ids like ``llama-alibi-static``; unsupported pairs skip.
 
     Tiers (see above): a later family's encodings outside its ``FAMILY_SUBSETS``, and its variants other than
@@ -347,8 +348,7 @@ def combos(families=FAMILIES, encodings=ENCODINGS, extra=None, extra_ids=None, *
     variants = [None] if extra is None else list(extra)
     for fam in families:
         for enc in encodings:
-            ok = supports(enc, fam)
-            base = () if ok else (pytest.mark.skip(reason=f"{enc} does not support {fam}"),)
+            base = () if supports(enc, fam) else (pytest.mark.skip(reason=f"{enc} does not support {fam}"),)
             kept = [i for i in range(len(variants))
                     if fam not in FAMILY_SUBSETS or i in (0, len(variants) - 1)]  # soak: the later families' middle
             for i, e in enumerate(variants):
@@ -372,7 +372,7 @@ def combos(families=FAMILIES, encodings=ENCODINGS, extra=None, extra_ids=None, *
     return out
 
 
-def tiered(params, fast, mark=SLOW):
+def tiered(params: Any, fast: Any, mark: pytest.MarkDecorator = SLOW) -> list[Any]:
     """``params`` (pytest.param objects or plain values / tuples), each whose id is not in ``fast`` given
     ``mark``: the fast tier keeps the named representatives of a parametrisation, the rest go to ``mark``'s tier.
     ``fast`` names ids (``pytest.param(..., id=...)``) or, for plain values, the values themselves; a name that

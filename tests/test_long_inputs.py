@@ -4,8 +4,9 @@ that names the memory it would need.
 A small model (1 layer, hidden 64, 4 heads, batch 1), as the references' O(L^2) intermediates, not the
 model, are what grows. Two forms:
 
-* always (CI): Llama, every encoding, L = 4096, forward under ``no_grad``; ViT, every encoding, a 32x32
-  patch grid (L = 1025), forward under ``no_grad``. 35-45 s on one core of the 2-core CI machine (cope,
+* in CI (``make test-all``; the fast tier takes rope and alibi on Llama, rope2d on ViT): Llama, every
+  encoding, L = 4096, forward under ``no_grad``; ViT, every encoding, a 32x32 patch grid (L = 1025), forward
+  under ``no_grad``. 35-45 s on one core of the 2-core CI machine (cope,
   cape and fire take 5-20 s each at L = 4096, depending on the load; the rest a few seconds or less).
 * ``@pytest.mark.soak``, opt-in with ``make test-soak`` (13 minutes, measured): Llama, GPT-2 and ViT (a
   64x64 grid, L = 4097), every encoding, forward and backward at L = 4096 (peaks: under 7 GiB; cape, cope

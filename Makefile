@@ -1,6 +1,8 @@
 # hf_posenc: every target sets up its own virtual environment (.venv) on first use.
 #
-#   make test     run the test suite
+#   make test     the fast tier of the test suite (a few minutes; docs/testing.md)
+#   make test-all  every test CI runs: the fast tier and the `slow` one
+#   make test-soak  the opt-in `soak` tier (tens of minutes to hours: training soak, L = 4096, compile matrices)
 #   make test-real  the real tier: tests/test_real.py on SmolLM2-135M-Instruct (built once into
 #                 $HF_POSENC_CACHE or ~/.cache/hf_posenc; skips without network; docs/real-checkpoint.md)
 #   make test-oldest  a subset of the suite against the oldest supported versions (.venv-oldest), and
@@ -23,6 +25,7 @@
 #
 # Extra arguments: make demo DEMO_ARGS="--steps 50"   make bench BENCH_ARGS="--lengths 512"
 #                  make test PYTEST_ARGS="-k alibi"  make quickstart QUICKSTART_ARGS="--steps 50"
+#                  make test PYTEST_WORKERS=0 (one process, no pytest-xdist)
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -41,6 +44,18 @@ comma := ,
 STAMP := $(VENV)/.hf_posenc-setup-$(subst $(comma),-,$(EXTRAS))
 
 PYTEST_ARGS ?=
+# Test tiers (docs/testing.md): markers registered in pyproject.toml, whose pytest addopts deselect `slow`
+# and `soak`, so a plain `pytest` or `make test` runs the fast tier. test-all runs TEST_ALL_MARKERS (a new
+# opt-in tier adds "and not <marker>" here and in pyproject's addopts, and a target of its own like test-soak).
+# A -m in PYTEST_ARGS comes later on the command line and replaces the tier's.
+TEST_ALL_MARKERS ?= not soak and not real
+# pytest-xdist workers (the test extra installs it). The suite runs torch on one thread per process
+# (tests/conftest.py), so two workers use both cores of a 2-core machine; 0 runs one process without xdist.
+# loadgroup keeps the tests marked xdist_group (one shared subprocess run) on one worker.
+PYTEST_WORKERS ?= 2
+# The soak tier runs in one process by default: its L = 4096 tests peak at 6-7 GiB of memory each.
+SOAK_WORKERS ?= 0
+xdist = $(if $(filter 0,$(1)),-p no:xdist,-n $(1) --dist loadgroup)
 DEMO_ARGS ?=
 # make demo trains its models two at a time (worker processes, one torch thread each; the same numbers as
 # --jobs 1): on 2 cores the default study then takes about half the time (docs/study.md).
@@ -84,7 +99,8 @@ OLDEST_DESELECT ?= --deselect tests/test_api.py::test_backend_override_is_valida
 	--deselect tests/test_ecosystem.py::test_ddp_two_cpu_processes_keep_encoding_in_sync
 CROSS_DIR ?= $(OLDEST_VENV)/cross-version
 
-.PHONY: help setup test test-real test-oldest demo quickstart bench matrix docs clean-venv gpu-check compile-check test-triton36
+.PHONY: help setup test test-all test-soak test-real test-oldest demo quickstart bench matrix docs clean-venv \
+	gpu-check compile-check test-triton36
 
 help:
 	@sed -n '2,/^$$/p' Makefile | sed 's/^# *//'
@@ -108,7 +124,13 @@ $(STAMP): pyproject.toml | $(PY)
 	@touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=10 $(PYTEST_ARGS) tests/
+	$(PY) -m pytest -q $(call xdist,$(PYTEST_WORKERS)) --durations=10 $(PYTEST_ARGS) tests/
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q $(call xdist,$(PYTEST_WORKERS)) -m "$(TEST_ALL_MARKERS)" --durations=25 $(PYTEST_ARGS) tests/
+
+test-soak: $(STAMP)
+	$(PY) -m pytest -q $(call xdist,$(SOAK_WORKERS)) -m soak --durations=25 $(PYTEST_ARGS) tests/
 
 # The real tier (marker `real`): about 45 tests on SmolLM2-135M-Instruct, one model loaded and shared. `-m real`
 # comes after any `-m` in pytest's addopts, so it selects the tier even where the default run deselects it.
@@ -132,7 +154,8 @@ test-oldest: $(STAMP) $(OLDEST_STAMP)
 	$(OLDEST_PY) tests/_cross_version.py save $(CROSS_DIR)/oldest >/dev/null
 	$(PY) tests/_cross_version.py load $(CROSS_DIR)/oldest
 	@echo "== tests with the oldest versions: $$($(OLDEST_PY) -m pip list 2>/dev/null | grep -E '^(torch|transformers|accelerate|peft) ' | tr -s ' ' | tr '\n' ' ')"
-	$(OLDEST_PY) -m pytest -q -p no:cacheprovider $(OLDEST_DESELECT) -k "$(OLDEST_K)" $(OLDEST_TESTS)
+	$(OLDEST_PY) -m pytest -q -p no:cacheprovider -m "$(TEST_ALL_MARKERS)" $(OLDEST_DESELECT) -k "$(OLDEST_K)" \
+		$(OLDEST_TESTS)
 
 demo: $(STAMP)
 	$(VENV)/bin/hf-posenc study --jobs $(DEMO_JOBS) $(DEMO_ARGS)
@@ -177,4 +200,4 @@ $(VENV36)/.done: pyproject.toml
 	@touch $@
 
 test-triton36: $(VENV36)/.done
-	$(VENV36)/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) $(KERNEL_TESTS)
+	$(VENV36)/bin/python -m pytest -q -p no:cacheprovider -m "$(TEST_ALL_MARKERS)" $(PYTEST_ARGS) $(KERNEL_TESTS)

@@ -79,20 +79,19 @@ from hf_posenc.registry import get_encoding  # noqa: E402
 # another process, OpenMP barriers make every small op take milliseconds (a 50x slow-down, measured).
 torch.set_num_threads(1)
 
-#: The first three families run every encoding in every common test. The families added later run, by default,
-#: a few encodings each (``FAMILY_SUBSETS``: their native kind, and one encoding of each kind of term spread
-#: over them) with the first and last variant of each test's extra parametrisation only (``combos``); the
-#: full sweep (every encoding, every variant) runs with ``HF_POSENC_SLOW=1``.
+#: The first three families run every encoding in every common test. The families added later run a few
+#: encodings each (``FAMILY_SUBSETS``: their native kind, and one encoding of each kind of term spread over
+#: them) with the first and last variant of each test's extra parametrisation (``combos``); the rest of their
+#: sweep (every encoding, every variant) is marked ``soak`` (see "test tiers" below).
 FAMILIES = ("llama", "gpt2", "vit", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "gpt_neox", "bert")
 DECODERS = ("llama", "gpt2", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "gpt_neox")
 FULL_SWEEP = ("llama", "gpt2", "vit")
 NEW_DECODERS = tuple(f for f in DECODERS if f not in FULL_SWEEP)
 ENCODINGS = tuple(hf_posenc.list_encodings())
-SLOW = bool(os.environ.get("HF_POSENC_SLOW"))
 
 
 def _family_subsets() -> dict[str, tuple[str, ...]]:
-    """Encodings run on each later family in the default run: the native kind (``rope`` on the decoders,
+    """Encodings run on each later family outside the soak tier: the native kind (``rope`` on the decoders,
     ``learned`` on BERT) and one encoding of each kind of term spread over them (rotary, absolute, static and
     learned biases, MLP biases (fire, dpb), score + value, score mixing, data-dependent, stick-breaking, contextual)."""
     return {
@@ -310,25 +309,93 @@ def supports(encoding: str, family: str) -> bool:
     return family in get_encoding(encoding).families
 
 
-def combos(families=FAMILIES, encodings=ENCODINGS, extra=None, extra_ids=None):
+# -- test tiers -------------------------------------------------------------------------------------
+# Three tiers, chosen by markers (registered in pyproject.toml, whose addopts deselects both by default; see
+# docs/testing.md):
+#   (no marker)  the fast tier: ``make test`` / plain ``pytest``. Every encoding on every family at least once,
+#                and a representative share of each parametrised test.
+#   ``slow``     the rest of what CI runs: ``make test-all`` (-m "not soak").
+#   ``soak``     opt-in, tens of minutes to hours: ``make test-soak`` (-m soak).
+# A parameter gets its tier from the helpers below (``combos``, ``tiered``) or from a mark on the test.
+
+SLOW = pytest.mark.slow
+SOAK = pytest.mark.soak
+
+
+def sweep_only(family: str, encoding: str) -> bool:
+    """A later family's encoding outside its ``FAMILY_SUBSETS``: that pair's common tests are in the soak tier."""
+    return family in FAMILY_SUBSETS and encoding not in FAMILY_SUBSETS[family]
+
+
+def rotation(family: str, encoding: str, n: int) -> int:
+    """A fixed index in ``range(n)`` for the pair, different for neighbouring encodings and families: the fast
+    tier's choice of one variant (or one in ``n`` pairs) rotates over them instead of always taking the first.
+    Deterministic (no ``hash``), so that every pytest-xdist worker collects the same tiers."""
+    return (FAMILIES.index(family) + ENCODINGS.index(encoding)) % n
+
+
+def combos(families=FAMILIES, encodings=ENCODINGS, extra=None, extra_ids=None, *, fast: str | int = "all",
+           every_pair: bool = False) -> list[Any]:
     """pytest params (family, encoding[, *extra]) with ids like ``llama-alibi-static``; unsupported pairs skip.
-    The later families take their ``FAMILY_SUBSETS`` unless ``HF_POSENC_SLOW`` is set."""
+
+    Tiers (see above): a later family's encodings outside its ``FAMILY_SUBSETS``, and its variants other than
+    the first and last, are ``soak``. Of the rest, ``fast`` says what the fast tier runs, the others are ``slow``:
+
+    * ``"all"``: every parameter (cheap tests);
+    * ``"rotate"``: one variant of ``extra`` per pair, rotating over the pairs (``rotation``), so that every
+      variant and every pair runs;
+    * an int ``k``: one pair in ``k`` (rotating, so that each family takes different encodings), every variant.
+
+    ``every_pair``: the first variant of every supported pair is in the fast tier, the later families' other
+    encodings included (the fast tier's "every encoding on every family")."""
+    if fast != "all" and fast != "rotate" and not (isinstance(fast, int) and fast >= 1):
+        raise ValueError(f"fast must be 'all', 'rotate' or a positive int, not {fast!r}")
     out = []
+    variants = [None] if extra is None else list(extra)
     for fam in families:
         for enc in encodings:
-            thin = not SLOW and fam in FAMILY_SUBSETS
-            if thin and enc not in FAMILY_SUBSETS[fam]:
-                continue
-            marks = () if supports(enc, fam) else (pytest.mark.skip(reason=f"{enc} does not support {fam}"),)
-            if extra is None:
-                out.append(pytest.param(fam, enc, id=f"{fam}-{enc}", marks=marks))
-                continue
-            for i, e in enumerate(extra):
-                if thin and 0 < i < len(extra) - 1:  # the later families: first and last variant by default
+            base = () if supports(enc, fam) else (pytest.mark.skip(reason=f"{enc} does not support {fam}"),)
+            kept = [i for i in range(len(variants))
+                    if fam not in FAMILY_SUBSETS or i in (0, len(variants) - 1)]  # soak: the later families' middle
+            for i, e in enumerate(variants):
+                if every_pair and i == 0:
+                    tier = ()
+                elif sweep_only(fam, enc) or i not in kept:
+                    tier = (SOAK,)
+                elif fast == "all":
+                    tier = ()
+                elif fast == "rotate":
+                    tier = () if kept.index(i) == rotation(fam, enc, len(kept)) else (SLOW,)
+                else:
+                    tier = () if rotation(fam, enc, fast) == 0 else (SLOW,)
+                marks = base + tier
+                if e is None:
+                    out.append(pytest.param(fam, enc, id=f"{fam}-{enc}", marks=marks))
                     continue
                 values = e if isinstance(e, tuple) else (e,)
                 tag = extra_ids[i] if extra_ids else "-".join(str(v) for v in values)
                 out.append(pytest.param(fam, enc, *values, id=f"{fam}-{enc}-{tag}", marks=marks))
+    return out
+
+
+def tiered(params: Any, fast: Any, mark: pytest.MarkDecorator = SLOW) -> list[Any]:
+    """``params`` (pytest.param objects or plain values / tuples), each whose id is not in ``fast`` given
+    ``mark``: the fast tier keeps the named representatives of a parametrisation, the rest go to ``mark``'s tier.
+    ``fast`` names ids (``pytest.param(..., id=...)``) or, for plain values, the values themselves; a name that
+    matches nothing is an error (a renamed parameter would otherwise leave the fast tier without it)."""
+    fast = set(fast)
+    out, seen = [], set()
+    for p in params:
+        if not isinstance(p, type(pytest.param(None))):
+            key = p
+            p = pytest.param(*(p if isinstance(p, tuple) else (p,)))
+        else:
+            key = p.id
+        keep = key in fast
+        seen |= {key} & fast
+        out.append(p if keep else pytest.param(*p.values, marks=(*p.marks, mark), id=p.id))
+    if fast - seen:
+        raise ValueError(f"tiered: {sorted(map(str, fast - seen))} match no parameter")
     return out
 
 

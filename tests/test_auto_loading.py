@@ -139,6 +139,7 @@ def _check(tmp_path: Path, pairs: list[tuple[str, str]]) -> None:
     assert "pip install hf_posenc" in without["absent"]["message"]
 
 
+@pytest.mark.slow  # every Auto class; the fast tier loads each head class below
 def test_auto_classes_load_patched_or_refuse(tmp_path):
     """Every encoding on every family (about 20 s on the 2-core CPU VM: one subprocess per mode)."""
     _check(tmp_path, [(fam, enc) for fam in FAMILIES for enc in ENCODINGS if supports(enc, fam)])

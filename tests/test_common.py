@@ -17,11 +17,10 @@ from conftest import (
     ENCODINGS,
     EOS_ID,
     FAMILIES,
-    FAMILY_SUBSETS,
     MAX_POSITIONS_KEY,
     NUM_LABELS,
-    SLOW,
     PAD_ID,
+    SOAK,
     combos,
     forward_and_loss,
     left_pad,
@@ -33,6 +32,7 @@ from conftest import (
     model_inputs,
     positions_from_mask,
     supports,
+    sweep_only,
 )
 
 FP32_ATOL = 1e-4  # cache == full forward
@@ -61,7 +61,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 DTYPE_VARIANTS = ("fp32", "bf16", "bf16-cast-first")
 
 
-@pytest.mark.parametrize("family,encoding,variant", combos(extra=DTYPE_VARIANTS))
+@pytest.mark.parametrize("family,encoding,variant", combos(extra=DTYPE_VARIANTS, every_pair=True))
 def test_forward_backward(family, encoding, variant):
     """Finite outputs and loss; a gradient for every trainable parameter, a non-zero one for every parameter
     of the encoding module; bf16 stays close to fp32 (loosely). ``bf16-cast-first`` patches a model that is
@@ -116,7 +116,7 @@ def new_cache(kind: str, model, max_len: int = 16):
 
 @pytest.mark.parametrize(
     "family,encoding,cache,positions",
-    combos(DECODERS, extra=CACHE_VARIANTS, extra_ids=[f"{c}-{p}-pos" for c, p in CACHE_VARIANTS]),
+    combos(DECODERS, extra=CACHE_VARIANTS, extra_ids=[f"{c}-{p}-pos" for c, p in CACHE_VARIANTS], every_pair=True),
 )
 def test_cache_matches_full_forward(family, encoding, cache, positions):
     """Prefill, then one token at a time (and one chunk of two) through a DynamicCache or StaticCache,
@@ -311,7 +311,7 @@ def run_generate(model, ids, mask, mode: str, cache: str | None, seed: int = 123
     return model.generate(ids, attention_mask=mask, **kw)
 
 
-@pytest.mark.parametrize("family,encoding,mode,cache,prompts", combos(DECODERS, extra=GEN_VARIANTS))
+@pytest.mark.parametrize("family,encoding,mode,cache,prompts", combos(DECODERS, extra=GEN_VARIANTS, fast="rotate"))
 def test_generate(family, encoding, mode, cache, prompts):
     """generate() with a cache gives the tokens generate() gives without one (same seed for sampling), on a
     left-padded batch and on a batch of equal-length prompts (no mask to build: the path where transformers
@@ -347,7 +347,7 @@ def test_generate(family, encoding, mode, cache, prompts):
 # ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family,encoding,head", combos(extra=("head", "base", "head-bf16")))
+@pytest.mark.parametrize("family,encoding,head", combos(extra=("head", "base", "head-bf16"), fast="rotate"))
 def test_save_and_reload(family, encoding, head, tmp_path):
     """save_pretrained + hf_posenc.from_pretrained restores the same class, config key and every weight
     (the encoding's parameters are perturbed first, so they must come from the checkpoint). ``head-bf16``
@@ -495,7 +495,9 @@ def test_output_hidden_states(family, encoding):
 # ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family,encoding,reentrant", combos(extra=(False, True), extra_ids=("default", "reentrant")))
+@pytest.mark.parametrize(
+    "family,encoding,reentrant", combos(extra=(False, True), extra_ids=("default", "reentrant"), fast="rotate")
+)
 def test_gradient_checkpointing(family, encoding, reentrant):
     """With gradient checkpointing (train mode) the loss and every gradient are those computed without, and
     the patched attention really is recomputed. ``reentrant`` asks for torch's reentrant checkpoint."""
@@ -612,11 +614,10 @@ def repatch_pairs() -> list:
     out = []
     for fam in FAMILIES:
         for i, second in enumerate(ENCODINGS):
-            if not SLOW and fam in FAMILY_SUBSETS and second not in FAMILY_SUBSETS[fam]:
-                continue  # the later families: their subset by default (see conftest.combos)
+            tier = (SOAK,) if sweep_only(fam, second) else ()  # the later families: see conftest.combos
             for first in dict.fromkeys((ENCODINGS[i - 1], second)):
                 ok = supports(first, fam) and supports(second, fam)
-                marks = () if ok else (pytest.mark.skip(reason="unsupported family"),)
+                marks = (() if ok else (pytest.mark.skip(reason="unsupported family"),)) + tier
                 out.append(pytest.param(fam, first, second, id=f"{fam}-{first}-then-{second}", marks=marks))
     return out
 

@@ -17,7 +17,7 @@ What runs where (compiles cost 1-15 s each on CPU):
   GPT-2 and of the rotary and absolute encodings on ViT; static-cache decoding for a representative set
   (a static bias, FIRE's position-dependent normaliser, FoX's cached gates, CoPE's custom attention); one
   training step with ``"aot_eager"`` (AOTAutograd traces the backward too); one run each through inductor.
-* ``@pytest.mark.slow``, opt-in with ``HF_POSENC_SLOW=1``: the full matrix through inductor (forward,
+* ``@pytest.mark.soak`` (opt-in, ``make test-soak``): the full matrix through inductor (forward,
   training step, static-cache decoding, every encoding, Llama and GPT-2; forward and training step of the
   rotary and absolute encodings on ViT).
 * ``@pytest.mark.gpu`` (skipped without CUDA): static-cache ``generate`` of every encoding under
@@ -27,18 +27,16 @@ What runs where (compiles cost 1-15 s each on CPU):
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
-from conftest import EOS_ID, PAD_ID, combos, make_ids, make_model, make_pixels, supports
+from conftest import EOS_ID, PAD_ID, combos, make_ids, make_model, make_pixels, supports, tiered
 from test_common import padded_prompts
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 
-SLOW = pytest.mark.skipif(not os.environ.get("HF_POSENC_SLOW"), reason="opt-in: set HF_POSENC_SLOW=1 (inductor matrix)")
 CUDA = torch.cuda.is_available()
 
 #: encodings that act on the embeddings or rotate q/k (the ones that ViT's tests here cover).
@@ -155,13 +153,16 @@ FORWARD_DEFAULT = (
 # -- default suite -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family,encoding", FORWARD_DEFAULT)
+@pytest.mark.parametrize(
+    "family,encoding", tiered(FORWARD_DEFAULT, fast=["llama-rope", "llama-cope", "gpt2-kerple", "vit-learned"])
+)
 def test_forward_is_one_graph(family, encoding):
     """The patched forward is captured as one graph (backend "eager": the captured ops, run as they are)
     and gives the eager logits; a second call reuses the graph."""
     check_forward(family, encoding, "eager")
 
 
+@pytest.mark.slow  # test_decode_loop_matches_generate below is the fast tier's compiled decoding
 @pytest.mark.parametrize("family,encoding", DECODE_DEFAULT)
 def test_static_cache_decoding_is_one_graph(family, encoding):
     """generate(cache_implementation="static") compiles the decode step as one graph (the query offset is
@@ -169,12 +170,14 @@ def test_static_cache_decoding_is_one_graph(family, encoding):
     check_static_decode(family, encoding, "eager")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,encoding", [("llama", "cope")])
 def test_training_step_is_one_graph(family, encoding):
     """Forward + backward through AOTAutograd (backend "aot_eager"): the eager loss and gradients."""
     check_training_step(family, encoding, "aot_eager")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,encoding", [("llama", "kerple")])
 def test_inductor_forward_default(family, encoding):
     """One forward through inductor (generated C++ code), the backend a user gets by default."""
@@ -204,37 +207,32 @@ def test_value_checks_step_aside_under_compile():
 # -- slow: the inductor matrix -------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-@SLOW
+@pytest.mark.soak
 @pytest.mark.parametrize("family,encoding", combos(NEW_FAMILIES))
 def test_forward_is_one_graph_on_every_family(family, encoding):
     """The graph-capture check of the default suite for every encoding on each newer family."""
     check_forward(family, encoding, "eager")
 
 
-@pytest.mark.slow
-@SLOW
+@pytest.mark.soak
 @pytest.mark.parametrize("family,encoding", FORWARD)
 def test_inductor_forward(family, encoding):
     check_forward(family, encoding, "inductor")
 
 
-@pytest.mark.slow
-@SLOW
+@pytest.mark.soak
 @pytest.mark.parametrize("family,encoding", FORWARD)
 def test_inductor_training_step(family, encoding):
     check_training_step(family, encoding, "inductor")
 
 
-@pytest.mark.slow
-@SLOW
+@pytest.mark.soak
 @pytest.mark.parametrize("family,encoding", combos(("llama", "gpt2")))
 def test_inductor_static_decoding(family, encoding):
     check_static_decode(family, encoding, "inductor")
 
 
-@pytest.mark.slow
-@SLOW
+@pytest.mark.soak
 @pytest.mark.parametrize("family,encoding", combos(("llama", "gpt2")))
 def test_eager_backend_static_decoding(family, encoding):
     """The decode-graph capture of every encoding (backend "eager"; the default suite runs four)."""

@@ -285,6 +285,7 @@ def test_accelerate_round_trip(tmp_path, fresh_accelerate, precision):
 # -- DDP ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # two processes
 def test_ddp_two_cpu_processes_keep_encoding_in_sync(tmp_path):
     """Two gloo processes, one SGD step each on different batches and from different initial weights: the
     encoding's parameters come out bit-identical on both ranks and equal to one step on both batches."""
@@ -334,6 +335,7 @@ def test_ddp_two_cpu_processes_keep_encoding_in_sync(tmp_path):
 # -- torch.compile --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # inductor; tests/test_compile.py's fast tier captures graphs with the "eager" backend
 @pytest.mark.parametrize(
     "encoding", ["learned", "rope", "kerple", "fox"], ids=["absolute", "qk-transform", "score-bias", "data-dependent"]
 )

@@ -1,9 +1,10 @@
 """The families beyond Llama, GPT-2 and ViT: Mistral, Qwen2, Qwen3, Gemma 3 (text), Phi-3, GPT-NeoX, BERT.
 
 The common property tests (tests/test_common.py, tests/test_properties.py) run on these families too, with a
-rotating subset of encodings by default (``FAMILY_SUBSETS`` in conftest.py) and every encoding under
-``HF_POSENC_SLOW=1``. Here: each family's native kind reproduces the unpatched model exactly (``rope`` on
-every decoder, ``learned`` on BERT with token types), sliding windows, the support declarations, PEFT.
+subset of encodings (``FAMILY_SUBSETS`` in conftest.py); every encoding runs in the fast tier's forward and
+backward and in the ``soak`` tier (docs/testing.md). Here: each family's native kind reproduces the unpatched
+model exactly (``rope`` on every decoder, ``learned`` on BERT with token types), sliding windows, the support
+declarations, PEFT.
 """
 
 from __future__ import annotations

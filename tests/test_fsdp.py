@@ -24,6 +24,11 @@ import hf_posenc
 TESTS = Path(__file__).parent
 
 
+#: Every test here reads the one two-process run of ``fsdp_run`` (tens of seconds): the slow tier, and one
+#: pytest-xdist worker for the module (--dist loadgroup), so that the run is not repeated on each worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fsdp")]
+
+
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     """Run the 2-process worker once; its output folder."""

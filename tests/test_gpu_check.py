@@ -76,6 +76,7 @@ def test_summary_marks_targets(gpu_check):
     assert "| train_step | timed out after 75 s |" in text
 
 
+@pytest.mark.slow  # a benchmark in a subprocess
 def test_cheapest_benchmark_smoke_mode_runs(tmp_path):
     """bench_rotary.py --smoke (tiny shapes, the kernel interpreted on the CPU): the script `make gpu-check`
     runs works end to end and appends its rows as it measures them (~8 s of CPU)."""

@@ -24,7 +24,7 @@ from torch.func import functional_call
 from hf_posenc.attention import posenc_attention
 from hf_posenc.encodings.base import PosContext, unwrap
 from hf_posenc.patches import get_family
-from conftest import ENCODINGS, make_model, positions_from_mask, supports
+from conftest import ENCODINGS, make_model, positions_from_mask, supports, tiered
 
 #: parameters that keep the encodings' tables small (gradcheck perturbs every element), and that switch
 #: on the optional learned parts (fope's coefficients, sba's remainder vector, liere per head and layer).
@@ -109,7 +109,11 @@ GRADCHECK_CASES = [
 ]
 
 
-@pytest.mark.parametrize("family,encoding", GRADCHECK_CASES)
+#: the fast tier's share: a static bias, an MLP bias, stick-breaking, contextual positions, a 2D rotation, a table
+GRADCHECK_FAST = ["llama-alibi", "llama-kerple", "vit-sba", "llama-cope", "llama-rope2d", "vit-learned"]
+
+
+@pytest.mark.parametrize("family,encoding", tiered(GRADCHECK_CASES, fast=GRADCHECK_FAST))
 def test_attention_level_gradcheck(family, encoding):
     """Gradients w.r.t. q, k, v, the attention input and every parameter of the encoding match finite
     differences in float64 (through every layer's prepare -> attention -> finish)."""

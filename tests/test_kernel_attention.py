@@ -23,7 +23,7 @@ from hf_posenc.encodings.fire import Fire
 from hf_posenc.kernels.attention import FLEX_KINDS, KERNEL_KINDS, KernelTerm, attention_reference, term_bias
 from hf_posenc.kernels.attention.terms import example_term
 
-from conftest import left_pad, make_ids, make_model
+from conftest import left_pad, make_ids, make_model, tiered
 
 try:
     import triton  # noqa: F401
@@ -123,7 +123,7 @@ def check(kind, shape, dtype, causal, seed=0, padding=True, q_offset=None):
 # -- the kernels against the reference -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", KERNEL_KINDS)
+@pytest.mark.parametrize("kind", tiered(KERNEL_KINDS, fast=["alibi"]))
 def test_kernel_matches_reference(interpret, kind):
     """Causal, GQA 4:1, padding (fully masked rows), head_dim 40: L = 77 in float32, and a 21-query chunk at
     key offset 56 in bfloat16."""
@@ -131,7 +131,7 @@ def test_kernel_matches_reference(interpret, kind):
     check(kind, SHAPE_CHUNK, torch.bfloat16, causal=True, seed=2)
 
 
-@pytest.mark.parametrize("kind", ["t5", "shaw", "fox"])
+@pytest.mark.parametrize("kind", tiered(["t5", "shaw", "fox"], fast=["fox"]))
 def test_kernel_bidirectional(interpret, kind):
     """Every query sees every valid key (ViT-style), terms that tell the sign of j − i apart (the others
     see |j − i| or max(i − j, 0), computed as in the causal tests)."""
@@ -139,7 +139,7 @@ def test_kernel_bidirectional(interpret, kind):
 
 
 @pytest.mark.parametrize("offset", ["int", "tensor"])
-@pytest.mark.parametrize("kind", ["kerple_pow", "t5", "shaw", "fox"])
+@pytest.mark.parametrize("kind", tiered(["kerple_pow", "t5", "shaw", "fox"], fast=["kerple_pow"]))
 def test_kernel_decode_with_empty_cache_slots(interpret, kind, offset):
     """One query at key 30 of 50 (a StaticCache with empty slots after it: causality hides them). A StaticCache
     gives the offset as a tensor: the kernels load it on the device (the host never reads it)."""
@@ -147,7 +147,7 @@ def test_kernel_decode_with_empty_cache_slots(interpret, kind, offset):
     check(kind, (2, 4, 1, 1, 50, 40), torch.float32, causal=True, seed=4, padding=True, q_offset=q_offset)
 
 
-@pytest.mark.parametrize("kind", ["alibi", "fire", "fox"])
+@pytest.mark.parametrize("kind", tiered(["alibi", "fire", "fox"], fast=["alibi"]))
 def test_kernel_tensor_offset_chunk(interpret, kind):
     """A 21-query chunk at key offset 56 given as a tensor: forward and every gradient (fox's gate gradient
     lands on the queries' key indices, placed by the tensor offset) as with the int offset."""
@@ -250,7 +250,7 @@ def test_reference_attention_matches_encoding(name):
 # -- FlexAttention ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", FLEX_KINDS)
+@pytest.mark.parametrize("kind", tiered(FLEX_KINDS, fast=FLEX_KINDS[:2]))
 def test_flex_forward_matches_reference(kind):
     """FlexAttention with the term's score_mod (forward only on the CPU: flex has no CPU backward)."""
     from hf_posenc.kernels.attention.flex import flex_attention_term
@@ -400,7 +400,9 @@ MODEL_CASES = [("alibi", {}), ("kerple", {}), ("kerple", {"variant": "power"}), 
 MODEL_IDS = ["alibi", "kerple-log", "kerple-power", "sandwich", "t5", "fire", "shaw", "fox", "fox_pro"]
 
 
-@pytest.mark.parametrize("name, params", MODEL_CASES, ids=MODEL_IDS)
+@pytest.mark.parametrize(
+    "name, params", tiered([pytest.param(*c, id=i) for c, i in zip(MODEL_CASES, MODEL_IDS)], fast=["alibi", "fox"])
+)
 def test_model_triton_matches_torch(interpret, monkeypatch, name, params):
     """A patched tiny Llama (one layer, GQA 2:1, left-padded batch, train mode) gives the same logits, loss
     and gradients of every parameter (the encoding's included) on HF_POSENC_BACKEND=triton as on torch

@@ -22,6 +22,8 @@ from hf_posenc.kernels.rotary import (
     apply_qk_rotation_reference,
 )
 
+from conftest import tiered
+
 try:
     import triton  # noqa: F401
 
@@ -103,9 +105,11 @@ def check_against_reference(shape, s, per_batch, per_head, dtype, seed=0, rot_gr
         assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype", tiered([pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")], fast=["fp32"])
+)
 @pytest.mark.parametrize("layout", list(ROT_LAYOUTS))
-@pytest.mark.parametrize("s", [2, 4, 8])
+@pytest.mark.parametrize("s", tiered([2, 4, 8], fast=[4]))
 def test_kernel_matches_reference(interpret, s, layout, dtype):
     """Forward, dq, dk and drot on L=77, D=40, GQA 4:1, q non-contiguous (the layout transformers passes)."""
     check_against_reference(SHAPE, s, *ROT_LAYOUTS[layout], dtype, seed=s)
@@ -141,7 +145,7 @@ def test_split_pair_loop(interpret, monkeypatch):
     assert rel_err(out, apply_block_rotation_reference(k, rot)) <= TOL[torch.float32]
 
 
-@pytest.mark.parametrize("s", [2, 8])
+@pytest.mark.parametrize("s", tiered([2, 8], fast=[2]))
 def test_small_tiles(interpret, monkeypatch, s):
     """GPU-sized tiles (4 positions per program, L = 13: a partial last tile) in the interpreter."""
     monkeypatch.setattr(triton_rotary, "INTERPRETER_BLOCK_L", 4)

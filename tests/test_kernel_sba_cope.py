@@ -41,7 +41,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     triton_sba = triton_cope = None
     _TRITON_MISSING = f"triton is not importable ({exc}); the sba/cope kernel tests need it"
 
-from conftest import make_ids, make_model
+from conftest import make_ids, make_model, tiered
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -52,7 +52,9 @@ SHAPE = (2, 4, 1, 77, 77, 40)
 #: fewer queries than keys (query i is key 44 + i), GQA 2:1.
 SHAPE_OFFSET = (2, 4, 2, 33, 77, 40)
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
-DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+DTYPES = pytest.mark.parametrize(
+    "dtype", tiered([pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")], fast=["fp32"])
+)
 
 
 @pytest.fixture
@@ -134,7 +136,7 @@ def test_sba_matches_reference(interpret, dtype):
     check(run_both(fn, ref, (q, k, v), (), do), TOL[dtype], ["out", "dq", "dk", "dv"])
 
 
-@pytest.mark.parametrize("offset", ["int", "tensor"])
+@pytest.mark.parametrize("offset", tiered(["int", "tensor"], fast=["tensor"]))
 @pytest.mark.parametrize("remainder", ["current", "bias"])
 def test_sba_padding_offset_options(interpret, remainder, offset):
     """Left padding, Lq < Lk, the diagonal as a breakpoint, and the remainder options (with the bias's gradient).
@@ -207,7 +209,7 @@ def test_cope_matches_reference(interpret, dtype):
     check(run_both(fn, ref, (q, k, v), (_table(SHAPE[-1], 16),), do), TOL[dtype], names)
 
 
-@pytest.mark.parametrize("npos,offset", [(1, "int"), (64, "int"), (64, "tensor")])
+@pytest.mark.parametrize("npos,offset", tiered([(1, "int"), (64, "int"), (64, "tensor")], fast=[(1, "int")]))
 def test_cope_padding_offset_npos(interpret, npos, offset):
     """Left padding, Lq < Lk; npos 1 (always clamped), 64 (never clamped here); the offset as an int or as a
     tensor (a StaticCache's: the kernels load it on the device).
@@ -366,6 +368,7 @@ def _let_custom_attention_kernels_through(monkeypatch):
     [("sba", {}), ("sba", {"remainder": "bias", "attend_current": True}), ("cope", {"npos_max": 4})],
     ids=["sba", "sba-bias-current", "cope"],
 )
+@pytest.mark.slow  # the kernels' own tests above run in the fast tier
 def test_llama_triton_matches_torch(interpret, monkeypatch, encoding, params):
     """A patched tiny Llama (GQA, left padding): same logits and parameter gradients with the kernels
     (forced, interpreted on the CPU) and with the references."""

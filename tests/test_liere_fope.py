@@ -15,7 +15,7 @@ from hf_posenc.encodings.fope import Fope
 from hf_posenc.encodings.liere import Liere
 from hf_posenc.encodings.rope import Rope
 
-from conftest import left_pad, make_ids, make_model, make_pixels, positions_from_mask
+from conftest import left_pad, make_ids, make_model, make_pixels, positions_from_mask, tiered
 
 CPU = torch.device("cpu")
 # (family, hidden, heads, kv heads, head_dim, layers, causal, max positions)
@@ -289,7 +289,11 @@ def test_liere_default_is_one_dense_block_per_head():
     assert enc.generator_raw.shape == (1, 1, 1, 1, 16, 16)
 
 
-@pytest.mark.parametrize("info", [ModelInfo("llama", 64, 4, 2, 16, 1, True, 64), GRID], ids=["text", "vit"])
+@pytest.mark.parametrize(
+    "info",
+    tiered([pytest.param(ModelInfo("llama", 64, 4, 2, 16, 1, True, 64), id="text"), pytest.param(GRID, id="vit")],
+           fast=["text"]),
+)
 def test_liere_dense_block_is_exact_against_matrix_exp_float64(info):
     """q' = exp(Σ_i p_i A_i) q with one dense (D x D) generator per axis, against an independent float64
     matrix_exp of the full D x D matrix, per token; and the rotation is differentiable (gradcheck)."""

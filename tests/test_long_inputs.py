@@ -4,12 +4,13 @@ that names the memory it would need.
 A small model (1 layer, hidden 64, 4 heads, batch 1), as the references' O(L^2) intermediates, not the
 model, are what grows. Two forms:
 
-* always (CI): Llama, every encoding, L = 4096, forward under ``no_grad``; ViT, every encoding, a 32x32
-  patch grid (L = 1025), forward under ``no_grad``. 35-45 s on one core of the 2-core CI machine (cope,
+* in CI (``make test-all``; the fast tier takes rope and alibi on Llama, rope2d on ViT): Llama, every
+  encoding, L = 4096, forward under ``no_grad``; ViT, every encoding, a 32x32 patch grid (L = 1025), forward
+  under ``no_grad``. 35-45 s on one core of the 2-core CI machine (cope,
   cape and fire take 5-20 s each at L = 4096, depending on the load; the rest a few seconds or less).
-* ``@pytest.mark.slow``, opt-in with ``HF_POSENC_SLOW=1`` (13 minutes, measured): Llama, GPT-2 and ViT (a
+* ``@pytest.mark.soak``, opt-in with ``make test-soak`` (13 minutes, measured): Llama, GPT-2 and ViT (a
   64x64 grid, L = 4097), every encoding, forward and backward at L = 4096 (peaks: under 7 GiB; cape, cope
-  and fire 6-7 GiB, the rest under 2 GiB). Skipped by default: a slow mark alone would still run in CI.
+  and fire 6-7 GiB, the rest under 2 GiB). Deselected by ``make test`` and ``make test-all`` (CI).
 
 Each test measures the peak resident memory of the forward (Linux: /proc/self/clear_refs resets the
 high-water mark, /proc/self/status reports it), checks it against the 24 GiB budget, and checks that the
@@ -21,7 +22,6 @@ what else the machine is running.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -30,7 +30,7 @@ import torch
 
 import hf_posenc
 from hf_posenc.memory import ReferenceMemoryError
-from conftest import ENCODINGS, VOCAB, make_model, supports
+from conftest import ENCODINGS, VOCAB, make_model, supports, tiered
 
 L = 4096
 BUDGET = 24 * 2**30
@@ -125,7 +125,7 @@ def budget(monkeypatch):
     monkeypatch.setenv("HF_POSENC_MEMORY_BUDGET", "24GiB")
 
 
-@pytest.mark.parametrize("encoding", ENCODINGS)
+@pytest.mark.parametrize("encoding", tiered(ENCODINGS, fast=["rope", "alibi"]))
 def test_llama_forward_at_4096(encoding, record_property):
     """Every encoding's reference runs at L = 4096 (forward, no_grad) within 24 GiB, with finite outputs."""
     model = small_model("llama", encoding)
@@ -135,7 +135,7 @@ def test_llama_forward_at_4096(encoding, record_property):
     check_memory(f"llama-{encoding} L={L} forward", extra, estimate(model, L, grad=False), seconds, record_property)
 
 
-@pytest.mark.parametrize("encoding", [e for e in ENCODINGS if supports(e, "vit")])
+@pytest.mark.parametrize("encoding", tiered([e for e in ENCODINGS if supports(e, "vit")], fast=["rope2d"]))
 def test_vit_forward_at_1025(encoding, record_property):
     """The ViT (2D grid) references at a 32x32 grid (L = 1025), forward, no_grad; L = 4097 is in the slow test."""
     model = small_model("vit", encoding, grid=32)
@@ -157,11 +157,9 @@ def test_over_the_budget_is_refused_with_the_amount(monkeypatch):
         assert torch.isfinite(model(**inputs("llama")).last_hidden_state).all()
 
 
-SLOW = pytest.mark.skipif(not os.environ.get("HF_POSENC_SLOW"), reason="opt-in: set HF_POSENC_SLOW=1 (about 15 min)")
 
 
-@pytest.mark.slow
-@SLOW
+@pytest.mark.soak
 @pytest.mark.parametrize(
     "family,encoding",
     [pytest.param(f, e, id=f"{f}-{e}") for f in ("llama", "gpt2", "vit") for e in ENCODINGS if supports(e, f)],

@@ -37,20 +37,22 @@ from hf_posenc.registry import get_encoding
 from conftest import (
     DECODERS,
     ENCODINGS,
-    FAMILY_SUBSETS,
     MAX_POSITIONS_KEY,
     NUM_LABELS,
     PAD_ID,
-    SLOW,
+    SOAK,
     VOCAB,
     combos,
     make_model,
     positions_from_mask,
+    sweep_only,
 )
 
 SAME_ATOL = 1e-5  # the same values computed twice on different batches / with different later tokens
 CACHE_ATOL = 1e-4  # cache == full forward (different summation orders)
 SHIFT_ATOL = 1e-4  # shift invariance (float32 angles of larger positions)
+#: the fast tier runs each property on one (family, encoding) pair in this many (conftest.combos)
+PROPERTY_SHARE = 3
 MAX_POSITIONS = 64  # the text models' maximum position (learned's table); lengths + shifts stay below it
 
 
@@ -191,7 +193,7 @@ def forward(model, ids: torch.Tensor, mask: torch.Tensor, **kw) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family,encoding", combos(DECODERS))
+@pytest.mark.parametrize("family,encoding", combos(DECODERS, fast=PROPERTY_SHARE))
 @bounded(8)
 @given(data=st.data())
 def test_causality(family, encoding, data):
@@ -214,7 +216,7 @@ def test_causality(family, encoding, data):
     assert max_diff(a[keep], b[keep]) < SAME_ATOL, f"logits up to t={t} depend on later tokens"
 
 
-@pytest.mark.parametrize("family,encoding", combos(DECODERS))
+@pytest.mark.parametrize("family,encoding", combos(DECODERS, fast=PROPERTY_SHARE))
 @bounded(10)
 @given(data=st.data())
 def test_cache_matches_full_forward(family, encoding, data):
@@ -250,7 +252,7 @@ def test_cache_matches_full_forward(family, encoding, data):
     assert diff < CACHE_ATOL, f"{kind} cache in chunks {chunks} differs from the full forward by {diff}"
 
 
-@pytest.mark.parametrize("family,encoding", combos(DECODERS))
+@pytest.mark.parametrize("family,encoding", combos(DECODERS, fast=PROPERTY_SHARE))
 @bounded(8)
 @given(data=st.data())
 def test_left_padding_invariance(family, encoding, data):
@@ -268,7 +270,7 @@ def test_left_padding_invariance(family, encoding, data):
             assert diff < SAME_ATOL, f"row {row} (lengths {batch.lengths}) differs from the row alone by {diff}"
 
 
-@pytest.mark.parametrize("family,encoding", combos(DECODERS))
+@pytest.mark.parametrize("family,encoding", combos(DECODERS, fast=PROPERTY_SHARE))
 @bounded(8)
 @given(data=st.data())
 def test_shift_invariance(family, encoding, data):
@@ -293,10 +295,9 @@ def test_shift_invariance(family, encoding, data):
 
 
 NON_RELATIVE = [
-    pytest.param(fam, enc, id=f"{fam}-{enc}")
+    pytest.param(fam, enc, id=f"{fam}-{enc}", marks=(SOAK,) if sweep_only(fam, enc) else ())
     for fam in DECODERS
     for enc in ENCODINGS
-    if SLOW or fam not in FAMILY_SUBSETS or enc in FAMILY_SUBSETS[fam]
     if not get_encoding(enc).cls.relative and fam in get_encoding(enc).families and enc != "cape"
 ]
 
@@ -326,7 +327,7 @@ def vit_images(draw, arch: Arch) -> tuple[int, int]:
     return draw(st.integers(1, 4)) * arch.patch, draw(st.integers(1, 4)) * arch.patch
 
 
-@pytest.mark.parametrize("family,encoding", combos())
+@pytest.mark.parametrize("family,encoding", combos(fast=PROPERTY_SHARE))
 @bounded(8)
 @given(data=st.data())
 def test_finite_in_half_precision(family, encoding, data):

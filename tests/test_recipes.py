@@ -390,6 +390,7 @@ def test_plan_under_peft_trains_each_entry_and_reloads(tmp_path):
     assert torch.equal(logits(PeftModel.from_pretrained(base, tmp_path / "adapter"), batch), expected)
 
 
+@pytest.mark.slow  # torch.compile
 def test_plan_with_window_compiles_as_one_graph():
     """A plan with a window and a trainable entry: torch.compile(fullgraph=True) gives the eager logits."""
     torch._dynamo.reset()

@@ -1,4 +1,4 @@
-"""Soak test (``@pytest.mark.slow``, opt-in with ``HF_POSENC_SLOW=1``): every encoding (all support Llama)
+"""Soak test (``@pytest.mark.soak``: opt-in, ``make test-soak``): every encoding (all support Llama)
 trains a tiny Llama for 200 AdamW steps under bfloat16 autocast on CPU. No loss,
 parameter or gradient is ever NaN or Inf, and the loss goes down (the mean of the last 20 steps is below
 0.8 x the mean of the first 20). 20 passed in 12 min on the 2-core VM under heavy load (load average ~18).
@@ -11,13 +11,11 @@ previous period predicts the rest).
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 from conftest import ENCODINGS, make_model
 
-SLOW = pytest.mark.skipif(not os.environ.get("HF_POSENC_SLOW"), reason="opt-in: set HF_POSENC_SLOW=1 (about 12 min)")
 STEPS = 200
 VOCAB_USED = 32
 
@@ -28,8 +26,7 @@ def _text_batch(g: torch.Generator, batch: int = 8, length: int = 32) -> torch.T
     return pattern.repeat(1, length // 8)
 
 
-@pytest.mark.slow
-@SLOW
+@pytest.mark.soak
 @pytest.mark.parametrize("encoding", ENCODINGS)
 def test_bf16_autocast_soak(encoding):
     model = make_model("llama", encoding=encoding, train=True)

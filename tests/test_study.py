@@ -243,6 +243,7 @@ def test_same_seed_same_numbers():
     assert (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()) == before
 
 
+@pytest.mark.slow  # two studies; test_tiny_study_end_to_end is the fast one
 def test_synthetic_task_and_vit_studies(tmp_path):
     res = run_study(StudyConfig(encodings=["cope"], task="selective-copy", out=None, **{**TINY, "train_len": 20}))
     r = res["results"][0]

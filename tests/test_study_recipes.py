@@ -48,6 +48,7 @@ def test_plan_must_divide_layers_is_a_clean_cli_error(tmp_path, capsys):
     assert "must divide --layers (4)" in err and "Traceback" not in err
 
 
+@pytest.mark.slow  # a whole study
 def test_eval_scaling_study(tmp_path):
     """rope and rope + YaRN at eval train the same model (same numbers at 1x, the training length) and differ
     past it, where the evaluation ran with YaRN of factor L / T (recorded per length); a plan and a window run."""
@@ -68,6 +69,7 @@ def test_eval_scaling_study(tmp_path):
     assert "rope + YaRN at eval" in (tmp_path / "table.md").read_text()
 
 
+@pytest.mark.slow  # a whole study
 def test_study_writes_what_each_model_learned(tmp_path):
     """Every trained run's profile (profiles/<run>.json, a position_profile) and profiles.png side by side; the
     task's profile of a data-dependent encoding is drawn on one of the task's sequences."""

@@ -170,6 +170,7 @@ def test_study_with_splits_and_seeds(tmp_path):
     assert report.spread([0.5, 0.7]) == (0.6, 0.5, 0.7) and report.spread([1.0, None]) == (None, None, None)
 
 
+@pytest.mark.slow  # the same study three times, in processes
 def test_same_seeds_same_numbers_with_and_without_jobs(tmp_path):
     def numbers(res):
         return [(r["encoding"], r["seed"], r["train"]["losses"], [e["metric"] for e in r["eval"]],
@@ -214,6 +215,7 @@ def test_cli_bad_input_is_a_clear_error(capsys):
         assert message in err and "Traceback" not in err, err
 
 
+@pytest.mark.slow  # a whole study
 def test_resume_of_a_results_json_from_before_the_splits(tmp_path):
     """A task study written before splits and seeds existed (no "splits", no "seed") resumes: its runs are kept
     and read '-' in the split tables; the new runs get the splits."""

@@ -21,6 +21,7 @@ from hf_posenc.kernels.attention import TILED_KINDS, attention_reference, flex_a
 from hf_posenc.kernels.cope import cope, cope_reference, cope_tiled
 from hf_posenc.kernels.sba import sba_reference, sba_tiled, stick_breaking
 
+from conftest import tiered
 from test_kernel_attention import _TRITON_MISSING, SHAPE, SHAPE_CHUNK, make_inputs, make_term, rel_err, triton_attention
 
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
@@ -283,9 +284,9 @@ def interpreted():
         pytest.skip("TRITON_INTERPRET=1 was not set before triton was imported (see tests/conftest.py)")
 
 
-@pytest.mark.parametrize("kind,causal,window,tensor_offset", [
+@pytest.mark.parametrize("kind,causal,window,tensor_offset", tiered([
     ("fox", True, 8, False), ("shaw", True, 1, True), ("t5", False, 5, False), ("kerple_log", True, 100, False),
-])
+], fast=[("shaw", True, 1, True)]))
 def test_fused_attention_window(interpreted, kind, causal, window, tensor_offset):
     _attention_case(triton_attention.fused_attention, kind, SHAPE_CHUNK, causal, window, tensor_offset)
 

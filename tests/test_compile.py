@@ -207,6 +207,7 @@ def test_inductor_static_decoding_default(family, encoding):
 
 
 TILE_OP = "hf_posenc.tiled_attention"
+ENGINE_OP = "hf_posenc.engine"
 
 
 class OpRecorder:
@@ -225,18 +226,19 @@ class OpRecorder:
         return gm.forward
 
 
-@pytest.mark.parametrize("family,encoding", [("llama", "alibi"), ("gpt2", "fire"), ("llama", "fox_pro"),
-                                             ("gpt2", "shaw")])
-def test_compiled_graph_runs_the_tile_engine(family, encoding, caplog):
-    """The compiled forward of an encoding with a kernel term holds the tile engine's custom op (the engine
-    eager runs), and nothing is logged as falling back to the reference."""
+@pytest.mark.parametrize("family,encoding,op", [
+    ("llama", "alibi", TILE_OP), ("gpt2", "fire", TILE_OP), ("llama", "fox_pro", TILE_OP), ("gpt2", "shaw", TILE_OP),
+    ("llama", "cope", ENGINE_OP), ("gpt2", "sba", ENGINE_OP), ("llama", "cape", ENGINE_OP)])
+def test_compiled_graph_runs_the_tile_engine(family, encoding, op, caplog):
+    """The compiled forward of an encoding with a tile engine holds the engine's custom op (the engine eager
+    runs), and nothing is logged as falling back to the reference."""
     model = make_model(family, encoding=encoding)
     recorder = OpRecorder()
     compiled = torch.compile(model, fullgraph=True, backend=recorder)
     with caplog.at_level("DEBUG", logger="hf_posenc"), torch.no_grad():
         got = compiled(**inputs(family)).logits
         ref = model(**inputs(family)).logits
-    assert len(recorder.graphs) == 1 and TILE_OP in recorder.graphs[0], recorder.graphs
+    assert len(recorder.graphs) == 1 and op in recorder.graphs[0], recorder.graphs
     assert not [r for r in caplog.records if "reference" in r.getMessage()], caplog.text
     assert (got - ref).abs().max() <= LOGIT_ATOL
 
@@ -273,6 +275,56 @@ def test_tile_op_opcheck(kind):
         args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), m, None, None, tensors, kind,
                 ",".join(term.tensors), ints, 0.3, True, 0, 16, 8, None, None)
         torch.library.opcheck(_tiled_attention, args)
+
+
+@pytest.mark.parametrize("name", ["cope", "sba", "cape"])
+def test_engine_op_equals_engine(name):
+    """CoPE, stick-breaking and CAPE through ``hf_posenc::engine`` (as a compiled model calls them): the eager
+    engine's output and gradients (left padding, a tensor offset for CoPE), and torch.library.opcheck."""
+    from hf_posenc.kernels.cape.tiled import cape_attention_tiled
+    from hf_posenc.kernels.cope.tiled import cope_tiled
+    from hf_posenc.kernels.custom_ops import _engine
+    from hf_posenc.kernels.sba.tiled import sba_tiled
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, h, 70, 8, generator=g).requires_grad_() for h in (4, 2, 2))
+    mask = torch.ones(2, 1, 70, 70, dtype=torch.bool).tril()
+    mask[1, ..., :4] = False
+    if name == "cope":
+        table = torch.randn(8, 16, generator=g).requires_grad_()
+        leaves = [q, k, v, table]
+
+        def run():
+            return cope_tiled(q, k, v, table, mask, 0.3, torch.tensor(0), block_m=32, block_n=16)
+    elif name == "sba":
+        bias = torch.randn(4, 8, generator=g).requires_grad_()
+        leaves = [q, k, v, bias]
+
+        def run():
+            return sba_tiled(q, k, v, mask, 0.3, 0, remainder="bias", bias=bias, block_m=32, block_n=16)
+    else:
+        mlp = [torch.randn(6, 8, generator=g), torch.randn(6, generator=g), torch.randn(4, 6, generator=g),
+               torch.randn(4, generator=g)]
+        r = [torch.rand(4, generator=g), torch.rand(4, generator=g)]
+        leaves = [q, k, v, *(t.requires_grad_() for t in mlp + r)]
+
+        def run():
+            return cape_attention_tiled(q, k, v, *mlp, "kerple_log", tuple(r), mask, 0.3, 0, block_q=32, block_k=16)
+
+    want = run()
+    want_grads = torch.autograd.grad(want.pow(2).sum(), leaves)
+    recorder = OpRecorder()
+    got = torch.compile(run, fullgraph=True, backend=recorder)()  # the op runs (eager) inside the graph
+    assert len(recorder.graphs) == 1 and ENGINE_OP in recorder.graphs[0], recorder.graphs
+    got_grads = torch.autograd.grad(got.pow(2).sum(), leaves)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    if name == "cope":  # opcheck: schema, fake tensor, autograd registration
+        from hf_posenc.kernels.custom_ops import _encode
+
+        spec = {"scale": 0.3, "block_m": 32, "block_n": 16, "window": None, "n_slots": 6, "slots": [0, 1, 2, 3, 4]}
+        torch.library.opcheck(_engine, ("cope", [q, k, v, table, mask], _encode(spec), 0))
 
 
 @pytest.mark.parametrize("kind", ["alibi", "shaw"])

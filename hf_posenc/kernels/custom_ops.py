@@ -181,8 +181,17 @@ def _tiled_attention_backward(
             grads = list(TiledAttentionFunction.backward(saved, grad_out))
         grads = grads[:3] + grads[6:]
     inputs = (query, key, value, *term)
-    return [torch.zeros_like(t) if g is None else g.to(t.dtype).clone() if _aliases(g, inputs) else g.to(t.dtype)
-            for g, t in zip(grads, inputs)]
+    return [_grad_like(g, t, inputs) for g, t in zip(grads, inputs)]
+
+
+def _grad_like(g: Tensor | None, t: Tensor, inputs: tuple[Tensor, ...]) -> Tensor:
+    """The gradient of input ``t`` as a backward op returns it: contiguous, in ``t``'s dtype, zeros for None, never
+    sharing storage with an input (the fake functions promise exactly that; a model's k and v are transposed
+    views, whose strides a gradient need not copy)."""
+    if g is None:
+        return t.new_zeros(t.shape)
+    g = g.to(t.dtype).contiguous()
+    return g.clone() if _aliases(g, inputs) else g
 
 
 def _aliases(t: Tensor, inputs: tuple[Tensor, ...]) -> bool:
@@ -194,7 +203,7 @@ def _aliases(t: Tensor, inputs: tuple[Tensor, ...]) -> bool:
 @_tiled_attention_backward.register_fake
 def _(grad_out, out, lse, query, key, value, mask, key_valid, q_offset_tensor, term, need, kind, names, ints,
       scale, causal, q_offset, block_q, block_k, window, band):
-    return [torch.empty_like(t) for t in (query, key, value, *term)]
+    return [t.new_empty(t.shape) for t in (query, key, value, *term)]
 
 
 _SCALARS = ("kind", "names", "ints", "scale", "causal", "q_offset", "block_q", "block_k", "window",
@@ -268,3 +277,174 @@ def tiled_attention_op(
         0 if off_tensor else q_offset, block_q, BLOCK_K, window, band,
     )
     return out.to(query.dtype)
+
+
+# -- the other tile engines: CoPE, stick-breaking, CAPE ---------------------------------------------------------
+#
+# Each engine is an autograd Function (``CopeTiledFunction``, ``SbaTiledFunction``, ``_CapeTiled``) whose forward
+# and backward take tensors and plain Python values. One generic pair of ops runs any of them:
+#
+# * ``hf_posenc::engine`` (name, the present tensors (Tensor[]; which slots they fill: in the spec), spec (the plain values as one string), q_offset (SymInt))
+#   -> out, the Function's forward;
+# * ``hf_posenc::engine_backward`` (the same, dO, which tensors need a gradient) -> one gradient per tensor (zeros
+#   where none is needed, an empty tensor for an absent one): the Function's forward again (its saved tensors:
+#   O(L · block) besides q, k, v, never kept between the passes, at the price of a second forward), then its
+#   backward.
+#
+# q_offset stays an op argument of its own (a SymInt under dynamic shapes: one graph for every cache length).
+
+import ast  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Callable  # noqa: E402
+
+
+@dataclass(frozen=True)
+class _Engine:
+    """How the tensors and the spec of an ``hf_posenc::engine`` call become the Function's forward arguments."""
+
+    function: type
+    #: (tensors, spec, q_offset) -> the forward's arguments (without ctx)
+    arguments: Callable[[list, dict, int], tuple]
+    #: the forward argument index of each entry of ``tensors``
+    positions: Callable[[list], list[int]]
+    #: (tensors, spec) -> the output's (shape, dtype)
+    output: Callable[[list, dict], tuple[tuple, torch.dtype]]
+
+
+def _encode(spec: dict) -> str:
+    """``spec`` (str keys; int, float, bool, str, None or list-of-int values) as one string "key=repr;..." (plain
+    string formatting, which Dynamo traces; json.dumps it does not)."""
+    return ";".join(f"{key}={spec[key]!r}" for key in sorted(spec))
+
+
+def _decode(text: str) -> dict:
+    return {key: ast.literal_eval(value) for key, value in (item.split("=", 1) for item in text.split(";") if item)}
+
+
+def _offset(tensor: Tensor | None, q_offset: int):
+    return tensor if tensor is not None else q_offset
+
+
+_ENGINES: dict[str, _Engine] = {}
+
+
+def _register_engines() -> None:
+    """The three engines (imported late: their modules import this one lazily)."""
+    if _ENGINES:
+        return
+    from .cape.tiled import _CapeTiled
+    from .cope.tiled import CopeTiledFunction
+    from .sba.tiled import SbaTiledFunction
+
+    # CoPE: tensors [q, k, v, table, mask?, q_offset?]
+    _ENGINES["cope"] = _Engine(
+        CopeTiledFunction,
+        lambda t, s, o: (t[0], t[1], t[2], t[3], t[4], s["scale"], _offset(t[5], o), s["block_m"], s["block_n"],
+                         s["window"]),
+        lambda t: [0, 1, 2, 3, 4, 6],
+        lambda t, s: ((*t[0].shape[:3], t[2].shape[3]), t[0].dtype),
+    )
+    # stick-breaking: tensors [q, k, v, mask?, bias?, q_offset?]
+    _ENGINES["sba"] = _Engine(
+        SbaTiledFunction,
+        lambda t, s, o: (t[0], t[1], t[2], t[3], t[4], s["scale"], _offset(t[5], o), s["attend_current"],
+                         s["remainder"], s["block_m"], s["block_n"], s["window"]),
+        lambda t: [0, 1, 2, 3, 4, 6],
+        lambda t, s: ((*t[0].shape[:3], t[2].shape[3]), t[0].dtype),
+    )
+    # CAPE: tensors [q, k, v, mask?, w1x, w2x, q_offset?, *bias_tensors]
+    _ENGINES["cape"] = _Engine(
+        _CapeTiled,
+        lambda t, s, o: (t[0], t[1], t[2], t[3], t[4], t[5], _offset(t[6], o), s["scaling"], s["kind"],
+                         s["static_offset"], s["block_q"], s["block_k"], s["rank_one"], *t[7:]),
+        lambda t: [0, 1, 2, 3, 4, 5, 6] + list(range(13, 13 + len(t) - 7)),
+        lambda t, s: ((*t[0].shape[:3], t[2].shape[3]), t[2].dtype),
+    )
+
+
+def _expand(tensors: list[Tensor], spec: dict) -> list[Tensor | None]:
+    """The full slot list of an engine from its present tensors (``spec["slots"]``: the slot of each)."""
+    full: list[Tensor | None] = [None] * spec["n_slots"]
+    for slot, t in zip(spec["slots"], tensors):
+        full[slot] = t
+    return full
+
+
+def _engine_forward(name: str, tensors: list[Tensor], spec: dict, q_offset: int, need: list[bool]):
+    """The Function's forward on a stand-in ctx (needs_input_grad from ``need``, one per present tensor):
+    (ctx, out)."""
+    _register_engines()
+    engine = _ENGINES[name]
+    full = _expand([t.detach() for t in tensors], spec)
+    args = engine.arguments(full, spec, q_offset)
+    needs = [False] * len(args)
+    positions = engine.positions(full)
+    for slot, wanted in zip(spec["slots"], need):
+        needs[positions[slot]] = bool(wanted)
+    saved = _Saved(needs_input_grad=tuple(needs))
+    with torch.no_grad():
+        out = engine.function.forward(saved, *args)
+    return saved, out
+
+
+@torch.library.custom_op("hf_posenc::engine", mutates_args=())
+def _engine(name: str, tensors: list[Tensor], spec: str, q_offset: int) -> Tensor:
+    """out of the engine ``name`` (``cope``, ``sba`` or ``cape``); see the comment above."""
+    _, out = _engine_forward(name, tensors, _decode(spec), q_offset, [False] * len(tensors))
+    return out.clone() if _aliases(out, tuple(tensors)) else out
+
+
+@_engine.register_fake
+def _(name, tensors, spec, q_offset):
+    _register_engines()
+    spec = _decode(spec)
+    shape, dtype = _ENGINES[name].output(_expand(tensors, spec), spec)
+    return tensors[0].new_empty(shape, dtype=dtype)
+
+
+@torch.library.custom_op("hf_posenc::engine_backward", mutates_args=())
+def _engine_backward(grad_out: Tensor, name: str, tensors: list[Tensor], need: list[bool], spec: str,
+                     q_offset: int) -> list[Tensor]:
+    """One gradient per entry of ``tensors`` (zeros where ``need`` is False)."""
+    spec_d = _decode(spec)
+    saved, _ = _engine_forward(name, tensors, spec_d, q_offset, need)
+    engine = _ENGINES[name]
+    with _autograd_inside(), torch.no_grad():
+        grads = engine.function.backward(saved, grad_out)
+    positions = engine.positions(_expand(tensors, spec_d))
+    out = []
+    for t, slot, wanted in zip(tensors, spec_d["slots"], need):
+        pos = positions[slot]
+        g = grads[pos] if pos < len(grads) and wanted else None
+        out.append(_grad_like(g, t, tuple(tensors)))
+    return out
+
+
+@_engine_backward.register_fake
+def _(grad_out, name, tensors, need, spec, q_offset):
+    return [t.new_empty(t.shape) for t in tensors]
+
+
+def _engine_setup(ctx, inputs, output) -> None:
+    name, tensors, spec, q_offset = inputs
+    ctx.name, ctx.spec, ctx.q_offset = name, spec, q_offset
+    ctx.save_for_backward(*tensors)
+
+
+def _engine_autograd(ctx, grad_out):
+    tensors = list(ctx.saved_tensors)
+    need = [bool(n) and t.is_floating_point() for n, t in zip(ctx.needs_input_grad[1], tensors)]
+    grads = _engine_backward(grad_out.contiguous(), ctx.name, tensors, need, ctx.spec, ctx.q_offset)
+    return None, [g if n else None for g, n in zip(grads, need)], None, None
+
+
+_engine.register_autograd(_engine_autograd, setup_context=_engine_setup)
+
+
+def engine_op(name: str, tensors: list[Tensor | None], spec: dict, q_offset: int | Tensor) -> Tensor:
+    """The engine ``name`` (``cope``, ``sba``, ``cape``) through the custom op: ``tensors`` in the slot order of
+    the comment above (None for an absent one; the tensor offset, if any, in its slot), ``spec`` the plain values
+    (ints, floats, bools, strings, None), ``q_offset`` the int offset (ignored when the offset slot holds a tensor)."""
+    spec = {**spec, "n_slots": len(tensors), "slots": [i for i, t in enumerate(tensors) if t is not None]}
+    return _engine(name, [t for t in tensors if t is not None], _encode(spec),
+                   0 if isinstance(q_offset, Tensor) else q_offset)

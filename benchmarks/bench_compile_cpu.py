@@ -109,13 +109,13 @@ def _peak_mib(call, model, x) -> float | None:
     return (peak - before) / 1024
 
 
-def _recompiles(model) -> int:
-    """Graphs compiled for a forward (no autograd) called at each of RECOMPILE_LENGTHS (default inductor)."""
+def _recompiles(model, backend: str = "inductor") -> int:
+    """Graphs compiled for a forward (no autograd) called at each of RECOMPILE_LENGTHS (default: inductor)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(model, fullgraph=True)
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
     with torch.no_grad():
         for n in RECOMPILE_LENGTHS:
             compiled(input_ids=torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(n)),
@@ -162,6 +162,36 @@ def worker(args) -> dict:
     return row
 
 
+def recompiles_only(args, encodings: list[str]) -> None:
+    """The graphs compiled over RECOMPILE_LENGTHS for the unpatched model and each encoding; a table and JSON
+    (default ``benchmarks/results/compile_recompiles_<backend>.json``)."""
+    torch.set_num_threads(args.threads)
+    rows = []
+    for name in [None, *encodings]:
+        t0 = time.perf_counter()
+        try:
+            graphs = _recompiles(_model(name, max(RECOMPILE_LENGTHS), args.seed), args.recompiles_only)
+            row = {"encoding": name or "unpatched", "graphs": graphs}
+        except Exception as exc:  # noqa: BLE001 - reported per encoding
+            row = {"encoding": name or "unpatched", "error": f"{type(exc).__name__}: {exc}"[:300]}
+        row["s"] = time.perf_counter() - t0
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    print(f"\nGraphs compiled for a forward at L = {'/'.join(map(str, RECOMPILE_LENGTHS))} (torch.compile(model, "
+          f"fullgraph=True, backend={args.recompiles_only!r}), default dynamic (automatic: static first, then "
+          "dynamic)), Llama 4 layers / hidden 256\n")
+    print("| encoding | graphs |")
+    print("|---|---:|")
+    for r in rows:
+        print(f"| `{r['encoding']}` | {r.get('graphs', r.get('error'))} |")
+    out = Path(args.out) if args.out else (Path(__file__).parent / "results"
+                                           / f"compile_recompiles_{args.recompiles_only}.json")
+    out.write_text(json.dumps({"benchmark": "compile_recompiles", "backend": args.recompiles_only,
+                               "lengths": RECOMPILE_LENGTHS, "device_name": device_name(torch.device("cpu")),
+                               "versions": versions(), "results": rows}, indent=2) + "\n")
+    print(f"\nwrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--encodings", nargs="+", default=None, help="default: every registered encoding")
@@ -174,6 +204,9 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/compile_cpu_L<L>.json)")
     parser.add_argument("--skip-recompiles", action="store_true",
                         help="do not count the graphs over lengths 256/384/512 (three more compiles per encoding)")
+    parser.add_argument("--recompiles-only", default=None, metavar="BACKEND",
+                        help="only count the graphs over lengths 256/384/512, every encoding in this process, with "
+                             "this Dynamo backend (e.g. eager: the guards are Dynamo's; inductor: slower)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
@@ -183,6 +216,9 @@ def main() -> None:
     unknown = sorted(set(encodings) - set(hf_posenc.list_encodings()))
     if unknown:
         parser.error(f"unknown encoding(s) {unknown}; known: {hf_posenc.list_encodings()}")
+    if args.recompiles_only:
+        recompiles_only(args, encodings)
+        return
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"compile_cpu_L{args.length}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     jsonl = str(out) + "l"

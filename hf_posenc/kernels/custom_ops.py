@@ -185,13 +185,11 @@ def _tiled_attention_backward(
 
 
 def _grad_like(g: Tensor | None, t: Tensor, inputs: tuple[Tensor, ...]) -> Tensor:
-    """The gradient of input ``t`` as a backward op returns it: contiguous, in ``t``'s dtype, zeros for None, never
-    sharing storage with an input (the fake functions promise exactly that; a model's k and v are transposed
-    views, whose strides a gradient need not copy)."""
-    if g is None:
-        return t.new_zeros(t.shape)
-    g = g.to(t.dtype).contiguous()
-    return g.clone() if _aliases(g, inputs) else g
+    """The gradient of input ``t`` as a backward op returns it: with ``t``'s strides (``torch.empty_like``, as the
+    fake functions promise: a model's q, k and v are transposed views, and inductor checks the strides of a custom
+    op's outputs), in ``t``'s dtype, zeros for None, never sharing storage with an input."""
+    out = torch.empty_like(t)
+    return out.zero_() if g is None else out.copy_(g)
 
 
 def _aliases(t: Tensor, inputs: tuple[Tensor, ...]) -> bool:
@@ -203,7 +201,7 @@ def _aliases(t: Tensor, inputs: tuple[Tensor, ...]) -> bool:
 @_tiled_attention_backward.register_fake
 def _(grad_out, out, lse, query, key, value, mask, key_valid, q_offset_tensor, term, need, kind, names, ints,
       scale, causal, q_offset, block_q, block_k, window, band):
-    return [t.new_empty(t.shape) for t in (query, key, value, *term)]
+    return [torch.empty_like(t) for t in (query, key, value, *term)]
 
 
 _SCALARS = ("kind", "names", "ints", "scale", "causal", "q_offset", "block_q", "block_k", "window",
@@ -422,7 +420,7 @@ def _engine_backward(grad_out: Tensor, name: str, tensors: list[Tensor], need: l
 
 @_engine_backward.register_fake
 def _(grad_out, name, tensors, need, spec, q_offset):
-    return [t.new_empty(t.shape) for t in tensors]
+    return [torch.empty_like(t) for t in tensors]
 
 
 def _engine_setup(ctx, inputs, output) -> None:

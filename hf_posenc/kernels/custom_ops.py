@@ -121,7 +121,7 @@ def _masked_reference(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, t
     return out
 
 
-@torch.library.custom_op("hf_posenc::tiled_attention", mutates_args=())
+@torch.library.custom_op("hf_posenc::tiled_attention", mutates_args=(), tags=(torch.Tag.needs_exact_strides,))
 def _tiled_attention(
     query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, key_valid: Tensor | None,
     q_offset_tensor: Tensor | None, term: list[Tensor], kind: str, names: str, ints: str, scale: float, causal: bool, q_offset: int, block_q: int, block_k: int,
@@ -152,7 +152,12 @@ def _(query, key, value, mask, key_valid, q_offset_tensor, term, kind, names, in
     return query.new_empty(query.shape, dtype=dtype), query.new_empty(query.shape[:-1], dtype=dtype)
 
 
-@torch.library.custom_op("hf_posenc::tiled_attention_backward", mutates_args=())
+#: every op keeps its inputs' strides exactly (inductor passed a transposed q where the trace saw a contiguous one,
+#: and the backward's gradients, empty_like of their inputs, then failed its stride check)
+_EXACT = (torch.Tag.needs_exact_strides,)
+
+
+@torch.library.custom_op("hf_posenc::tiled_attention_backward", mutates_args=(), tags=_EXACT)
 def _tiled_attention_backward(
     grad_out: Tensor, out: Tensor, lse: Tensor, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
     key_valid: Tensor | None, q_offset_tensor: Tensor | None, term: list[Tensor], need: list[bool], kind: str,
@@ -385,7 +390,7 @@ def _engine_forward(name: str, tensors: list[Tensor], spec: dict, q_offset: int,
     return saved, out
 
 
-@torch.library.custom_op("hf_posenc::engine", mutates_args=())
+@torch.library.custom_op("hf_posenc::engine", mutates_args=(), tags=_EXACT)
 def _engine(name: str, tensors: list[Tensor], spec: str, q_offset: int) -> Tensor:
     """out of the engine ``name`` (``cope``, ``sba`` or ``cape``); see the comment above."""
     _, out = _engine_forward(name, tensors, _decode(spec), q_offset, [False] * len(tensors))
@@ -400,7 +405,7 @@ def _(name, tensors, spec, q_offset):
     return tensors[0].new_empty(shape, dtype=dtype)
 
 
-@torch.library.custom_op("hf_posenc::engine_backward", mutates_args=())
+@torch.library.custom_op("hf_posenc::engine_backward", mutates_args=(), tags=_EXACT)
 def _engine_backward(grad_out: Tensor, name: str, tensors: list[Tensor], need: list[bool], spec: str,
                      q_offset: int) -> list[Tensor]:
     """One gradient per entry of ``tensors`` (zeros where ``need`` is False)."""

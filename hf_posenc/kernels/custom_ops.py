@@ -121,7 +121,12 @@ def _masked_reference(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, t
     return out
 
 
-@torch.library.custom_op("hf_posenc::tiled_attention", mutates_args=(), tags=(torch.Tag.needs_exact_strides,))
+#: every op keeps its inputs' strides exactly (inductor passed a transposed q where the trace saw a contiguous one,
+#: and the backward's gradients, empty_like of their inputs, then failed its stride check)
+_EXACT = (torch.Tag.needs_exact_strides,)
+
+
+@torch.library.custom_op("hf_posenc::tiled_attention", mutates_args=(), tags=_EXACT)
 def _tiled_attention(
     query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, key_valid: Tensor | None,
     q_offset_tensor: Tensor | None, term: list[Tensor], kind: str, names: str, ints: str, scale: float, causal: bool, q_offset: int, block_q: int, block_k: int,
@@ -150,11 +155,6 @@ def _(query, key, value, mask, key_valid, q_offset_tensor, term, kind, names, in
       q_offset, block_q, block_k, window, band):
     dtype = _compute_dtype(query.dtype)
     return query.new_empty(query.shape, dtype=dtype), query.new_empty(query.shape[:-1], dtype=dtype)
-
-
-#: every op keeps its inputs' strides exactly (inductor passed a transposed q where the trace saw a contiguous one,
-#: and the backward's gradients, empty_like of their inputs, then failed its stride check)
-_EXACT = (torch.Tag.needs_exact_strides,)
 
 
 @torch.library.custom_op("hf_posenc::tiled_attention_backward", mutates_args=(), tags=_EXACT)

@@ -11,10 +11,12 @@ Backends of the attention itself (:func:`attention_backend`; ``HF_POSENC_BACKEND
   (:func:`hf_posenc.kernels.attention.tiled_attention`: online softmax over key tiles, O(L·block) memory,
   the term's gradients reduced per tile). The full-matrix references (``scaled_dot_product_attention`` with
   the encoding's score bias, or the encoding's own ``attend``) run only where the engine does not apply:
-  attention dropout while training, ``output_attentions``, ``torch.compile`` (dynamo cannot trace the
-  engine's autograd Function), a mask that is not causal + key padding (packed
+  attention dropout while training, ``output_attentions``, a mask that is not causal + key padding (packed
   sequences, a custom 4D mask; a model's own sliding window is accepted as a band and handed over as a
-  number), ViT's 2D grid (the terms are 1D), and encodings without a kernel term.
+  number), ViT's 2D grid (the terms are 1D), and encodings without a kernel term. Under ``torch.compile`` the
+  engine runs as a custom op (:mod:`hf_posenc.kernels.custom_ops`), which checks the mask's form inside (the
+  compiled graph cannot read it) and runs the reference there for a mask of another form; each fallback under
+  compile is logged at debug level with its reason.
   Encodings without a term inside the attention (absolute, rotary) always use SDPA.
 * ``triton``: the fused kernels of :mod:`hf_posenc.kernels.attention` with the encoding's ``kernel_term``.
   Chosen by default when the tensors are on CUDA, Triton imports and the encoding has a kernel term.
@@ -27,6 +29,8 @@ probabilities (``output_attentions``) always come from the eager ``torch`` path.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch.nn import functional as F
@@ -45,7 +49,10 @@ from .kernels.attention import _triton_import_error as _attention_triton_error
 from .kernels.defaults import cuda_default_backend
 from .kernels._masks import band_allowed
 from .kernels.attention.tiled import tiled_attention, tiled_unsupported
+from .kernels.custom_ops import tiled_attention_op
 from .ops import expand_kv, masked_softmax
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["ATTN_IMPLEMENTATION", "attention_backend", "posenc_attention", "register_with_transformers"]
 
@@ -298,11 +305,6 @@ def _engine_inputs(
     mask = _as_bool_mask(attention_mask)
     if dropout > 0 and training:  # the engines have no attention dropout: the reference drops the probabilities
         return None, None, f"attention dropout ({dropout}) is not implemented by the {backend} attention"
-    if backend == "torch" and torch.compiler.is_compiling():
-        # Dynamo cannot trace the engine's autograd.Function with its plan object (a graph break, an error under
-        # fullgraph=True, torch 2.13): compiled models run the reference. With an attention mask this was
-        # already so (its form cannot be checked without reading it).
-        return None, None, "the tile-wise engine does not run under torch.compile"
     if mask is not None and (mask.dim() != 4 or tuple(mask.shape[-2:]) != (query.shape[2], key.shape[2])):
         return None, None, f"the attention mask {tuple(mask.shape)} does not fit {query.shape[2]} queries and " \
                            f"{key.shape[2]} keys"
@@ -366,12 +368,52 @@ def _tiled_torch_attention(
     docstring: dropout while training, no term for this model, a mask that is not causal + key padding)."""
     if not getattr(unwrap(ctx.encoding), "kernel_kinds", ()):
         return None
+    if dropout > 0 and training:
+        return None  # the engine has no attention dropout: the reference drops the probabilities
+    if torch.compiler.is_compiling():  # the engine as a custom op (hf_posenc.kernels.custom_ops)
+        return _compiled_tiled_attention(ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling)
     term, key_valid, reason = _engine_inputs("torch", ctx, layer, query, key, value, attention_mask, causal,
                                              q_offset, dropout, training)
     if reason is not None:
         return None
     return tiled_attention(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset,
                            key_valid=key_valid, window=ctx.engine_window(layer))
+
+
+def _compiled_tiled_attention(
+    ctx: PosContext,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    causal: bool,
+    q_offset: int | torch.Tensor,
+    scaling: float,
+) -> torch.Tensor | None:
+    """Under ``torch.compile``: out (B, H, Lq, D) from the tile-wise engine as a custom op
+    (:func:`hf_posenc.kernels.custom_ops.tiled_attention_op`, one node of the graph, forward and backward), or
+    None where the reference must run (logged at debug level with the reason). The mask's form is checked inside
+    the op (reading it here would break the graph); a mask of another form runs the reference there."""
+    mask = _as_bool_mask(attention_mask)
+    reason = None
+    if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1
+                             or tuple(mask.shape[-2:]) != (query.shape[2], key.shape[2])):
+        reason = f"the kernels take no attention mask of shape {tuple(mask.shape)}"
+    term = None
+    if reason is None:
+        term = ctx.encoding("kernel_term", ctx, layer, query, key, value, mask)
+        if term is None:
+            reason = f"{unwrap(ctx.encoding).name!r} has no kernel term here"
+    if reason is None:
+        reason = tiled_unsupported(query, key, value, term)
+    if reason is None and ctx.own_window() is not None and ctx.grid is not None:
+        reason = "a sliding window on ViT's grid is per axis; the engine's window is 1D"
+    if reason is not None:
+        _log.debug("torch.compile: the full-matrix reference runs layer %d: %s", layer, reason)
+        return None
+    return tiled_attention_op(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset, mask=mask,
+                              window=ctx.engine_window(layer), band=ctx.native_window(layer))
 
 
 def posenc_attention(

@@ -10,13 +10,20 @@ recompiled per decoded token). Three checks, each against the same model in eage
   cache_implementation="static")`` itself (``CompileConfig``; ``_compile_all_devices = True`` makes it
   compile on CPU too), on a left-padded batch: the greedy tokens of eager decoding with a DynamicCache.
 
-What runs where (compiles cost 1-15 s each on CPU):
+What runs where (compiles cost 1-15 s each on CPU with backend "eager", 30-200 s with inductor on a shared
+2-core machine):
 
 * default suite: the graph-capture matrix with backend ``"eager"`` (Dynamo traces the whole model into one
   graph and runs it as is; this is what proves "one graph") for the forward of every encoding on Llama and
   GPT-2 and of the rotary and absolute encodings on ViT; static-cache decoding for a representative set
   (a static bias, FIRE's position-dependent normaliser, FoX's cached gates, CoPE's custom attention); one
-  training step with ``"aot_eager"`` (AOTAutograd traces the backward too); one run each through inductor.
+  training step with ``"aot_eager"`` (AOTAutograd traces the backward too); and inductor, the default
+  backend, on a subset: a forward, a training step through the tile engine's custom op, and static-cache
+  decoding of the two encodings that failed under inductor (liere's data-dependent number of distinct
+  positions, fox_pro's guard on the mask object). The custom ops (``hf_posenc.kernels.custom_ops``): the
+  compiled graph holds the tile engine's op, not the reference; ``torch.library.opcheck``; one graph for
+  lengths 256, 384 and 512 with ``dynamic=True`` and with ``mark_dynamic``; a mask of another form runs the
+  reference inside the op, logged.
 * ``@pytest.mark.soak`` (opt-in, ``make test-soak``): the full matrix through inductor (forward,
   training step, static-cache decoding, every encoding, Llama and GPT-2; forward and training step of the
   rotary and absolute encodings on ViT).
@@ -182,6 +189,213 @@ def test_training_step_is_one_graph(family, encoding):
 def test_inductor_forward_default(family, encoding):
     """One forward through inductor (generated C++ code), the backend a user gets by default."""
     check_forward(family, encoding, "inductor")
+
+
+@pytest.mark.slow  # inductor compiles take a minute each on 2 cores
+@pytest.mark.parametrize("family,encoding", [("llama", "fire")])
+def test_inductor_training_step_default(family, encoding):
+    """One training step through inductor: the tile engine's forward and backward ops inside the compiled
+    forward and backward graphs; the eager loss and gradients."""
+    check_training_step(family, encoding, "inductor")
+
+
+@pytest.mark.slow  # inductor compiles take a minute each on 2 cores
+@pytest.mark.parametrize("family,encoding", [("llama", "liere"), ("gpt2", "fox_pro")])
+def test_inductor_static_decoding_default(family, encoding):
+    """Static-cache greedy decoding compiled by inductor: liere (one rotation per token under compile, no
+    data-dependent number of distinct positions) and fox_pro (no guard on the mask object: one graph for every
+    decode step)."""
+    check_static_decode(family, encoding, "inductor")
+
+
+# -- custom ops: the tile engine stays in the compiled graph -------------------------------------------
+
+
+TILE_OP = "hf_posenc.tiled_attention"
+ENGINE_OP = "hf_posenc.engine"
+
+
+class OpRecorder:
+    """A Dynamo backend that records the custom ops of each captured graph and runs it as is (``"eager"``)."""
+
+    def __init__(self) -> None:
+        self.graphs: list[set[str]] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        ops = set()
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                name = str(getattr(node.target, "_name", getattr(node.target, "__name__", node.target)))
+                ops.add(name.replace("::", ".").split(".default")[0])
+        self.graphs.append(ops)
+        return gm.forward
+
+
+@pytest.mark.parametrize("family,encoding,op", [
+    ("llama", "alibi", TILE_OP), ("gpt2", "fire", TILE_OP), ("llama", "fox_pro", TILE_OP), ("gpt2", "shaw", TILE_OP),
+    ("llama", "cope", ENGINE_OP), ("gpt2", "sba", ENGINE_OP), ("llama", "cape", ENGINE_OP)])
+def test_compiled_graph_runs_the_tile_engine(family, encoding, op, caplog):
+    """The compiled forward of an encoding with a tile engine holds the engine's custom op (the engine eager
+    runs), and nothing is logged as falling back to the reference."""
+    model = make_model(family, encoding=encoding)
+    recorder = OpRecorder()
+    compiled = torch.compile(model, fullgraph=True, backend=recorder)
+    with caplog.at_level("DEBUG", logger="hf_posenc"), torch.no_grad():
+        got = compiled(**inputs(family)).logits
+        ref = model(**inputs(family)).logits
+    assert len(recorder.graphs) == 1 and op in recorder.graphs[0], recorder.graphs
+    assert not [r for r in caplog.records if "reference" in r.getMessage()], caplog.text
+    assert (got - ref).abs().max() <= LOGIT_ATOL
+
+
+def _op_inputs(kind: str, length: int = 40, seed: int = 0):
+    from hf_posenc.kernels.attention.terms import KernelTerm
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 4, length, 8, generator=g)
+    k, v = torch.randn(2, 2, length, 8, generator=g), torch.randn(2, 2, length, 8, generator=g)
+    terms = {
+        "alibi": lambda: KernelTerm("alibi", {"slopes": torch.rand(4, generator=g)}),
+        "kerple_log": lambda: KernelTerm("kerple_log", {"r1": torch.rand(4, generator=g),
+                                                        "r2": torch.rand(4, generator=g)}),
+        "shaw": lambda: KernelTerm.shaw(torch.randn(7, 8, generator=g), torch.randn(7, 8, generator=g)),
+    }
+    return q, k, v, terms[kind]()
+
+
+@pytest.mark.parametrize("kind", ["alibi", "kerple_log", "shaw"])
+def test_tile_op_opcheck(kind):
+    """torch.library.opcheck of the forward op (schema, fake tensor, autograd registration), with a causal +
+    padding mask and with a mask of another form (the reference inside the op)."""
+    from hf_posenc.kernels.custom_ops import _tiled_attention
+
+    q, k, v, term = _op_inputs(kind)
+    mask = torch.ones(2, 1, 40, 40, dtype=torch.bool).tril()
+    mask[1, ..., :3] = False
+    other = mask.clone()
+    other[0, 0, 20, 5] = False
+    ints = ",".join(f"{n}={int(x)}" for n, x in term.ints.items())
+    tensors = [t.clone().requires_grad_() for t in term.tensors.values()]
+    for m in (mask, other, None):
+        args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), m, None, None, tensors, kind,
+                ",".join(term.tensors), ints, 0.3, True, 0, 16, 8, None, None)
+        torch.library.opcheck(_tiled_attention, args)
+
+
+@pytest.mark.parametrize("name", ["cope", "sba", "cape"])
+def test_engine_op_equals_engine(name):
+    """CoPE, stick-breaking and CAPE through ``hf_posenc::engine`` (as a compiled model calls them): the eager
+    engine's output and gradients (left padding, a tensor offset for CoPE), and torch.library.opcheck."""
+    from hf_posenc.kernels.cape.tiled import cape_attention_tiled
+    from hf_posenc.kernels.cope.tiled import cope_tiled
+    from hf_posenc.kernels.custom_ops import _engine
+    from hf_posenc.kernels.sba.tiled import sba_tiled
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, h, 70, 8, generator=g).requires_grad_() for h in (4, 2, 2))
+    mask = torch.ones(2, 1, 70, 70, dtype=torch.bool).tril()
+    mask[1, ..., :4] = False
+    if name == "cope":
+        table = torch.randn(8, 16, generator=g).requires_grad_()
+        leaves = [q, k, v, table]
+
+        def run():
+            return cope_tiled(q, k, v, table, mask, 0.3, torch.tensor(0), block_m=32, block_n=16)
+    elif name == "sba":
+        bias = torch.randn(4, 8, generator=g).requires_grad_()
+        leaves = [q, k, v, bias]
+
+        def run():
+            return sba_tiled(q, k, v, mask, 0.3, 0, remainder="bias", bias=bias, block_m=32, block_n=16)
+    else:
+        mlp = [torch.randn(6, 8, generator=g), torch.randn(6, generator=g), torch.randn(4, 6, generator=g),
+               torch.randn(4, generator=g)]
+        r = [torch.rand(4, generator=g), torch.rand(4, generator=g)]
+        leaves = [q, k, v, *(t.requires_grad_() for t in mlp + r)]
+
+        def run():
+            return cape_attention_tiled(q, k, v, *mlp, "kerple_log", tuple(r), mask, 0.3, 0, block_q=32, block_k=16)
+
+    want = run()
+    want_grads = torch.autograd.grad(want.pow(2).sum(), leaves)
+    recorder = OpRecorder()
+    got = torch.compile(run, fullgraph=True, backend=recorder)()  # the op runs (eager) inside the graph
+    assert len(recorder.graphs) == 1 and ENGINE_OP in recorder.graphs[0], recorder.graphs
+    got_grads = torch.autograd.grad(got.pow(2).sum(), leaves)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    if name == "cope":  # opcheck: schema, fake tensor, autograd registration
+        from hf_posenc.kernels.custom_ops import _encode
+
+        spec = {"scale": 0.3, "block_m": 32, "block_n": 16, "window": None, "n_slots": 6, "slots": [0, 1, 2, 3, 4]}
+        torch.library.opcheck(_engine, ("cope", [q, k, v, table, mask], _encode(spec), 0))
+
+
+@pytest.mark.parametrize("kind", ["alibi", "shaw"])
+def test_tile_op_equals_engine_and_reference(kind, caplog):
+    """Through the op: the engine's output and gradients (causal + padding mask), and the full-matrix
+    reference's under a mask of another form, which is logged."""
+    from hf_posenc.kernels.attention import attention_reference, tiled_attention
+    from hf_posenc.kernels.custom_ops import tiled_attention_op
+
+    q, k, v, term = _op_inputs(kind, length=300)
+    mask = torch.ones(2, 1, 300, 300, dtype=torch.bool).tril()
+    mask[1, ..., :7] = False
+    leaves = [q, k, v, *term.tensors.values()]
+    for t in leaves:
+        t.requires_grad_()
+
+    def grads(out):
+        return torch.autograd.grad(out.pow(2).sum(), leaves)
+
+    got = tiled_attention_op(q, k, v, term, scale=0.3, causal=True, mask=mask)
+    want = tiled_attention(q, k, v, term, scale=0.3, causal=True, key_valid=mask[:, 0].any(-2))
+    assert torch.equal(got, want)
+    for a, b in zip(grads(got), grads(want)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    other = mask.clone()
+    other[0, 0, 200:, 100:150] = False  # a hole: not causal + key padding
+    with caplog.at_level("DEBUG", logger="hf_posenc.kernels.custom_ops"):
+        got = tiled_attention_op(q, k, v, term, scale=0.3, causal=True, mask=other)
+    assert "the attention mask is not causal + key padding" in caplog.text
+    # the reference with that mask: key_valid cannot express the hole, so compare to an explicit softmax
+    from hf_posenc.kernels.attention.naive import term_bias
+    from hf_posenc.ops import expand_kv
+
+    scores = q @ expand_kv(k, 2).transpose(-1, -2)
+    bias = term_bias(term, q, 300, 300)
+    scores = (scores + bias) * 0.3 if kind == "shaw" else scores * 0.3 + bias
+    probs = scores.masked_fill(~other, float("-inf")).softmax(-1).nan_to_num(0.0)  # padding rows see no key: 0
+    want = probs @ expand_kv(v, 2)
+    if kind == "shaw":
+        rel = (torch.arange(300)[None] - torch.arange(300)[:, None]).clamp(-3, 3) + 3
+        want = want + probs.new_zeros(2, 4, 300, 7).scatter_add(-1, rel.expand(2, 4, 300, 300), probs) @ \
+            term.tensors["value_table"]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads(got), grads(want)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert attention_reference is not None
+
+
+@pytest.mark.parametrize("how", ["dynamic", "mark_dynamic"])
+@pytest.mark.parametrize("encoding", [None, "alibi"], ids=["sdpa", "alibi"])
+def test_no_recompile_per_length(encoding, how):
+    """A compiled model that sees lengths 256, 384 and 512 does not recompile per length: with ``dynamic=True``
+    (or the length marked dynamic) one graph serves them all, as for the unpatched model (SDPA); the loops over
+    tiles run inside the op. The logits equal eager's."""
+    model = make_model("llama", encoding=encoding, config_overrides={"num_hidden_layers": 1,
+                                                                      "max_position_embeddings": 1024})
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(model, fullgraph=True, backend=counter, dynamic=True if how == "dynamic" else None)
+    with torch.no_grad():
+        for length in (256, 384, 512):
+            ids = make_ids(1, length, seed=length)
+            if how == "mark_dynamic":
+                torch._dynamo.mark_dynamic(ids, 1)
+            got = compiled(input_ids=ids).logits
+            assert (got - model(input_ids=ids).logits).abs().max() <= LOGIT_ATOL
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs for 3 lengths"
 
 
 def test_value_checks_step_aside_under_compile():

@@ -384,3 +384,57 @@ def test_cape_bf16_computes_in_float32():
     assert scores.dtype == torch.float32
     out, probs = enc.attend(ctx, 0, q, q, q, None, 0.35, 0.0, False)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------------------------------------------------
+# fire: float64 stays float64
+# ---------------------------------------------------------------------------------------------------
+
+
+def fire_formula(enc: Fire, layer: int, distance: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """The paper's B_h = f_θ(ψ(δ) / (ψ(max(L, i)) + eps)) written out in float64: distance (..., Lq, Lk),
+    position broadcastable to (..., Lq, 1) -> (..., H, Lq, Lk)."""
+    w1, b1 = enc.fc1_weight[layer].double(), enc.fc1_bias[layer].double()
+    w2, b2 = enc.fc2_weight[layer].double(), enc.fc2_bias[layer].double()
+    c, threshold = enc.log_c[layer].double().exp(), enc.log_threshold[layer].double().exp()
+    x = torch.log1p(c * distance.double()) / (torch.log1p(c * torch.maximum(threshold, position.double())) + FIRE_EPS)
+    hidden = torch.relu(x[..., None] * w1 + b1)  # (..., Lq, Lk, hidden)
+    return (hidden @ w2.T + b2).movedim(-1, -3)
+
+
+def test_fire_float64_attention_is_the_papers_formula():
+    """A float64 FIRE computes in float64 end to end: the attention of posenc_attention (the path a model
+    takes) equals softmax(q k^T s + B) v with B from the paper's formula in float64, to 1e-12, with queries past
+    the threshold L (the normaliser moves) after cached keys; and the ViT bias (normaliser at the grid's largest
+    distance r = sqrt(8), irrational) equals the formula to 1e-12. In float32 the positions (and r) were
+    float32 and the fused term tabulates f_θ: 1e-5 off."""
+    from types import SimpleNamespace
+
+    from hf_posenc.attention import posenc_attention
+
+    torch.manual_seed(0)
+    enc = Fire(PosEncConfig("fire", {"init_threshold": 4.0, "init_c": 0.7}), TEXT).double()
+    q_len, off = 40, 3
+    ctx = PosContext(encoding=enc, info=TEXT, position_ids=torch.arange(off, off + q_len)[None], q_offset=off)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 2, q_len, 16, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 2, q_len + off, 16, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 2, q_len + off, 16, generator=g, dtype=torch.float64)
+    module = SimpleNamespace(is_causal=True, training=False, posenc_layer=0)
+    out, _ = posenc_attention(module, q, k, v, None, scaling=0.25, posenc_ctx=ctx)
+    assert out.dtype == torch.float64
+    i = torch.arange(off, off + q_len, dtype=torch.float64)[:, None]
+    j = torch.arange(q_len + off, dtype=torch.float64)[None]
+    bias = fire_formula(enc, 0, (i - j).clamp_min(0), i)[None]  # (1, H, Lq, Lk)
+    scores = (q @ k.transpose(-1, -2) * 0.25 + bias).masked_fill(j > i, -math.inf)
+    want = (scores.softmax(-1) @ v).transpose(1, 2)
+    assert (out - want).abs().max() < 1e-12
+
+    vit = ModelInfo("vit", 32, 2, 2, 16, 1, False, 10, grid=(3, 3), patch_size=(8, 8))
+    enc = Fire(PosEncConfig("fire", {"init_threshold": 1.0, "init_c": 0.7}), vit).double()
+    bias = enc.score_bias(PosContext(encoding=enc, info=vit, grid=(3, 3)), 10, 10, CPU)
+    assert bias.dtype == torch.float64
+    rc = torch.tensor([(r, c) for r in range(3) for c in range(3)], dtype=torch.float64)
+    dist = (rc[:, None] - rc[None]).pow(2).sum(-1).sqrt()
+    want = fire_formula(enc, 0, dist, torch.tensor(math.hypot(2, 2), dtype=torch.float64))
+    assert (bias[0, :, 1:, 1:] - want).abs().max() < 1e-12

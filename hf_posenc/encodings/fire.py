@@ -47,10 +47,16 @@ so the MLP input again lies in [0, 1] on any grid. Bidirectional text (BERT) is 
 d_ij = |i - j| and r = L - 1, the largest distance in this forward's sequence (padding included); the fused
 kernels take the causal form only, so there the reference runs. Pairs involving the CLS token get no positional term
 (bias 0). Everything is computed in float32 (float64 stays float64), whatever the parameters' dtype.
+
+Float64 is exact: the positions, r and every step of the bias are float64 for float64 parameters, and a float64
+model's attention takes the exact bias (the full-matrix reference) rather than the fused term's table of f_theta
+(:meth:`Fire.kernel_term`, which interpolates f_theta and so differs near its kinks by ~1e-5); it logs that at
+debug level. float32, bfloat16 and half models keep the fused term.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -65,6 +71,8 @@ from ..registry import param, register_encoding
 from .base import ModelInfo, PosContext, PositionEncoding, relative_positions
 
 __all__ = ["Fire", "FireFunction"]
+
+logger = logging.getLogger(__name__)
 
 #: added to the normaliser, as in the paper's listing.
 FIRE_EPS = 1e-6
@@ -147,15 +155,21 @@ class Fire(PositionEncoding):
         1 / (psi(max(L, i)) + eps). The kernel interpolates the table linearly: f_θ is piecewise linear,
         so this differs from ``score_bias`` only in the grid cells that hold a kink of the ReLU (by at most
         |slope change| · x_max / (4 (KERNEL_GRID − 1))). Gradients reach the MLP through the table and c, L
-        through c and the normaliser. None on ViT and on bidirectional text (the kernel's term is causal)."""
+        through c and the normaliser. None on ViT and on bidirectional text (the kernel's term is causal), and
+        for float64 queries or parameters: float64 is the exact dtype, so the reference builds the bias by the
+        formula (logged at debug level)."""
         if ctx.grid is not None or not self.info.causal:
             return None
         fn = self.function(layer)
+        if query.dtype == torch.float64 or fn.w1.dtype == torch.float64:
+            logger.debug("fire: float64 attention takes the exact bias (full-matrix reference), not the fused "
+                         "term's interpolated table of f_theta")
+            return None
         q_len = query.shape[2]
         device = query.device
-        position = self._query_positions(ctx, q_len, device)  # (B|1, Lq)
+        position = self._query_positions(ctx, q_len, device, fn.c.dtype)  # (B|1, Lq)
         inv_norm = 1.0 / (fn.psi(torch.maximum(fn.threshold, position.to(fn.threshold.dtype))) + FIRE_EPS)
-        q_index = torch.arange(q_len, device=device, dtype=torch.float32) + ctx.q_offset  # i − j <= q_index
+        q_index = torch.arange(q_len, device=device, dtype=fn.c.dtype) + ctx.q_offset  # i − j <= q_index
         x_max = (fn.psi(q_index)[None] * inv_norm).max().detach().clamp_min(1.0)
         grid = torch.linspace(0.0, 1.0, self.KERNEL_GRID, device=device, dtype=inv_norm.dtype) * x_max
         return KernelTerm.fire(fn.mlp(grid).T, fn.c, inv_norm, x_max)
@@ -187,26 +201,32 @@ class Fire(PositionEncoding):
     ) -> torch.Tensor:
         """(B|1, H, Lq, Lk) float32 FIRE bias of ``layer``: B|1 follows ``ctx.position_ids`` on text, 1 on ViT."""
         fn = self.function(layer)
+        dtype = fn.c.dtype  # float32, or float64 for float64 parameters
         rel = relative_positions(ctx, q_len, k_len, device)
         if rel.is_grid:
             rows, cols = ctx.grid
-            r = torch.tensor(math.hypot(rows - 1, cols - 1), device=device, dtype=torch.float32)
-            bias = fn.bias(rel.distance(), r)[None]  # (1, H, Lq, Lk)
+            r = torch.tensor(math.hypot(rows - 1, cols - 1), device=device, dtype=dtype)
+            # the grid offsets are integers (exact in float32); their Euclidean norm is taken in ``dtype``
+            distance = torch.sqrt(rel.rows.to(dtype).square() + rel.cols.to(dtype).square()).masked_fill(rel.cls, 0.0)
+            bias = fn.bias(distance, r)[None]  # (1, H, Lq, Lk)
             return bias.masked_fill(rel.cls, 0.0)
         if not self.info.causal:  # bidirectional text: |i - j| over the largest distance in this sequence
-            r = torch.tensor(float(max(k_len - 1, 0)), device=device, dtype=torch.float32)
+            r = torch.tensor(float(max(k_len - 1, 0)), device=device, dtype=dtype)
             return fn.bias(rel.rel.abs(), r)[None]
         distance = (-rel.rel).clamp_min(0.0)  # i - j for j <= i; 0 on (masked) future keys
-        position = self._query_positions(ctx, q_len, device)
+        position = self._query_positions(ctx, q_len, device, dtype)
         return fn.bias(distance, position[:, :, None])
 
     @staticmethod
-    def _query_positions(ctx: PosContext, q_len: int, device: torch.device) -> torch.Tensor:
-        """(B|1, Lq) float32 absolute positions i of the queries; one row when every row is the same."""
+    def _query_positions(
+        ctx: PosContext, q_len: int, device: torch.device, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """(B|1, Lq) absolute positions i of the queries in ``dtype`` (float32, or float64 for a float64 FIRE);
+        one row when every row is the same."""
         pos = ctx.position_ids
         if pos is None:
-            return (torch.arange(q_len, device=device, dtype=torch.float32) + ctx.q_offset)[None]
-        pos = pos.to(device=device, dtype=torch.float32)
+            return (torch.arange(q_len, device=device, dtype=dtype) + ctx.q_offset)[None]
+        pos = pos.to(device=device, dtype=dtype)
         if pos.dim() == 1:
             pos = pos[None]
         if pos.dim() != 2 or pos.shape[-1] != q_len:

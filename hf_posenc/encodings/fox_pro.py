@@ -249,7 +249,11 @@ class FoxPro(Fox):
         k_len = key.shape[2]
         # which keys have a real predecessor: from the mask before a sliding window cut it (the shift belongs to
         # the token, not to the queries that may see it)
-        unwindowed = ctx.memo.get((UNWINDOWED_MASK, id(mask)), mask) if mask is not None else None
+        # (only with an own window: the lookup by id(mask) makes torch.compile guard on the mask object, one
+        # recompile per call)
+        unwindowed = mask
+        if mask is not None and ctx.own_window() is not None:
+            unwindowed = ctx.memo.get((UNWINDOWED_MASK, id(mask)), mask)
         valid, has_prev = key_validity(unwindowed, k_len, key.device)
         native = _native_window_has_prev(ctx, layer, k_len, key.device)
         if native is not None:

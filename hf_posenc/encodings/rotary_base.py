@@ -22,13 +22,20 @@ def distinct_positions(coords: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """(the distinct rows of ``coords`` (N, axes), sorted, and the index (N,) of each row among them), so that a
     rotation is computed once per distinct position; the index is None when the rows are those distinct rows
     already (a batch of one sequence without padding: positions 0 .. L − 1), which then need no gather (and no
-    scatter in backward: measured 24 ms a step for LieRE at L = 2048). One axis (text) takes the 1D unique."""
+    scatter in backward: measured 24 ms a step for LieRE at L = 2048). One axis (text) takes the 1D unique.
+
+    Under ``torch.compile`` the rows are returned as they are (one rotation per token, no gather): the number of
+    distinct rows is data-dependent, a size that inductor cannot plan for (GuardOnDataDependentSymNode in the
+    bmm that follows). Every token's rotation is the same function of its position, so the numbers are eager's.
+    """
+    if torch.compiler.is_compiling():
+        return coords, None
     if coords.shape[1] == 1:
         unique, inverse = torch.unique(coords[:, 0], return_inverse=True)
         unique = unique[:, None]
     else:
         unique, inverse = torch.unique(coords, dim=0, return_inverse=True)
-    if not torch.compiler.is_compiling() and unique.shape[0] == coords.shape[0] and torch.equal(unique, coords):
+    if unique.shape[0] == coords.shape[0] and torch.equal(unique, coords):
         return coords, None
     return unique, inverse
 

@@ -332,6 +332,13 @@ def cape_attention_tiled(
     else:
         w1x = torch.cat([w1, b1[:, None]], dim=1)  # (hidden, 2H + 1): the first layer on [L; B; 1]
     w2x = torch.cat([w2, b2[:, None]], dim=1)  # (H, hidden + 1): the second on [act; 1]
+    if torch.compiler.is_compiling():  # one custom op in the compiled graph (hf_posenc.kernels.custom_ops)
+        from ..custom_ops import engine_op
+
+        offset = q_offset if isinstance(q_offset, torch.Tensor) else None
+        return engine_op("cape", [query, key, value, mask, w1x, w2x, offset, *bias_tensors],
+                         {"scaling": float(scaling), "kind": kind, "static_offset": static_offset, "block_q": block_q,
+                          "block_k": block_k, "rank_one": bool(rank_one)}, q_offset)
     return _CapeTiled.apply(
         query, key, value, mask, w1x, w2x, q_offset, scaling, kind, static_offset, block_q, block_k, rank_one,
         *bias_tensors

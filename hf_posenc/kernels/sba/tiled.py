@@ -262,6 +262,12 @@ def sba_tiled(
         TypeError, ValueError: ``window`` is not None or an int >= 1; a non-positive block size.
     """
     block_m, block_n, q_offset = call_options(block_m, block_n, BLOCK_M, BLOCK_N, q_offset, window)
+    if torch.compiler.is_compiling():  # one custom op in the compiled graph (hf_posenc.kernels.custom_ops)
+        from ..custom_ops import engine_op
+
+        return engine_op("sba", [q, k, v, mask, bias, q_offset if isinstance(q_offset, torch.Tensor) else None],
+                         {"scale": float(scale), "attend_current": bool(attend_current), "remainder": remainder,
+                          "block_m": block_m, "block_n": block_n, "window": window}, q_offset)
     return SbaTiledFunction.apply(
         q, k, v, mask, bias, float(scale), q_offset, bool(attend_current), remainder, block_m, block_n, window
     )

@@ -1,0 +1,453 @@
+"""The tile-wise attention engine as PyTorch custom ops, so that ``torch.compile`` keeps it.
+
+Dynamo cannot trace :class:`hf_posenc.kernels.attention.tiled.TiledAttentionFunction` (an autograd Function that
+carries a plan object and loops over tiles in Python). Registered as ``torch.library.custom_op`` s, the engine
+is one opaque node in the compiled graph, forward and backward:
+
+* ``hf_posenc::tiled_attention`` (q, k, v, mask?, key_valid?, q_offset?, term tensors, the term's kind and
+  integer parameters, scale, causal, int offset, block sizes, window, band) -> (out, lse) in the compute dtype
+  (float32; float64 for float64 queries). ``register_fake`` gives the shapes from the inputs' (symbolic)
+  shapes, so a compiled model that sees several lengths does not recompile per length (with ``dynamic=True``
+  or ``mark_dynamic``); the loops over tiles run inside the op, not in the graph.
+* ``hf_posenc::tiled_attention_backward`` (the same inputs, the forward's out and lse, dO, which term tensors
+  need a gradient) -> [dq, dk, dv, *d(term tensors)]; ``register_autograd`` of the forward calls it, so the
+  compiled backward keeps the engine too.
+
+Terms cross the op boundary as a kind string, the term's tensor names joined by commas, its tensors (a list) and
+its integer parameters (names and values); nothing else but ints, floats and bools.
+
+Masks. A compiled graph cannot read a mask's values, and transformers (torch < 2.14) always builds one under
+``torch.compile``. The op takes the bool mask (B|1, 1, Lq, Lk) itself and, inside (eager), checks it as
+``hf_posenc.attention`` does: causal + key padding (+ the model's own window ``band``) gives the engine a
+per-batch key-valid vector; any other mask (packed sequences, a custom 4D mask) runs the full-matrix
+reference inside the op (``softmax(scale · q kᵀ + term bias)`` with the mask, its backward by autograd on a
+recomputation), logged at debug level with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from .attention.naive import band_allowed, term_bias
+from .attention.terms import KernelTerm
+from .attention.tiled import BLOCK_K, BLOCK_Q, TiledAttentionFunction, _Plan, tiled_unsupported
+
+__all__ = ["tiled_attention_op"]
+
+logger = logging.getLogger(__name__)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@contextmanager
+def _autograd_inside() -> Iterator[None]:
+    """The autograd dispatch keys back on inside an op's implementation (grad mode stays as it is). A custom op
+    runs its implementation below them (excluded), but the engine's backward takes some term gradients by a local
+    ``torch.enable_grad()`` and ``torch.autograd.grad`` (the Toeplitz terms' distance table), as does the masked
+    reference's backward."""
+    include, exclude = torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
+    for key in ("AutogradFunctionality", "AutogradOther", "AutogradCPU", "AutogradCUDA"):
+        if hasattr(torch._C.DispatchKey, key):
+            exclude = exclude.remove(getattr(torch._C.DispatchKey, key))
+    with torch._C._ForceDispatchKeyGuard(include, exclude):
+        yield
+
+
+class _Saved(SimpleNamespace):
+    """A stand-in for an autograd ctx: the engine's forward saves into it, its backward reads from it."""
+
+    def save_for_backward(self, *tensors: Tensor | None) -> None:
+        self.saved_tensors = tensors
+
+
+def _plan(kind: str, names: str, ints: str, scale: float, causal: bool,
+          q_offset: int | None, block_q: int, block_k: int, window: int | None) -> _Plan:
+    keys = tuple(n for n in names.split(",") if n)
+    params = {n: int(v) for n, v in (item.split("=") for item in ints.split(",") if item)}
+    return _Plan(kind, keys, params, float(scale), bool(causal), q_offset, int(block_q), int(block_k), window)
+
+
+def _resolve_mask(mask: Tensor | None, key_valid: Tensor | None, causal: bool, q_len: int, k_len: int,
+                  q_offset: int | Tensor, band: int | None) -> tuple[Tensor | None, str | None]:
+    """(key_valid (B|1, Lk) bool or None, None) for the engine, or (None, reason) when ``mask`` is not causal
+    + key padding (+ ``band``): the reference must run."""
+    if mask is None:
+        return key_valid, None
+    from ..attention import _key_validity  # the one check of a mask's form (the attention module imports us)
+
+    valid, reason = _key_validity(SimpleNamespace(memo={}), mask, causal, q_len, k_len, q_offset, band)
+    if reason is None and key_valid is not None:
+        valid = key_valid if valid is None else valid & key_valid
+    return valid, reason
+
+
+def _masked_reference(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, term: KernelTerm, scale: float,
+                      causal: bool, q_offset: int | Tensor, window: int | None) -> Tensor:
+    """softmax(scale · q kᵀ + B) v (+ shaw's value term) under an arbitrary bool ``mask`` (B|1, 1, Lq, Lk), in
+    the compute dtype; rows with no visible key are 0. Differentiable in every input."""
+    dtype = _compute_dtype(query.dtype)
+    b, h, q_len, _ = query.shape
+    k_len = key.shape[2]
+    groups = h // key.shape[1]
+    q = query.to(dtype)
+    k = key.to(dtype).repeat_interleave(groups, dim=1)
+    v = value.to(dtype).repeat_interleave(groups, dim=1)
+    offset = q_offset if isinstance(q_offset, int) else q_offset.to(torch.long)
+    bias = term_bias(term, query, q_len, k_len, offset)
+    scores = q @ k.transpose(-1, -2)
+    if term.kind == "shaw":
+        scores = (scores + bias) * scale
+    else:
+        scores = scores * scale + (0.0 if bias is None else bias.to(dtype))
+    allowed = mask.to(torch.bool)
+    q_idx = torch.arange(q_len, device=q.device) + offset
+    if causal or window is not None:
+        allowed = allowed & band_allowed(q_idx, torch.arange(k_len, device=q.device), causal, window)[None, None]
+    probs = torch.nan_to_num(torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1), nan=0.0)
+    out = probs @ v
+    if term.kind == "shaw":
+        kmax = term.ints["max_relative_position"]
+        rel = (torch.arange(k_len, device=q.device)[None, :] - q_idx[:, None]).clamp(-kmax, kmax) + kmax
+        buckets = probs.new_zeros(b, h, q_len, 2 * kmax + 1).scatter_add(-1, rel.expand(b, h, q_len, k_len), probs)
+        out = out + buckets @ term.tensors["value_table"].to(dtype)
+    return out
+
+
+#: every op keeps its inputs' strides exactly (inductor passed a transposed q where the trace saw a contiguous one,
+#: and the backward's gradients, empty_like of their inputs, then failed its stride check)
+_EXACT = (torch.Tag.needs_exact_strides,)
+
+
+@torch.library.custom_op("hf_posenc::tiled_attention", mutates_args=(), tags=_EXACT)
+def _tiled_attention(
+    query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, key_valid: Tensor | None,
+    q_offset_tensor: Tensor | None, term: list[Tensor], kind: str, names: str, ints: str, scale: float, causal: bool, q_offset: int, block_q: int, block_k: int,
+    window: int | None, band: int | None,
+) -> tuple[Tensor, Tensor]:
+    """(out (B, H, Lq, D), lse (B, H, Lq)) in the compute dtype; see the module docstring."""
+    offset = q_offset_tensor if q_offset_tensor is not None else q_offset
+    valid, reason = _resolve_mask(mask, key_valid, causal, query.shape[2], key.shape[2], offset, band)
+    plan = _plan(kind, names, ints, scale, causal, None if q_offset_tensor is not None else q_offset,
+                 block_q, block_k, window)
+    if reason is not None:
+        logger.debug("hf_posenc::tiled_attention runs the full-matrix reference: %s", reason)
+        with torch.no_grad():
+            out = _masked_reference(query, key, value, mask, plan.term(tuple(term)), scale, causal, offset, window)
+        return out, out.new_zeros(out.shape[:-1])
+    saved = _Saved()
+    q_off_t = None if q_offset_tensor is None else q_offset_tensor.to(device=query.device, dtype=torch.long).reshape(())
+    with torch.no_grad():
+        TiledAttentionFunction.forward(saved, query, key, value, valid, q_off_t, plan, *term)
+    out, lse = saved.saved_tensors[5], saved.saved_tensors[6]
+    return out, lse
+
+
+@_tiled_attention.register_fake
+def _(query, key, value, mask, key_valid, q_offset_tensor, term, kind, names, ints, scale, causal,
+      q_offset, block_q, block_k, window, band):
+    dtype = _compute_dtype(query.dtype)
+    return query.new_empty(query.shape, dtype=dtype), query.new_empty(query.shape[:-1], dtype=dtype)
+
+
+@torch.library.custom_op("hf_posenc::tiled_attention_backward", mutates_args=(), tags=_EXACT)
+def _tiled_attention_backward(
+    grad_out: Tensor, out: Tensor, lse: Tensor, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+    key_valid: Tensor | None, q_offset_tensor: Tensor | None, term: list[Tensor], need: list[bool], kind: str,
+    names: str, ints: str, scale: float, causal: bool, q_offset: int, block_q: int,
+    block_k: int, window: int | None, band: int | None,
+) -> list[Tensor]:
+    """[dq, dk, dv, *d(term)] (zeros for a term tensor that needs no gradient), in the inputs' dtypes."""
+    offset = q_offset_tensor if q_offset_tensor is not None else q_offset
+    valid, reason = _resolve_mask(mask, key_valid, causal, query.shape[2], key.shape[2], offset, band)
+    plan = _plan(kind, names, ints, scale, causal, None if q_offset_tensor is not None else q_offset,
+                 block_q, block_k, window)
+    if reason is not None:
+        leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in (query, key, value, *term)]
+        with _autograd_inside(), torch.enable_grad():
+            ref = _masked_reference(*leaves[:3], mask, plan.term(tuple(leaves[3:])), scale, causal, offset, window)
+            wanted = [t for t in leaves if t.requires_grad]
+            got = iter(torch.autograd.grad(ref, wanted, grad_out.to(ref.dtype), allow_unused=True))
+        grads = [next(got) if t.requires_grad else None for t in leaves]
+    else:
+        q_off_t = None if q_offset_tensor is None else q_offset_tensor.to(device=query.device,
+                                                                           dtype=torch.long).reshape(())
+        saved = _Saved(plan=plan, needs_input_grad=(True, True, True, False, False, False, *need))
+        saved.save_for_backward(*(None if t is None else t.detach() for t in (query, key, value, valid, q_off_t, out,
+                                                                               lse, *term)))
+        with _autograd_inside(), torch.no_grad():
+            grads = list(TiledAttentionFunction.backward(saved, grad_out))
+        grads = grads[:3] + grads[6:]
+    inputs = (query, key, value, *term)
+    return [_grad_like(g, t, inputs) for g, t in zip(grads, inputs)]
+
+
+def _grad_like(g: Tensor | None, t: Tensor, inputs: tuple[Tensor, ...]) -> Tensor:
+    """The gradient of input ``t`` as a backward op returns it: with ``t``'s strides (``torch.empty_like``, as the
+    fake functions promise: a model's q, k and v are transposed views, and inductor checks the strides of a custom
+    op's outputs), in ``t``'s dtype, zeros for None, never sharing storage with an input."""
+    out = torch.empty_like(t)
+    return out.zero_() if g is None else out.copy_(g)
+
+
+def _aliases(t: Tensor, inputs: tuple[Tensor, ...]) -> bool:
+    """Whether ``t`` shares storage with one of ``inputs`` (a custom op's output must not)."""
+    ptr = t.untyped_storage().data_ptr()
+    return any(x.untyped_storage().data_ptr() == ptr for x in inputs)
+
+
+@_tiled_attention_backward.register_fake
+def _(grad_out, out, lse, query, key, value, mask, key_valid, q_offset_tensor, term, need, kind, names, ints,
+      scale, causal, q_offset, block_q, block_k, window, band):
+    return [torch.empty_like(t) for t in (query, key, value, *term)]
+
+
+_SCALARS = ("kind", "names", "ints", "scale", "causal", "q_offset", "block_q", "block_k", "window",
+            "band")
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    (query, key, value, mask, key_valid, q_offset_tensor, term, *scalars) = inputs
+    out, lse = output
+    ctx.scalars = scalars
+    ctx.n_term = len(term)
+    ctx.save_for_backward(out, lse, query, key, value, mask, key_valid, q_offset_tensor, *term)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    out, lse, query, key, value, mask, key_valid, q_offset_tensor, *term = ctx.saved_tensors
+    need = [bool(n) for n in ctx.needs_input_grad[6]] if ctx.n_term else []
+    grads = _tiled_attention_backward(grad_out.contiguous(), out, lse, query, key, value, mask, key_valid,
+                                      q_offset_tensor, term, need, *ctx.scalars)
+    dq, dk, dv, *dterm = grads
+    dterm = [g if n else None for g, n in zip(dterm, need)]
+    return (dq, dk, dv, None, None, None, dterm) + (None,) * len(_SCALARS)
+
+
+_tiled_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def tiled_attention_op(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    term: KernelTerm,
+    *,
+    scale: float,
+    causal: bool,
+    q_offset: int | Tensor = 0,
+    mask: Tensor | None = None,
+    key_valid: Tensor | None = None,
+    window: int | None = None,
+    band: int | None = None,
+) -> Tensor:
+    """:func:`hf_posenc.kernels.attention.tiled_attention` through the custom op (traceable by ``torch.compile``).
+
+    Args:
+        query: (B, H, Lq, D); key, value: (B, Hkv, Lk, D) (``term.key`` / ``term.value`` replace them when set).
+        term: the position term (a kind in ``TILED_KINDS``).
+        scale, causal, window: as for ``tiled_attention``.
+        q_offset: key index of the first query: an int or a 0-d integer tensor.
+        mask: None, or a bool mask (B|1, 1, Lq, Lk) (True = attend), checked inside the op (module docstring).
+        key_valid: (B|1, Lk) bool or None (False on padding keys), when the caller has already checked its mask.
+        band: the model's own sliding window that ``mask`` may carry (the engine takes ``window`` for it).
+
+    Returns:
+        (B, H, Lq, D) in the query's dtype.
+
+    Raises:
+        ValueError: the term does not fit the inputs (``tiled_unsupported``).
+    """
+    key = term.key if term.key is not None else key
+    value = term.value if term.value is not None else value
+    reason = tiled_unsupported(query, key, value, term)
+    if reason is not None:
+        raise ValueError(reason)
+    off_tensor = isinstance(q_offset, Tensor)
+    term.check(query, key, q_offset)
+    block_q = BLOCK_Q if window is None else max(64, min(BLOCK_Q, window // 2))
+    names = tuple(term.tensors)
+    out, _ = _tiled_attention(
+        query, key, value, mask, key_valid, q_offset if off_tensor else None, list(term.tensors.values()), term.kind,
+        ",".join(names), ",".join(f"{n}={int(v)}" for n, v in term.ints.items()), float(scale), bool(causal),
+        0 if off_tensor else q_offset, block_q, BLOCK_K, window, band,
+    )
+    return out.to(query.dtype)
+
+
+# -- the other tile engines: CoPE, stick-breaking, CAPE ---------------------------------------------------------
+#
+# Each engine is an autograd Function (``CopeTiledFunction``, ``SbaTiledFunction``, ``_CapeTiled``) whose forward
+# and backward take tensors and plain Python values. One generic pair of ops runs any of them:
+#
+# * ``hf_posenc::engine`` (name, the present tensors (Tensor[]; which slots they fill: in the spec), spec (the plain values as one string), q_offset (SymInt))
+#   -> out, the Function's forward;
+# * ``hf_posenc::engine_backward`` (the same, dO, which tensors need a gradient) -> one gradient per tensor (zeros
+#   where none is needed, an empty tensor for an absent one): the Function's forward again (its saved tensors:
+#   O(L · block) besides q, k, v, never kept between the passes, at the price of a second forward), then its
+#   backward.
+#
+# q_offset stays an op argument of its own (a SymInt under dynamic shapes: one graph for every cache length).
+
+import ast  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Callable  # noqa: E402
+
+
+@dataclass(frozen=True)
+class _Engine:
+    """How the tensors and the spec of an ``hf_posenc::engine`` call become the Function's forward arguments."""
+
+    function: type
+    #: (tensors, spec, q_offset) -> the forward's arguments (without ctx)
+    arguments: Callable[[list, dict, int], tuple]
+    #: the forward argument index of each entry of ``tensors``
+    positions: Callable[[list], list[int]]
+    #: (tensors, spec) -> the output's (shape, dtype)
+    output: Callable[[list, dict], tuple[tuple, torch.dtype]]
+
+
+def _encode(spec: dict) -> str:
+    """``spec`` (str keys; int, float, bool, str, None or list-of-int values) as one string "key=repr;..." (plain
+    string formatting, which Dynamo traces; json.dumps it does not)."""
+    return ";".join(f"{key}={spec[key]!r}" for key in sorted(spec))
+
+
+def _decode(text: str) -> dict:
+    return {key: ast.literal_eval(value) for key, value in (item.split("=", 1) for item in text.split(";") if item)}
+
+
+def _offset(tensor: Tensor | None, q_offset: int):
+    return tensor if tensor is not None else q_offset
+
+
+_ENGINES: dict[str, _Engine] = {}
+
+
+def _register_engines() -> None:
+    """The three engines (imported late: their modules import this one lazily)."""
+    if _ENGINES:
+        return
+    from .cape.tiled import _CapeTiled
+    from .cope.tiled import CopeTiledFunction
+    from .sba.tiled import SbaTiledFunction
+
+    # CoPE: tensors [q, k, v, table, mask?, q_offset?]
+    _ENGINES["cope"] = _Engine(
+        CopeTiledFunction,
+        lambda t, s, o: (t[0], t[1], t[2], t[3], t[4], s["scale"], _offset(t[5], o), s["block_m"], s["block_n"],
+                         s["window"]),
+        lambda t: [0, 1, 2, 3, 4, 6],
+        lambda t, s: ((*t[0].shape[:3], t[2].shape[3]), t[0].dtype),
+    )
+    # stick-breaking: tensors [q, k, v, mask?, bias?, q_offset?]
+    _ENGINES["sba"] = _Engine(
+        SbaTiledFunction,
+        lambda t, s, o: (t[0], t[1], t[2], t[3], t[4], s["scale"], _offset(t[5], o), s["attend_current"],
+                         s["remainder"], s["block_m"], s["block_n"], s["window"]),
+        lambda t: [0, 1, 2, 3, 4, 6],
+        lambda t, s: ((*t[0].shape[:3], t[2].shape[3]), t[0].dtype),
+    )
+    # CAPE: tensors [q, k, v, mask?, w1x, w2x, q_offset?, *bias_tensors]
+    _ENGINES["cape"] = _Engine(
+        _CapeTiled,
+        lambda t, s, o: (t[0], t[1], t[2], t[3], t[4], t[5], _offset(t[6], o), s["scaling"], s["kind"],
+                         s["static_offset"], s["block_q"], s["block_k"], s["rank_one"], *t[7:]),
+        lambda t: [0, 1, 2, 3, 4, 5, 6] + list(range(13, 13 + len(t) - 7)),
+        lambda t, s: ((*t[0].shape[:3], t[2].shape[3]), t[2].dtype),
+    )
+
+
+def _expand(tensors: list[Tensor], spec: dict) -> list[Tensor | None]:
+    """The full slot list of an engine from its present tensors (``spec["slots"]``: the slot of each)."""
+    full: list[Tensor | None] = [None] * spec["n_slots"]
+    for slot, t in zip(spec["slots"], tensors):
+        full[slot] = t
+    return full
+
+
+def _engine_forward(name: str, tensors: list[Tensor], spec: dict, q_offset: int, need: list[bool]):
+    """The Function's forward on a stand-in ctx (needs_input_grad from ``need``, one per present tensor):
+    (ctx, out)."""
+    _register_engines()
+    engine = _ENGINES[name]
+    full = _expand([t.detach() for t in tensors], spec)
+    args = engine.arguments(full, spec, q_offset)
+    needs = [False] * len(args)
+    positions = engine.positions(full)
+    for slot, wanted in zip(spec["slots"], need):
+        needs[positions[slot]] = bool(wanted)
+    saved = _Saved(needs_input_grad=tuple(needs))
+    with torch.no_grad():
+        out = engine.function.forward(saved, *args)
+    return saved, out
+
+
+@torch.library.custom_op("hf_posenc::engine", mutates_args=(), tags=_EXACT)
+def _engine(name: str, tensors: list[Tensor], spec: str, q_offset: int) -> Tensor:
+    """out of the engine ``name`` (``cope``, ``sba`` or ``cape``); see the comment above."""
+    _, out = _engine_forward(name, tensors, _decode(spec), q_offset, [False] * len(tensors))
+    return out.clone() if _aliases(out, tuple(tensors)) else out
+
+
+@_engine.register_fake
+def _(name, tensors, spec, q_offset):
+    _register_engines()
+    spec = _decode(spec)
+    shape, dtype = _ENGINES[name].output(_expand(tensors, spec), spec)
+    return tensors[0].new_empty(shape, dtype=dtype)
+
+
+@torch.library.custom_op("hf_posenc::engine_backward", mutates_args=(), tags=_EXACT)
+def _engine_backward(grad_out: Tensor, name: str, tensors: list[Tensor], need: list[bool], spec: str,
+                     q_offset: int) -> list[Tensor]:
+    """One gradient per entry of ``tensors`` (zeros where ``need`` is False)."""
+    spec_d = _decode(spec)
+    saved, _ = _engine_forward(name, tensors, spec_d, q_offset, need)
+    engine = _ENGINES[name]
+    with _autograd_inside(), torch.no_grad():
+        grads = engine.function.backward(saved, grad_out)
+    positions = engine.positions(_expand(tensors, spec_d))
+    out = []
+    for t, slot, wanted in zip(tensors, spec_d["slots"], need):
+        pos = positions[slot]
+        g = grads[pos] if pos < len(grads) and wanted else None
+        out.append(_grad_like(g, t, tuple(tensors)))
+    return out
+
+
+@_engine_backward.register_fake
+def _(grad_out, name, tensors, need, spec, q_offset):
+    return [torch.empty_like(t) for t in tensors]
+
+
+def _engine_setup(ctx, inputs, output) -> None:
+    name, tensors, spec, q_offset = inputs
+    ctx.name, ctx.spec, ctx.q_offset = name, spec, q_offset
+    ctx.save_for_backward(*tensors)
+
+
+def _engine_autograd(ctx, grad_out):
+    tensors = list(ctx.saved_tensors)
+    need = [bool(n) and t.is_floating_point() for n, t in zip(ctx.needs_input_grad[1], tensors)]
+    grads = _engine_backward(grad_out.contiguous(), ctx.name, tensors, need, ctx.spec, ctx.q_offset)
+    return None, [g if n else None for g, n in zip(grads, need)], None, None
+
+
+_engine.register_autograd(_engine_autograd, setup_context=_engine_setup)
+
+
+def engine_op(name: str, tensors: list[Tensor | None], spec: dict, q_offset: int | Tensor) -> Tensor:
+    """The engine ``name`` (``cope``, ``sba``, ``cape``) through the custom op: ``tensors`` in the slot order of
+    the comment above (None for an absent one; the tensor offset, if any, in its slot), ``spec`` the plain values
+    (ints, floats, bools, strings, None), ``q_offset`` the int offset (ignored when the offset slot holds a tensor)."""
+    spec = {**spec, "n_slots": len(tensors), "slots": [i for i, t in enumerate(tensors) if t is not None]}
+    return _engine(name, [t for t in tensors if t is not None], _encode(spec),
+                   0 if isinstance(q_offset, Tensor) else q_offset)

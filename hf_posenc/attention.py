@@ -47,7 +47,7 @@ from .kernels.attention import (
 )
 from .kernels.attention import _triton_import_error as _attention_triton_error
 from .kernels.defaults import cuda_default_backend
-from .kernels._masks import band_allowed
+from .kernels._masks import band_allowed, mask_key_validity
 from .kernels.attention.tiled import tiled_attention, tiled_unsupported
 from .kernels.custom_ops import tiled_attention_op
 from .ops import expand_kv, masked_softmax
@@ -261,26 +261,7 @@ def _key_validity(
     )
     if memo_key in ctx.memo:
         return ctx.memo[memo_key]
-    m = mask[:, 0].expand(mask.shape[0], q_len, k_len)
-    valid = m.any(dim=-2)  # (B|1, Lk): some query may see the key
-    same = True
-    for start in range(0, q_len, _MASK_CHECK_ROWS):  # chunks: no (B, Lq, Lk) temporaries at long L
-        stop = min(start + _MASK_CHECK_ROWS, q_len)
-        expected = valid[:, None, :]
-        if causal:
-            expected = expected & _causal_mask(stop - start, k_len, q_offset + start, mask.device)
-        if band is not None:
-            q_idx = torch.arange(start, stop, device=mask.device) + q_offset
-            expected = expected & band_allowed(q_idx, torch.arange(k_len, device=mask.device), causal, band)
-        same = same and torch.equal(m[:, start:stop], expected.expand(m.shape[0], stop - start, k_len))
-        if not same:
-            break
-    if not same:
-        form = "causal + key padding" if band is None else f"causal + key padding + the model's {band}-key window"
-        result = (None, f"the attention mask is not {form} (e.g. packed sequences or a custom 4D "
-                        "mask); the kernels take a per-batch key-valid vector")
-    else:
-        result = (None if bool(valid.all()) else valid, None)
+    result = mask_key_validity(mask, causal, q_len, k_len, q_offset, band, _MASK_CHECK_ROWS)
     ctx.memo[memo_key] = result
     return result
 

@@ -92,3 +92,27 @@ def windowed_allowed(
     off = q_offset.to(allowed.device) if isinstance(q_offset, torch.Tensor) else q_offset
     qi = torch.arange(lq, device=allowed.device) + off
     return allowed & band_allowed(qi, torch.arange(lk, device=allowed.device), True, window)[None, None]
+
+
+def mask_key_validity(
+    mask: torch.Tensor, causal: bool, q_len: int, k_len: int, q_offset: int | torch.Tensor, band: int | None = None,
+    rows: int = 1024,
+) -> tuple[torch.Tensor | None, str | None]:
+    """The engines' form of a bool ``mask`` (B|1, 1, Lq, Lk) (True = attend): (key_valid (B|1, Lk) or None when
+    every key is valid, None) when it is causal at ``q_offset`` (if ``causal``) + key padding (+ the sliding
+    ``band``), else (None, the reason). Reads the mask's values, ``rows`` query rows at a time (no (B, Lq, Lk)
+    temporaries at long L)."""
+    m = mask[:, 0].expand(mask.shape[0], q_len, k_len)
+    valid = m.any(dim=-2)  # (B|1, Lk): some query may see the key
+    k_idx = torch.arange(k_len, device=mask.device)
+    for start in range(0, q_len, rows):
+        stop = min(start + rows, q_len)
+        expected = valid[:, None, :]
+        q_idx = torch.arange(start, stop, device=mask.device) + q_offset
+        if causal or band is not None:
+            expected = expected & band_allowed(q_idx, k_idx, causal, band)
+        if not torch.equal(m[:, start:stop], expected.expand(m.shape[0], stop - start, k_len)):
+            form = "causal + key padding" if band is None else f"causal + key padding + the model's {band}-key window"
+            return None, (f"the attention mask is not {form} (e.g. packed sequences or a custom 4D mask); the kernels "
+                          "take a per-batch key-valid vector")
+    return (None if bool(valid.all()) else valid), None

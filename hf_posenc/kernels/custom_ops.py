@@ -34,6 +34,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from ._masks import mask_key_validity
 from .attention.naive import band_allowed, term_bias
 from .attention.terms import KernelTerm
 from .attention.tiled import BLOCK_K, BLOCK_Q, TiledAttentionFunction, _Plan, tiled_unsupported
@@ -81,9 +82,9 @@ def _resolve_mask(mask: Tensor | None, key_valid: Tensor | None, causal: bool, q
     + key padding (+ ``band``): the reference must run."""
     if mask is None:
         return key_valid, None
-    from ..attention import _key_validity  # the one check of a mask's form (the attention module imports us)
-
-    valid, reason = _key_validity(SimpleNamespace(memo={}), mask, causal, q_len, k_len, q_offset, band)
+    if mask.dim() != 4 or mask.shape[1] != 1:
+        return None, f"the kernels take no per-head attention mask (got shape {tuple(mask.shape)})"
+    valid, reason = mask_key_validity(mask.to(torch.bool), causal, q_len, k_len, q_offset, band)
     if reason is None and key_valid is not None:
         valid = key_valid if valid is None else valid & key_valid
     return valid, reason
@@ -302,7 +303,7 @@ from typing import Callable  # noqa: E402
 
 
 @dataclass(frozen=True)
-class _Engine:
+class EngineSpec:
     """How the tensors and the spec of an ``hf_posenc::engine`` call become the Function's forward arguments."""
 
     function: type
@@ -324,45 +325,23 @@ def _decode(text: str) -> dict:
     return {key: ast.literal_eval(value) for key, value in (item.split("=", 1) for item in text.split(";") if item)}
 
 
-def _offset(tensor: Tensor | None, q_offset: int):
+def offset_arg(tensor: Tensor | None, q_offset: int):
     return tensor if tensor is not None else q_offset
 
 
-_ENGINES: dict[str, _Engine] = {}
+_ENGINES: dict[str, EngineSpec] = {}
 
 
-def _register_engines() -> None:
-    """The three engines (imported late: their modules import this one lazily)."""
-    if _ENGINES:
-        return
-    from .cape.tiled import _CapeTiled
-    from .cope.tiled import CopeTiledFunction
-    from .sba.tiled import SbaTiledFunction
+def register_engine(name: str, engine: "EngineSpec") -> None:
+    """Called by each engine's module (kernels/cope/tiled.py, sba/tiled.py, cape/tiled.py) when it is imported, so
+    that this module never imports the engines (the arrows go engines -> custom_ops)."""
+    _ENGINES[name] = engine
 
-    # CoPE: tensors [q, k, v, table, mask?, q_offset?]
-    _ENGINES["cope"] = _Engine(
-        CopeTiledFunction,
-        lambda t, s, o: (t[0], t[1], t[2], t[3], t[4], s["scale"], _offset(t[5], o), s["block_m"], s["block_n"],
-                         s["window"]),
-        lambda t: [0, 1, 2, 3, 4, 6],
-        lambda t, s: ((*t[0].shape[:3], t[2].shape[3]), t[0].dtype),
-    )
-    # stick-breaking: tensors [q, k, v, mask?, bias?, q_offset?]
-    _ENGINES["sba"] = _Engine(
-        SbaTiledFunction,
-        lambda t, s, o: (t[0], t[1], t[2], t[3], t[4], s["scale"], _offset(t[5], o), s["attend_current"],
-                         s["remainder"], s["block_m"], s["block_n"], s["window"]),
-        lambda t: [0, 1, 2, 3, 4, 6],
-        lambda t, s: ((*t[0].shape[:3], t[2].shape[3]), t[0].dtype),
-    )
-    # CAPE: tensors [q, k, v, mask?, w1x, w2x, q_offset?, *bias_tensors]
-    _ENGINES["cape"] = _Engine(
-        _CapeTiled,
-        lambda t, s, o: (t[0], t[1], t[2], t[3], t[4], t[5], _offset(t[6], o), s["scaling"], s["kind"],
-                         s["static_offset"], s["block_q"], s["block_k"], s["rank_one"], *t[7:]),
-        lambda t: [0, 1, 2, 3, 4, 5, 6] + list(range(13, 13 + len(t) - 7)),
-        lambda t, s: ((*t[0].shape[:3], t[2].shape[3]), t[2].dtype),
-    )
+
+def _engine_spec(name: str) -> "EngineSpec":
+    if name not in _ENGINES:
+        raise ValueError(f"no engine {name!r} is registered for hf_posenc::engine; registered: {sorted(_ENGINES)}")
+    return _ENGINES[name]
 
 
 def _expand(tensors: list[Tensor], spec: dict) -> list[Tensor | None]:
@@ -376,8 +355,7 @@ def _expand(tensors: list[Tensor], spec: dict) -> list[Tensor | None]:
 def _engine_forward(name: str, tensors: list[Tensor], spec: dict, q_offset: int, need: list[bool]):
     """The Function's forward on a stand-in ctx (needs_input_grad from ``need``, one per present tensor):
     (ctx, out)."""
-    _register_engines()
-    engine = _ENGINES[name]
+    engine = _engine_spec(name)
     full = _expand([t.detach() for t in tensors], spec)
     args = engine.arguments(full, spec, q_offset)
     needs = [False] * len(args)
@@ -399,9 +377,8 @@ def _engine(name: str, tensors: list[Tensor], spec: str, q_offset: int) -> Tenso
 
 @_engine.register_fake
 def _(name, tensors, spec, q_offset):
-    _register_engines()
     spec = _decode(spec)
-    shape, dtype = _ENGINES[name].output(_expand(tensors, spec), spec)
+    shape, dtype = _engine_spec(name).output(_expand(tensors, spec), spec)
     return tensors[0].new_empty(shape, dtype=dtype)
 
 
@@ -411,7 +388,7 @@ def _engine_backward(grad_out: Tensor, name: str, tensors: list[Tensor], need: l
     """One gradient per entry of ``tensors`` (zeros where ``need`` is False)."""
     spec_d = _decode(spec)
     saved, _ = _engine_forward(name, tensors, spec_d, q_offset, need)
-    engine = _ENGINES[name]
+    engine = _engine_spec(name)
     with _autograd_inside(), torch.no_grad():
         grads = engine.function.backward(saved, grad_out)
     positions = engine.positions(_expand(tensors, spec_d))

@@ -30,6 +30,7 @@ from torch.nn import functional as F
 from ...ops import eager_value_checks
 from .._subnormal import exp_flushed
 from .bias_tile import BASE_KINDS, base_bias_tile
+from ..custom_ops import EngineSpec, engine_op, offset_arg, register_engine
 
 __all__ = ["cape_attention_tiled"]
 
@@ -333,7 +334,6 @@ def cape_attention_tiled(
         w1x = torch.cat([w1, b1[:, None]], dim=1)  # (hidden, 2H + 1): the first layer on [L; B; 1]
     w2x = torch.cat([w2, b2[:, None]], dim=1)  # (H, hidden + 1): the second on [act; 1]
     if torch.compiler.is_compiling():  # one custom op in the compiled graph (hf_posenc.kernels.custom_ops)
-        from ..custom_ops import engine_op
 
         offset = q_offset if isinstance(q_offset, torch.Tensor) else None
         return engine_op("cape", [query, key, value, mask, w1x, w2x, offset, *bias_tensors],
@@ -343,3 +343,12 @@ def cape_attention_tiled(
         query, key, value, mask, w1x, w2x, q_offset, scaling, kind, static_offset, block_q, block_k, rank_one,
         *bias_tensors
     )
+
+
+register_engine("cape", EngineSpec(  # tensors [q, k, v, mask?, w1x, w2x, q_offset?, *bias_tensors]
+    _CapeTiled,
+    lambda t, s, o: (t[0], t[1], t[2], t[3], t[4], t[5], offset_arg(t[6], o), s["scaling"], s["kind"],
+                     s["static_offset"], s["block_q"], s["block_k"], s["rank_one"], *t[7:]),
+    lambda t: [0, 1, 2, 3, 4, 5, 6] + list(range(13, 13 + len(t) - 7)),
+    lambda t, s: ((*t[0].shape[:3], t[2].shape[3]), t[2].dtype),
+))

@@ -68,6 +68,7 @@ from .._reverse_tiles import (
     tile_sizes,
     to_groups,
 )
+from ..custom_ops import EngineSpec, engine_op, offset_arg, register_engine
 
 __all__ = ["cope_tiled", "CopeTiledFunction", "BLOCK_M", "BLOCK_N"]
 
@@ -344,8 +345,16 @@ def cope_tiled(
     """
     block_m, block_n, q_offset = call_options(block_m, block_n, BLOCK_M, BLOCK_N, q_offset, window)
     if torch.compiler.is_compiling():  # one custom op in the compiled graph (hf_posenc.kernels.custom_ops)
-        from ..custom_ops import engine_op
 
         return engine_op("cope", [q, k, v, table, mask, q_offset if isinstance(q_offset, torch.Tensor) else None],
                          {"scale": float(scale), "block_m": block_m, "block_n": block_n, "window": window}, q_offset)
     return CopeTiledFunction.apply(q, k, v, table, mask, float(scale), q_offset, block_m, block_n, window)
+
+
+register_engine("cope", EngineSpec(  # tensors [q, k, v, table, mask?, q_offset?]
+    CopeTiledFunction,
+    lambda t, s, o: (t[0], t[1], t[2], t[3], t[4], s["scale"], offset_arg(t[5], o), s["block_m"], s["block_n"],
+                     s["window"]),
+    lambda t: [0, 1, 2, 3, 4, 6],
+    lambda t, s: ((*t[0].shape[:3], t[2].shape[3]), t[0].dtype),
+))

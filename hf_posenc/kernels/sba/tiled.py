@@ -54,6 +54,7 @@ from .._reverse_tiles import (
     Geometry, blocked_mask_rows, call_options, fill_blocked, key_tiles, tile_blocked, tile_sizes, to_groups,
 )
 from .naive import SOFTPLUS_THRESHOLD  # softplus is linear above this (the paper code's threshold)
+from ..custom_ops import EngineSpec, engine_op, offset_arg, register_engine
 
 __all__ = ["sba_tiled", "SbaTiledFunction", "BLOCK_M", "BLOCK_N"]
 
@@ -263,7 +264,6 @@ def sba_tiled(
     """
     block_m, block_n, q_offset = call_options(block_m, block_n, BLOCK_M, BLOCK_N, q_offset, window)
     if torch.compiler.is_compiling():  # one custom op in the compiled graph (hf_posenc.kernels.custom_ops)
-        from ..custom_ops import engine_op
 
         return engine_op("sba", [q, k, v, mask, bias, q_offset if isinstance(q_offset, torch.Tensor) else None],
                          {"scale": float(scale), "attend_current": bool(attend_current), "remainder": remainder,
@@ -271,3 +271,12 @@ def sba_tiled(
     return SbaTiledFunction.apply(
         q, k, v, mask, bias, float(scale), q_offset, bool(attend_current), remainder, block_m, block_n, window
     )
+
+
+register_engine("sba", EngineSpec(  # tensors [q, k, v, mask?, bias?, q_offset?]
+    SbaTiledFunction,
+    lambda t, s, o: (t[0], t[1], t[2], t[3], t[4], s["scale"], offset_arg(t[5], o), s["attend_current"],
+                     s["remainder"], s["block_m"], s["block_n"], s["window"]),
+    lambda t: [0, 1, 2, 3, 4, 6],
+    lambda t, s: ((*t[0].shape[:3], t[2].shape[3]), t[0].dtype),
+))

@@ -250,8 +250,6 @@ def _key_validity(
     unless a backend is forced)."""
     if mask is None:
         return None, None
-    if mask.dim() != 4 or mask.shape[1] != 1:
-        return None, f"the kernels take no per-head attention mask (got shape {tuple(mask.shape)})"
     if torch.compiler.is_compiling():
         return None, ("under torch.compile an attention mask's form (causal + key padding) cannot be checked "
                       "without reading it (a graph break)")

@@ -102,6 +102,8 @@ def mask_key_validity(
     every key is valid, None) when it is causal at ``q_offset`` (if ``causal``) + key padding (+ the sliding
     ``band``), else (None, the reason). Reads the mask's values, ``rows`` query rows at a time (no (B, Lq, Lk)
     temporaries at long L)."""
+    if mask.dim() != 4 or mask.shape[1] != 1:
+        return None, f"the kernels take no per-head attention mask (got shape {tuple(mask.shape)})"
     m = mask[:, 0].expand(mask.shape[0], q_len, k_len)
     valid = m.any(dim=-2)  # (B|1, Lk): some query may see the key
     k_idx = torch.arange(k_len, device=mask.device)

@@ -82,8 +82,6 @@ def _resolve_mask(mask: Tensor | None, key_valid: Tensor | None, causal: bool, q
     + key padding (+ ``band``): the reference must run."""
     if mask is None:
         return key_valid, None
-    if mask.dim() != 4 or mask.shape[1] != 1:
-        return None, f"the kernels take no per-head attention mask (got shape {tuple(mask.shape)})"
     valid, reason = mask_key_validity(mask.to(torch.bool), causal, q_len, k_len, q_offset, band)
     if reason is None and key_valid is not None:
         valid = key_valid if valid is None else valid & key_valid

@@ -223,9 +223,7 @@ def _few_queries(query, key, value, term, scale, causal, q_offset, key_valid, wi
     mask = mask.masked_fill(~allowed, float("-inf"))
     out = F.scaled_dot_product_attention(query.to(compute), key.to(compute), value.to(compute), attn_mask=mask,
                                          scale=scale, enable_gqa=key.shape[1] != h)
-    if bool(empty.any()):
-        out = out.masked_fill(empty, 0.0)
-    return out.to(query.dtype)
+    return out.masked_fill(empty, 0.0).to(query.dtype)  # no host read of ``empty``
 
 
 #: The two exact CPU paths of the tile engine: torch's fused attention kernel per query block (with the term as

@@ -24,6 +24,12 @@ stage that runs out of time is reported as such, with the rows it had measured):
 ``--pytest`` adds ``pytest -m gpu tests/`` before the benchmarks (every kernel against its reference at full
 sizes, odd shapes, decode, 16k; it needs the repository's tests/).
 
+On CUDA a warm-up phase first runs, in parallel processes, the doctor case by case, every benchmark with one
+repetition and ``pytest -m gpu`` (with ``--pytest``; it is reported from there): Triton compiles each kernel
+variant on its first launch (about 1.5-3 s of one CPU core each, some 200 variants in all), and that is what
+made the serial stages run out of time. The warm-up fills Triton's and inductor's on-disk caches on every
+core of the machine at once; the timed stages then load the compiled kernels. ``--no-prewarm`` skips it.
+
 Writes ``benchmarks/results/gpu_check_<gpu>.json`` (the doctor's report plus ``benchmarks``: every row of every
 stage, the git commit, each stage's status and time) and ``gpu_check_<gpu>.md`` (the doctor's summary, the
 tables, the design targets met or missed), and prints the summary. Nothing is installed and nothing needs the
@@ -92,9 +98,54 @@ def stages(smoke: bool, tmp: Path, pytest: bool = False) -> list[dict]:
     return s
 
 
-def run_stage(st: dict, env: dict) -> dict:
-    """Run one stage; its status, seconds, the tail of its output and its rows."""
+def prewarm_stages(tmp: Path, pytest: bool) -> list[dict]:
+    """The warm-up phase (CUDA): the doctor one case per process, every benchmark with one repetition, and
+    ``pytest -m gpu`` when asked. Their timings are thrown away; the pytest stage is the one reported."""
+    from hf_posenc.diagnostics import CASES
+
+    py = sys.executable
+    warm = tmp / "prewarm"
+    warm.mkdir(parents=True, exist_ok=True)
+    out = []
+    if pytest:
+        out.append({"name": "pytest -m gpu", "timeout": 300,
+                    "cmd": [py, "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider", "--durations=15",
+                            "-n", "4", f"--junitxml={tmp / 'pytest.xml'}", str(ROOT / "tests")]})
+    for st in stages(False, warm):
+        if st["name"] == "doctor":
+            continue
+        cmd = [c for c in st["cmd"]]
+        for flag, value in (("--budget-ms", "1"), ("--warmup", "1"), ("--max-reps", "1"),
+                            ("--rounds", "1"), ("--steps", "1")):
+            if flag in cmd:
+                cmd[cmd.index(flag) + 1] = value
+        out.append({"name": f"prewarm {st['name']}", "timeout": 300, "cmd": cmd})
+    for case in CASES:
+        out.append({"name": f"prewarm doctor {case.name}", "timeout": 240,
+                    "cmd": [py, "-m", "hf_posenc", "doctor", "--cases", case.name, "--no-timing", "--no-progress",
+                            "--out", str(warm / f"doctor_{case.name}.json")]})
+    return out
+
+
+def run_parallel(sts: list[dict], env: dict, workers: int, deadline: float | None = None) -> list[dict]:
+    """Run stages in ``workers`` parallel processes; their records in the order given."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(st):
+        rec = run_stage(st, env, deadline)
+        print(f"[gpu-check] {st['name']}: {rec['status']} in {rec['seconds']} s", flush=True)
+        return rec
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(one, sts))
+
+
+def run_stage(st: dict, env: dict, deadline: float | None = None) -> dict:
+    """Run one stage; its status, seconds, the tail of its output and its rows. ``deadline`` (a time.time()):
+    the stage's time limit is cut so that it ends by then."""
     t0 = time.time()
+    limit = st["timeout"] if deadline is None else max(5.0, min(st["timeout"], deadline - t0))
+    st = dict(st, timeout=round(limit))
     try:
         proc = subprocess.run(st["cmd"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=st["timeout"])
         status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
@@ -215,6 +266,14 @@ def main(argv=None) -> int:
     p.add_argument("--pytest", action="store_true", help="also run `pytest -m gpu tests/` (about 200 s more)")
     p.add_argument("--only", nargs="+", default=None, help="run only these stages (by name)")
     p.add_argument("--out-dir", default=str(BENCH / "results"))
+    p.add_argument("--no-prewarm", action="store_true",
+                   help="CUDA: skip the parallel warm-up that compiles every kernel before the timed stages")
+    p.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1),
+                   help="parallel processes of the warm-up phase")
+    p.add_argument("--log-dir", default=None, help="write each stage's whole output to a file here")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds for the whole run: the stages' time limits are cut to end within it (the warm-up "
+                        "gets at most 45 %% of it), so that the results are written")
     args = p.parse_args(argv)
     import torch
 
@@ -235,15 +294,35 @@ def main(argv=None) -> int:
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         tmp = Path(tmp)
-        for st in stages(args.smoke, tmp, args.pytest):
+        logs = Path(args.log_dir) if args.log_dir else None
+        if logs:
+            logs.mkdir(parents=True, exist_ok=True)
+        prewarm = cuda and not args.smoke and not args.no_prewarm and not args.only
+        if prewarm:
+            t1 = time.time()
+            print(f"[gpu-check] warm-up: {len(prewarm_stages(tmp, args.pytest))} processes, {args.workers} at a time",
+                  flush=True)
+            warm_deadline = None if args.deadline is None else t0 + 0.45 * args.deadline
+            for rec in run_parallel(prewarm_stages(tmp, args.pytest), env, args.workers, warm_deadline):
+                if logs:
+                    (logs / (re.sub(r"[^A-Za-z0-9_.-]+", "_", rec["name"]) + ".log")).write_text(rec.get("output", ""))
+                if rec["name"] == "pytest -m gpu":
+                    bench["stages"].append(rec)
+                else:
+                    bench.setdefault("prewarm", []).append(
+                        {k: rec[k] for k in ("name", "status", "seconds")})
+            bench["prewarm_seconds"] = round(time.time() - t1, 1)
+        for st in stages(args.smoke, tmp, args.pytest and not prewarm):
             if args.only and st["name"] not in args.only:
                 continue
             print(f"[gpu-check] {st['name']} (limit {st['timeout']} s) ...", flush=True)
-            rec = run_stage(st, env)
+            rec = run_stage(st, env, None if args.deadline is None else t0 + args.deadline - 10)
             count = f"{rec['checks']} checks" if "checks" in rec else f"{len(rec.get('rows', []))} rows"
             print(f"[gpu-check] {st['name']}: {rec['status']} in {rec['seconds']} s, {count}", flush=True)
             if rec["status"] != "ok":
                 print(rec["output_tail"][-1500:], flush=True)
+            if logs:
+                (logs / (re.sub(r"[^A-Za-z0-9_.-]+", "_", rec["name"]) + ".log")).write_text(rec.get("output", ""))
             bench["stages"].append(rec)
         tests = [st for st in bench["stages"] if st["name"] == "pytest -m gpu"]
         bench["pytest"] = pytest_counts(tmp / "pytest.xml", tests[0]["output"] if tests else "")

@@ -87,12 +87,22 @@ class Timer:
             torch.cuda.synchronize(self.device)
 
 
-def guarded(fn):
-    """fn() or None when it runs out of memory (the eager reference at large L does)."""
+def guarded(fn, errors: dict | None = None, name: str = ""):
+    """fn() or None when it runs out of memory (the eager reference at large L does). With ``errors``, any other
+    exception is recorded there under ``name`` (type and the first line of its message) and None returned, so
+    that one method that fails to compile (FlexAttention's templates on some GPU and torch) leaves the other
+    methods' rows measured; without it, the exception propagates."""
     try:
         return fn()
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
+        return None
+    except Exception as exc:  # noqa: BLE001 - recorded in the row, printed, never dropped
+        if errors is None:
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0]
+        errors[name] = f"{type(exc).__name__}: {first}"[:300]
+        print(f"{name} failed: {errors[name]}", file=sys.stderr, flush=True)
         return None
 
 
@@ -240,6 +250,11 @@ def main(argv=None) -> int:
         return 2
 
     timer = Timer(device, args.budget_ms, args.warmup, args.max_reps)
+    if cuda:  # compiled FlexAttention compiles once per term kind, mode and length: past dynamo's default
+        # recompile limit it would run uncompiled, and be timed so
+        dynamo = torch._dynamo.config
+        limit_name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+        setattr(dynamo, limit_name, max(getattr(dynamo, limit_name), 16 * len(args.terms) * len(args.lengths)))
     rows = []
     sdpa_cache: dict = {}
     for length in args.lengths:
@@ -268,15 +283,19 @@ def main(argv=None) -> int:
                        "head_dim": args.head_dim, "dtype": args.dtype, "mode": mode}
                 if "sdpa" in args.methods and sdpa_cache.get(key) is not None:
                     row["sdpa_ms"], row["sdpa_mb"] = sdpa_cache[key]
-                res = guarded(lambda: timer(step(fused_attention, q, k, v, term, leaves, gout, backward, **kw)))
+                errors: dict = {}
+                res = guarded(lambda: timer(step(fused_attention, q, k, v, term, leaves, gout, backward, **kw)),
+                              errors, "triton")
                 if res is not None:
                     row["triton_ms"], row["triton_mb"] = res
                 if "flex" in args.methods and kind in FLEX_KINDS:
-                    res = guarded(lambda: timer(step(flex_attention_term, q, k, v, term, leaves, gout, backward, **kw)))
+                    res = guarded(lambda: timer(step(flex_attention_term, q, k, v, term, leaves, gout, backward, **kw)),
+                                  errors, "flex")
                     if res is not None:
                         row["flex_ms"], row["flex_mb"] = res
                 if "eager" in args.methods and length <= args.eager_max_length:
-                    res = guarded(lambda: timer(step(attention_reference, q, k, v, term, leaves, gout, backward, **kw)))
+                    res = guarded(lambda: timer(step(attention_reference, q, k, v, term, leaves, gout, backward, **kw)),
+                                  errors, "eager")
                     if res is not None:
                         row["eager_ms"], row["eager_mb"] = res
                 if not backward and length <= args.eager_max_length:
@@ -286,7 +305,9 @@ def main(argv=None) -> int:
                             want = attention_reference(q.float(), k.float(), v.float(), term, **kw)
                         return rel_err(got, want)
 
-                    row["rel_err"] = guarded(check)
+                    row["rel_err"] = guarded(check, errors, "check")
+                if errors:
+                    row["errors"] = errors
                 rows.append(row)
                 append_row(args.rows_jsonl, row)
                 print(_line(row), flush=True)

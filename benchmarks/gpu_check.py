@@ -64,7 +64,7 @@ TRAIN_TARGET = 0.95
 def stages(smoke: bool, tmp: Path, pytest: bool = False) -> list[dict]:
     """name, command, time limit (s) and the JSON-lines file of rows of each stage."""
     py = sys.executable
-    s = [{"name": "doctor", "timeout": 200, "report": tmp / "doctor.json",
+    s = [{"name": "doctor", "timeout": 240, "report": tmp / "doctor.json", "per_case": not smoke,
           "cmd": [py, "-m", "hf_posenc", "doctor", "--out", str(tmp / "doctor.json"), "--no-progress",
                   *(["--quick", "--interpret", "--no-timing"] if smoke else [])]}]
     if pytest and not smoke:
@@ -80,9 +80,11 @@ def stages(smoke: bool, tmp: Path, pytest: bool = False) -> list[dict]:
               "cmd": [py, str(BENCH / "bench_sba_cope.py"), *common, *lengths,
                       *([] if smoke else ["--batches", "1", "--eager-max-length", "4096",
                                           "--check-max-length", "4096"])]})
-    s.append({"name": "rotary", "timeout": 25, "rows": tmp / "rotary.jsonl",
+    s.append({"name": "rotary", "timeout": 60, "rows": tmp / "rotary.jsonl",
               "cmd": [py, str(BENCH / "bench_rotary.py"), *common, *lengths,
-                      *([] if smoke else ["--batches", "1", "4"])]})
+                      # one dynamic compile of the reference, not one per shape (24 static compiles took the
+                      # whole stage on the H100)
+                      *([] if smoke else ["--batches", "1", "4", "--compile", "dynamic"])]})
     s.append({"name": "train_step", "timeout": 60, "json": tmp / "train_step.json",
               "cmd": [py, str(BENCH / "bench_train_step.py"),
                       *(["--smoke"] if smoke else ["--rounds", "3", "--steps", "3", "--warmup", "2"])]})
@@ -98,7 +100,8 @@ def stages(smoke: bool, tmp: Path, pytest: bool = False) -> list[dict]:
     return s
 
 
-def prewarm_stages(tmp: Path, pytest: bool) -> list[dict]:
+def prewarm_stages(tmp: Path, pytest: bool, only: list[str] | None = None, extra: list[str] | None = None
+                   ) -> list[dict]:
     """The warm-up phase (CUDA): the doctor one case per process, every benchmark with one repetition, and
     ``pytest -m gpu`` when asked. Their timings are thrown away; the pytest stage is the one reported."""
     from hf_posenc.diagnostics import CASES
@@ -111,8 +114,10 @@ def prewarm_stages(tmp: Path, pytest: bool) -> list[dict]:
         out.append({"name": "pytest -m gpu", "timeout": 300,
                     "cmd": [py, "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider", "--durations=15",
                             "-n", "4", f"--junitxml={tmp / 'pytest.xml'}", str(ROOT / "tests")]})
+    for i, cmd in enumerate(extra or []):  # e.g. diagnostics that need the GPU but not a quiet one
+        out.append({"name": f"extra {i}", "timeout": 600, "cmd": ["bash", "-c", cmd]})
     for st in stages(False, warm):
-        if st["name"] == "doctor":
+        if st["name"] == "doctor" or (only and st["name"] not in only):
             continue
         cmd = [c for c in st["cmd"]]
         for flag, value in (("--budget-ms", "1"), ("--warmup", "1"), ("--max-reps", "1"),
@@ -138,6 +143,60 @@ def run_parallel(sts: list[dict], env: dict, workers: int, deadline: float | Non
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(one, sts))
+
+
+def doctor_groups() -> list[list[str]]:
+    """The doctor's cases in the processes of the doctor stage: the attention terms together (one kernel, many
+    terms), every other kernel's cases on their own (CoPE's unwindowed and windowed apart)."""
+    from hf_posenc.diagnostics import CASES
+
+    groups: dict[str, list[str]] = {}
+    for case in CASES:
+        key = case.family if case.family in ("attention", "sba", "rotary") else case.name
+        groups.setdefault(key, []).append(case.name)
+    return list(groups.values())
+
+
+def run_doctor_per_case(st: dict, env: dict, deadline: float | None = None) -> dict:
+    """The doctor stage on CUDA: one process per group of cases (:func:`doctor_groups`), run one after the
+    other (so the timings are not shared), their reports merged (``hf_posenc.diagnostics.merge_reports``). A
+    kernel that breaks the CUDA context (an illegal memory access) makes every later check of its process fail;
+    here it costs only its own group."""
+    from hf_posenc.diagnostics import merge_reports
+
+    t0 = time.time()
+    report = Path(st["report"])
+    reports, outputs, statuses = [], [], []
+    groups = doctor_groups()
+    for names in groups:
+        part = report.with_name(f"doctor_{names[0]}.json")
+        cmd = [a if a != str(report) else str(part) for a in st["cmd"]] + ["--cases", ",".join(names)]
+        end = None if deadline is None else deadline
+        if end is None:
+            end = t0 + st["timeout"]
+        else:
+            end = min(end, t0 + st["timeout"])
+        rec = run_stage(dict(st, name=f"doctor {names[0]}", cmd=cmd, report=part), env, end)
+        outputs.append(f"## doctor --cases {','.join(names)}: {rec['status']} in {rec['seconds']} s\n"
+                       f"{rec.get('output', '')}")
+        statuses.append(rec["status"])
+        print(f"[gpu-check]   doctor {','.join(names)}: {rec['status']} in {rec['seconds']} s", flush=True)
+        if part.exists():
+            try:
+                reports.append(json.loads(part.read_text()))
+            except json.JSONDecodeError:
+                pass
+    if reports:
+        merged = merge_reports(reports)
+        if len(reports) < len(groups):
+            merged["complete"] = False
+        report.write_text(json.dumps(merged, indent=1, default=str) + "\n")
+    bad = [f"{','.join(n)}: {st_}" for n, st_ in zip(groups, statuses) if st_ not in ("ok", "exit 1")]
+    out = "\n".join(outputs)
+    return {"name": st["name"], "status": "ok" if all(x == "ok" for x in statuses) else
+            ("exit 1" if not bad else "; ".join(bad)), "seconds": round(time.time() - t0, 1),
+            "command": " ".join(st["cmd"]) + " (one process per case)", "output_tail": out[-4000:], "output": out,
+            "checks": len(merged["rows"]) if reports else None}
 
 
 def run_stage(st: dict, env: dict, deadline: float | None = None) -> dict:
@@ -173,7 +232,8 @@ def pytest_counts(path: Path, output: str = "") -> dict | None:
     if not path.exists():
         if not output:
             return None
-        words = re.findall(r"::\S+ (PASSED|FAILED|ERROR|SKIPPED)", output)
+        words = (re.findall(r"::\S+ (PASSED|FAILED|ERROR|SKIPPED)", output)
+                 + re.findall(r"\] (PASSED|FAILED|ERROR|SKIPPED) \S+::", output))  # pytest-xdist's -v lines
         counts = {w: words.count(w) for w in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
         return {"tests": sum(counts.values()), "failures": counts["FAILED"], "errors": counts["ERROR"],
                 "skipped": counts["SKIPPED"], "passed": counts["PASSED"], "partial": True}
@@ -271,6 +331,8 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1),
                    help="parallel processes of the warm-up phase")
     p.add_argument("--log-dir", default=None, help="write each stage's whole output to a file here")
+    p.add_argument("--prewarm-extra", nargs="+", default=None, metavar="CMD",
+                   help="shell commands run in the warm-up's pool too (logged as 'extra N')")
     p.add_argument("--deadline", type=float, default=None,
                    help="seconds for the whole run: the stages' time limits are cut to end within it (the warm-up "
                         "gets at most 45 %% of it), so that the results are written")
@@ -297,13 +359,13 @@ def main(argv=None) -> int:
         logs = Path(args.log_dir) if args.log_dir else None
         if logs:
             logs.mkdir(parents=True, exist_ok=True)
-        prewarm = cuda and not args.smoke and not args.no_prewarm and not args.only
+        prewarm = cuda and not args.smoke and not args.no_prewarm
         if prewarm:
             t1 = time.time()
-            print(f"[gpu-check] warm-up: {len(prewarm_stages(tmp, args.pytest))} processes, {args.workers} at a time",
-                  flush=True)
+            warm = prewarm_stages(tmp, args.pytest, args.only, args.prewarm_extra)
+            print(f"[gpu-check] warm-up: {len(warm)} processes, {args.workers} at a time", flush=True)
             warm_deadline = None if args.deadline is None else t0 + 0.45 * args.deadline
-            for rec in run_parallel(prewarm_stages(tmp, args.pytest), env, args.workers, warm_deadline):
+            for rec in run_parallel(warm, env, args.workers, warm_deadline):
                 if logs:
                     (logs / (re.sub(r"[^A-Za-z0-9_.-]+", "_", rec["name"]) + ".log")).write_text(rec.get("output", ""))
                 if rec["name"] == "pytest -m gpu":
@@ -316,7 +378,8 @@ def main(argv=None) -> int:
             if args.only and st["name"] not in args.only:
                 continue
             print(f"[gpu-check] {st['name']} (limit {st['timeout']} s) ...", flush=True)
-            rec = run_stage(st, env, None if args.deadline is None else t0 + args.deadline - 10)
+            end = None if args.deadline is None else t0 + args.deadline - 10
+            rec = run_doctor_per_case(st, env, end) if st.get("per_case") else run_stage(st, env, end)
             count = f"{rec['checks']} checks" if "checks" in rec else f"{len(rec.get('rows', []))} rows"
             print(f"[gpu-check] {st['name']}: {rec['status']} in {rec['seconds']} s, {count}", flush=True)
             if rec["status"] != "ok":

@@ -35,6 +35,7 @@ The module is not named ``doctor`` because ``hf_posenc.doctor`` is the function.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import datetime
 import json
@@ -71,7 +72,8 @@ from .kernels.rotary import _kernel_unsupported as rotary_unsupported
 from .kernels.rotary import apply_qk_rotation_reference
 from .kernels.sba import sba_reference, sba_tiled
 
-__all__ = ["CASES", "ENGINES", "SCHEMA", "TOLERANCE", "default_backends", "doctor", "environment", "format_report"]
+__all__ = ["CASES", "ENGINES", "SCHEMA", "TOLERANCE", "default_backends", "doctor", "environment", "format_report",
+           "merge_reports"]
 
 #: the report's schema id (bumped when a field changes meaning or disappears).
 SCHEMA = "hf_posenc.doctor/1"
@@ -845,6 +847,23 @@ def doctor(
     if verbose:
         print(format_report(report))
     return report
+
+
+def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from the reports of separate runs (e.g. one process per case, so that a kernel that corrupts
+    the CUDA context -- an illegal memory access -- costs only its own case's rows): the rows concatenated, the
+    summary recomputed, ``ok`` and ``complete`` only if every part was, ``settings['cases']`` joined."""
+    if not reports:
+        raise ValueError("merge_reports needs at least one report")
+    merged = copy.deepcopy(reports[0])
+    merged["rows"] = [row for r in reports for row in r.get("rows", [])]
+    merged["settings"]["cases"] = [c for r in reports for c in r.get("settings", {}).get("cases", [])]
+    merged["summary"] = _summary(merged["rows"])
+    merged["complete"] = all(r.get("complete") for r in reports)
+    merged["ok"] = bool(all(r.get("ok") for r in reports) and merged["summary"]["fail"] == 0
+                        and merged["summary"]["error"] == 0)
+    merged["seconds"] = round(sum(r.get("seconds") or 0.0 for r in reports), 1)
+    return merged
 
 
 def _shape_dict(shape) -> dict[str, int]:

@@ -529,3 +529,27 @@ def test_static_decoding_never_syncs(family, encoding):
     decode_loop(model, ids, mask, NEW_TOKENS, step)  # compile and record the CUDA graph outside the check
     got = decode_loop(model, ids, mask, NEW_TOKENS, step, sync_check=_SyncDebugError)
     assert torch.equal(got, ref), encoding
+
+
+def test_backend_choice_traces_under_compile(monkeypatch):
+    """The CUDA dispatch asks whether Triton imports (``triton_import_error``) inside the compiled forward.
+    Dynamo cannot trace an import: on an H100 (torch 2.11) every patched model's first compiled decoding step
+    failed with ``Unsupported: ... import_module``. Here on the CPU: the question asked for a CUDA device, from a
+    fullgraph-compiled function, with the answer not yet cached."""
+    import hf_posenc.attention as attention_module
+    import hf_posenc.kernels._common as common
+
+    monkeypatch.delenv("HF_POSENC_BACKEND", raising=False)
+    monkeypatch.setattr(common, "_IMPORT_ERRORS", {})
+    encoding = make_model("llama", encoding="alibi").model.posenc
+    eager = attention_module.attention_backend(encoding, "cuda")
+    monkeypatch.setattr(common, "_IMPORT_ERRORS", {})
+    torch._dynamo.reset()
+
+    def pick(x):
+        backend = attention_module.attention_backend(encoding, "cuda")
+        return x + (1.0 if backend == eager else -1.0)
+
+    out = torch.compile(pick, fullgraph=True, backend="eager")(torch.zeros(2))
+    assert torch.equal(out, torch.ones(2))
+    assert eager == "triton"  # Triton imports here (the test extra); the default CUDA entry for alibi

@@ -418,17 +418,22 @@ def test_shaw_band_through_the_fused_kernel(window, padded):
 
 def test_exp_flushed_is_exp_with_nothing_below_the_floor():
     """``exp_flushed`` (clamp, exp, zero at the floor: x86's exp is slow on -inf and underflowing arguments) gives
-    exp(x) wherever exp(x) is a normal float32 and x is above the floor, 0 at and below it (-inf included), keeps
-    NaN and +inf, and leaves float64 to a plain exp."""
-    from hf_posenc.kernels._subnormal import EXP_FLOOR, exp_flushed
+    exp(x) wherever exp(x) > 2^-125, 0 elsewhere (-inf included), keeps NaN and +inf, and leaves float64 to a
+    plain exp. The threshold sits well above e^EXP_FLOOR, so a clamped entry is zeroed whatever a device's exp
+    rounds it to (an H100's rounds it above the CPU's: a threshold at the CPU's value kept masked entries there)."""
+    from hf_posenc.kernels._subnormal import _FLUSH_AT, EXP_FLOOR, exp_flushed
 
-    x = torch.tensor([float("-inf"), -1e30, -200.0, -104.0, -88.0, EXP_FLOOR, -87.0, -20.0, 0.0, 3.0, 80.0,
-                      float("inf"), float("nan")])
+    x = torch.tensor([float("-inf"), -1e30, -200.0, -104.0, -88.0, EXP_FLOOR, -87.0, -86.7, -86.5, -20.0, 0.0, 3.0,
+                      80.0, float("inf"), float("nan")])
     got = exp_flushed(x.clone())
-    want = torch.where(x <= EXP_FLOOR, torch.zeros_like(x), torch.exp(x))
+    want = torch.where(torch.exp(x.double()) <= 2.0**-125, torch.zeros_like(x), torch.exp(x))
     assert torch.equal(got[:-1], want[:-1])
+    assert got[6] == 0 and got[7] == 0 and got[8] > 0  # -87.0, -86.7 zeroed; -86.5 (2.6e-38) kept
     assert torch.isnan(got[-1])
     assert bool((got[got > 0] >= torch.finfo(torch.float32).tiny).all())  # nothing subnormal
+    # a device whose exp is many ulps above the CPU's at the floor still zeroes the clamped entries
+    at_floor = torch.tensor(EXP_FLOOR, dtype=torch.float64).exp().item()
+    assert at_floor * 1.5 < _FLUSH_AT
     x64 = torch.tensor([-800.0, -100.0, 0.0], dtype=torch.float64)
     assert torch.equal(exp_flushed(x64.clone()), torch.exp(x64))
 

@@ -5,7 +5,6 @@ and the dtype the PyTorch references and engines compute in. One definition each
 
 from __future__ import annotations
 
-import functools
 import importlib
 
 import torch
@@ -18,16 +17,39 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 128
 
 
-@functools.lru_cache(maxsize=None)
-def triton_import_error(module: str) -> str | None:
-    """None when Triton and the kernel module ``hf_posenc.kernels.<module>`` (``"cope.triton_cope"``) import,
-    else why not (``"ModuleNotFoundError: No module named 'triton'"``): Triton missing, or too old for the
-    kernel module. Cached per module."""
+#: module -> triton_import_error's answer, filled on the first question about each module.
+_IMPORT_ERRORS: dict[str, str | None] = {}
+
+
+def _import_error(module: str) -> str | None:
     try:
         importlib.import_module(f"hf_posenc.kernels.{module}")
     except ImportError as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def triton_import_error(module: str) -> str | None:
+    """None when Triton and the kernel module ``hf_posenc.kernels.<module>`` (``"cope.triton_cope"``) import,
+    else why not (``"ModuleNotFoundError: No module named 'triton'"``): Triton missing, or too old for the
+    kernel module. Cached per module.
+
+    Safe under ``torch.compile``: dynamo cannot trace an import (``importlib.import_module`` is marked as
+    skipped, and a compiled model's dispatch asks this in its first traced forward: seen on an H100 with torch
+    2.11, ``tests/test_compile.py::test_static_decoding_never_syncs``). While compiling, the answer comes from
+    :func:`_constant_import_error`, which dynamo runs eagerly and folds in as a constant."""
+    if torch.compiler.is_compiling():
+        return _constant_import_error(module)
+    if module not in _IMPORT_ERRORS:
+        _IMPORT_ERRORS[module] = _import_error(module)
+    return _IMPORT_ERRORS[module]
+
+
+@torch.compiler.assume_constant_result
+def _constant_import_error(module: str) -> str | None:
+    if module not in _IMPORT_ERRORS:
+        _IMPORT_ERRORS[module] = _import_error(module)
+    return _IMPORT_ERRORS[module]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -15,13 +15,19 @@ __all__ = ["EXP_FLOOR", "exp_flushed"]
 
 #: ln of float32's smallest normal number (1.18e-38).
 EXP_FLOOR = -87.3
-#: e^EXP_FLOOR as float32 computes it (what a clamped entry becomes before it is zeroed).
-_EXP_AT_FLOOR = float(torch.tensor(EXP_FLOOR, dtype=torch.float32).exp())
+#: what the exponential's results are zeroed at or below: 2^-125, twice float32's smallest normal number, so
+#: that a clamped entry (e^EXP_FLOOR ≈ 1.2192e-38) is zeroed whatever the device's exp rounds it to. A threshold
+#: at e^EXP_FLOOR as the CPU computes it (1.21924331e-38) failed on an H100 (torch 2.11), whose exp gives
+#: 1.21924345e-38: masked entries kept that weight, a query row with no visible key (left padding) summed to
+#: a positive number instead of 0 and returned the mean of the masked values (tile engine, relative error 0.15;
+#: benchmarks/results/gpu_check_nvidia-h100-80gb-hbm3_diagnostics.md). Weights between e^EXP_FLOOR and 2^-125
+#: (x in (−87.3, −86.6]) are below float32's resolution of a softmax row, like the subnormal ones.
+_FLUSH_AT = 2.0**-125
 
 
 def exp_flushed(x: torch.Tensor) -> torch.Tensor:
-    """``x.exp_()`` in place, with 0 where x <= EXP_FLOOR (a subnormal or zero result, and the −inf of masked
-    entries); float64 as is.
+    """``x.exp_()`` in place, with 0 where exp(x) <= 2^-125 (x <= about −86.6: every subnormal or zero result,
+    and the −inf of masked entries, on any device); float64 as is.
 
     The exponential never sees an argument below the floor: x is clamped to it, and what comes out at the floor
     is zeroed (``threshold_``; NaN stays NaN). x86's vectorised exp takes a slow path for every argument whose
@@ -30,4 +36,4 @@ def exp_flushed(x: torch.Tensor) -> torch.Tensor:
     this function takes 45-52 µs on each of those tiles."""
     if x.dtype == torch.float64:
         return x.exp_()
-    return torch.threshold_(x.clamp_min_(EXP_FLOOR).exp_(), _EXP_AT_FLOOR, 0.0)
+    return torch.threshold_(x.clamp_min_(EXP_FLOOR).exp_(), _FLUSH_AT, 0.0)

@@ -54,6 +54,15 @@ def _check(q, k, v, table, mask, q_offset) -> None:
         raise ValueError(f"mask must be (B|1, 1, Lq, Lk) = ({b}|1, 1, {lq}, {k.shape[2]}), got {tuple(mask.shape)}")
 
 
+#: why float32 CoPE does not run the Triton kernel on CUDA (measured; bfloat16 and float16 do).
+FLOAT32_ON_CUDA = (
+    "the CoPE Triton kernel's float32 path failed on an H100 (torch 2.11, Triton 3.6): an out-of-bounds "
+    "shared-memory read in _cope_bwd_q at head_dim 40 (compute-sanitizer; an illegal memory access otherwise) "
+    "and relative errors up to 3.5e-4 at head_dim 128; float32 CoPE runs the PyTorch engine on CUDA until the "
+    "kernel passes there (bfloat16 and float16 passed; benchmarks/results/gpu_check_nvidia-h100-80gb-hbm3*)"
+)
+
+
 def cope_backend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -77,7 +86,11 @@ def cope_backend(
                 "the CoPE kernels are causal; the bidirectional ViT variant (raster-order counts in both "
                 "directions) runs on the PyTorch reference"
             )
-        return common_unsupported("cope", "cope.triton_cope", q, k, v, mask, q_offset, need_weights, dropout, training)
+        why = common_unsupported("cope", "cope.triton_cope", q, k, v, mask, q_offset, need_weights, dropout,
+                                 training)
+        if why is None and q.device.type == "cuda" and q.dtype == torch.float32:
+            return FLOAT32_ON_CUDA
+        return why
 
     return choose(reason, q.device.type == "cuda", "cope")
 

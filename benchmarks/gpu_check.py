@@ -4,7 +4,7 @@
     python benchmarks/gpu_check.py --smoke    # CPU: every stage with tiny shapes in Triton's interpreter
     python benchmarks/gpu_check.py --pytest   # also `pytest -m gpu tests/` (full sizes, long L; ~200 s more)
 
-Stages, each a subprocess with its own time limit (the default stages' limits add up to under 8 minutes; a
+Stages, each a subprocess with its own time limit (the default stages' limits add up to 7.5 minutes; a
 stage that runs out of time is reported as such, with the rows it had measured):
 
 1. ``hf-posenc doctor``: every engine (Triton kernels, FlexAttention, the tile-wise engines) against the
@@ -64,7 +64,7 @@ TRAIN_TARGET = 0.95
 def stages(smoke: bool, tmp: Path, pytest: bool = False) -> list[dict]:
     """name, command, time limit (s) and the JSON-lines file of rows of each stage."""
     py = sys.executable
-    s = [{"name": "doctor", "timeout": 240, "report": tmp / "doctor.json", "per_case": not smoke,
+    s = [{"name": "doctor", "timeout": 150, "report": tmp / "doctor.json", "per_case": not smoke,
           "cmd": [py, "-m", "hf_posenc", "doctor", "--out", str(tmp / "doctor.json"), "--no-progress",
                   *(["--quick", "--interpret", "--no-timing"] if smoke else [])]}]
     if pytest and not smoke:
@@ -73,14 +73,14 @@ def stages(smoke: bool, tmp: Path, pytest: bool = False) -> list[dict]:
                           f"--junitxml={tmp / 'pytest.xml'}", str(ROOT / "tests")]})
     common = ["--smoke"] if smoke else ["--budget-ms", "40", "--warmup", "2", "--max-reps", "20"]
     lengths = [] if smoke else ["--lengths", "1024", "4096", "16384"]
-    s.append({"name": "attention", "timeout": 120, "rows": tmp / "attention.jsonl",
+    s.append({"name": "attention", "timeout": 150, "rows": tmp / "attention.jsonl",
               "cmd": [py, str(BENCH / "bench_attention.py"), *common, *lengths,
                       *([] if smoke else ["--tokens", "4096", "--eager-max-length", "4096"])]})
     s.append({"name": "sba_cope", "timeout": 45, "rows": tmp / "sba_cope.jsonl",
               "cmd": [py, str(BENCH / "bench_sba_cope.py"), *common, *lengths,
                       *([] if smoke else ["--batches", "1", "--eager-max-length", "4096",
                                           "--check-max-length", "4096"])]})
-    s.append({"name": "rotary", "timeout": 60, "rows": tmp / "rotary.jsonl",
+    s.append({"name": "rotary", "timeout": 45, "rows": tmp / "rotary.jsonl",
               "cmd": [py, str(BENCH / "bench_rotary.py"), *common, *lengths,
                       # one dynamic compile of the reference, not one per shape (24 static compiles took the
                       # whole stage on the H100)

@@ -356,7 +356,7 @@ def _tiled_torch_attention(
     if reason is not None:
         return None
     return tiled_attention(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset,
-                           key_valid=key_valid, window=ctx.engine_window(layer))
+                           key_valid=key_valid, window=ctx.engine_window(layer), memo=ctx.memo)
 
 
 def _compiled_tiled_attention(

@@ -196,3 +196,20 @@ def test_interpret_rerun_keeps_every_option():
             "--no-timing", "--interpret", "--no-progress", "--seed", "3", "--device", "cpu"]
     args = p.parse_args(argv)
     assert p.parse_args(diag._argv_of(args)) == args
+
+
+def test_merged_reports_keep_every_row_and_fail_if_any_part_failed():
+    """hf_posenc.diagnostics.merge_reports: the report of the doctor run one process per kernel family."""
+    from hf_posenc.diagnostics import merge_reports
+
+    a = diag.doctor(device="cpu", engines="tiled", cases="alibi", timing=False, verbose=False)
+    b = diag.doctor(device="cpu", engines="tiled", cases="sba", timing=False, verbose=False)
+    merged = merge_reports([a, b])
+    assert merged["rows"] == a["rows"] + b["rows"] and merged["settings"]["cases"] == ["alibi", "sba"]
+    assert merged["ok"] and merged["complete"] and merged["summary"]["rows"] == len(a["rows"]) + len(b["rows"])
+    broken = dict(b, ok=False, complete=False, rows=[dict(b["rows"][0], status="error")])
+    worse = merge_reports([a, broken])
+    assert not worse["ok"] and not worse["complete"] and worse["summary"]["error"] == 1
+    assert a["rows"][0]["status"] == "pass"  # the inputs are not modified
+    with pytest.raises(ValueError):
+        merge_reports([])

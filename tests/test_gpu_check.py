@@ -93,3 +93,48 @@ def test_cheapest_benchmark_smoke_mode_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = rows.read_text().splitlines()
     assert len(lines) == 1 and '"triton_ms"' in lines[0]
+
+
+def test_warm_up_covers_every_case_and_benchmark(gpu_check, tmp_path):
+    """The CUDA warm-up compiles in parallel what the timed stages launch: the doctor one case per process
+    (untimed), every benchmark with one repetition (its JSON kept out of benchmarks/results), the extra commands
+    and, asked for, pytest -m gpu; --only leaves out the other benchmarks."""
+    from hf_posenc.diagnostics import CASES
+
+    warm = gpu_check.prewarm_stages(tmp_path, True, None, ["echo extra"])
+    names = [st["name"] for st in warm]
+    assert names[0] == "pytest -m gpu" and "-n" in warm[0]["cmd"]
+    assert names[1] == "extra 0" and warm[1]["cmd"] == ["bash", "-c", "echo extra"]
+    assert {f"prewarm {n}" for n in ("attention", "sba_cope", "rotary", "train_step")} <= set(names)
+    assert [n for n in names if n.startswith("prewarm doctor ")] == [f"prewarm doctor {c.name}" for c in CASES]
+    for st in warm:
+        if st["name"].startswith("prewarm doctor"):
+            assert "--no-timing" in st["cmd"] and st["cmd"][st["cmd"].index("--out") + 1].startswith(str(tmp_path))
+        elif st["name"].startswith("prewarm ") and "--out" in st["cmd"]:
+            assert st["cmd"][st["cmd"].index("--out") + 1].startswith(str(tmp_path))
+            for flag, value in (("--max-reps", "1"), ("--rounds", "1")):
+                if flag in st["cmd"]:
+                    assert st["cmd"][st["cmd"].index(flag) + 1] == value
+    only = [st["name"] for st in gpu_check.prewarm_stages(tmp_path, False, ["doctor", "rotary"])]
+    assert "prewarm rotary" in only and "prewarm attention" not in only and "pytest -m gpu" not in only
+
+
+def test_doctor_groups_cover_every_case_once(gpu_check):
+    """The doctor stage's processes: every case exactly once, CoPE (whose float32 kernel broke the CUDA context
+    on an H100) apart from the others."""
+    from hf_posenc.diagnostics import CASES
+
+    groups = gpu_check.doctor_groups()
+    flat = [name for group in groups for name in group]
+    assert sorted(flat) == sorted(c.name for c in CASES) and len(flat) == len(set(flat))
+    assert ["cope"] in groups and ["cope_window"] in groups
+
+
+def test_a_stage_ends_by_the_deadline(gpu_check, tmp_path):
+    import sys
+    import time
+
+    st = {"name": "sleep", "timeout": 60, "cmd": [sys.executable, "-c", "import time; time.sleep(30)"]}
+    t0 = time.time()
+    rec = gpu_check.run_stage(st, {}, deadline=time.time() + 1)
+    assert rec["status"].startswith("timed out") and time.time() - t0 < 20

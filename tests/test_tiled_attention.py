@@ -467,3 +467,33 @@ def test_few_queries_without_gradients_match_the_reference(kind, q_len, offset, 
         tiled_mod._few_queries = original
     assert calls, "the few-queries path did not run"
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["kerple_log", "t5", "fox"])
+def test_few_queries_share_masks_across_layers(kind):
+    """With a per-forward memo (a model's layers), the few-queries path builds its mask and index tensors once:
+    two layers' terms (different parameters) against the reference with the shared memo, then a new key-padding
+    tensor of the same size, which must not reuse the first one's mask."""
+    from hf_posenc.kernels.attention.terms import example_term
+
+    g = torch.Generator().manual_seed(6)
+    b, h, hkv, q_len, offset, d = 2, 4, 2, 1, 30, 16
+    k_len = offset + q_len
+    shape = (b, h, hkv, q_len, k_len, d)
+    q, k, v = (torch.randn(b, n, ln, d, generator=g) for n, ln in ((h, q_len), (hkv, k_len), (hkv, k_len)))
+    valid = torch.ones(b, k_len, dtype=torch.bool)
+    valid[1, :5] = False
+    memo: dict = {}
+    with torch.no_grad():
+        for layer in range(2):
+            term, _ = example_term(kind, shape, offset, g)
+            kw = dict(scale=d**-0.5, causal=True, q_offset=offset, key_valid=valid)
+            got = tiled_attention(q, k, v, term, memo=memo, **kw)
+            torch.testing.assert_close(got, attention_reference(q, k, v, term, **kw), rtol=1e-5, atol=1e-5)
+        masks = [key for key in memo if key[0] == "few_queries_mask"]
+        assert len(masks) == 1 and any(key[0] == "term_bias_index" for key in memo)
+        other = valid.clone()
+        other[0, 10:20] = False  # the same size, other padding: its own mask
+        kw = dict(scale=d**-0.5, causal=True, q_offset=offset, key_valid=other)
+        got = tiled_attention(q, k, v, term, memo=memo, **kw)
+        torch.testing.assert_close(got, attention_reference(q, k, v, term, **kw), rtol=1e-5, atol=1e-5)

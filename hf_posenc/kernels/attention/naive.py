@@ -25,13 +25,16 @@ def _upcast(t: torch.Tensor) -> torch.Tensor:
 
 
 def term_bias(
-    term: KernelTerm, query: torch.Tensor | None, q_len: int, k_len: int, q_offset: int = 0
+    term: KernelTerm, query: torch.Tensor | None, q_len: int, k_len: int, q_offset: int = 0,
+    memo: dict | None = None,
 ) -> torch.Tensor | None:
     """The additive logit term (B|1, H, Lq, Lk) float32 of ``term`` (None for ``none``): its registry entry's
     value (:class:`~.terms.TermSpec`) evaluated on broadcast index tensors (b, h, i, j).
 
     ``query`` (B, H, Lq, D) is needed by terms with a ``prepare`` step only (shaw: its key term is scale-free
-    here: the caller scales q . a^K with the logits; see :func:`attention_reference`)."""
+    here: the caller scales q . a^K with the logits; see :func:`attention_reference`). ``memo`` (a per-forward
+    dict, e.g. ``PosContext.memo``): the index tensors are built once for every layer of a forward that asks
+    with the same sizes and offset (a decoding step's 30 layers built 4 aranges each)."""
     spec = term.spec
     if spec.form == "none":
         return None
@@ -42,13 +45,20 @@ def term_bias(
     heads = term.num_heads if term.num_heads is not None else query.shape[1]
     batch = query.shape[0] if spec.prepare is not None else max(
         [t[ts.name].shape[ts.batch_dim] for ts in spec.tensors if ts.batch_dim is not None], default=1)
-    b = torch.arange(batch, device=device)[:, None, None, None]
-    h = torch.arange(heads, device=device)[None, :, None, None]
-    i = torch.arange(q_len, device=device)[:, None]
-    qi = i + q_offset  # (Lq, 1) key index of each query
-    j = torch.arange(k_len, device=device)[None, :]
+    key = ("term_bias_index", batch, heads, q_len, k_len, q_offset, device)
+    grid = None if memo is None else memo.get(key)
+    if grid is None:
+        b = torch.arange(batch, device=device)[:, None, None, None]
+        h = torch.arange(heads, device=device)[None, :, None, None]
+        i = torch.arange(q_len, device=device)[:, None]
+        qi = i + q_offset  # (Lq, 1) key index of each query
+        j = torch.arange(k_len, device=device)[None, :]
+        grid = (b, h, i, qi, j, qi - j)
+        if memo is not None:
+            memo[key] = grid
+    b, h, i, qi, j, delta = grid
     if spec.form == "toeplitz":  # a function of (h, δ): no batch dimension
-        return spec.distance(t, h[0], qi - j)[None]
+        return spec.distance(t, h[0], delta)[None]
     return spec.pair(t, term.ints, b, h, i, qi, j)
 
 

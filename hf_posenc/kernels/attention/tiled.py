@@ -139,6 +139,7 @@ def tiled_attention(
     block_q: int | None = None,
     block_k: int = BLOCK_K,
     window: int | None = None,
+    memo: dict | None = None,
 ) -> torch.Tensor:
     """Attention with ``term``, tile by tile; same contract as ``naive.attention_reference``.
 
@@ -158,6 +159,8 @@ def tiled_attention(
             key its first query sees (and, bidirectional, stops after the last one its last query sees): the
             tiles outside the band are never built, the band is masked inside the partly covered ones. With a
             tensor offset the band is masked per tile from the tensor (no tile skipped).
+        memo: a per-forward dict (``PosContext.memo``): a decoding step's mask and index tensors are built once
+            for all the layers that share them (:data:`FEW_QUERIES`).
 
     Returns:
         (B, H, Lq, D) in the query's dtype; rows without any visible key are 0.
@@ -179,7 +182,7 @@ def tiled_attention(
     if not off_tensor and not isinstance(q_offset, int):
         raise TypeError(f"q_offset must be an int or a 0-d tensor, got {type(q_offset).__name__}")
     if _few_queries_apply(query, key, value, term, q_offset):
-        return _few_queries(query, key, value, term, float(scale), bool(causal), q_offset, key_valid, window)
+        return _few_queries(query, key, value, term, float(scale), bool(causal), q_offset, key_valid, window, memo)
     names = tuple(term.tensors)
     plan = _Plan(term.kind, names, dict(term.ints), float(scale), bool(causal),
                  None if off_tensor else q_offset, block_q, block_k, window)
@@ -205,22 +208,31 @@ def _few_queries_apply(query, key, value, term, q_offset) -> bool:
             and term.spec.value_term is None and term.spec.prepare is None)
 
 
-def _few_queries(query, key, value, term, scale, causal, q_offset, key_valid, window) -> torch.Tensor:
+def _few_queries(query, key, value, term, scale, causal, q_offset, key_valid, window, memo=None) -> torch.Tensor:
     """A few queries without gradients: softmax(scale · q kᵀ + B) v by one SDPA call (grouped heads not expanded),
-    B the term's values for these rows (its registry entry, :func:`naive.term_bias`) with −inf where a key is
-    masked; rows that see no key are 0, as the tiles give them. Computed in float32 (float64 stays float64)."""
+    B the term's values for these rows (its registry entry, :func:`naive.term_bias`) plus 0 / −inf where a key
+    is visible / masked; rows that see no key are 0, as the tiles give them. Computed in float32 (float64 stays
+    float64). With ``memo`` (per forward) the 0 / −inf mask and the index tensors are built once for the layers
+    that share sizes, offset, window and key padding (the same ``key_valid`` tensor)."""
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     b, h, q_len, _ = query.shape
     k_len = key.shape[2]
-    bias = term_bias(term, query, q_len, k_len, q_offset)
-    q_idx = torch.arange(q_len, device=query.device) + q_offset
-    allowed = band_allowed(q_idx, torch.arange(k_len, device=query.device), causal, window)[None, None]
-    if key_valid is not None:
-        allowed = allowed & key_valid.to(device=query.device, dtype=torch.bool)[:, None, None, :]
-    empty = ~allowed.any(-1, keepdim=True)  # (B|1, 1, Lq, 1)
-    allowed = allowed | empty  # an empty row attends everywhere (finite), then is zeroed
-    mask = torch.zeros(allowed.shape, dtype=compute, device=query.device) if bias is None else bias.to(compute)
-    mask = mask.masked_fill(~allowed, float("-inf"))
+    bias = term_bias(term, query, q_len, k_len, q_offset, memo)
+    mkey = ("few_queries_mask", q_len, k_len, q_offset, causal, window, compute, query.device)
+    entry = None if memo is None else memo.get(mkey)
+    if entry is not None and entry[0] is key_valid:
+        neg, empty = entry[1], entry[2]
+    else:
+        q_idx = torch.arange(q_len, device=query.device) + q_offset
+        allowed = band_allowed(q_idx, torch.arange(k_len, device=query.device), causal, window)[None, None]
+        if key_valid is not None:
+            allowed = allowed & key_valid.to(device=query.device, dtype=torch.bool)[:, None, None, :]
+        empty = ~allowed.any(-1, keepdim=True)  # (B|1, 1, Lq, 1)
+        allowed = allowed | empty  # an empty row attends everywhere (finite), then is zeroed
+        neg = torch.zeros(allowed.shape, dtype=compute, device=query.device).masked_fill_(~allowed, float("-inf"))
+        if memo is not None:
+            memo[mkey] = (key_valid, neg, empty)  # key_valid kept: the identity check above stays sound
+    mask = neg if bias is None else bias.to(compute) + neg  # x + 0 = x; x + (−inf) = −inf
     out = F.scaled_dot_product_attention(query.to(compute), key.to(compute), value.to(compute), attn_mask=mask,
                                          scale=scale, enable_gqa=key.shape[1] != h)
     return out.masked_fill(empty, 0.0).to(query.dtype)  # no host read of ``empty``

@@ -229,6 +229,33 @@ def test_cope_decode_one_query():
     compare(*_cope(padding_mask((2, 4, 2, 1, 77, 40)), torch.tensor(76)), [q, k, v], [table], do, 5e-5)
 
 
+@pytest.mark.parametrize("window", [None, 9])
+def test_cope_decoding_step_builds_the_row_whole(monkeypatch, window):
+    """A decoding step (a few queries, int offset, no gradient) goes to the reference's whole-row form
+    (``kernels.cope.FEW_QUERIES``), not the tile walk; with GQA, left padding (a row that sees no key) and a
+    window it equals the tile engine. With gradients, or a tensor offset, the tile engine runs."""
+    import hf_posenc.kernels.cope as cope_pkg
+
+    monkeypatch.delenv("HF_POSENC_BACKEND", raising=False)
+    calls = []
+    monkeypatch.setattr(cope_pkg, "cope_reference", lambda *a, **k: calls.append(1) or cope_reference(*a, **k))
+    shape = (2, 4, 2, 3, 60, 16)
+    q, k, v, _ = make_qkv(shape, torch.float32, seed=9)
+    table = torch.randn(16, 12, generator=torch.Generator().manual_seed(3)) * 0.5
+    mask = padding_mask(shape)
+    mask[1, ..., :] = False  # batch row 1 sees no key at all
+    with torch.no_grad():
+        got = cope_pkg.cope(q, k, v, table, mask, 0.25, 57, window=window)
+        want = cope_tiled(q, k, v, table, mask, 0.25, 57, window=window)
+        assert calls == [1]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert not got[1].any()
+        cope_pkg.cope(q, k, v, table, mask, 0.25, torch.tensor(57), window=window)
+    assert calls == [1]
+    cope_pkg.cope(q, k, v, table.requires_grad_(), mask, 0.25, 57, window=window)
+    assert calls == [1]
+
+
 @DTYPES
 def test_cope_extreme_logits(dtype):
     """Logits of about ±1e4: gates of exactly 0 or 1, everything finite and the output equal to the

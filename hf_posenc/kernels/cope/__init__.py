@@ -131,4 +131,19 @@ def cope(
 
         last = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)]
         return cope_triton(*last, table, mask, scale, q_offset, window=window)
+    if _few_queries(q, k, v, table, q_offset):
+        return cope_reference(q, k, v, table, mask, scale, q_offset, window=window)
     return cope_tiled(q, k, v, table, mask, scale, q_offset, window=window)
+
+
+#: At most this many queries (a decoding step) and no gradient wanted: CoPE's row is built whole, O(Lq · Lk)
+#: (gates, their reverse cumulative sum, the interpolated position logits, one softmax) by the reference, instead
+#: of the tile engine's walk back from the query, which cost a decoding step of SmolLM2's shape (30 layers) some
+#: 30 small ops per key tile and a copy of the reversed cache per layer.
+FEW_QUERIES = 16
+
+
+def _few_queries(q, k, v, table, q_offset) -> bool:
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, table))
+    return (q.shape[2] <= FEW_QUERIES and not grad and isinstance(q_offset, int)
+            and not torch.compiler.is_compiling())

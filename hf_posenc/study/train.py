@@ -76,8 +76,9 @@ DEFAULT_ENCODINGS: tuple[str, ...] = (
 TEXT_TASKS: tuple[str, ...] = ("text", *D.TASKS)
 VIT_TASKS: tuple[str, ...] = ("digits",)
 SCHEMA_VERSION = 1
-#: A conversion study's defaults (``--from``; hf_posenc.study.pretrained), chosen from the step time measured on
-#: the 2-core AMD EPYC VM so that the default run takes about 20 minutes (docs/study.md says what was measured).
+#: A conversion study's defaults (``--from``; hf_posenc.study.pretrained): on SmolLM2-135M the default entries took
+#: 11 min 52 s with ``--jobs 2`` on the 2-core AMD EPYC VM (about 4 s per step; docs/study.md), so about 20 minutes
+#: with the default one job.
 CONVERSION_STEPS = 40
 CONVERSION_TRAIN_LEN = 128
 CONVERSION_BATCH = 2

@@ -192,6 +192,18 @@ def recompiles_only(args, encodings: list[str]) -> None:
     print(f"\nwrote {out}")
 
 
+def _worker_error(stderr: str) -> str:
+    """What failed in a worker: its exception line (``Type: message``) and dynamo's ``Caused by:`` line where it
+    printed one, not just its last line (dynamo ends every error with the same advice to set TORCHDYNAMO_VERBOSE)."""
+    lines = [ln.strip() for ln in stderr.strip().splitlines() if ln.strip()]
+    if not lines:
+        return "no output"
+    picked = [ln for ln in lines if ln.startswith("Caused by:")][:1]
+    exc = [ln for ln in lines if ln.split(":")[0].replace(".", "").replace("_", "").isalnum()
+           and ln.split(":")[0].endswith(("Error", "Exception", "Unsupported")) and ":" in ln]
+    return " | ".join((exc[-1:] or lines[-1:]) + picked)[:600]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--encodings", nargs="+", default=None, help="default: every registered encoding")
@@ -235,7 +247,7 @@ def main() -> None:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
             lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
             row = json.loads(lines[-1]) if done.returncode == 0 and lines else {
-                "encoding": name, "error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+                "encoding": name, "error": _worker_error(done.stderr)}
         except subprocess.TimeoutExpired:
             row = {"encoding": name, "error": f"timed out after {args.timeout:.0f} s"}
         row["process_s"] = time.perf_counter() - t0

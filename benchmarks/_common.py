@@ -10,19 +10,15 @@ from pathlib import Path
 
 import torch
 
+from hf_posenc.machine import cpu_name
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return "cpu " + line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "cpu " + (platform.processor() or platform.machine())
+    return "cpu " + cpu_name()
 
 
 def slug(text: str) -> str:

@@ -17,7 +17,6 @@ import copy
 import json
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -28,26 +27,9 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_posenc
+from _common import device_name, slug
 
 BASELINE = "unpatched (sdpa)"
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    if device.type == "cpu":
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    return "cpu " + line.split(":", 1)[1].strip()
-        except OSError:
-            pass
-        return "cpu " + (platform.processor() or platform.machine())
-    return str(device)
-
-
-def slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
 def sync(device: torch.device) -> None:

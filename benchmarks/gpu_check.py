@@ -64,7 +64,7 @@ TRAIN_TARGET = 0.95
 def stages(smoke: bool, tmp: Path, pytest: bool = False) -> list[dict]:
     """name, command, time limit (s) and the JSON-lines file of rows of each stage."""
     py = sys.executable
-    s = [{"name": "doctor", "timeout": 150, "report": tmp / "doctor.json", "per_case": not smoke,
+    s = [{"name": "doctor", "timeout": 150, "report": tmp / "doctor.json", "per_family": not smoke,
           "cmd": [py, "-m", "hf_posenc", "doctor", "--out", str(tmp / "doctor.json"), "--no-progress",
                   *(["--quick", "--interpret", "--no-timing"] if smoke else [])]}]
     if pytest and not smoke:
@@ -157,7 +157,7 @@ def doctor_groups() -> list[list[str]]:
     return list(groups.values())
 
 
-def run_doctor_per_case(st: dict, env: dict, deadline: float | None = None) -> dict:
+def run_doctor_per_family(st: dict, env: dict, deadline: float | None = None) -> dict:
     """The doctor stage on CUDA: one process per group of cases (:func:`doctor_groups`), run one after the
     other (so the timings are not shared), their reports merged (``hf_posenc.diagnostics.merge_reports``). A
     kernel that breaks the CUDA context (an illegal memory access) makes every later check of its process fail;
@@ -171,11 +171,7 @@ def run_doctor_per_case(st: dict, env: dict, deadline: float | None = None) -> d
     for names in groups:
         part = report.with_name(f"doctor_{names[0]}.json")
         cmd = [a if a != str(report) else str(part) for a in st["cmd"]] + ["--cases", ",".join(names)]
-        end = None if deadline is None else deadline
-        if end is None:
-            end = t0 + st["timeout"]
-        else:
-            end = min(end, t0 + st["timeout"])
+        end = t0 + st["timeout"] if deadline is None else min(deadline, t0 + st["timeout"])
         rec = run_stage(dict(st, name=f"doctor {names[0]}", cmd=cmd, report=part), env, end)
         outputs.append(f"## doctor --cases {','.join(names)}: {rec['status']} in {rec['seconds']} s\n"
                        f"{rec.get('output', '')}")
@@ -379,7 +375,7 @@ def main(argv=None) -> int:
                 continue
             print(f"[gpu-check] {st['name']} (limit {st['timeout']} s) ...", flush=True)
             end = None if args.deadline is None else t0 + args.deadline - 10
-            rec = run_doctor_per_case(st, env, end) if st.get("per_case") else run_stage(st, env, end)
+            rec = run_doctor_per_family(st, env, end) if st.get("per_family") else run_stage(st, env, end)
             count = f"{rec['checks']} checks" if "checks" in rec else f"{len(rec.get('rows', []))} rows"
             print(f"[gpu-check] {st['name']}: {rec['status']} in {rec['seconds']} s, {count}", flush=True)
             if rec["status"] != "ok":

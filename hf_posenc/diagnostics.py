@@ -68,9 +68,11 @@ from .kernels.attention import (
 )
 from .kernels.cape import cape_attention_reference, cape_attention_tiled
 from .kernels.cope import cope_reference, cope_tiled
+from .kernels.cope import triton_unsupported as cope_triton_unsupported
 from .kernels.rotary import _kernel_unsupported as rotary_unsupported
 from .kernels.rotary import apply_qk_rotation_reference
 from .kernels.sba import sba_reference, sba_tiled
+from .machine import cpu_name
 
 __all__ = ["CASES", "ENGINES", "SCHEMA", "TOLERANCE", "default_backends", "doctor", "environment", "format_report",
            "merge_reports"]
@@ -134,20 +136,10 @@ def environment(device: torch.device | str) -> dict[str, Any]:
         dev.update(name=props.name, capability=f"{props.major}.{props.minor}", sm_count=props.multi_processor_count,
                    memory_gib=round(props.total_memory / 2**30, 1))
     else:
-        dev.update(name=_cpu_name(), capability=None, threads=torch.get_num_threads())
+        dev.update(name=cpu_name(), capability=None, threads=torch.get_num_threads())
     env = {name: os.environ.get(name) for name in ("HF_POSENC_BACKEND", "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")}
     return {"versions": versions, "device": dev, "platform": platform.platform(), "environment": env,
             "triton_interpreter": _interpreting()}
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 # -- default backends ------------------------------------------------------------------------------------
@@ -489,13 +481,8 @@ def _cope_problem(case: Case, shape, dtype, device, g) -> Problem:
         return cope_reference(q_, k_, v_, table_, mask, scale, 0, window=window)
 
     def unsupported(engine, tensors):
-        if engine == "triton":
-            why = common_unsupported("cope", "cope.triton_cope", q, k, v, mask, 0, False, 0.0, False)
-            if why is None and q.device.type == "cuda" and q.dtype == torch.float32:
-                from .kernels.cope import FLOAT32_ON_CUDA
-
-                return FLOAT32_ON_CUDA  # it broke the CUDA context (every later check of the run failed)
-            return why
+        if engine == "triton":  # float32 on CUDA refused: it broke the CUDA context on an H100
+            return cope_triton_unsupported(q, k, v, mask, 0)
         return None
 
     return Problem([("q", q), ("k", k), ("v", v), ("table", table)], run, reference, (gout,), unsupported,

@@ -16,7 +16,8 @@ from hf_posenc.cli import main as cli_main
 from hf_posenc.study import StudyConfig, report, run_study
 from hf_posenc.study import data as D
 from hf_posenc.study.sources import make_source
-from hf_posenc.study.train import _subseed, eval_lengths
+from hf_posenc.study.sources import subseed as _subseed
+from hf_posenc.study.train import eval_lengths
 
 TINY = {"steps": 3, "train_len": 16, "hidden": 32, "layers": 1, "batch": 4, "eval_sequences": 6, "progress": False,
         "factors": [1, 2]}

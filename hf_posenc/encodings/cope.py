@@ -73,7 +73,7 @@ from torch import nn
 from ..config import PosEncConfig
 from ..kernels._common import compute_dtype
 from ..kernels._masks import allowed_keys
-from ..kernels.cope import cope, cope_backend
+from ..kernels.cope import cope, cope_backend, cope_torch
 from ..kernels.cope.naive import cope_attention
 from ..ops import expand_kv
 from ..registry import param, register_encoding
@@ -171,8 +171,9 @@ class Cope(EngineAttention):
             return cope(query, key, value, self.pos_emb[layer], mask, scaling, ctx.q_offset, window=window), None
         if not self.attend_uses_reference(ctx, dropout, training):
             # the tile-wise engine (O(L·block) memory, no probabilities formed), or for a decoding step without
-            # gradients the whole row at once (hf_posenc.kernels.cope.FEW_QUERIES): kernels.cope.cope picks
-            return cope(query, key, value, self.pos_emb[layer], mask, scaling, ctx.q_offset, window=window), None
+            # gradients the whole row at once (hf_posenc.kernels.cope.FEW_QUERIES)
+            return cope_torch(query, key, value, self.pos_emb[layer], mask, scaling, ctx.q_offset,
+                              window=window), None
         b, h, q_len, _ = query.shape
         k_len = key.shape[2]
         groups = h // key.shape[1]

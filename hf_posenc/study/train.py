@@ -46,7 +46,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -54,12 +54,12 @@ from torch import nn
 
 from .. import encoding_module, patch_model
 from ..config import PosEncConfig
+from ..machine import cpu_name
 from ..registry import list_encodings
 from . import data as D
 from .recipes import StudyEntry, apply_eval_scaling, parse_study_entry
 from .pretrained import CONVERSION_ENCODINGS, PretrainedTextSource, checkpoint_record, load_pretrained, resolve_source
 from .sources import VIT_PATCH, DataSource, make_source
-from .sources import subseed as _subseed  # noqa: F401 - the tests' name for it
 
 __all__ = [
     "DEFAULT_ENCODINGS", "TEXT_TASKS", "MissingDependencyError", "StudyConfig", "check_dependencies", "eval_lengths",
@@ -311,17 +311,6 @@ def deterministic(device: torch.device, threads: int) -> Iterator[None]:
         torch.backends.cudnn.benchmark = prev_cudnn
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment(device: torch.device, threads: int) -> dict[str, Any]:
     """Versions and machine, for ``results.json``."""
     import numpy
@@ -332,14 +321,14 @@ def environment(device: torch.device, threads: int) -> dict[str, Any]:
     env: dict[str, Any] = {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "hf_posenc": __version__,
         "numpy": numpy.__version__,
         "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "torch_threads": threads if device.type == "cpu" else None,
         "deterministic_algorithms": "strict" if device.type == "cpu" else "warn_only",
         "hf_posenc_backend": os.environ.get("HF_POSENC_BACKEND"),

@@ -30,7 +30,7 @@ from .._masks import check_window
 from .naive import cope_reference
 from .tiled import cope_tiled
 
-__all__ = ["cope", "cope_backend", "cope_reference", "cope_tiled"]
+__all__ = ["cope", "cope_backend", "cope_reference", "cope_tiled", "cope_torch", "triton_unsupported"]
 
 
 def _check(q, k, v, table, mask, q_offset) -> None:
@@ -63,6 +63,15 @@ FLOAT32_ON_CUDA = (
 )
 
 
+def triton_unsupported(q, k, v, mask, q_offset, need_weights=False, dropout=0.0, training=False) -> str | None:
+    """The reason the causal CoPE Triton kernel cannot run these inputs (a sentence), or None: the checks every
+    attention kernel shares, then float32 on CUDA (:data:`FLOAT32_ON_CUDA`)."""
+    why = common_unsupported("cope", "cope.triton_cope", q, k, v, mask, q_offset, need_weights, dropout, training)
+    if why is None and q.device.type == "cuda" and q.dtype == torch.float32:
+        return FLOAT32_ON_CUDA
+    return why
+
+
 def cope_backend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -86,11 +95,7 @@ def cope_backend(
                 "the CoPE kernels are causal; the bidirectional ViT variant (raster-order counts in both "
                 "directions) runs on the PyTorch reference"
             )
-        why = common_unsupported("cope", "cope.triton_cope", q, k, v, mask, q_offset, need_weights, dropout,
-                                 training)
-        if why is None and q.device.type == "cuda" and q.dtype == torch.float32:
-            return FLOAT32_ON_CUDA
-        return why
+        return triton_unsupported(q, k, v, mask, q_offset, need_weights, dropout, training)
 
     return choose(reason, q.device.type == "cuda", "cope")
 
@@ -131,6 +136,12 @@ def cope(
 
         last = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)]
         return cope_triton(*last, table, mask, scale, q_offset, window=window)
+    return cope_torch(q, k, v, table, mask, scale, q_offset, window=window)
+
+
+def cope_torch(q, k, v, table, mask, scale, q_offset=0, window=None) -> torch.Tensor:
+    """Causal CoPE off Triton (same arguments as :func:`cope`, already checked): the tile-wise engine, or for a
+    few queries without gradients (:data:`FEW_QUERIES`) the whole row at once."""
     if _few_queries(q, k, v, table, q_offset):
         return cope_reference(q, k, v, table, mask, scale, q_offset, window=window)
     return cope_tiled(q, k, v, table, mask, scale, q_offset, window=window)

@@ -145,7 +145,8 @@ def _needs_causal_mask(q_len: int, k_len: int, q_offset: int | torch.Tensor) -> 
     empty slots of a StaticCache, whose offset is a tensor)."""
     if isinstance(q_offset, torch.Tensor):
         return True
-    return q_len > 1 or k_len > q_offset + q_len
+    # a Python bool under torch.compile too (SDPA's is_causal takes no SymBool; ``bool()`` keeps one symbolic)
+    return True if q_len > 1 or k_len > q_offset + q_len else False
 
 
 def window_band(

@@ -14,7 +14,9 @@ the budget:
   estimate is large; no check where it cannot be read.
 
 Only tensors on the CPU are checked: there the references always run, whereas on CUDA the fused kernels may
-run instead, and torch raises its own ``OutOfMemoryError`` there.
+run instead, and torch raises its own ``OutOfMemoryError`` there. Nor inside ``torch.compile``: a compiled graph
+cannot read the budget (a file and the environment) and would be specialised to every length the check formats
+(one graph per length); a compiled model's references meet the allocator as they are.
 """
 
 from __future__ import annotations

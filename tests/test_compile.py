@@ -398,6 +398,24 @@ def test_no_recompile_per_length(encoding, how):
     assert counter.frame_count == 1, f"{counter.frame_count} graphs for 3 lengths"
 
 
+@pytest.mark.parametrize("encoding", ["sandwich", "liere", "rope2d", "fope", "tape"])
+def test_no_length_in_a_memo_key(encoding):
+    """Encodings that memoise per-forward tables (sandwich's distance table, the rotations of liere, rope2d and
+    fope) or format lengths (the reference memory check, tape): a symbolic length in a dict key or a string makes
+    Dynamo specialise the graph to it, which ``mark_dynamic`` turns into an error; one graph for three lengths."""
+    model = make_model("llama", encoding=encoding, config_overrides={"num_hidden_layers": 2,
+                                                                      "max_position_embeddings": 1024})
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    with torch.no_grad():
+        for length in (256, 384, 512):
+            ids = make_ids(1, length, seed=length)
+            torch._dynamo.mark_dynamic(ids, 1)
+            got = compiled(input_ids=ids).logits
+            assert (got - model(input_ids=ids).logits).abs().max() <= LOGIT_ATOL
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs for 3 lengths"
+
+
 def test_value_checks_step_aside_under_compile():
     """The eager-mode range check of token ids raises a ValueError; under torch.compile it reads no value
     (it would break the graph), so the compiled forward of valid ids is one graph (checked above) and the

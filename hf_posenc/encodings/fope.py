@@ -80,7 +80,7 @@ from torch import nn
 from ..config import PosEncConfig
 from ..ops import upcast
 from ..registry import param, register_encoding
-from .base import ModelInfo, PosContext, PositionEncoding
+from .base import ModelInfo, PosContext, PositionEncoding, new_tokens_key
 from .rope import rope_inv_freq
 from .rotary_base import token_coordinates
 
@@ -261,10 +261,10 @@ class Fope(PositionEncoding):
         """(C, S) of ``layer`` for the ``length`` new tokens, (B|1, Hkv, L, head_dim/2) float32; CLS gets (1, 0).
         The cos/sin basis is built once per forward; shared coefficients' C and S too (unless trained)."""
         shared = not self.per_layer and not (self.training and self.cos_coef.requires_grad)
-        key = ("fope_terms", length, str(device))
+        key = ("fope_terms", new_tokens_key(length), str(device))
         if shared and key in ctx.memo:
             return ctx.memo[key]
-        basis_key = ("fope_basis", length, str(device))
+        basis_key = ("fope_basis", new_tokens_key(length), str(device))
         if basis_key not in ctx.memo:  # depends on positions only: no parameter, no graph
             coords, cls = token_coordinates(ctx, length, device)
             ctx.memo[basis_key] = (*self.basis(coords[..., : self.num_axes]), cls)

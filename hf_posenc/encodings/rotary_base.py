@@ -13,7 +13,7 @@ import torch
 
 from ..kernels.rotary import apply_qk_rotation, rotation_backend
 from ..kernels.rotary.spectral import spectral_qk_rotation
-from .base import PosContext, PositionEncoding
+from .base import PosContext, PositionEncoding, new_tokens_key
 
 __all__ = ["BlockRotationEncoding", "distinct_positions", "token_coordinates"]
 
@@ -76,7 +76,7 @@ class BlockRotationEncoding(PositionEncoding):
         """The rotations (B|1, Hkv|1, L, D/s, s, s) used in ``layer``. Default: ``rotation``, built once per
         forward and shared by every layer, unless it is being trained (under gradient checkpointing a
         layer's recomputation must build exactly what its first pass built, as for score biases)."""
-        key = ("rotation", length, device)
+        key = ("rotation", new_tokens_key(length), device)
         if key in ctx.memo:
             return ctx.memo[key]
         rot = self.rotation(ctx, length, device)

@@ -78,11 +78,15 @@ class Sandwich(PositionEncoding):
 
     def kernel_term(self, ctx: PosContext, layer: int, query, key, value, mask) -> KernelTerm | None:
         """The fused-attention term: the table over every distance of this forward (built once per forward,
-        shared by the layers). None on ViT (2D grid distances)."""
+        shared by the layers; per layer under ``torch.compile``). None on ViT (2D grid distances)."""
         if ctx.grid is not None:
             return None
         q_len, k_len = query.shape[2], key.shape[2]
         length = _table_length(ctx.q_offset, q_len, k_len)
+        if torch.compiler.is_compiling():
+            # no memo: its key would hold the (symbolic) table length, and Dynamo specialises a graph to a length
+            # in a dict key (one graph per length); the table is (H, length), built per layer
+            return KernelTerm.sandwich(self.distance_table(length, query.device))
         memo_key = ("sandwich_table", length, query.device)
         if memo_key not in ctx.memo:
             ctx.memo[memo_key] = self.distance_table(length, query.device)

@@ -243,6 +243,12 @@ class Tape(PositionEncoding):
         mix = torch.einsum("hp,bnp,pe->bnhe", self.pe_down[t].to(dtype), gate, self.pe_up[t].to(dtype))  # (B, L, H, H)
         return torch.einsum("bnhe,bend->bhnd", mix, state)
 
+    def attend_uses_reference(self, ctx: PosContext, dropout: float, training: bool) -> bool:
+        """Whether :meth:`attend` builds (B, H, Lq, Lk) tensors (the memory pre-check applies to those calls only):
+        when the probabilities are asked for (``output_attentions``), and with attention dropout while training
+        (PyTorch's SDPA then takes its math path); otherwise it runs fused SDPA calls."""
+        return ctx.need_weights or (dropout > 0.0 and training)
+
     def _trainable(self) -> bool:
         return any(p.requires_grad for p in self.parameters())
 

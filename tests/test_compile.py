@@ -282,6 +282,36 @@ def test_tile_op_opcheck(kind):
         torch.library.opcheck(_tiled_attention, args)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_ops_opcheck(dtype):
+    """torch.library.opcheck of the spectral rotation's ops (``hf_posenc::skew_exp``: LieRE on text;
+    ``hf_posenc::spectral_rotation``: ComRoPE and per-layer LieRE), gradients wanted for every input or for the
+    inputs alone, low-precision q and k (their rows in float32 are an output of their own)."""
+    from hf_posenc.kernels.rotary.skew_exp import _skew_exp_op
+    from hf_posenc.kernels.rotary.spectral import _rotation_op
+
+    g = torch.Generator().manual_seed(0)
+    P = torch.randn(2, 3, 4, 4, generator=g)
+    skew = P - P.mT
+    for need in (True, False):
+        torch.library.opcheck(_skew_exp_op, (skew.clone().requires_grad_(need),
+                                             torch.randn(7, 3, generator=g).requires_grad_(True)))
+        q = torch.randn(2, 4, 5, 12, generator=g).to(dtype).requires_grad_(True)
+        k = torch.randn(2, 2, 5, 12, generator=g).to(dtype).requires_grad_(True)
+        torch.library.opcheck(_rotation_op, (q, k, skew.clone().requires_grad_(need),
+                                             torch.randn(1, 5, 3, generator=g).requires_grad_(need)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("encoding", ["liere", "comrope"])
+def test_spectral_rotation_training_step_compiles(encoding):
+    """A training step of LieRE and ComRoPE through AOTAutograd: the spectral rotation's backward (data-dependent
+    steps: the float64 switch, the rows with close eigenvalues) runs inside its custom op, so it compiles as one
+    graph with eager's loss and gradients (before: GuardOnDataDependentSymNode, and inside the op PyTorch dropped
+    the lazy conjugation: a forward 3.8 away from eager's)."""
+    check_training_step("llama", encoding, "aot_eager")
+
+
 @pytest.mark.parametrize("name", ["cope", "sba", "cape"])
 def test_engine_op_equals_engine(name):
     """CoPE, stick-breaking and CAPE through ``hf_posenc::engine`` (as a compiled model calls them): the eager

@@ -8,7 +8,7 @@ A real skew-symmetric S (b x b) is normal: i S is Hermitian, i S = V diag(w) V^H
 exact for every c (the eigendecomposition is taken once per block, then every position costs one
 (b,) x (b, b*b) product instead of a matrix exponential). The result is real and orthogonal.
 
-Backward (a custom autograd Function; no gradient flows through the eigenvectors, whose derivative is
+Backward (the custom op ``hf_posenc::skew_exp``'s registered backward; no gradient flows through the eigenvectors, whose derivative is
 unstable at close eigenvalues). With G = dL/dR(c):
 
 * dL/dc = <G, S exp(c S)>;
@@ -72,7 +72,7 @@ def _skew_grad(skew: torch.Tensor, coeff: torch.Tensor, w: torch.Tensor, V: torc
     cos, sin = torch.cos(phase), torch.sin(phase)
     g = grad.to(real).permute(0, 2, 1, 3, 4).reshape(hkv, m, u, b * b)  # (Hkv, m, U, b²)
     Vc = V.to(cdt)
-    Vh = Vc.mH
+    Vh = Vc.mT.conj_physical()  # physical: see the custom ops below
 
     def rotated(weight_cos: torch.Tensor, weight_sin: torch.Tensor) -> torch.Tensor:
         """R[k', k, l] (Hkv, m, b, b, b) for H[k'] = Σ_c (weight_cos + i weight_sin)[c, k'] G_c."""
@@ -133,40 +133,88 @@ def divided_difference_grad(w: torch.Tensor, V: torch.Tensor, cmax: torch.Tensor
             factor = factor * step
         taylor[..., rows, :] += extra
     Vc = V.to(cdt)
-    return (Vc @ torch.where(small, taylor, direct) @ Vc.mH).real
+    return (Vc @ torch.where(small, taylor, direct) @ Vc.mT.conj_physical()).real
 
 
-class _SkewExp(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, skew: torch.Tensor, coeff: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        w, V = _spectral(skew)  # (Hkv, m, b), (Hkv, m, b, b)
-        dtype = skew.dtype
-        # outer[..., k, x, y] = V[x, k] conj(V[y, k]): (Hkv, m, b_k, b, b)
-        outer = V.transpose(-1, -2)[..., :, :, None] * V.conj().transpose(-1, -2)[..., :, None, :]
-        phase = coeff.to(torch.float64)[None, :, :, None] * w[:, None]  # (Hkv, U, m, b)
-        # sum_k Re(v_k v_k^H) = I, so exp(c S) = I + sum_k (cos - 1) Re(.) + sin Im(.): exactly I at c = 0,
-        # and accurate for small angles (cos - 1 = -2 sin^2(phase / 2)).
-        cos_m1, sin = (-2 * torch.sin(phase / 2).square()).to(dtype), torch.sin(phase).to(dtype)
-        re, im = outer.real.to(dtype), outer.imag.to(dtype)  # (Hkv, m, b_k, b, b)
-        flat = re.shape[:-2] + (-1,)
-        rot = torch.einsum("humk,hmkx->humx", cos_m1, re.reshape(flat)) + torch.einsum(
-            "humk,hmkx->humx", sin, im.reshape(flat)
-        )
-        eye = torch.eye(skew.shape[-1], dtype=dtype, device=skew.device)
-        rot = rot.unflatten(-1, skew.shape[-2:]) + eye  # (Hkv, U, m, b, b)
-        ctx.save_for_backward(skew, coeff, rot, w, V)
-        return rot
+def _forward(skew: torch.Tensor, coeff: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(R (Hkv, U, m, b, b) in skew's dtype, w (Hkv, m, b) float64, V (Hkv, m, b, b) complex128)."""
+    w, V = _spectral(skew)  # (Hkv, m, b), (Hkv, m, b, b)
+    dtype = skew.dtype
+    # outer[..., k, x, y] = V[x, k] conj(V[y, k]): (Hkv, m, b_k, b, b)
+    outer = V.transpose(-1, -2)[..., :, :, None] * V.conj_physical().transpose(-1, -2)[..., :, None, :]
+    phase = coeff.to(torch.float64)[None, :, :, None] * w[:, None]  # (Hkv, U, m, b)
+    # sum_k Re(v_k v_k^H) = I, so exp(c S) = I + sum_k (cos - 1) Re(.) + sin Im(.): exactly I at c = 0,
+    # and accurate for small angles (cos - 1 = -2 sin^2(phase / 2)).
+    cos_m1, sin = (-2 * torch.sin(phase / 2).square()).to(dtype), torch.sin(phase).to(dtype)
+    re, im = outer.real.to(dtype), outer.imag.to(dtype)  # (Hkv, m, b_k, b, b)
+    flat = re.shape[:-2] + (-1,)
+    rot = torch.einsum("humk,hmkx->humx", cos_m1, re.reshape(flat)) + torch.einsum(
+        "humk,hmkx->humx", sin, im.reshape(flat)
+    )
+    eye = torch.eye(skew.shape[-1], dtype=dtype, device=skew.device)
+    return (rot.unflatten(-1, skew.shape[-2:]) + eye).contiguous(), w, V
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        skew, coeff, rot, w, V = ctx.saved_tensors
-        grad_skew = grad_coeff = None
-        if ctx.needs_input_grad[1]:
-            grad_coeff = (grad * torch.matmul(skew[:, None], rot)).sum(dim=(0, 3, 4))  # (U, m)
-        if ctx.needs_input_grad[0]:
-            grad_skew = _skew_grad(skew, coeff, w, V, grad)
-        return grad_skew, grad_coeff
+
+def _backward(skew: torch.Tensor, coeff: torch.Tensor, rot: torch.Tensor, w: torch.Tensor, V: torch.Tensor,
+              grad: torch.Tensor, want_skew: bool, want_coeff: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dL/dS or None, dL/dc or None) from G = ``grad`` (module docstring)."""
+    with torch.no_grad():
+        grad_coeff = (grad * torch.matmul(skew[:, None], rot)).sum(dim=(0, 3, 4)) if want_coeff else None  # (U, m)
+        grad_skew = _skew_grad(skew, coeff, w, V, grad) if want_skew else None
+    return grad_skew, grad_coeff
+
+
+# -- the PyTorch custom ops (one node of a compiled graph, forward and backward) ----------------------------------
+# The backward has data-dependent steps (the float64 switch on the largest phase, the rows with close eigenvalues):
+# Dynamo cannot trace them (``torch.compile`` of a LieRE or ComRoPE training step failed on them), so the rotation
+# is an opaque op with a fake (shapes only) and a registered backward, eager and compiled alike. The
+# eigendecomposition crosses the op boundary as real tensors (w float64, V as view_as_real float64).
+# Conjugates are physical (conj_physical, not conj or mH): inside a custom op of a compiled graph PyTorch drops a
+# lazy conjugation (torch 2.13, aot_eager: conj(z) * z came out as z * z; caught by torch.library.opcheck).
+
+
+@torch.library.custom_op("hf_posenc::skew_exp", mutates_args=())
+def _skew_exp_op(skew: torch.Tensor, coeff: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(R, w, V as (Hkv, m, b, b, 2) float64), every output contiguous."""
+    rot, w, V = _forward(skew, coeff)
+    return rot, w.contiguous(), torch.view_as_real(V.contiguous())
+
+
+@_skew_exp_op.register_fake
+def _(skew, coeff):
+    hkv, m, b, _ = skew.shape
+    return (skew.new_empty((hkv, coeff.shape[0], m, b, b)), skew.new_empty((hkv, m, b), dtype=torch.float64),
+            skew.new_empty((hkv, m, b, b, 2), dtype=torch.float64))
+
+
+@torch.library.custom_op("hf_posenc::skew_exp_backward", mutates_args=())
+def _skew_exp_backward_op(skew: torch.Tensor, coeff: torch.Tensor, rot: torch.Tensor, w: torch.Tensor,
+                          v_real: torch.Tensor, grad: torch.Tensor, want_skew: bool,
+                          want_coeff: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dL/dS, dL/dc), contiguous; an empty (0,) tensor for the one not wanted."""
+    gs, gc = _backward(skew, coeff, rot, w, torch.view_as_complex(v_real), grad, want_skew, want_coeff)
+    return (skew.new_empty(0) if gs is None else gs.contiguous(), coeff.new_empty(0) if gc is None else gc.contiguous())
+
+
+@_skew_exp_backward_op.register_fake
+def _(skew, coeff, rot, w, v_real, grad, want_skew, want_coeff):
+    return skew.new_empty(skew.shape if want_skew else 0), coeff.new_empty(coeff.shape if want_coeff else 0)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    skew, coeff = inputs
+    rot, w, v_real = output
+    ctx.save_for_backward(skew, coeff, rot, w, v_real)
+
+
+def _autograd(ctx, grad, _grad_w, _grad_v):
+    skew, coeff, rot, w, v_real = ctx.saved_tensors
+    want_skew, want_coeff = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    gs, gc = torch.ops.hf_posenc.skew_exp_backward(skew, coeff, rot, w, v_real, grad, want_skew, want_coeff)
+    return (gs if want_skew else None), (gc if want_coeff else None)
+
+
+_skew_exp_op.register_autograd(_autograd, setup_context=_setup_context)
 
 
 def skew_exp(skew: torch.Tensor, coeff: torch.Tensor) -> torch.Tensor:
@@ -183,7 +231,7 @@ def skew_exp(skew: torch.Tensor, coeff: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"skew must be (Hkv, m, b, b), got shape {tuple(skew.shape)}")
     if coeff.dim() != 2 or coeff.shape[1] != skew.shape[1]:
         raise ValueError(f"coeff must be (U, {skew.shape[1]}), got shape {tuple(coeff.shape)}")
-    return _SkewExp.apply(skew, coeff.to(skew.dtype))
+    return torch.ops.hf_posenc.skew_exp(skew, coeff.to(skew.dtype))[0]
 
 
 def skew_exp_reference(skew: torch.Tensor, coeff: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ a block-diagonal (D x 2D) and (2D x D) real matrix per head, and a phase per eig
 rotation tensor is built (:func:`.skew_exp.skew_exp` builds one per distinct position, and its gradient is
 that big too). Phases are taken in float64, then the work runs in float32 (float64 for float64 inputs).
 
-Backward (a custom autograd Function), with a = V^H dout, ae = exp(i c w) o a, y = V^H x, z = exp(-i c w) o y
+Backward (the custom op ``hf_posenc::spectral_rotation``'s registered backward), with a = V^H dout, ae = exp(i c w) o a, y = V^H x, z = exp(-i c w) o y
 (per row: a token's block in one head, of the queries or the keys):
 
 * dx = exp(c S)^T dout = V ae (real);
@@ -53,7 +53,7 @@ class _Basis:
     ``from_eig`` (2D, D) maps [Re z | Im z] to Re(V z)."""
 
     def __init__(self, V: torch.Tensor, dtype: torch.dtype) -> None:
-        vh = V.mH  # (Hr, m, b, b): y = vh @ x per block, i.e. y_row = x_row @ vh^T
+        vh = V.mT.conj_physical()  # (Hr, m, b, b): y = vh @ x per block, i.e. y_row = x_row @ vh^T
         self.block = V.shape[-1]
         self.to_eig = torch.cat([_block_diag(vh.real.mT), _block_diag(vh.imag.mT)], dim=-1).to(dtype)
         self.from_eig = torch.cat([_block_diag(V.real.mT), -_block_diag(V.imag.mT)], dim=-2).to(dtype)
@@ -141,64 +141,142 @@ def _row_sums(out, a, ae, c, basis, cos, sin, terms, close_rows, dt) -> list[tor
             *_conj_products(torch.cat(powers, dim=-1), ry, [b, b] + [len(close_rows)] * (terms - 1))]
 
 
-class _SpectralRotation(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, skew, coeff):  # type: ignore[override]
-        dt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        hr, m, b, _ = skew.shape
-        w, V = _spectral(skew)  # float64 (Hr, m, b), complex128 (Hr, m, b, b)
-        basis = _Basis(V, dt)
-        c = coeff.detach().to(torch.float64)  # (Bc, L, m)
-        want_s, want_c = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
-        cos, sin = _phases(c, w, dt)
-        outs, saved = [], []
-        for x in (q, k):
-            xr = _heads(x.to(dt), hr)
-            out = _rotate(xr, basis, cos, sin, conj=False)[0]
-            outs.append(out.view(x.shape).to(x.dtype))
-            # what the backward reads: out, for dc and for dS (out is the tensor the attention keeps anyway; the
-            # input's eigenbasis images come from it, see _row_sums: x would be one more copy of q and k)
-            saved.append(out if want_s or want_c else None)
-        ctx.save_for_backward(skew, coeff, w, V, cos, sin, *saved)
-        ctx.info = (dt, q.shape, k.shape, q.dtype, k.dtype)
-        return tuple(outs)
+def _forward(q: torch.Tensor, k: torch.Tensor, skew: torch.Tensor, coeff: torch.Tensor):
+    """(q_out, k_out in the inputs' dtypes, the same in the compute dtype (what the backward reads), w, V, cos,
+    sin)."""
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    hr = skew.shape[0]
+    w, V = _spectral(skew)  # float64 (Hr, m, b), complex128 (Hr, m, b, b)
+    basis = _Basis(V, dt)
+    cos, sin = _phases(coeff.detach().to(torch.float64), w, dt)  # (Bc, L, m) coefficients
+    outs, rotated = [], []
+    for x in (q, k):
+        out = _rotate(_heads(x.to(dt), hr), basis, cos, sin, conj=False)[0]
+        # what the backward reads: out, for dc and for dS (out is the tensor the attention keeps anyway; the
+        # input's eigenbasis images come from it, see _row_sums: x would be one more copy of q and k)
+        rotated.append(out.view(x.shape))
+        outs.append(rotated[-1].to(x.dtype))
+    return outs[0], outs[1], rotated[0], rotated[1], w, V, cos, sin
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dq_out, dk_out):  # type: ignore[override]
-        skew, coeff, w, V, cos, sin, oq, ok = ctx.saved_tensors
-        dt, q_shape, k_shape, q_dtype, k_dtype = ctx.info
-        hr, m, b, _ = skew.shape
-        cdt = torch.complex128 if dt == torch.float64 else torch.complex64
-        basis = _Basis(V, dt)
-        c = coeff.detach().to(torch.float64)
-        want_s, want_c = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
-        grads_x = []
-        sums = None  # (X, Y, Z_n...) summed over the rows of q and k, per (Hr, m): (Hr, m, b, b) complex
-        dc = torch.zeros(c.shape, dtype=dt, device=c.device) if want_c else None
-        terms, close_rows = taylor_terms(w, c.abs().amax(dim=(0, 1)), dt) if want_s else (0, None)
-        s_blocks = _block_diag(skew.detach().to(dt).mT) if want_c else None  # out @ S^T per block
-        for dout, shape, out in ((dq_out, q_shape, oq), (dk_out, k_shape, ok)):
-            dout = torch.zeros(shape, dtype=dt, device=w.device) if dout is None else dout.to(dt)
-            dr = _heads(dout, hr)
-            dx, a, ae = _rotate(dr, basis, cos, sin, conj=True)  # exp(+i c w)
-            grads_x.append(dx.view(shape))
-            if want_c:  # dc = Σ dout · (S out) over the token's rows
-                per = (dr * (out @ s_blocks[None, :, None])).unflatten(-1, (m, b)).sum(-1)  # (B, Hr, G, L, m)
-                per = per.sum(dim=(1, 2))  # (B, L, m)
-                dc += per.sum(0, keepdim=True) if dc.shape[0] == 1 else per
-            if want_s:  # in chunks of positions: the temporaries stay O(chunk), not O(L) several times over
-                for p0 in range(0, out.shape[3], SUM_CHUNK):
-                    p1 = min(p0 + SUM_CHUNK, out.shape[3])
-                    part = _row_sums(out[:, :, :, p0:p1], a[:, :, :, p0:p1], ae[:, :, :, p0:p1], c[:, p0:p1],
-                                     basis, cos[:, :, :, p0:p1], sin[:, :, :, p0:p1], terms, close_rows, dt)
-                    sums = part if sums is None else [s + p for s, p in zip(sums, part)]
-        grad_skew = None
-        if want_s:
-            cmax = c.abs().amax(dim=(0, 1))  # (m,)
-            grad_skew = divided_difference_grad(w, V, cmax, sums[1], sums[0], sums[2], sums[3:], close_rows,
-                                                cdt).to(skew.dtype)
-        return grads_x[0].to(q_dtype), grads_x[1].to(k_dtype), grad_skew, dc.to(coeff.dtype) if want_c else None
+
+def _backward(dq_out, dk_out, oq, ok, skew, coeff, w, V, cos, sin, q_dtype, k_dtype, want_s: bool, want_c: bool):
+    """(dq, dk, dS or None, dc or None) for the output gradients ``dq_out``, ``dk_out`` (B, Hx, L, D) and the rotated
+    rows ``oq``, ``ok`` (B, Hx, L, D) in the compute dtype, read only for dS and dc (else None); module docstring."""
+    dt = cos.dtype
+    hr, m, b, _ = skew.shape
+    cdt = torch.complex128 if dt == torch.float64 else torch.complex64
+    basis = _Basis(V, dt)
+    c = coeff.detach().to(torch.float64)
+    grads_x = []
+    sums = None  # (X, Y, Z_n...) summed over the rows of q and k, per (Hr, m): (Hr, m, b, b) complex
+    dc = torch.zeros(c.shape, dtype=dt, device=c.device) if want_c else None
+    terms, close_rows = taylor_terms(w, c.abs().amax(dim=(0, 1)), dt) if want_s else (0, None)
+    s_blocks = _block_diag(skew.detach().to(dt).mT) if want_c else None  # out @ S^T per block
+    for dout, out in ((dq_out, oq), (dk_out, ok)):
+        shape = dout.shape
+        dr = _heads(dout.to(dt), hr)
+        dx, a, ae = _rotate(dr, basis, cos, sin, conj=True)  # exp(+i c w)
+        grads_x.append(dx.view(shape))
+        if not (want_s or want_c):
+            continue
+        out = _heads(out, hr)
+        if want_c:  # dc = Σ dout · (S out) over the token's rows
+            per = (dr * (out @ s_blocks[None, :, None])).unflatten(-1, (m, b)).sum(-1)  # (B, Hr, G, L, m)
+            per = per.sum(dim=(1, 2))  # (B, L, m)
+            dc += per.sum(0, keepdim=True) if dc.shape[0] == 1 else per
+        if want_s:  # in chunks of positions: the temporaries stay O(chunk), not O(L) several times over
+            for p0 in range(0, out.shape[3], SUM_CHUNK):
+                p1 = min(p0 + SUM_CHUNK, out.shape[3])
+                part = _row_sums(out[:, :, :, p0:p1], a[:, :, :, p0:p1], ae[:, :, :, p0:p1], c[:, p0:p1],
+                                 basis, cos[:, :, :, p0:p1], sin[:, :, :, p0:p1], terms, close_rows, dt)
+                sums = part if sums is None else [s + p for s, p in zip(sums, part)]
+    grad_skew = None
+    if want_s:
+        cmax = c.abs().amax(dim=(0, 1))  # (m,)
+        grad_skew = divided_difference_grad(w, V, cmax, sums[1], sums[0], sums[2], sums[3:], close_rows,
+                                            cdt).to(skew.dtype)
+    return grads_x[0].to(q_dtype), grads_x[1].to(k_dtype), grad_skew, dc.to(coeff.dtype) if want_c else None
+
+
+# -- the PyTorch custom ops (one node of a compiled graph, forward and backward) ----------------------------------
+# The backward has data-dependent steps (the rows with close eigenvalues, taylor_terms) that Dynamo cannot trace
+# (``torch.compile`` of a ComRoPE training step failed there), so the rotation is an opaque op with a fake (shapes
+# only) and a registered backward, eager and compiled alike. Every output is contiguous (the fakes say so); the
+# eigenvectors cross the op boundary as view_as_real (float64). The rotated rows in the compute dtype are an output
+# of their own only when q or k is in another dtype (bfloat16, float16): otherwise they are q_out and k_out (a view
+# of them), and an op's outputs may not alias one another.
+# Conjugates are physical (conj_physical, not conj or mH): inside a custom op of a compiled graph PyTorch drops a
+# lazy conjugation (torch 2.13, aot_eager: conj(z) * z came out as z * z; caught by torch.library.opcheck).
+
+
+def _compute(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("hf_posenc::spectral_rotation", mutates_args=())
+def _rotation_op(q: torch.Tensor, k: torch.Tensor, skew: torch.Tensor, coeff: torch.Tensor) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_out, k_out, oq, ok, w, V real, cos, sin); oq / ok: the rotated rows in the compute dtype, or an empty (0,)
+    tensor where they are q_out / k_out."""
+    qo, ko, oq, ok, w, V, cos, sin = _forward(q, k, skew, coeff)
+    rows = [o.contiguous() if x.dtype != o.dtype else o.new_empty(0) for x, o in ((q, oq), (k, ok))]
+    return (qo.contiguous(), ko.contiguous(), *rows, w.contiguous(), torch.view_as_real(V.contiguous()),
+            cos.contiguous(), sin.contiguous())
+
+
+@_rotation_op.register_fake
+def _(q, k, skew, coeff):
+    dt = _compute(q.dtype)
+    hr, m, b, _ = skew.shape
+    phases = (coeff.shape[0], hr, 1, coeff.shape[1], m * b)
+    return (q.new_empty(q.shape), k.new_empty(k.shape),
+            q.new_empty(q.shape if q.dtype != dt else 0, dtype=dt), k.new_empty(k.shape if k.dtype != dt else 0, dtype=dt),
+            skew.new_empty((hr, m, b), dtype=torch.float64), skew.new_empty((hr, m, b, b, 2), dtype=torch.float64),
+            q.new_empty(phases, dtype=dt), q.new_empty(phases, dtype=dt))
+
+
+@torch.library.custom_op("hf_posenc::spectral_rotation_backward", mutates_args=())
+def _rotation_backward_op(dq_out: torch.Tensor, dk_out: torch.Tensor, oq: torch.Tensor | None,
+                          ok: torch.Tensor | None, skew: torch.Tensor, coeff: torch.Tensor, w: torch.Tensor,
+                          v_real: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_dtype: torch.dtype,
+                          k_dtype: torch.dtype, want_s: bool, want_c: bool) -> tuple[
+                              torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dS, dc), contiguous; an empty (0,) tensor for dS or dc when not wanted. ``oq``, ``ok``: the
+    rotated rows (B, Hx, L, D) in the compute dtype, None when neither dS nor dc is wanted."""
+    dq, dk, ds, dc = _backward(dq_out, dk_out, oq, ok, skew, coeff, w, torch.view_as_complex(v_real), cos, sin,
+                               q_dtype, k_dtype, want_s, want_c)
+    return (dq.contiguous(), dk.contiguous(), skew.new_empty(0) if ds is None else ds.contiguous(),
+            coeff.new_empty(0) if dc is None else dc.contiguous())
+
+
+@_rotation_backward_op.register_fake
+def _(dq_out, dk_out, oq, ok, skew, coeff, w, v_real, cos, sin, q_dtype, k_dtype, want_s, want_c):
+    return (dq_out.new_empty(dq_out.shape, dtype=q_dtype), dk_out.new_empty(dk_out.shape, dtype=k_dtype),
+            skew.new_empty(skew.shape if want_s else 0), coeff.new_empty(coeff.shape if want_c else 0))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, skew, coeff = inputs
+    qo, ko, oq, ok, w, v_real, cos, sin = output
+    ctx.want = (ctx.needs_input_grad[2], ctx.needs_input_grad[3])
+    # dq and dk need only V and the phases; dS and dc read the rotated rows in the compute dtype too: q_out /
+    # k_out themselves (float32, float64 inputs) or the extra outputs
+    rows = [(o if o.numel() else x_out) if any(ctx.want) else None for o, x_out in ((oq, qo), (ok, ko))]
+    ctx.save_for_backward(skew, coeff, w, v_real, cos, sin, *rows)
+    ctx.inputs = (q.shape, k.shape, q.dtype, k.dtype)
+
+
+def _autograd(ctx, dq_out, dk_out, *_rest):
+    skew, coeff, w, v_real, cos, sin, oq, ok = ctx.saved_tensors
+    q_shape, k_shape, q_dtype, k_dtype = ctx.inputs
+    dq_out = cos.new_zeros(q_shape) if dq_out is None else dq_out
+    dk_out = cos.new_zeros(k_shape) if dk_out is None else dk_out
+    dq, dk, ds, dc = torch.ops.hf_posenc.spectral_rotation_backward(
+        dq_out, dk_out, oq, ok, skew, coeff, w, v_real, cos, sin, q_dtype, k_dtype, *ctx.want)
+    return dq, dk, (ds if ctx.want[0] else None), (dc if ctx.want[1] else None)
+
+
+_rotation_op.register_autograd(_autograd, setup_context=_setup_context)
 
 
 def spectral_qk_rotation(q: torch.Tensor, k: torch.Tensor, skew: torch.Tensor,
@@ -229,4 +307,5 @@ def spectral_qk_rotation(q: torch.Tensor, k: torch.Tensor, skew: torch.Tensor,
                          f"{tuple(skew.shape)}")
     if coeff.dim() != 3 or coeff.shape[0] not in (1, q.shape[0]) or coeff.shape[1:] != (q.shape[2], m):
         raise ValueError(f"coeff must be (B|1, L={q.shape[2]}, {m}), got shape {tuple(coeff.shape)}")
-    return _SpectralRotation.apply(q, k, skew, coeff)
+    q_out, k_out = torch.ops.hf_posenc.spectral_rotation(q, k, skew, coeff)[:2]
+    return q_out, k_out

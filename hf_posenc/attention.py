@@ -342,16 +342,20 @@ def _tiled_torch_attention(
     scaling: float,
     dropout: float,
     training: bool,
+    backend: str = "torch",
 ) -> torch.Tensor | None:
     """out (B, H, Lq, D) from the tile-wise PyTorch engine with the encoding's ``kernel_term``, or None where
     the engine does not apply and the full-matrix reference runs instead (documented in the module
-    docstring: dropout while training, no term for this model, a mask that is not causal + key padding)."""
+    docstring: dropout while training, no term for this model, a mask that is not causal + key padding).
+    Under ``torch.compile`` the engine's custom op, which runs the Triton kernels instead when ``backend`` is
+    ``triton``."""
     if not getattr(unwrap(ctx.encoding), "kernel_kinds", ()):
         return None
     if dropout > 0 and training:
         return None  # the engine has no attention dropout: the reference drops the probabilities
     if torch.compiler.is_compiling():  # the engine as a custom op (hf_posenc.kernels.custom_ops)
-        return _compiled_tiled_attention(ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling)
+        return _compiled_tiled_attention(ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling,
+                                         "triton" if backend == "triton" else "torch")
     term, key_valid, reason = _engine_inputs("torch", ctx, layer, query, key, value, attention_mask, causal,
                                              q_offset, dropout, training)
     if reason is not None:
@@ -370,11 +374,14 @@ def _compiled_tiled_attention(
     causal: bool,
     q_offset: int | torch.Tensor,
     scaling: float,
+    engine: str = "torch",
 ) -> torch.Tensor | None:
     """Under ``torch.compile``: out (B, H, Lq, D) from the tile-wise engine as a custom op
     (:func:`hf_posenc.kernels.custom_ops.tiled_attention_op`, one node of the graph, forward and backward), or
     None where the reference must run (logged at debug level with the reason). The mask's form is checked inside
-    the op (reading it here would break the graph); a mask of another form runs the reference there."""
+    the op (reading it here would break the graph); a mask of another form runs the reference there. With
+    ``engine="triton"`` (the model's backend on CUDA) the op runs the Triton kernels where they take the inputs
+    (checked inside the op, where the tensors are real), the tile engine elsewhere."""
     mask = _as_bool_mask(attention_mask)
     reason = None
     if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1
@@ -393,7 +400,7 @@ def _compiled_tiled_attention(
         _log.debug("torch.compile: the full-matrix reference runs layer %d: %s", layer, reason)
         return None
     return tiled_attention_op(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset, mask=mask,
-                              window=ctx.engine_window(layer), band=ctx.native_window(layer))
+                              window=ctx.engine_window(layer), band=ctx.native_window(layer), engine=engine)
 
 
 def posenc_attention(
@@ -445,7 +452,9 @@ def posenc_attention(
     window = posenc_ctx.own_window() if posenc_ctx is not None else None
     training = module.training
     need_weights = bool(posenc_ctx is not None and posenc_ctx.need_weights)
-    if backend != "torch" and not need_weights:
+    # under torch.compile the Triton kernels run inside the engine's custom op (below), which checks the mask there
+    in_op = backend == "triton" and torch.compiler.is_compiling()
+    if backend != "torch" and not need_weights and not in_op:
         out = _kernel_attention(
             backend, posenc_ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling, dropout, training,
         )
@@ -454,6 +463,7 @@ def posenc_attention(
     if posenc_ctx is not None and not need_weights:
         out = _tiled_torch_attention(
             posenc_ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling, dropout, training,
+            backend,
         )
         if out is not None:
             return out.transpose(1, 2).contiguous(), None

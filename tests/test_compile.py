@@ -263,10 +263,12 @@ def _op_inputs(kind: str, length: int = 40, seed: int = 0):
     return q, k, v, terms[kind]()
 
 
-@pytest.mark.parametrize("kind", ["alibi", "kerple_log", "shaw"])
-def test_tile_op_opcheck(kind):
+@pytest.mark.parametrize("kind,engine", [("alibi", "torch"), ("kerple_log", "torch"), ("shaw", "torch"),
+                                         ("kerple_log", "triton")])
+def test_tile_op_opcheck(kind, engine):
     """torch.library.opcheck of the forward op (schema, fake tensor, autograd registration), with a causal +
-    padding mask and with a mask of another form (the reference inside the op)."""
+    padding mask and with a mask of another form (the reference inside the op); the op with the Triton kernels
+    inside (in Triton's interpreter here)."""
     from hf_posenc.kernels.custom_ops import _tiled_attention
 
     q, k, v, term = _op_inputs(kind)
@@ -278,8 +280,32 @@ def test_tile_op_opcheck(kind):
     tensors = [t.clone().requires_grad_() for t in term.tensors.values()]
     for m in (mask, other, None):
         args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), m, None, None, tensors, kind,
-                ",".join(term.tensors), ints, 0.3, True, 0, 16, 8, None, None)
+                ",".join(term.tensors), ints, 0.3, True, 0, 16, 8, None, None, engine)
         torch.library.opcheck(_tiled_attention, args)
+
+
+@pytest.mark.parametrize("encoding", ["alibi", "fire"])
+def test_compiled_model_runs_the_triton_kernels(monkeypatch, encoding):
+    """The ``triton`` backend (CUDA's default; forced here, the kernels in Triton's interpreter) under
+    torch.compile: the attention's Triton kernels run inside the engine's custom op, forward and backward (the
+    mask checked there), on a left-padded batch, with eager's loss and gradients (eager runs the kernels too)."""
+    from hf_posenc.kernels import custom_ops
+
+    calls = []
+    real = custom_ops.fused_attention
+    monkeypatch.setattr(custom_ops, "fused_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setenv("HF_POSENC_BACKEND", "triton")
+    model = make_model("llama", encoding=encoding, train=True, config_overrides={"num_hidden_layers": 1})
+    x = inputs("llama")
+    ref_loss, ref = _step(model, model, x, "llama")
+    assert not calls  # eager: the kernels directly, not through the op
+    counter = CompileCounterWithBackend("aot_eager")
+    loss, got = _step(torch.compile(model, fullgraph=True, backend=counter), model, x, "llama")
+    assert counter.frame_count == 1
+    assert len(calls) == 2  # the op's forward, and its backward's recomputation
+    assert abs(loss - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss))
+    scale = max(g.abs().max() for g in ref.values())
+    assert max((got[n] - ref[n]).abs().max() / scale for n in ref) <= GRAD_RTOL
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -428,10 +454,10 @@ def test_no_recompile_per_length(encoding, how):
     assert counter.frame_count == 1, f"{counter.frame_count} graphs for 3 lengths"
 
 
-@pytest.mark.parametrize("encoding", ["sandwich", "liere", "rope2d", "fope", "tape"])
+@pytest.mark.parametrize("encoding", ["sandwich", "dpb", "liere", "rope2d", "fope", "tape"])
 def test_no_length_in_a_memo_key(encoding):
-    """Encodings that memoise per-forward tables (sandwich's distance table, the rotations of liere, rope2d and
-    fope) or format lengths (the reference memory check, tape): a symbolic length in a dict key or a string makes
+    """Encodings that memoise per-forward tables (sandwich's and dpb's distance tables, the rotations of liere,
+    rope2d and fope) or format lengths (the reference memory check, tape): a symbolic length in a dict key or a string makes
     Dynamo specialise the graph to it, which ``mark_dynamic`` turns into an error; one graph for three lengths."""
     model = make_model("llama", encoding=encoding, config_overrides={"num_hidden_layers": 2,
                                                                       "max_position_embeddings": 1024})

@@ -163,9 +163,13 @@ class Dpb(PositionEncoding):
     def _table(self, ctx: PosContext, q_len: int, k_len: int, device: torch.device, layer: int) -> torch.Tensor:
         """The text table of this forward: without autograd, built once per forward per MLP and shared by the layers
         that share it; with autograd, built per layer (a memoised table would sit outside each layer's activation
-        checkpoint, whose recomputation must rebuild what it saved; the MLP on 2M + 1 inputs is small)."""
+        checkpoint, whose recomputation must rebuild what it saved; the MLP on 2M + 1 inputs is small); per layer
+        under ``torch.compile`` too."""
         half = _table_half(ctx.q_offset, q_len, k_len)
-        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
+        # under torch.compile no memo either: its key would hold the (symbolic) half-width, and Dynamo specialises
+        # a graph to a length in a dict key (one graph per length)
+        trained = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+        if trained or torch.compiler.is_compiling():
             return self.distance_table(half, device, layer)
         memo_key = ("dpb_table", half, device, layer if self.bias_per_layer else 0)
         if memo_key not in ctx.memo:

@@ -34,7 +34,9 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from ..backend import forced_backend
 from ._masks import mask_key_validity
+from .attention import fused_attention, kernel_unsupported
 from .attention.naive import band_allowed, term_bias
 from .attention.terms import KernelTerm
 from .attention.tiled import BLOCK_K, BLOCK_Q, TiledAttentionFunction, _Plan, tiled_unsupported
@@ -129,7 +131,7 @@ _EXACT = (torch.Tag.needs_exact_strides,)
 def _tiled_attention(
     query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, key_valid: Tensor | None,
     q_offset_tensor: Tensor | None, term: list[Tensor], kind: str, names: str, ints: str, scale: float, causal: bool, q_offset: int, block_q: int, block_k: int,
-    window: int | None, band: int | None,
+    window: int | None, band: int | None, engine: str,
 ) -> tuple[Tensor, Tensor]:
     """(out (B, H, Lq, D), lse (B, H, Lq)) in the compute dtype; see the module docstring."""
     offset = q_offset_tensor if q_offset_tensor is not None else q_offset
@@ -141,6 +143,13 @@ def _tiled_attention(
         with torch.no_grad():
             out = _masked_reference(query, key, value, mask, plan.term(tuple(term)), scale, causal, offset, window)
         return out, out.new_zeros(out.shape[:-1])
+    if _runs_triton(engine, query, key, value, plan.term(tuple(term))):
+        with torch.no_grad():
+            out = fused_attention(query, key, value, plan.term(tuple(term)), scale=scale, causal=causal,
+                                  q_offset=offset, key_valid=valid, window=window)
+        # the kernels' backward recomputes what it needs (the op's backward runs them again): no lse is kept
+        dtype = _compute_dtype(query.dtype)
+        return out.to(dtype).contiguous(), out.new_zeros(out.shape[:-1], dtype=dtype)
     saved = _Saved()
     q_off_t = None if q_offset_tensor is None else q_offset_tensor.to(device=query.device, dtype=torch.long).reshape(())
     with torch.no_grad():
@@ -151,7 +160,7 @@ def _tiled_attention(
 
 @_tiled_attention.register_fake
 def _(query, key, value, mask, key_valid, q_offset_tensor, term, kind, names, ints, scale, causal,
-      q_offset, block_q, block_k, window, band):
+      q_offset, block_q, block_k, window, band, engine):
     dtype = _compute_dtype(query.dtype)
     return query.new_empty(query.shape, dtype=dtype), query.new_empty(query.shape[:-1], dtype=dtype)
 
@@ -161,21 +170,26 @@ def _tiled_attention_backward(
     grad_out: Tensor, out: Tensor, lse: Tensor, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
     key_valid: Tensor | None, q_offset_tensor: Tensor | None, term: list[Tensor], need: list[bool], kind: str,
     names: str, ints: str, scale: float, causal: bool, q_offset: int, block_q: int,
-    block_k: int, window: int | None, band: int | None,
+    block_k: int, window: int | None, band: int | None, engine: str,
 ) -> list[Tensor]:
     """[dq, dk, dv, *d(term)] (zeros for a term tensor that needs no gradient), in the inputs' dtypes."""
     offset = q_offset_tensor if q_offset_tensor is not None else q_offset
     valid, reason = _resolve_mask(mask, key_valid, causal, query.shape[2], key.shape[2], offset, band)
     plan = _plan(kind, names, ints, scale, causal, None if q_offset_tensor is not None else q_offset,
                  block_q, block_k, window)
+    leaves = [t.detach().requires_grad_(t.is_floating_point() and wanted)
+              for t, wanted in zip((query, key, value, *term), (True, True, True, *need))]
     if reason is not None:
-        leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in (query, key, value, *term)]
-        with _autograd_inside(), torch.enable_grad():
-            ref = _masked_reference(*leaves[:3], mask, plan.term(tuple(leaves[3:])), scale, causal, offset, window)
-            wanted = [t for t in leaves if t.requires_grad]
-            got = iter(torch.autograd.grad(ref, wanted, grad_out.to(ref.dtype), allow_unused=True))
-        grads = [next(got) if t.requires_grad else None for t in leaves]
+        grads = _recomputed_grads(lambda q, k, v, *tt: _masked_reference(
+            q, k, v, mask, plan.term(tt), scale, causal, offset, window), leaves, grad_out)
+    elif _runs_triton(engine, *leaves[:3], plan.term(tuple(leaves[3:]))):  # the kernels' forward, then backward
+        grads = _recomputed_grads(lambda q, k, v, *tt: fused_attention(
+            q, k, v, plan.term(tt), scale=scale, causal=causal, q_offset=offset, key_valid=valid, window=window),
+            leaves, grad_out)
     else:
+        if engine == "triton":  # the forward ran the kernels: the engine's backward needs its own out and lse
+            out, lse = _tiled_attention(query, key, value, mask, key_valid, q_offset_tensor, term, kind, names, ints,
+                                        scale, causal, q_offset, block_q, block_k, window, band, "torch")
         q_off_t = None if q_offset_tensor is None else q_offset_tensor.to(device=query.device,
                                                                            dtype=torch.long).reshape(())
         saved = _Saved(plan=plan, needs_input_grad=(True, True, True, False, False, False, *need))
@@ -186,6 +200,33 @@ def _tiled_attention_backward(
         grads = grads[:3] + grads[6:]
     inputs = (query, key, value, *term)
     return [_grad_like(g, t, inputs) for g, t in zip(grads, inputs)]
+
+
+def _runs_triton(engine: str, query: Tensor, key: Tensor, value: Tensor, term: KernelTerm) -> bool:
+    """Whether the ops run the Triton kernels (``engine == "triton"``: the attention backend of the model, chosen
+    when the graph was traced) for these inputs, checked here where the tensors are real. Where the kernels cannot
+    run them, the tile engine does (logged at debug level), or, with ``HF_POSENC_BACKEND=triton``, a ValueError
+    says why, as in eager mode. Gradients: ``term``'s tensors that require one (the backward op's leaves)."""
+    if engine != "triton":
+        return False
+    with torch.enable_grad():
+        reason = kernel_unsupported(query, key, value, term)
+    if reason is None:
+        return True
+    if forced_backend() == "triton":
+        raise ValueError(f"HF_POSENC_BACKEND=triton, but {reason}")
+    logger.debug("hf_posenc::tiled_attention runs the tile engine, not the Triton kernels: %s", reason)
+    return False
+
+
+def _recomputed_grads(run, leaves: list[Tensor], grad_out: Tensor) -> list[Tensor | None]:
+    """The gradients of ``run(*leaves)`` (its output's gradient ``grad_out``) for the leaves that require one
+    (None for the others), by autograd on a recomputation of the forward."""
+    with _autograd_inside(), torch.enable_grad():
+        out = run(*leaves)
+        wanted = [t for t in leaves if t.requires_grad]
+        got = iter(torch.autograd.grad(out, wanted, grad_out.to(out.dtype), allow_unused=True))
+    return [next(got) if t.requires_grad else None for t in leaves]
 
 
 def _grad_like(g: Tensor | None, t: Tensor, inputs: tuple[Tensor, ...]) -> Tensor:
@@ -204,12 +245,12 @@ def _aliases(t: Tensor, inputs: tuple[Tensor, ...]) -> bool:
 
 @_tiled_attention_backward.register_fake
 def _(grad_out, out, lse, query, key, value, mask, key_valid, q_offset_tensor, term, need, kind, names, ints,
-      scale, causal, q_offset, block_q, block_k, window, band):
+      scale, causal, q_offset, block_q, block_k, window, band, engine):
     return [torch.empty_like(t) for t in (query, key, value, *term)]
 
 
 _SCALARS = ("kind", "names", "ints", "scale", "causal", "q_offset", "block_q", "block_k", "window",
-            "band")
+            "band", "engine")
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -246,8 +287,11 @@ def tiled_attention_op(
     key_valid: Tensor | None = None,
     window: int | None = None,
     band: int | None = None,
+    engine: str = "torch",
 ) -> Tensor:
-    """:func:`hf_posenc.kernels.attention.tiled_attention` through the custom op (traceable by ``torch.compile``).
+    """:func:`hf_posenc.kernels.attention.tiled_attention` through the custom op (traceable by ``torch.compile``),
+    or with ``engine="triton"`` the Triton kernels (:func:`~hf_posenc.kernels.attention.fused_attention`) where
+    they take the inputs.
 
     Args:
         query: (B, H, Lq, D); key, value: (B, Hkv, Lk, D) (``term.key`` / ``term.value`` replace them when set).
@@ -257,6 +301,8 @@ def tiled_attention_op(
         mask: None, or a bool mask (B|1, 1, Lq, Lk) (True = attend), checked inside the op (module docstring).
         key_valid: (B|1, Lk) bool or None (False on padding keys), when the caller has already checked its mask.
         band: the model's own sliding window that ``mask`` may carry (the engine takes ``window`` for it).
+        engine: ``"torch"`` (the tile engine) or ``"triton"`` (the kernels, checked inside the op; the tile engine
+            where they cannot run, or a ValueError under ``HF_POSENC_BACKEND=triton``).
 
     Returns:
         (B, H, Lq, D) in the query's dtype.
@@ -276,7 +322,7 @@ def tiled_attention_op(
     out, _ = _tiled_attention(
         query, key, value, mask, key_valid, q_offset if off_tensor else None, list(term.tensors.values()), term.kind,
         ",".join(names), ",".join(f"{n}={int(v)}" for n, v in term.ints.items()), float(scale), bool(causal),
-        0 if off_tensor else q_offset, block_q, BLOCK_K, window, band,
+        0 if off_tensor else q_offset, block_q, BLOCK_K, window, band, engine,
     )
     return out.to(query.dtype)
 

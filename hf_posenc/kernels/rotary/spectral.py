@@ -230,7 +230,8 @@ def _(q, k, skew, coeff):
     hr, m, b, _ = skew.shape
     phases = (coeff.shape[0], hr, 1, coeff.shape[1], m * b)
     return (q.new_empty(q.shape), k.new_empty(k.shape),
-            q.new_empty(q.shape if q.dtype != dt else 0, dtype=dt), k.new_empty(k.shape if k.dtype != dt else 0, dtype=dt),
+            q.new_empty(q.shape if q.dtype != dt else 0, dtype=dt),
+            k.new_empty(k.shape if k.dtype != dt else 0, dtype=dt),
             skew.new_empty((hr, m, b), dtype=torch.float64), skew.new_empty((hr, m, b, b, 2), dtype=torch.float64),
             q.new_empty(phases, dtype=dt), q.new_empty(phases, dtype=dt))
 

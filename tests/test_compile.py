@@ -284,25 +284,34 @@ def test_tile_op_opcheck(kind, engine):
         torch.library.opcheck(_tiled_attention, args)
 
 
-@pytest.mark.parametrize("encoding", ["alibi", "fire"])
-def test_compiled_model_runs_the_triton_kernels(monkeypatch, encoding):
+@pytest.mark.parametrize("encoding,module,launcher,eager_calls", [
+    ("alibi", "custom_ops", "fused_attention", 0),  # eager calls the kernels directly, not through custom_ops
+    ("fire", "custom_ops", "fused_attention", 0),
+    ("cope", "cope.triton_cope", "_forward", 1),
+    ("sba", "sba.triton_sba", "_forward", 1),
+])
+def test_compiled_model_runs_the_triton_kernels(monkeypatch, encoding, module, launcher, eager_calls):
     """The ``triton`` backend (CUDA's default; forced here, the kernels in Triton's interpreter) under
-    torch.compile: the attention's Triton kernels run inside the engine's custom op, forward and backward (the
-    mask checked there), on a left-padded batch, with eager's loss and gradients (eager runs the kernels too)."""
-    from hf_posenc.kernels import custom_ops
+    torch.compile: the Triton kernels run inside the engines' custom ops (``hf_posenc::tiled_attention`` for the
+    attention terms, ``hf_posenc::engine`` for CoPE and stick-breaking), forward and backward (a recomputed
+    forward), the mask checked there, on a left-padded batch, with eager's loss and gradients (eager runs the
+    kernels too). Before, a compiled model ran the tile engine (a mask's form cannot be read while tracing) or,
+    for CoPE and stick-breaking, failed to trace the kernels' dispatch (Triton's mode switch)."""
+    import importlib
 
+    target = importlib.import_module(f"hf_posenc.kernels.{module}")
     calls = []
-    real = custom_ops.fused_attention
-    monkeypatch.setattr(custom_ops, "fused_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = getattr(target, launcher)
+    monkeypatch.setattr(target, launcher, lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setenv("HF_POSENC_BACKEND", "triton")
     model = make_model("llama", encoding=encoding, train=True, config_overrides={"num_hidden_layers": 1})
     x = inputs("llama")
     ref_loss, ref = _step(model, model, x, "llama")
-    assert not calls  # eager: the kernels directly, not through the op
+    assert len(calls) == eager_calls
     counter = CompileCounterWithBackend("aot_eager")
     loss, got = _step(torch.compile(model, fullgraph=True, backend=counter), model, x, "llama")
     assert counter.frame_count == 1
-    assert len(calls) == 2  # the op's forward, and its backward's recomputation
+    assert len(calls) == eager_calls + 2  # the op's forward, and its backward's recomputation
     assert abs(loss - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss))
     scale = max(g.abs().max() for g in ref.values())
     assert max((got[n] - ref[n]).abs().max() / scale for n in ref) <= GRAD_RTOL

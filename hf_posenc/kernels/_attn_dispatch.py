@@ -16,7 +16,7 @@ from ..backend import forced_backend
 from ._common import KERNEL_DTYPES, MAX_HEAD_DIM, triton_import_error
 from .defaults import cuda_default_backend
 
-__all__ = ["choose", "common_unsupported"]
+__all__ = ["choose", "common_unsupported", "kernel_preferred"]
 
 
 def _interpreting() -> bool:
@@ -66,15 +66,32 @@ def common_unsupported(
     return None
 
 
+def kernel_preferred(kind: str, module: str, device: torch.device) -> bool:
+    """Whether a call of the ``kind`` attention (``"sba"``, ``"cope"``) on ``device`` prefers its Triton kernel
+    (the kernel module ``module``), before its inputs are checked: ``HF_POSENC_BACKEND=triton``, or none forced,
+    a CUDA device, the kind's CUDA default ``triton`` and Triton importable. No tensor is read (traceable)."""
+    forced = forced_backend()
+    if forced is not None:
+        return forced == "triton"
+    return (torch.device(device).type == "cuda" and cuda_default_backend(kind) == "triton"
+            and triton_import_error(module) is None)
+
+
 def choose(reason: Callable[[], str | None], on_cuda: bool, kind: str) -> str:
     """``"triton"`` or ``"torch"`` from ``HF_POSENC_BACKEND`` and ``reason()`` (None: the kernel can run).
 
     Unforced on CUDA, the default of ``kind`` (``"sba"``, ``"cope"``) in
     :data:`hf_posenc.kernels.defaults.CUDA_DEFAULT_BACKEND` decides whether the kernel is tried at all.
 
+    Under ``torch.compile``: ``"torch"``, the tile engine's custom op (``hf_posenc::engine``), which runs the kernel
+    inside where :func:`kernel_preferred` and the inputs allow (checked in the op, where the tensors are real;
+    neither the kernel's launch nor Triton's mode can be traced).
+
     Raises:
         ValueError: ``HF_POSENC_BACKEND=triton`` and the kernel cannot run these inputs.
     """
+    if torch.compiler.is_compiling():
+        return "torch"
     forced = forced_backend()
     if forced in ("torch", "flex"):
         return "torch"

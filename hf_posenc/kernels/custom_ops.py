@@ -357,6 +357,11 @@ class EngineSpec:
     positions: Callable[[list], list[int]]
     #: (tensors, spec) -> the output's (shape, dtype)
     output: Callable[[list, dict], tuple[tuple, torch.dtype]]
+    #: (tensors, spec, q_offset) -> the Triton kernel's autograd Function and its forward arguments (the same
+    #: positions as ``function``'s), run instead of the engine when the call prefers it (``spec["triton"]``)
+    kernel: Callable[[list, dict, int], tuple[type, tuple]] | None = None
+    #: (tensors, spec, q_offset) -> why that kernel cannot run these inputs (a sentence), or None
+    kernel_unsupported: Callable[[list, dict, int], str | None] | None = None
 
 
 def _encode(spec: dict) -> str:
@@ -401,21 +406,40 @@ def _engine_forward(name: str, tensors: list[Tensor], spec: dict, q_offset: int,
     (ctx, out)."""
     engine = _engine_spec(name)
     full = _expand([t.detach() for t in tensors], spec)
-    args = engine.arguments(full, spec, q_offset)
+    function, args = engine.function, engine.arguments(full, spec, q_offset)
+    if _kernel_runs(name, engine, full, spec, q_offset):
+        function, args = engine.kernel(full, spec, q_offset)
     needs = [False] * len(args)
     positions = engine.positions(full)
     for slot, wanted in zip(spec["slots"], need):
         needs[positions[slot]] = bool(wanted)
-    saved = _Saved(needs_input_grad=tuple(needs))
+    saved = _Saved(needs_input_grad=tuple(needs), function=function)
     with torch.no_grad():
-        out = engine.function.forward(saved, *args)
+        out = function.forward(saved, *args)
     return saved, out
+
+
+def _kernel_runs(name: str, engine: "EngineSpec", full: list, spec: dict, q_offset: int) -> bool:
+    """Whether this call runs the engine's Triton kernel: preferred (``spec["triton"]``: the backend the model would
+    pick in eager mode, decided when the graph was traced) and able to take the inputs, checked here where the
+    tensors are real. Otherwise the tile engine runs (logged at debug level), or, with
+    ``HF_POSENC_BACKEND=triton``, a ValueError says why, as in eager mode."""
+    if not spec.get("triton") or engine.kernel is None:
+        return False
+    reason = engine.kernel_unsupported(full, spec, q_offset)
+    if reason is None or reason == "empty tensors":
+        return reason is None
+    if forced_backend() == "triton":
+        raise ValueError(f"HF_POSENC_BACKEND=triton, but {reason}")
+    logger.debug("hf_posenc::engine runs the %s tile engine, not its Triton kernel: %s", name, reason)
+    return False
 
 
 @torch.library.custom_op("hf_posenc::engine", mutates_args=(), tags=_EXACT)
 def _engine(name: str, tensors: list[Tensor], spec: str, q_offset: int) -> Tensor:
     """out of the engine ``name`` (``cope``, ``sba`` or ``cape``); see the comment above."""
     _, out = _engine_forward(name, tensors, _decode(spec), q_offset, [False] * len(tensors))
+    out = out.contiguous()  # the fake's layout (the kernels return a transposed view)
     return out.clone() if _aliases(out, tuple(tensors)) else out
 
 
@@ -434,7 +458,7 @@ def _engine_backward(grad_out: Tensor, name: str, tensors: list[Tensor], need: l
     saved, _ = _engine_forward(name, tensors, spec_d, q_offset, need)
     engine = _engine_spec(name)
     with _autograd_inside(), torch.no_grad():
-        grads = engine.function.backward(saved, grad_out)
+        grads = saved.function.backward(saved, grad_out)
     positions = engine.positions(_expand(tensors, spec_d))
     out = []
     for t, slot, wanted in zip(tensors, spec_d["slots"], need):

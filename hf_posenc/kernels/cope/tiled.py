@@ -68,6 +68,7 @@ from .._reverse_tiles import (
     tile_sizes,
     to_groups,
 )
+from .._attn_dispatch import kernel_preferred
 from ..custom_ops import EngineSpec, engine_op, offset_arg, register_engine
 
 __all__ = ["cope_tiled", "CopeTiledFunction", "BLOCK_M", "BLOCK_N"]
@@ -347,8 +348,24 @@ def cope_tiled(
     if torch.compiler.is_compiling():  # one custom op in the compiled graph (hf_posenc.kernels.custom_ops)
 
         return engine_op("cope", [q, k, v, table, mask, q_offset if isinstance(q_offset, torch.Tensor) else None],
-                         {"scale": float(scale), "block_m": block_m, "block_n": block_n, "window": window}, q_offset)
+                         {"scale": float(scale), "block_m": block_m, "block_n": block_n, "window": window,
+                          "triton": kernel_preferred("cope", "cope.triton_cope", q.device)}, q_offset)
     return CopeTiledFunction.apply(q, k, v, table, mask, float(scale), q_offset, block_m, block_n, window)
+
+
+def _kernel(t: list, s: dict, o: int) -> tuple[type, tuple]:
+    """The Triton kernel's Function and forward arguments (same positions as CopeTiledFunction's)."""
+    from .._triton_tiles import device_offset
+    from .triton_cope import CopeFunction
+
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in t[:3])
+    return CopeFunction, (q, k, v, t[3], t[4], s["scale"], device_offset(offset_arg(t[5], o), q.device), s["window"])
+
+
+def _kernel_unsupported(t: list, s: dict, o: int) -> str | None:
+    from . import triton_unsupported
+
+    return triton_unsupported(t[0], t[1], t[2], t[4], offset_arg(t[5], o))
 
 
 register_engine("cope", EngineSpec(  # tensors [q, k, v, table, mask?, q_offset?]
@@ -357,4 +374,6 @@ register_engine("cope", EngineSpec(  # tensors [q, k, v, table, mask?, q_offset?
                      s["window"]),
     lambda t: [0, 1, 2, 3, 4, 6],
     lambda t, s: ((*t[0].shape[:3], t[2].shape[3]), t[0].dtype),
+    _kernel,
+    _kernel_unsupported,
 ))

@@ -54,6 +54,7 @@ from .._reverse_tiles import (
     Geometry, blocked_mask_rows, call_options, fill_blocked, key_tiles, tile_blocked, tile_sizes, to_groups,
 )
 from .naive import SOFTPLUS_THRESHOLD  # softplus is linear above this (the paper code's threshold)
+from .._attn_dispatch import kernel_preferred
 from ..custom_ops import EngineSpec, engine_op, offset_arg, register_engine
 
 __all__ = ["sba_tiled", "SbaTiledFunction", "BLOCK_M", "BLOCK_N"]
@@ -267,10 +268,28 @@ def sba_tiled(
 
         return engine_op("sba", [q, k, v, mask, bias, q_offset if isinstance(q_offset, torch.Tensor) else None],
                          {"scale": float(scale), "attend_current": bool(attend_current), "remainder": remainder,
-                          "block_m": block_m, "block_n": block_n, "window": window}, q_offset)
+                          "block_m": block_m, "block_n": block_n, "window": window,
+                          "triton": kernel_preferred("sba", "sba.triton_sba", q.device)}, q_offset)
     return SbaTiledFunction.apply(
         q, k, v, mask, bias, float(scale), q_offset, bool(attend_current), remainder, block_m, block_n, window
     )
+
+
+def _kernel(t: list, s: dict, o: int) -> tuple[type, tuple]:
+    """The Triton kernel's Function and forward arguments (same positions as SbaTiledFunction's)."""
+    from .._triton_tiles import device_offset
+    from .triton_sba import SbaFunction
+
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in t[:3])
+    return SbaFunction, (q, k, v, t[3], t[4], s["scale"], device_offset(offset_arg(t[5], o), q.device),
+                         s["attend_current"], s["remainder"], s["window"])
+
+
+def _kernel_unsupported(t: list, s: dict, o: int) -> str | None:
+    from .._attn_dispatch import common_unsupported
+
+    return common_unsupported("sba", "sba.triton_sba", t[0], t[1], t[2], t[3], offset_arg(t[5], o), False, 0.0,
+                              False)
 
 
 register_engine("sba", EngineSpec(  # tensors [q, k, v, mask?, bias?, q_offset?]
@@ -279,4 +298,6 @@ register_engine("sba", EngineSpec(  # tensors [q, k, v, mask?, bias?, q_offset?]
                      s["remainder"], s["block_m"], s["block_n"], s["window"]),
     lambda t: [0, 1, 2, 3, 4, 6],
     lambda t, s: ((*t[0].shape[:3], t[2].shape[3]), t[0].dtype),
+    _kernel,
+    _kernel_unsupported,
 ))

@@ -284,19 +284,25 @@ def test_tile_op_opcheck(kind, engine):
         torch.library.opcheck(_tiled_attention, args)
 
 
-@pytest.mark.parametrize("encoding,module,launcher,eager_calls", [
-    ("alibi", "custom_ops", "fused_attention", 0),  # eager calls the kernels directly, not through custom_ops
-    ("fire", "custom_ops", "fused_attention", 0),
-    ("cope", "cope.triton_cope", "_forward", 1),
-    ("sba", "sba.triton_sba", "_forward", 1),
+@pytest.mark.parametrize("encoding,module,launcher,eager_calls,compiled_calls", [
+    # eager calls the attention kernels directly, not through custom_ops; the op: forward, and the backward's
+    # recomputed forward
+    ("alibi", "custom_ops", "fused_attention", 0, 2),
+    ("fire", "custom_ops", "fused_attention", 0, 2),
+    ("cope", "cope.triton_cope", "_forward", 1, 2),
+    ("sba", "sba.triton_sba", "_forward", 1, 2),
+    # every rotary launch: eager forward and backward; the op's forward, recomputed forward and backward
+    ("rope2d", "rotary.triton_rotary", "_launch", 2, 3),
 ])
-def test_compiled_model_runs_the_triton_kernels(monkeypatch, encoding, module, launcher, eager_calls):
+def test_compiled_model_runs_the_triton_kernels(monkeypatch, encoding, module, launcher, eager_calls,
+                                                compiled_calls):
     """The ``triton`` backend (CUDA's default; forced here, the kernels in Triton's interpreter) under
-    torch.compile: the Triton kernels run inside the engines' custom ops (``hf_posenc::tiled_attention`` for the
-    attention terms, ``hf_posenc::engine`` for CoPE and stick-breaking), forward and backward (a recomputed
-    forward), the mask checked there, on a left-padded batch, with eager's loss and gradients (eager runs the
-    kernels too). Before, a compiled model ran the tile engine (a mask's form cannot be read while tracing) or,
-    for CoPE and stick-breaking, failed to trace the kernels' dispatch (Triton's mode switch)."""
+    torch.compile: the Triton kernels run inside custom ops (``hf_posenc::tiled_attention`` for the attention
+    terms, ``hf_posenc::engine`` for CoPE and stick-breaking, ``hf_posenc::rotary`` for the rotations), forward
+    and backward (on a recomputed forward), the mask checked there, on a left-padded batch, with eager's loss and
+    gradients (eager runs the kernels too). Before, a compiled model ran the tile engine (a mask's form cannot be
+    read while tracing) or, for CoPE, stick-breaking and the rotations, failed to trace the kernels' dispatch
+    (Triton's mode switch)."""
     import importlib
 
     target = importlib.import_module(f"hf_posenc.kernels.{module}")
@@ -311,7 +317,7 @@ def test_compiled_model_runs_the_triton_kernels(monkeypatch, encoding, module, l
     counter = CompileCounterWithBackend("aot_eager")
     loss, got = _step(torch.compile(model, fullgraph=True, backend=counter), model, x, "llama")
     assert counter.frame_count == 1
-    assert len(calls) == eager_calls + 2  # the op's forward, and its backward's recomputation
+    assert len(calls) == eager_calls + compiled_calls
     assert abs(loss - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss))
     scale = max(g.abs().max() for g in ref.values())
     assert max((got[n] - ref[n]).abs().max() / scale for n in ref) <= GRAD_RTOL

@@ -104,9 +104,14 @@ def rotation_backend(q: torch.Tensor | None, k: torch.Tensor, rot: torch.Tensor 
     """``"triton"`` or ``"torch"``: which implementation ``apply_qk_rotation`` uses for these inputs (``rot``: the
     rotations, or their block size).
 
+    Under ``torch.compile``: ``"triton"`` where the kernel is preferred (:func:`.custom_op.kernel_preferred`; it
+    then runs inside the custom op ``hf_posenc::rotary``, which checks the inputs), else ``"torch"``.
+
     Raises:
         ValueError: ``HF_POSENC_BACKEND`` names no backend, or names ``triton`` and the kernel cannot run.
     """
+    if torch.compiler.is_compiling():
+        return "triton" if kernel_preferred(k.device) else "torch"
     forced = forced_backend()
     if forced in ("torch", "flex"):
         return "torch"
@@ -149,6 +154,8 @@ def apply_qk_rotation(q: torch.Tensor, k: torch.Tensor, rot: torch.Tensor) -> tu
         ValueError: shapes that do not fit, or ``HF_POSENC_BACKEND`` asks for a backend that cannot run.
     """
     _check_shapes(q, k, rot)
+    if torch.compiler.is_compiling() and kernel_preferred(k.device):
+        return rotary_op(q, k, rot)  # the kernel inside a custom op (hf_posenc.kernels.rotary.custom_op)
     if rotation_backend(q, k, rot) == "triton":
         from .triton_rotary import rotary_qk
 
@@ -162,8 +169,14 @@ def apply_block_rotation(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     Dispatches like ``apply_qk_rotation`` (the same kernel, with no query heads).
     """
     _check_shapes(None, x, rot)
+    if torch.compiler.is_compiling() and kernel_preferred(x.device):
+        return rotary_op(None, x, rot)[1]
     if rotation_backend(None, x, rot) == "triton":
         from .triton_rotary import rotary_single
 
         return rotary_single(x, rot)
     return apply_block_rotation_reference(x, rot)
+
+
+# the custom op imports the dispatch's pieces above (its module needs them defined first)
+from .custom_op import kernel_preferred, rotary_op  # noqa: E402

@@ -617,6 +617,42 @@ def test_cache_matches_full_forward_left_padded(variant, family, cache):
     assert (full[0, 3:] - alone[0]).abs().max() < CACHE_ATOL
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_tape_few_queries_path_equals_sdpa(monkeypatch, family):
+    """Chunks of at most ``FEW_QUERIES`` queries (a decoding step) take tape's explicit-scores path (one softmax
+    for the values and the states, values per key/value head); longer ones the fused SDPA calls. Both give the
+    same logits for a left-padded batch, whole and cached in pieces (the default is the short path here)."""
+    from hf_posenc.encodings import tape as tape_module
+
+    model = variant_model(family, "tape")
+    ids, mask = left_pad([make_ids(1, 7, seed=2)[0], make_ids(1, 10, seed=3)[0]])
+    pos = positions_from_mask(mask)
+    calls = []
+    real_few = tape_module._few_queries
+    monkeypatch.setattr(tape_module, "_few_queries", lambda *a: calls.append(1) or real_few(*a))
+
+    def run():
+        with torch.no_grad():
+            full = model(ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+            past, pieces, start = DynamicCache(config=model.config), [], 0
+            for n in STEPS:
+                pieces.append(model(ids[:, start: start + n], attention_mask=mask[:, : start + n],
+                                    position_ids=pos[:, start: start + n], past_key_values=past,
+                                    use_cache=True).logits)
+                start += n
+        return full, torch.cat(pieces, dim=1)
+
+    few = run()
+    assert calls
+    calls.clear()
+    monkeypatch.setattr(tape_module, "FEW_QUERIES", 0)
+    sdpa = run()
+    assert not calls
+    real = mask.bool()
+    for a, b in zip(few, sdpa):
+        assert (a[real] - b[real]).abs().max() < CACHE_ATOL
+
+
 def greedy_recompute(model, ids, mask, n):
     with torch.no_grad():
         for _ in range(n):

@@ -94,14 +94,24 @@ __all__ = ["Fox", "cumulative_gates", "forget_bias", "forgetting_attention", "ke
 # ---------------------------------------------------------------------------------------------------
 
 
-def key_validity(mask: torch.Tensor | None, k_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def key_validity(mask: torch.Tensor | None, k_len: int, device: torch.device,
+                 memo: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Which keys are real tokens, and which have a real predecessor, from the attention mask.
 
     Returns ``valid`` (B|1, Lk) bool: some query may attend to the key (False on left padding and on empty
     StaticCache slots), and ``has_prev`` (B|1, Lk) bool: some query may attend to both key j - 1 and key j
     (False at j = 0, on the first real token after padding, and at a document boundary of a block-diagonal
     mask of packed sequences). With no mask every key is valid.
+
+    ``memo`` (a forward's ``PosContext.memo``): computed once per mask and shared by the layers that get the same
+    mask (eager mode; under ``torch.compile`` the key, the mask's address, cannot be traced). The memo holds the
+    mask too, so no other mask can take its address while the forward runs.
     """
+    if memo is not None and mask is not None and not torch.compiler.is_compiling():
+        key = ("fox_key_validity", mask.data_ptr(), tuple(mask.shape), mask.stride(), k_len, str(device))
+        if key not in memo:
+            memo[key] = (mask, key_validity(mask, k_len, device))
+        return memo[key][1]
     if mask is None:
         valid = torch.ones(1, k_len, dtype=torch.bool, device=device)
         return valid, F.pad(valid[:, 1:], (1, 0), value=False)
@@ -363,7 +373,7 @@ class Fox(PositionEncoding):
         compute = compute_dtype(query.dtype)
         k, state = key[..., :d], key[..., d:]
         gates = self._gates_from_kv(unpack_state(state, self.num_gate_sets * self.groups, compute))
-        valid, _ = key_validity(mask, key.shape[2], key.device)
+        valid, _ = key_validity(mask, key.shape[2], key.device, ctx.memo)
         bias = self._bias(ctx, gates, valid, query.shape[2], key.device)
         return forgetting_attention(query, k, value, bias, mask, scaling, dropout, training)
 
@@ -375,5 +385,5 @@ class Fox(PositionEncoding):
         d = query.shape[-1]
         compute = compute_dtype(query.dtype)
         gates = self._gates_from_kv(unpack_state(key[..., d:], self.num_gate_sets * self.groups, compute))
-        valid, _ = key_validity(mask, key.shape[2], key.device)
+        valid, _ = key_validity(mask, key.shape[2], key.device, ctx.memo)
         return KernelTerm.fox(cumulative_gates(gates[0], valid), key=key[..., :d])

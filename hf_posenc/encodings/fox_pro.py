@@ -103,15 +103,28 @@ class _RmsNorm(torch.autograd.Function):
         return dx, dw, None
 
 
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x², -1) + eps) * weight, in the dtype of x."""
+    """x / sqrt(mean(x², -1) + eps) * weight, in the dtype of x. Without a gradient, torch's fused rms_norm (a
+    decoding step normalises every cached key of every layer: 34 µs against 60 µs for the three ops, 64 x 288
+    keys, one thread of the 2-core AMD EPYC)."""
+    if not _needs_grad(x, weight):
+        return F.rms_norm(x, (x.shape[-1],), eps=eps) * weight
     return _RmsNorm.apply(x, weight, eps)
 
 
 def _previous(x: torch.Tensor, has_prev: torch.Tensor) -> torch.Tensor:
     """x_{t-1} along the key axis of x (B, Hkv, Lk, D), 0 where not ``has_prev`` (B|1, Lk)."""
-    prev = F.pad(x[..., :-1, :], (0, 0, 1, 0))
-    return torch.where(has_prev[:, None, :, None], prev, torch.zeros_like(prev))
+    return F.pad(x[..., :-1, :], (0, 0, 1, 0)) * has_prev[:, None, :, None]
+
+
+def _shifted(x: torch.Tensor, alpha: torch.Tensor, has_prev: torch.Tensor) -> torch.Tensor:
+    """y_t = α_t x_{t-1} + (1 - α_t) x_t as one lerp, x_t + α_t (x_{t-1} - x_t) (a third of the time of the
+    products and sum, which a decoding step pays on every cached key and value of every layer)."""
+    return torch.lerp(x, _previous(x, has_prev), alpha[..., None])
 
 
 class _TokenShift(torch.autograd.Function):
@@ -121,8 +134,7 @@ class _TokenShift(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, alpha, has_prev):  # type: ignore[override]
         ctx.save_for_backward(x, alpha, has_prev)
-        a = alpha[..., None]
-        return a * _previous(x, has_prev) + (1 - a) * x
+        return _shifted(x, alpha, has_prev)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -210,6 +222,8 @@ class FoxPro(Fox):
         if ctx.grid is not None:  # the CLS token is not shifted
             alpha = alpha.clone()
             alpha[..., 0] = 0.0
+        if not _needs_grad(x, alpha):
+            return _shifted(x, alpha, has_prev)
         return _TokenShift.apply(x, alpha, has_prev)
 
     def attend(
@@ -254,7 +268,7 @@ class FoxPro(Fox):
         unwindowed = mask
         if mask is not None and ctx.own_window() is not None:
             unwindowed = ctx.memo.get((UNWINDOWED_MASK, id(mask)), mask)
-        valid, has_prev = key_validity(unwindowed, k_len, key.device)
+        valid, has_prev = key_validity(unwindowed, k_len, key.device, ctx.memo)
         native = _native_window_has_prev(ctx, layer, k_len, key.device)
         if native is not None:
             has_prev = native

@@ -342,11 +342,17 @@ class Tape(PositionEncoding):
         half = d // 2
         q = apply_rotary(query.to(dtype), q_state[..., :half], q_state[..., half:], "half")
         k = apply_rotary(expand_kv(key, groups).to(dtype), k_state[..., :half], k_state[..., half:], "half")
-        v = expand_kv(value, groups).to(dtype)
         updates = layer < self.info.num_layers - 1
         plain = bool(ctx.memo.get(PLAIN_CAUSAL, False)) and self.info.causal
-        allowed = None if plain else allowed_keys(mask, q_len, k_len, ctx.q_offset, self.info.causal, query.device)
+        allowed = None if plain else _allowed(ctx, mask, q_len, k_len, self.info.causal, query.device)
 
+        if q_len <= FEW_QUERIES and not ctx.need_weights and not (dropout > 0 and training):
+            out, agg = _few_queries(q, k, value.to(dtype), k_state if updates else None, allowed, plain, scaling)
+            if updates:
+                scale = self.attn_update[layer].to(dtype).sum(-1)
+                ctx.memo[(_ATTN_STATE, layer)] = q_state + scale[None, :, None, None] * agg
+            return out.to(value.dtype), None
+        v = expand_kv(value, groups).to(dtype)
         probs = None
         if ctx.need_weights:  # the probabilities are asked for: the full-matrix form
             scores = (q @ k.transpose(-1, -2)) * scaling
@@ -365,6 +371,49 @@ class Tape(PositionEncoding):
             scale = self.attn_update[layer].to(dtype).sum(-1)  # a_h = Σ_e W_{h,e}, the code's einsum
             ctx.memo[(_ATTN_STATE, layer)] = q_state + scale[None, :, None, None] * agg
         return out.to(value.dtype), probs
+
+
+#: At most this many queries (a decoding step): ``attend`` forms the (B, H, Lq, Lk) scores itself, one softmax for
+#: the values and the states, the values read per key/value head (no copy per query head). Two fused SDPA calls
+#: cost more there: 0.1 ms each per layer on SmolLM2's shape (the 2-core AMD EPYC, one thread).
+FEW_QUERIES = 16
+
+
+def _allowed(ctx: PosContext, mask: torch.Tensor | None, q_len: int, k_len: int, causal: bool,
+             device: torch.device) -> torch.Tensor | None:
+    """:func:`allowed_keys` of this forward's mask, built once per forward and shared by the layers (eager mode:
+    the memo holds the mask, so its address stays its own; under ``torch.compile``, per layer)."""
+    if torch.compiler.is_compiling():
+        return allowed_keys(mask, q_len, k_len, ctx.q_offset, causal, device)
+    key = ("tape_allowed", None if mask is None else (mask.data_ptr(), tuple(mask.shape), mask.stride()), q_len,
+           k_len, causal, str(device))
+    if key not in ctx.memo:
+        ctx.memo[key] = (mask, allowed_keys(mask, q_len, k_len, ctx.q_offset, causal, device))
+    return ctx.memo[key][1]
+
+
+def _few_queries(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    state: torch.Tensor | None,
+    allowed: torch.Tensor | None,
+    is_causal: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(softmax(q kᵀ · scaling) v, the same weights on ``state``) for a few queries: q, k (B, H, Lq|Lk, D) per
+    query head, v (B, Hkv, Lk, D) per key/value head, state (B, H, Lk, D) or None; ``allowed`` as for
+    :func:`_attention` (``is_causal``: causality alone, queries = keys). Rows with no allowed key give zeros."""
+    b, h, q_len, d = q.shape
+    hkv, k_len = v.shape[1], k.shape[2]
+    scores = (q @ k.transpose(-1, -2)) * scaling
+    if is_causal:
+        allowed = allowed_keys(None, q_len, k_len, 0, True, q.device)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)  # fully masked rows (left padding) -> 0
+    out = (probs.reshape(b, hkv, (h // hkv) * q_len, k_len) @ v).reshape(b, h, q_len, v.shape[-1])
+    return out, (probs @ state if state is not None else None)
 
 
 def _attention(

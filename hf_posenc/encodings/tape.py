@@ -355,12 +355,7 @@ class Tape(PositionEncoding):
         v = expand_kv(value, groups).to(dtype)
         probs = None
         if ctx.need_weights:  # the probabilities are asked for: the full-matrix form
-            scores = (q @ k.transpose(-1, -2)) * scaling
-            if plain:
-                allowed = allowed_keys(None, q_len, k_len, 0, True, query.device)
-            if allowed is not None:
-                scores = scores.masked_fill(~allowed, float("-inf"))
-            probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)  # fully masked rows (left padding) -> 0
+            probs = _weights(q, k, allowed, plain, scaling)
             dropped = F.dropout(probs, p=dropout, training=training)
             out = dropped @ v
             agg = dropped @ k_state if updates else None
@@ -392,6 +387,18 @@ def _allowed(ctx: PosContext, mask: torch.Tensor | None, q_len: int, k_len: int,
     return ctx.memo[key][1]
 
 
+def _weights(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None, is_causal: bool,
+             scaling: float) -> torch.Tensor:
+    """The attention probabilities (B, H, Lq, Lk) of q, k (per query head); ``allowed`` and ``is_causal`` as for
+    :func:`_attention`. Rows with no allowed key (left padding) are zeros."""
+    scores = (q @ k.transpose(-1, -2)) * scaling
+    if is_causal:
+        allowed = allowed_keys(None, q.shape[2], k.shape[2], 0, True, q.device)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+
+
 def _few_queries(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -406,12 +413,7 @@ def _few_queries(
     :func:`_attention` (``is_causal``: causality alone, queries = keys). Rows with no allowed key give zeros."""
     b, h, q_len, d = q.shape
     hkv, k_len = v.shape[1], k.shape[2]
-    scores = (q @ k.transpose(-1, -2)) * scaling
-    if is_causal:
-        allowed = allowed_keys(None, q_len, k_len, 0, True, q.device)
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)  # fully masked rows (left padding) -> 0
+    probs = _weights(q, k, allowed, is_causal, scaling)
     out = (probs.reshape(b, hkv, (h // hkv) * q_len, k_len) @ v).reshape(b, h, q_len, v.shape[-1])
     return out, (probs @ state if state is not None else None)
 

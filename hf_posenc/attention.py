@@ -30,7 +30,6 @@ probabilities (``output_attentions``) always come from the eager ``torch`` path.
 
 from __future__ import annotations
 
-import logging
 
 import torch
 from torch.nn import functional as F
@@ -46,13 +45,13 @@ from .kernels.attention import (
     kernel_unsupported,
 )
 from .kernels.attention import _triton_import_error as _attention_triton_error
+from .kernels._common import debug_log
 from .kernels.defaults import cuda_default_backend
 from .kernels._masks import band_allowed, mask_key_validity
 from .kernels.attention.tiled import tiled_attention, tiled_unsupported
 from .kernels.custom_ops import tiled_attention_op
 from .ops import expand_kv, masked_softmax
 
-_log = logging.getLogger(__name__)
 
 __all__ = ["ATTN_IMPLEMENTATION", "attention_backend", "posenc_attention", "register_with_transformers"]
 
@@ -397,7 +396,7 @@ def _compiled_tiled_attention(
     if reason is None and ctx.own_window() is not None and ctx.grid is not None:
         reason = "a sliding window on ViT's grid is per axis; the engine's window is 1D"
     if reason is not None:
-        _log.debug("torch.compile: the full-matrix reference runs layer %d: %s", layer, reason)
+        debug_log(__name__, f"torch.compile: the full-matrix reference runs layer {layer}: {reason}")
         return None
     return tiled_attention_op(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset, mask=mask,
                               window=ctx.engine_window(layer), band=ctx.native_window(layer), engine=engine)

@@ -487,6 +487,20 @@ def test_no_length_in_a_memo_key(encoding):
     assert counter.frame_count == 1, f"{counter.frame_count} graphs for 3 lengths"
 
 
+def test_compiled_reference_is_logged_and_one_graph(caplog):
+    """Where a compiled model must run the full-matrix reference (fire on BERT: its kernel term is causal), it is
+    one graph and says so in the debug log, written while the graph is traced (a Logger call inside traced code
+    broke the graph of every encoding without a kernel term on BERT)."""
+    model = make_model("bert", encoding="fire")
+    x = inputs("bert")
+    counter = CompileCounterWithBackend("eager")
+    with caplog.at_level("DEBUG", logger="hf_posenc"), torch.no_grad():
+        got = torch.compile(model, fullgraph=True, backend=counter)(**x).logits
+        assert (got - model(**x).logits).abs().max() <= LOGIT_ATOL
+    assert counter.frame_count == 1
+    assert "the full-matrix reference runs layer 0" in caplog.text, caplog.text
+
+
 def test_value_checks_step_aside_under_compile():
     """The eager-mode range check of token ids raises a ValueError; under torch.compile it reads no value
     (it would break the graph), so the compiled forward of valid ids is one graph (checked above) and the

@@ -56,7 +56,6 @@ debug level. float32, bfloat16 and half models keep the fused term.
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 
@@ -65,6 +64,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..config import PosEncConfig
+from ..kernels._common import debug_log
 from ..kernels.attention.terms import KernelTerm
 from ..ops import eager_value_checks
 from ..registry import param, register_encoding
@@ -72,7 +72,6 @@ from .base import ModelInfo, PosContext, PositionEncoding, relative_positions
 
 __all__ = ["Fire", "FireFunction"]
 
-logger = logging.getLogger(__name__)
 
 #: added to the normaliser, as in the paper's listing.
 FIRE_EPS = 1e-6
@@ -162,8 +161,8 @@ class Fire(PositionEncoding):
             return None
         fn = self.function(layer)
         if query.dtype == torch.float64 or fn.w1.dtype == torch.float64:
-            logger.debug("fire: float64 attention takes the exact bias (full-matrix reference), not the fused "
-                         "term's interpolated table of f_theta")
+            debug_log(__name__, "fire: float64 attention takes the exact bias (full-matrix reference), not the fused "
+                      "term's interpolated table of f_theta")
             return None
         q_len = query.shape[2]
         device = query.device

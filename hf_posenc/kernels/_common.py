@@ -6,6 +6,7 @@ and the dtype the PyTorch references and engines compute in. One definition each
 from __future__ import annotations
 
 import importlib
+import logging
 
 import torch
 
@@ -56,3 +57,19 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the PyTorch references and engines compute in for inputs of ``dtype``: float64 for float64
     inputs (gradient checks), float32 for everything else (float32, bfloat16, float16)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def debug_log(logger_name: str, message: str) -> None:
+    """``logging.getLogger(logger_name).debug(message)``, inside ``torch.compile`` too: there it runs once, while
+    the graph is traced (Dynamo supports no Logger method: a debug line in traced code broke the graph of every
+    encoding without a kernel term on BERT)."""
+    if torch.compiler.is_compiling():
+        _traced_debug_log(logger_name, message)
+    else:
+        logging.getLogger(logger_name).debug(message)
+
+
+@torch.compiler.assume_constant_result
+def _traced_debug_log(logger_name: str, message: str) -> bool:
+    logging.getLogger(logger_name).debug(message)
+    return True

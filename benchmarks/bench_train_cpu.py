@@ -37,16 +37,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_posenc  # noqa: E402
 from _common import device_name, versions  # noqa: E402
 
-#: (time ratio, peak-memory ratio) targets of DESIGN.md / issue 14, per encoding.
+#: (time ratio, peak-memory ratio) targets of DESIGN.md, per encoding (issue 36 moved fire to 2.0x and cape to
+#: 4.0x: the plain-PyTorch floor, accepted).
 TARGETS = {
     **{n: (1.1, 1.2) for n in ("nope", "sinusoidal", "learned", "rope", "xpos")},
     **{n: (1.2, 1.3) for n in ("alibi", "sandwich")},
-    **{n: (1.5, 1.5) for n in ("t5", "kerple", "fire", "fox", "fox_pro")},
+    **{n: (1.5, 1.5) for n in ("t5", "kerple", "fox", "fox_pro")},
+    "fire": (2.0, 1.5),
     "shaw": (1.8, 1.5),
     "tape": (2.0, 1.5),
     "sba": (2.5, 1.5),
     "cope": (3.0, 1.5),
-    "cape": (3.0, 2.0),
+    "cape": (4.0, 2.0),
     **{n: (1.3, 1.2) for n in ("rope2d", "liere", "comrope", "fope")},
 }
 

@@ -441,21 +441,25 @@ def test_tape_layer_updates_by_hand():
     mlp_out = torch.randn(b, n, 8, generator=g, dtype=torch.float64)
     ctx = PosContext(encoding=enc, info=info, position_ids=torch.arange(n)[None] + 3, need_weights=True)
     q1, k1, v1 = enc.prepare(ctx, 0, hidden, q, k, v)
-    assert q1 is q and k1.shape == (b, 2, n, 4 + 2 * 4) and v1 is v
+    assert q1 is q and k1.shape == (b, 2, n, 2 * (4 + 4)) and v1 is v
     state = ctx.memo[("tape_q_state", 0)]  # the queries' states, handed to attend (not cached)
     angles = (torch.arange(n)[:, None] + 3).double() * (1.0 / 10000 ** (torch.arange(0, 4, 2).double() / 4))
     e0 = torch.cat([angles.cos(), angles.sin()], -1)  # (n, 4)
     assert state.shape == (b, 4, n, 4) and (state - e0).abs().max() < 1e-6  # fp32 angles
-    assert torch.equal(k1[:, 1, :, 4:8], state[:, 2])  # kv head 1 holds query heads 2 and 3
-    assert torch.equal(k1[:, 1, :, 8:], state[:, 3])
-
-    mask = text_mask(b, n, n, 0)
-    out, probs = enc.attend(ctx, 0, q1, k1, v1, mask, 0.5, 0.0, False)
-    got_hat = ctx.memo[("tape_attn_state", 0)]
 
     def rot(x, e):
         c, s = torch.cat([e[..., :2]] * 2, -1), torch.cat([e[..., 2:]] * 2, -1)
         return x * c + torch.cat([-x[..., 2:], x[..., :2]], -1) * s
+
+    # kv head 1 holds query heads 2 and 3: for each, k rotated by that head's state, then the state
+    assert (k1[:, 1, :, 0:4] - rot(k[:, 1], state[:, 2])).abs().max() < 1e-12
+    assert torch.equal(k1[:, 1, :, 4:8], state[:, 2])
+    assert (k1[:, 1, :, 8:12] - rot(k[:, 1], state[:, 3])).abs().max() < 1e-12
+    assert torch.equal(k1[:, 1, :, 12:], state[:, 3])
+
+    mask = text_mask(b, n, n, 0)
+    out, probs = enc.attend(ctx, 0, q1, k1, v1, mask, 0.5, 0.0, False)
+    got_hat = ctx.memo[("tape_attn_state", 0)]
 
     kk = k.repeat_interleave(2, dim=1)
     scores = rot(q, state) @ rot(kk, state).transpose(-1, -2) * 0.5

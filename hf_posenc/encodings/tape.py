@@ -76,13 +76,16 @@ Where this differs from the code, and why
 
 Cache state
 -----------
-Layer l needs E^l_j of every past key (to rotate the keys and as the "values" of the attention-stage
-update). ``prepare`` appends E^l of the new tokens to their keys (per key/value head, the states of its
-G = H / Hkv query heads), so transformers' caches store them with the keys and they follow ``crop``,
-beam-search ``reorder_cache`` and StaticCache (allocated lazily with the first update's shape) for free;
-``attend`` strips them. The states of the new tokens reach ``attend`` for their queries through
-``PosContext.memo`` (queries are not cached).
-In a bfloat16/float16 cache each float32 value is stored as two channels (hi, lo), as FoX stores its gates
+Layer l needs every past key rotated by its state E^l_j, and E^l_j itself (the "values" of the attention-stage
+update). ``prepare`` rotates the new tokens' keys by their states, once per query head (the states are per query
+head), and stores per key/value head, for each of its G = H / Hkv query heads, the rotated key followed by the
+state: transformers' caches keep them with the keys, and they follow ``crop``, beam-search ``reorder_cache`` and
+StaticCache (allocated lazily with the first update's shape) for free; ``attend`` splits them. A decoding step
+then rotates no cached key again (rotating every cached key in every layer cost tape 1.58x the unpatched model's
+decoding time on SmolLM2's shape); the cache is G·(D + D·w) channels wide instead of D. The states of the new
+tokens reach ``attend`` for their queries through ``PosContext.memo`` (queries are not cached).
+The rotated keys are stored in the cache's dtype, as a RoPE model caches its keys. In a bfloat16/float16 cache
+each float32 state value is stored as two channels (hi, lo), as FoX stores its gates
 (:mod:`hf_posenc.encodings.cache_state`: 16 or 22 significant bits instead of 8 or 11).
 
 The states of the new tokens pass from layer l's attention (Ê^l, computed in ``attend``) to its MLP hook
@@ -260,8 +263,9 @@ class Tape(PositionEncoding):
     def prepare(
         self, ctx: PosContext, layer: int, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Append E^layer of the new tokens to k (B, Hkv, Lq, D) (see the module docstring); q is returned as it is
-        and its states are handed to ``attend`` through ``ctx.memo``.
+        """Replace k (B, Hkv, Lq, D) by its rotations by E^layer of the new tokens, one per query head of each
+        key/value head, each followed by that head's state (see the module docstring); q is returned as it is and
+        its states are handed to ``attend`` through ``ctx.memo``.
         E^0 is rotary; E^layer (layer > 0) was computed by the MLP hook of layer - 1 (:meth:`mlp_output`).
         ``hidden`` (the attention input) is not used."""
         b, h, n, d = q.shape
@@ -280,11 +284,13 @@ class Tape(PositionEncoding):
                 state = state.detach().requires_grad_(True)
                 ctx.memo[(_LEAF, layer)] = state
         ctx.memo[(_Q_STATE, layer)] = state  # the queries' states go to ``attend`` directly (they are not cached)
-        packed = pack_state(state, k.dtype)  # (B, H, n, D * w)
-        width = packed.shape[-1]
         groups = h // hkv
-        packed_k = packed.reshape(b, hkv, groups, n, width).permute(0, 1, 3, 2, 4).reshape(b, hkv, n, groups * width)
-        return q, torch.cat([k, packed_k], dim=-1), v
+        half = d // 2
+        rotated = apply_rotary(expand_kv(k, groups).to(state.dtype), state[..., :half], state[..., half:], "half")
+        per_head = torch.cat([rotated.to(k.dtype), pack_state(state, k.dtype)], dim=-1)  # (B, H, n, D + D * w)
+        width = per_head.shape[-1]
+        key = per_head.reshape(b, hkv, groups, n, width).permute(0, 1, 3, 2, 4).reshape(b, hkv, n, groups * width)
+        return q, key, v
 
     def mlp_output(self, ctx: PosContext, layer: int, out: torch.Tensor) -> torch.Tensor:
         """The MLP-stage update after layer ``layer``: E^{layer+1} = Ê + D[φ(X m) ⊙ U Ê] from the MLP output
@@ -320,7 +326,8 @@ class Tape(PositionEncoding):
 
         Args:
             query: (B, H, Lq, D) (its states come from ``prepare`` through ``ctx.memo``); key: (B, Hkv, Lk,
-                D + G·D·w) -- k and the states of its G query heads; value: (B, Hkv, Lk, D).
+                G·(D + D·w)) -- for each of its G query heads, k rotated by that head's state, then the state;
+                value: (B, Hkv, Lk, D).
             mask: (B|1, 1, Lq, Lk) bool (True = attend; causality included) or None.
             scaling: the model's logit scale.
 
@@ -335,19 +342,18 @@ class Tape(PositionEncoding):
         q_state = ctx.memo.get((_Q_STATE, layer))
         if q_state is None:
             raise RuntimeError(f"tape: the attention of layer {layer} ran without its prepare step in this forward")
-        key, packed = key.split([d, key.shape[-1] - d], dim=-1)
-        width = packed.shape[-1] // groups
-        k_state = packed.reshape(b, hkv, k_len, groups, width).permute(0, 1, 3, 2, 4).reshape(b, h, k_len, width)
-        k_state = unpack_state(k_state, d, dtype)
+        width = key.shape[-1] // groups
+        per_head = key.reshape(b, hkv, k_len, groups, width).permute(0, 1, 3, 2, 4).reshape(b, h, k_len, width)
+        k = per_head[..., :d].to(dtype)  # rotated by the keys' own states in ``prepare``
+        updates = layer < self.info.num_layers - 1
+        k_state = unpack_state(per_head[..., d:], d, dtype) if updates else None
         half = d // 2
         q = apply_rotary(query.to(dtype), q_state[..., :half], q_state[..., half:], "half")
-        k = apply_rotary(expand_kv(key, groups).to(dtype), k_state[..., :half], k_state[..., half:], "half")
-        updates = layer < self.info.num_layers - 1
         plain = bool(ctx.memo.get(PLAIN_CAUSAL, False)) and self.info.causal
         allowed = None if plain else _allowed(ctx, mask, q_len, k_len, self.info.causal, query.device)
 
         if q_len <= FEW_QUERIES and not ctx.need_weights and not (dropout > 0 and training):
-            out, agg = _few_queries(q, k, value.to(dtype), k_state if updates else None, allowed, plain, scaling)
+            out, agg = _few_queries(q, k, value.to(dtype), k_state, allowed, plain, scaling)
             if updates:
                 scale = self.attn_update[layer].to(dtype).sum(-1)
                 ctx.memo[(_ATTN_STATE, layer)] = q_state + scale[None, :, None, None] * agg

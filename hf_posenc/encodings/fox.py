@@ -103,12 +103,13 @@ def key_validity(mask: torch.Tensor | None, k_len: int, device: torch.device,
     (False at j = 0, on the first real token after padding, and at a document boundary of a block-diagonal
     mask of packed sequences). With no mask every key is valid.
 
-    ``memo`` (a forward's ``PosContext.memo``): computed once per mask and shared by the layers that get the same
-    mask (eager mode; under ``torch.compile`` the key, the mask's address, cannot be traced). The memo holds the
-    mask too, so no other mask can take its address while the forward runs.
+    ``memo`` (a forward's ``PosContext.memo``): computed once per mask (or for no mask, per key count) and shared by
+    the layers that get the same mask (eager mode; under ``torch.compile`` the key, the mask's address, cannot be
+    traced). The memo holds the mask too, so no other mask can take its address while the forward runs.
     """
-    if memo is not None and mask is not None and not torch.compiler.is_compiling():
-        key = ("fox_key_validity", mask.data_ptr(), tuple(mask.shape), mask.stride(), k_len, str(device))
+    if memo is not None and not torch.compiler.is_compiling():
+        where = None if mask is None else (mask.data_ptr(), tuple(mask.shape), mask.stride())
+        key = ("fox_key_validity", where, k_len, str(device))
         if key not in memo:
             memo[key] = (mask, key_validity(mask, k_len, device))
         return memo[key][1]

@@ -60,8 +60,10 @@ Attention-stage update without (B, H, L, L) tensors
 ``scaled_dot_product_attention`` over v and over E gives both o_i and the update. As in the code's flash path
 (``flash_attn_func(q, k, position_state0)``), these are separate fused calls (PyTorch's fused CPU kernel
 needs values as wide as q and k; with attention dropout, one call over [v | E] with q and k zero-padded, so
-that one dropout mask acts on both), with is_causal when the mask is causality alone. The attention probabilities are built only when they are asked for
-(``output_attentions``).
+that one dropout mask acts on both), with is_causal when the mask is causality alone. The attention probabilities
+(B, H, Lq, Lk) are built only when they are asked for (``output_attentions``), and for at most
+``FEW_QUERIES`` queries (a decoding step: a few rows, one softmax shared by the values and the states, cheaper
+there than two fused calls).
 
 Where this differs from the code, and why
 -----------------------------------------

@@ -5,6 +5,7 @@ and the dtype the PyTorch references and engines compute in. One definition each
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 
@@ -73,3 +74,17 @@ def debug_log(logger_name: str, message: str) -> None:
 def _traced_debug_log(logger_name: str, message: str) -> bool:
     logging.getLogger(logger_name).debug(message)
     return True
+
+
+def without_autocast(fn):
+    """Decorator of the engines' forward and backward: ``fn`` runs with autocast off (CPU and CUDA). The engines
+    compute in their own dtype (float32; float64 for float64 inputs) and cast their outputs back; under a caller's
+    autocast their products came out in bfloat16 and met float32 tensors (a bfloat16 autocast training step failed
+    for stick-breaking, Shaw and ComRoPE: a dtype error, a KeyError on the dtype)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper

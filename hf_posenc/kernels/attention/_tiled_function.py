@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .._common import without_autocast
 from .._subnormal import exp_flushed
 from ._tiled_fused import (
     _channel_fused_backward,
@@ -38,6 +39,7 @@ class TiledAttentionFunction(torch.autograd.Function):
     tiles recomputed from the saved log-sum-exp; gradients of q, k, v and every term tensor (see ``tiled.py``)."""
 
     @staticmethod
+    @without_autocast
     def forward(ctx, query, key, value, valid, q_off_tensor, plan: _Plan, *tensors):
         dtype, b, h, hkv, q_len, k_len, d, q, k, v = _prepare(query, key, value, plan, tensors)
         q_off = plan.q_offset if plan.q_offset is not None else q_off_tensor
@@ -53,6 +55,7 @@ class TiledAttentionFunction(torch.autograd.Function):
         return out.to(query.dtype)
 
     @staticmethod
+    @without_autocast
     def backward(ctx, grad_out):
         query, key, value, valid, q_off_tensor, out, lse, *tensors = ctx.saved_tensors
         plan: _Plan = ctx.plan

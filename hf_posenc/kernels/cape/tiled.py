@@ -28,6 +28,7 @@ import torch
 from torch.nn import functional as F
 
 from ...ops import eager_value_checks
+from .._common import without_autocast
 from .._subnormal import exp_flushed
 from .bias_tile import BASE_KINDS, base_bias_tile
 from ..custom_ops import EngineSpec, engine_op, offset_arg, register_engine
@@ -143,6 +144,7 @@ def _bias_into(slot, kind, bias_tensors, q_index, k_index, rows, r, rank_one: bo
 
 class _CapeTiled(torch.autograd.Function):
     @staticmethod
+    @without_autocast
     def forward(ctx, q, k, v, mask, w1x, w2x, q_offset, scaling, kind, static_offset, block_q, block_k, rank_one,
                 *bias_tensors):  # type: ignore[override]
         dt = w1x.dtype
@@ -191,6 +193,7 @@ class _CapeTiled(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @without_autocast
     def backward(ctx, grad_out):  # type: ignore[override]
         q, k, v, mask, w1x, w2x, out, lse, *bias_tensors = ctx.saved_tensors
         scaling, kind, static_offset, block_q, block_k, rank_one = ctx.static

@@ -55,7 +55,7 @@ from __future__ import annotations
 import torch
 
 from ...ops import eager_value_checks
-from .._common import compute_dtype
+from .._common import compute_dtype, without_autocast
 from .._cpu_flash import FLASH_BACKWARD as _flash_bwd, FLASH_FORWARD as _flash_fwd
 from .._subnormal import exp_flushed
 from .._reverse_tiles import (
@@ -290,6 +290,7 @@ class CopeTiledFunction(torch.autograd.Function):
     """Causal CoPE attention, tile-wise, recomputing in backward; gradients for q, k, v and the table."""
 
     @staticmethod
+    @without_autocast
     def forward(ctx, q, k, v, table, mask, scale, q_offset, block_m, block_n, window=None):
         needs = any(ctx.needs_input_grad[:4])
         out, lse, u_rows, c_rows = _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, needs, window)
@@ -299,6 +300,7 @@ class CopeTiledFunction(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
+    @without_autocast
     def backward(ctx, do):
         q, k, v, table, mask, out, lse, u_rows, c_rows = ctx.saved_tensors
         scale, q_offset, block_m, block_n, window = ctx.args

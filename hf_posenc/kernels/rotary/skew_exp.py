@@ -176,7 +176,8 @@ def _backward(skew: torch.Tensor, coeff: torch.Tensor, rot: torch.Tensor, w: tor
 @torch.library.custom_op("hf_posenc::skew_exp", mutates_args=())
 def _skew_exp_op(skew: torch.Tensor, coeff: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(R, w, V as (Hkv, m, b, b, 2) float64), every output contiguous."""
-    rot, w, V = _forward(skew, coeff)
+    with torch.autocast(skew.device.type, enabled=False):  # float32 / float64 math whatever the caller's autocast
+        rot, w, V = _forward(skew, coeff)
     return rot, w.contiguous(), torch.view_as_real(V.contiguous())
 
 
@@ -192,7 +193,8 @@ def _skew_exp_backward_op(skew: torch.Tensor, coeff: torch.Tensor, rot: torch.Te
                           v_real: torch.Tensor, grad: torch.Tensor, want_skew: bool,
                           want_coeff: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(dL/dS, dL/dc), contiguous; an empty (0,) tensor for the one not wanted."""
-    gs, gc = _backward(skew, coeff, rot, w, torch.view_as_complex(v_real), grad, want_skew, want_coeff)
+    with torch.autocast(skew.device.type, enabled=False):
+        gs, gc = _backward(skew, coeff, rot, w, torch.view_as_complex(v_real), grad, want_skew, want_coeff)
     return (skew.new_empty(0) if gs is None else gs.contiguous(), coeff.new_empty(0) if gc is None else gc.contiguous())
 
 

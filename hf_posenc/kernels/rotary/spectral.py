@@ -205,6 +205,8 @@ def _backward(dq_out, dk_out, oq, ok, skew, coeff, w, V, cos, sin, q_dtype, k_dt
 # eigenvectors cross the op boundary as view_as_real (float64). The rotated rows in the compute dtype are an output
 # of their own only when q or k is in another dtype (bfloat16, float16): otherwise they are q_out and k_out (a view
 # of them), and an op's outputs may not alias one another.
+# Autocast is off inside the ops: the rotation computes in float32 (float64) whatever the caller's autocast (a
+# backward called inside an autocast region mixed bfloat16 products into the float32 sums: a dtype error).
 # Conjugates are physical (conj_physical, not conj or mH): inside a custom op of a compiled graph PyTorch drops a
 # lazy conjugation (torch 2.13, aot_eager: conj(z) * z came out as z * z; caught by torch.library.opcheck).
 
@@ -218,7 +220,8 @@ def _rotation_op(q: torch.Tensor, k: torch.Tensor, skew: torch.Tensor, coeff: to
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q_out, k_out, oq, ok, w, V real, cos, sin); oq / ok: the rotated rows in the compute dtype, or an empty (0,)
     tensor where they are q_out / k_out."""
-    qo, ko, oq, ok, w, V, cos, sin = _forward(q, k, skew, coeff)
+    with torch.autocast(q.device.type, enabled=False):  # float32 math, as eager's (see the comment above)
+        qo, ko, oq, ok, w, V, cos, sin = _forward(q, k, skew, coeff)
     rows = [o.contiguous() if x.dtype != o.dtype else o.new_empty(0) for x, o in ((q, oq), (k, ok))]
     return (qo.contiguous(), ko.contiguous(), *rows, w.contiguous(), torch.view_as_real(V.contiguous()),
             cos.contiguous(), sin.contiguous())
@@ -244,8 +247,9 @@ def _rotation_backward_op(dq_out: torch.Tensor, dk_out: torch.Tensor, oq: torch.
                               torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dS, dc), contiguous; an empty (0,) tensor for dS or dc when not wanted. ``oq``, ``ok``: the
     rotated rows (B, Hx, L, D) in the compute dtype, None when neither dS nor dc is wanted."""
-    dq, dk, ds, dc = _backward(dq_out, dk_out, oq, ok, skew, coeff, w, torch.view_as_complex(v_real), cos, sin,
-                               q_dtype, k_dtype, want_s, want_c)
+    with torch.autocast(dq_out.device.type, enabled=False):
+        dq, dk, ds, dc = _backward(dq_out, dk_out, oq, ok, skew, coeff, w, torch.view_as_complex(v_real), cos, sin,
+                                   q_dtype, k_dtype, want_s, want_c)
     return (dq.contiguous(), dk.contiguous(), skew.new_empty(0) if ds is None else ds.contiguous(),
             coeff.new_empty(0) if dc is None else dc.contiguous())
 

@@ -49,7 +49,7 @@ import torch
 from torch.nn import functional as F
 
 from ...ops import eager_value_checks
-from .._common import compute_dtype
+from .._common import compute_dtype, without_autocast
 from .._reverse_tiles import (
     Geometry, blocked_mask_rows, call_options, fill_blocked, key_tiles, tile_blocked, tile_sizes, to_groups,
 )
@@ -203,6 +203,7 @@ class SbaTiledFunction(torch.autograd.Function):
     """Stick-breaking attention, tile-wise, recomputing in backward; gradients for q, k, v and the bias."""
 
     @staticmethod
+    @without_autocast
     def forward(ctx, q, k, v, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n, window=None):
         out = _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n, window)
         if any(ctx.needs_input_grad[i] for i in (0, 1, 2, 4)):
@@ -211,6 +212,7 @@ class SbaTiledFunction(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
+    @without_autocast
     def backward(ctx, do):
         q, k, v, out, mask, bias = ctx.saved_tensors
         scale, q_offset, attend_current, remainder, block_m, block_n, window = ctx.args

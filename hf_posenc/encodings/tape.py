@@ -335,7 +335,8 @@ class Tape(PositionEncoding):
 
         Returns:
             out (B, H, Lq, D) in the value's dtype, and the probabilities (B, H, Lq, Lk) when
-            ``ctx.need_weights`` (else None; only then are (B, H, Lq, Lk) tensors built).
+            ``ctx.need_weights`` (else None; (B, H, Lq, Lk) tensors are built only then and for at most
+            ``FEW_QUERIES`` queries).
         """
         b, h, q_len, d = query.shape
         hkv, k_len = key.shape[1], key.shape[2]

@@ -79,6 +79,7 @@ from torch.nn import functional as F
 
 from ..config import PosEncConfig
 from ..kernels._common import compute_dtype
+from ..kernels._masks import memo_per_mask
 from ..kernels.attention.terms import KernelTerm
 from ..ops import expand_kv
 from ..registry import param, register_encoding
@@ -107,12 +108,9 @@ def key_validity(mask: torch.Tensor | None, k_len: int, device: torch.device,
     the layers that get the same mask (eager mode; under ``torch.compile`` the key, the mask's address, cannot be
     traced). The memo holds the mask too, so no other mask can take its address while the forward runs.
     """
-    if memo is not None and not torch.compiler.is_compiling():
-        where = None if mask is None else (mask.data_ptr(), tuple(mask.shape), mask.stride())
-        key = ("fox_key_validity", where, k_len, str(device))
-        if key not in memo:
-            memo[key] = (mask, key_validity(mask, k_len, device))
-        return memo[key][1]
+    if memo is not None:
+        return memo_per_mask(memo, "fox_key_validity", mask, (k_len, str(device)),
+                             lambda: key_validity(mask, k_len, device))
     if mask is None:
         valid = torch.ones(1, k_len, dtype=torch.bool, device=device)
         return valid, F.pad(valid[:, 1:], (1, 0), value=False)

@@ -114,7 +114,7 @@ from ..ops import expand_kv
 from ..registry import param, register_encoding
 from .base import PLAIN_CAUSAL, ModelInfo, PosContext, PositionEncoding
 from .cache_state import pack_state, unpack_state
-from ..kernels._masks import allowed_keys
+from ..kernels._masks import allowed_keys, memo_per_mask
 from .rope import apply_rotary, rope_inv_freq
 
 __all__ = ["Tape"]
@@ -387,13 +387,8 @@ def _allowed(ctx: PosContext, mask: torch.Tensor | None, q_len: int, k_len: int,
              device: torch.device) -> torch.Tensor | None:
     """:func:`allowed_keys` of this forward's mask, built once per forward and shared by the layers (eager mode:
     the memo holds the mask, so its address stays its own; under ``torch.compile``, per layer)."""
-    if torch.compiler.is_compiling():
-        return allowed_keys(mask, q_len, k_len, ctx.q_offset, causal, device)
-    key = ("tape_allowed", None if mask is None else (mask.data_ptr(), tuple(mask.shape), mask.stride()), q_len,
-           k_len, causal, str(device))
-    if key not in ctx.memo:
-        ctx.memo[key] = (mask, allowed_keys(mask, q_len, k_len, ctx.q_offset, causal, device))
-    return ctx.memo[key][1]
+    return memo_per_mask(ctx.memo, "tape_allowed", mask, (q_len, k_len, causal, str(device)),
+                         lambda: allowed_keys(mask, q_len, k_len, ctx.q_offset, causal, device))
 
 
 def _weights(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None, is_causal: bool,

@@ -67,7 +67,7 @@ def common_unsupported(
 
 
 def kernel_preferred(kind: str, module: str, device: torch.device) -> bool:
-    """Whether a call of the ``kind`` attention (``"sba"``, ``"cope"``) on ``device`` prefers its Triton kernel
+    """Whether a call of ``kind`` (``"sba"``, ``"cope"``, ``"rotary"``) on ``device`` prefers its Triton kernel
     (the kernel module ``module``), before its inputs are checked: ``HF_POSENC_BACKEND=triton``, or none forced,
     a CUDA device, the kind's CUDA default ``triton`` and Triton importable. No tensor is read (traceable)."""
     forced = forced_backend()

@@ -10,7 +10,7 @@ import numbers
 
 import torch
 
-__all__ = ["allowed_keys", "band_allowed", "check_window", "windowed_allowed"]
+__all__ = ["allowed_keys", "band_allowed", "check_window", "memo_per_mask", "windowed_allowed"]
 
 
 def check_window(window: object, where: str = "window") -> int | None:
@@ -118,3 +118,16 @@ def mask_key_validity(
             return None, (f"the attention mask is not {form} (e.g. packed sequences or a custom 4D mask); the kernels "
                           "take a per-batch key-valid vector")
     return (None if bool(valid.all()) else valid), None
+
+
+def memo_per_mask(memo: dict | None, tag: str, mask: torch.Tensor | None, extra: tuple, build):
+    """``build()``, computed once per forward for each mask (None included) and ``extra`` and shared by the layers
+    that get it, in the per-forward ``memo`` (``PosContext.memo``). The memo holds the mask too, so no other mask
+    can take its address while the forward runs. Eager mode only: under ``torch.compile`` the key (the mask's
+    address) cannot be traced, and ``build()`` runs at each call."""
+    if memo is None or torch.compiler.is_compiling():
+        return build()
+    key = (tag, None if mask is None else (mask.data_ptr(), tuple(mask.shape), mask.stride()), *extra)
+    if key not in memo:
+        memo[key] = (mask, build())
+    return memo[key][1]

@@ -22,9 +22,9 @@ import torch
 from torch import Tensor
 
 from ...backend import forced_backend
+from .._attn_dispatch import kernel_preferred as _kernel_preferred
 from ..custom_ops import _autograd_inside
-from . import _kernel_unsupported, _triton_import_error, apply_qk_rotation_reference
-from ..defaults import cuda_default_backend
+from . import _kernel_unsupported, apply_qk_rotation_reference
 from .naive import apply_block_rotation_reference
 
 __all__ = ["kernel_preferred", "rotary_op"]
@@ -34,13 +34,8 @@ logger = logging.getLogger(__name__)
 
 def kernel_preferred(device: torch.device) -> bool:
     """Whether rotations on ``device`` prefer the Triton kernel, before the inputs are checked (no tensor read):
-    ``HF_POSENC_BACKEND=triton``, or none forced, a CUDA device, the rotary CUDA default ``triton`` and Triton
-    importable."""
-    forced = forced_backend()
-    if forced is not None:
-        return forced == "triton"
-    return (torch.device(device).type == "cuda" and cuda_default_backend("rotary") == "triton"
-            and _triton_import_error() is None)
+    the shared rule of :func:`hf_posenc.kernels._attn_dispatch.kernel_preferred` for the ``rotary`` kind."""
+    return _kernel_preferred("rotary", "rotary.triton_rotary", device)
 
 
 def _run(q: Tensor | None, k: Tensor, rot: Tensor) -> tuple[Tensor | None, Tensor]:

@@ -148,6 +148,7 @@ def patch_model(
     reference = next((p for p in base.parameters() if p.is_floating_point()), None)
     if reference is not None:
         encoding.to(device=reference.device, dtype=reference.dtype)
+    encoding.train(model.training)  # a model patched after .eval() gets an encoding in eval mode too
     layers = family.install(base)
     tap_mlp_outputs(base, [(i, layer) for i, layer in enumerate(layers) if reads_mlp[i]])
     base.posenc = encoding

@@ -407,3 +407,13 @@ def test_describe_backend_names_the_rotary_kernel_only_where_it_is_used():
     if _triton_import_error() is None:
         liere = hf_posenc.encoding_module(hf_posenc.patch_model(_llama(), "liere"))
         assert _backend_summary(liere, cuda) == "torch (attention), triton (rotation)"
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_encoding_follows_the_model_mode(mode):
+    """A model patched after ``.eval()`` gets its encoding in eval mode too (and one patched in training mode, in
+    training mode): the encodings' per-forward memos and dropout read the module's own flag."""
+    model = _llama()
+    model.train(mode == "train")
+    hf_posenc.patch_model(model, "fox_pro")
+    assert hf_posenc.encoding_module(model).training == (mode == "train")

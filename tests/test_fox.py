@@ -599,3 +599,14 @@ def test_packed_documents_equal_documents_alone(name):
             padded_mask(torch.ones(1, m, dtype=torch.bool)), scaling,
         )
         assert (packed[:, sl] - alone).abs().max() < 1e-12
+
+
+def test_fused_token_states_equal_the_gates():
+    """fox_pro's one product for the cached states of a causal model equals ``shift_gates`` and ``log_gates``."""
+    enc, info = bare("fox_pro")
+    hidden = torch.randn(2, 5, info.hidden_size, dtype=torch.float64)
+    k_state, v_state = enc._token_states(0, hidden)
+    a_k, a_v = enc.shift_gates(0, hidden)
+    gates = enc._gates_to_kv(enc.log_gates(0, hidden))
+    assert torch.allclose(k_state, torch.cat([a_k[..., None], gates], dim=-1), rtol=1e-12, atol=1e-14)
+    assert torch.allclose(v_state, a_v[..., None], rtol=1e-12, atol=1e-14)

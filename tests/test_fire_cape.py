@@ -155,6 +155,30 @@ def test_fire_decode_bias_is_the_row_of_the_full_bias():
     assert (full[0, :, 11, 2] - fixed).abs().max() > 1e-3
 
 
+def test_fire_term_of_every_layer_at_once_equals_each_layers():
+    """Without gradients the fused-attention term of every layer is built at once per forward (kept in its
+    memo); each layer's tensors are those that layer builds alone (with gradients on, as in training)."""
+    info = ModelInfo("llama", 32, 2, 2, 16, 3, True, 64)
+    torch.manual_seed(0)
+    enc = Fire(PosEncConfig("fire", {"init_threshold": 3.0, "init_c": 0.5}), info)
+    with torch.no_grad():
+        for p in enc.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    q = torch.randn(2, 2, 3, 16)
+    for pos in (torch.arange(4, 7)[None], torch.tensor([[4, 5, 6], [1, 2, 3]])):  # one row, or per sequence
+        ctx = PosContext(encoding=enc, info=info, position_ids=pos, q_offset=4)
+        with torch.no_grad():
+            shared = [enc.kernel_term(ctx, layer, q, q, q, None) for layer in range(3)]
+        assert any(k[0] == "fire_every_layer_term" for k in ctx.memo if isinstance(k, tuple))
+        own_ctx = PosContext(encoding=enc, info=info, position_ids=pos, q_offset=4)
+        alone = [enc.kernel_term(own_ctx, layer, q, q, q, None) for layer in range(3)]  # gradients on
+        assert not any(k[0] == "fire_every_layer_term" for k in own_ctx.memo if isinstance(k, tuple))
+        for a, b in zip(shared, alone):
+            for name in ("table", "c", "inv_norm", "x_max"):
+                assert a.tensors[name].shape == b.tensors[name].shape, name
+                assert max_diff(a.tensors[name], b.tensors[name].detach()) < 1e-6, name
+
+
 def test_fire_left_padding_shifts_the_normaliser_position():
     torch.manual_seed(0)
     enc = Fire(PosEncConfig("fire", {"init_threshold": 2.0}), TEXT)

@@ -166,12 +166,46 @@ class Fire(PositionEncoding):
             return None
         q_len = query.shape[2]
         device = query.device
+        if self._shares_terms(ctx):
+            table, c, inv_norm, x_max = self._every_layer_term(ctx, q_len, device)
+            return KernelTerm.fire(table[layer], c[layer], inv_norm[layer], x_max[layer])
         position = self._query_positions(ctx, q_len, device, fn.c.dtype)  # (B|1, Lq)
         inv_norm = 1.0 / (fn.psi(torch.maximum(fn.threshold, position.to(fn.threshold.dtype))) + FIRE_EPS)
         q_index = torch.arange(q_len, device=device, dtype=fn.c.dtype) + ctx.q_offset  # i − j <= q_index
         x_max = (fn.psi(q_index)[None] * inv_norm).max().detach().clamp_min(1.0)
         grid = torch.linspace(0.0, 1.0, self.KERNEL_GRID, device=device, dtype=inv_norm.dtype) * x_max
         return KernelTerm.fire(fn.mlp(grid).T, fn.c, inv_norm, x_max)
+
+    def _shares_terms(self, ctx: PosContext) -> bool:
+        """Whether this forward builds the fused-attention term of every layer at once (:meth:`_every_layer_term`):
+        in eager mode without gradients to the encoding, one FIRE per layer."""
+        return (self.bias_per_layer and not torch.compiler.is_compiling()
+                and not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())))
+
+    def _every_layer_term(self, ctx: PosContext, q_len: int, device: torch.device):
+        """The term tensors of :meth:`kernel_term` for every layer, stacked on dim 0 (table (n, H, N), c (n,),
+        inv_norm (n, B|1, Lq), x_max (n,)), built once per forward and kept in its memo: the same formulas with
+        a layer dimension (f_θ as one batched product), in the few operations that a decoding step would
+        otherwise pay in each of its layers."""
+        key = ("fire_every_layer_term", id(self), q_len, str(device))
+        if key in ctx.memo:
+            return ctx.memo[key]
+        w1, b1 = _up(self.fc1_weight), _up(self.fc1_bias)  # (n, hidden)
+        w2, b2 = _up(self.fc2_weight), _up(self.fc2_bias)  # (n, H, hidden), (n, H)
+        c = torch.exp(_up(self.log_c))  # (n,)
+        threshold = torch.exp(_up(self.log_threshold))
+        dtype = c.dtype
+        position = self._query_positions(ctx, q_len, device, dtype)  # (B|1, Lq)
+        # psi(x) = log(c x + 1) per layer, as FireFunction.psi
+        inv_norm = 1.0 / (torch.log1p(c[:, None, None] * torch.maximum(threshold[:, None, None], position[None]))
+                          + FIRE_EPS)  # (n, B|1, Lq)
+        q_index = torch.arange(q_len, device=device, dtype=dtype) + ctx.q_offset
+        x_max = (torch.log1p(c[:, None, None] * q_index) * inv_norm).amax(dim=(1, 2)).detach().clamp_min(1.0)
+        grid = torch.linspace(0.0, 1.0, self.KERNEL_GRID, device=device, dtype=dtype) * x_max[:, None]  # (n, N)
+        hidden = F.relu(grid[..., None] * w1[:, None, :] + b1[:, None, :])  # (n, N, hidden)
+        table = torch.baddbmm(b2[:, None, :], hidden, w2.transpose(1, 2)).transpose(1, 2)  # (n, H, N)
+        ctx.memo[key] = (table, c, inv_norm, x_max)
+        return ctx.memo[key]
 
     #: points of the table that the fused attention kernel interpolates.
     KERNEL_GRID = 256

@@ -610,3 +610,20 @@ def test_fused_token_states_equal_the_gates():
     gates = enc._gates_to_kv(enc.log_gates(0, hidden))
     assert torch.allclose(k_state, torch.cat([a_k[..., None], gates], dim=-1), rtol=1e-12, atol=1e-14)
     assert torch.allclose(v_state, a_v[..., None], rtol=1e-12, atol=1e-14)
+
+
+def test_fox_pro_shift_without_a_mask_equals_the_masks():
+    """No mask (an unpadded batch): every key but the first has its predecessor, which the no-gradient path
+    takes without multiplying the predecessor flags in; the shifted and normalised keys and values equal those
+    of an all-visible causal mask, with and without gradients."""
+    enc, info = bare("fox_pro")
+    hidden, q, k, v = random_inputs(enc, info, 2, 6)
+    ctx = ctx_for(enc, info, 6, 2)
+    q2, k2, v2 = enc("prepare", ctx, 0, hidden, q, k, v)
+    causal = padded_mask(torch.ones(2, 6, dtype=torch.bool))
+    want = enc._attention_kv(ctx_for(enc, info, 6, 2), 0, q2, k2, v2, causal)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            got = enc._attention_kv(ctx_for(enc, info, 6, 2), 0, q2, k2, v2, None)
+        for a, b in zip(got[:2], want[:2]):
+            assert (a - b).abs().max() < 1e-14

@@ -116,12 +116,14 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return _RmsNorm.apply(x, weight, eps)
 
 
-def _previous(x: torch.Tensor, has_prev: torch.Tensor) -> torch.Tensor:
-    """x_{t-1} along the key axis of x (B, Hkv, Lk, D), 0 where not ``has_prev`` (B|1, Lk)."""
-    return F.pad(x[..., :-1, :], (0, 0, 1, 0)) * has_prev[:, None, :, None]
+def _previous(x: torch.Tensor, has_prev: torch.Tensor | None) -> torch.Tensor:
+    """x_{t-1} along the key axis of x (B, Hkv, Lk, D), 0 where not ``has_prev`` (B|1, Lk); None: every key but
+    the first has its predecessor (no mask), so the padding's zero is all there is to apply."""
+    prev = F.pad(x[..., :-1, :], (0, 0, 1, 0))
+    return prev if has_prev is None else prev * has_prev[:, None, :, None]
 
 
-def _shifted(x: torch.Tensor, alpha: torch.Tensor, has_prev: torch.Tensor) -> torch.Tensor:
+def _shifted(x: torch.Tensor, alpha: torch.Tensor, has_prev: torch.Tensor | None) -> torch.Tensor:
     """y_t = α_t x_{t-1} + (1 - α_t) x_t as one lerp, x_t + α_t (x_{t-1} - x_t) (a third of the time of the
     products and sum, which a decoding step pays on every cached key and value of every layer)."""
     return torch.lerp(x, _previous(x, has_prev), alpha[..., None])
@@ -234,15 +236,17 @@ class FoxPro(Fox):
         k_state = torch.cat([alpha[..., :hkv, None], log_f.view(b, n, hkv, self.groups)], dim=-1)
         return k_state.transpose(1, 2), alpha[..., hkv:, None].transpose(1, 2)
 
-    def _shift(self, x: torch.Tensor, alpha: torch.Tensor, has_prev: torch.Tensor, ctx: PosContext) -> torch.Tensor:
+    def _shift(self, x: torch.Tensor, alpha: torch.Tensor, has_prev: torch.Tensor, ctx: PosContext,
+               plain: bool = False) -> torch.Tensor:
         """α_t x_{t-1} + (1 - α_t) x_t over the key axis (x_{t-1} = 0 where not ``has_prev``).
 
-        x (B, Hkv, Lk, D), alpha (B, Hkv, Lk), has_prev (B|1, Lk) bool."""
+        x (B, Hkv, Lk, D), alpha (B, Hkv, Lk), has_prev (B|1, Lk) bool; ``plain``: ``has_prev`` is known to be
+        every key but the first (no mask), so it is not multiplied in."""
         if ctx.grid is not None:  # the CLS token is not shifted
             alpha = alpha.clone()
             alpha[..., 0] = 0.0
         if not _needs_grad(x, alpha):
-            return _shifted(x, alpha, has_prev)
+            return _shifted(x, alpha, None if plain else has_prev)
         return _TokenShift.apply(x, alpha, has_prev)
 
     def attend(
@@ -294,9 +298,10 @@ class FoxPro(Fox):
         if ctx.grid is not None:  # CLS (index 0) is no patch's predecessor
             has_prev = has_prev.clone()
             has_prev[:, : min(2, k_len)] = False
-        k = self._shift(key[..., :d].to(compute), a_k, has_prev, ctx)
+        plain = unwindowed is None and native is None and ctx.grid is None  # every key but the first has one
+        k = self._shift(key[..., :d].to(compute), a_k, has_prev, ctx, plain)
         k = _rms_norm(k, self.k_norm_weight[layer].to(compute)[None, :, None, :], QK_NORM_EPS)
-        v = self._shift(value[..., :d].to(compute), a_v, has_prev, ctx)
+        v = self._shift(value[..., :d].to(compute), a_v, has_prev, ctx, plain)
         return k, v, gates, valid
 
     def finish(self, ctx: PosContext, layer: int, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

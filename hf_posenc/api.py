@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .auto_config import check_config_class, mark_config
+from .backend import forced_backend
 from .attention import ATTN_IMPLEMENTATION, attention_backend, register_with_transformers
 from .config import CONFIG_KEY, PosEncConfig, coerce_plan, is_plan
 from .encodings.base import ModelInfo, unwrap
@@ -254,9 +255,19 @@ def describe(model: nn.Module) -> dict[str, Any]:
 def _backend_summary(encoding: nn.Module, device: torch.device) -> str:
     """``torch`` when every op runs its PyTorch reference, else which ops run which kernel."""
     attention = attention_backend(encoding, device)
+    own = getattr(unwrap(encoding), "attention_kernels", ())
+    if "triton" in own and attention == "torch" and forced_backend() != "torch":
+        # sba, cope: their ``attend`` runs their own Triton kernel where kernel_preferred says so (CUDA, or forced)
+        from .kernels._attn_dispatch import kernel_preferred
+
+        inner = unwrap(encoding)
+        name = getattr(getattr(inner, "term_cls", type(inner)), "name", None)  # a composition's: its term's
+        if name in ("sba", "cope") and kernel_preferred(name, f"{name}.triton_{name}", device):
+            if forced_backend() == "triton":  # (it raises for inputs the kernel does not take)
+                return "triton (its own attention kernel)"
+            return "triton (its own attention kernel; PyTorch for inputs it does not take)"
     if not getattr(encoding, "uses_rotary_kernel", False) or device.type != "cuda":
         return attention
-    from .backend import forced_backend
     from .kernels.rotary import _triton_import_error
 
     if forced_backend() in ("torch", "flex") or _triton_import_error() is not None:

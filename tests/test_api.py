@@ -90,6 +90,16 @@ def test_describe():
     assert d["parameters"] == 16 * 32
 
 
+@pytest.mark.parametrize("name", ["cope", "sba", "rope+cope"])
+def test_describe_names_the_own_attention_kernels(name, monkeypatch):
+    """sba and cope run their own Triton kernel inside ``attend``: describe says so where it runs (forced here;
+    unforced, on CUDA), and ``torch`` on the CPU."""
+    m = hf_posenc.patch_model(_llama(), name)
+    assert hf_posenc.describe(m)["backend"] == "torch"
+    monkeypatch.setenv("HF_POSENC_BACKEND", "triton")
+    assert hf_posenc.describe(m)["backend"] == "triton (its own attention kernel)"
+
+
 def test_describe_unpatched_model_is_an_error():
     with pytest.raises(ValueError, match="not patched"):
         hf_posenc.describe(_gpt2())

@@ -21,8 +21,9 @@ from hf_posenc.study import StudyConfig, run_study
 from hf_posenc.study.report import group_runs, split_evals, split_names, spread
 
 ENCODINGS = ["nope", "rope", "alibi", "fire", "fox", "sba", "cope"]
-#: task: (training length, steps). The stored results (docs/study-results.md) used 800 steps for every task.
-TASKS = {"flip-flop": (32, 800), "selective-copy": (32, 500), "counting": (48, 500)}
+#: task: (training length, steps): the settings of the stored results (benchmarks/results/study_cope_tasks.json,
+#: docs/study-results.md), 800 steps for every task.
+TASKS = {"flip-flop": (32, 800), "selective-copy": (32, 800), "counting": (48, 800)}
 SETTINGS = {"encodings": ENCODINGS, "seeds": [0, 1, 2], "jobs": 2, "hidden": 128, "layers": 2, "factors": [1, 2],
             "progress": False}
 

@@ -656,3 +656,21 @@ def test_backend_choice_traces_under_compile(monkeypatch):
     out = torch.compile(pick, fullgraph=True, backend="eager")(torch.zeros(2))
     assert torch.equal(out, torch.ones(2))
     assert eager == "triton"  # Triton imports here (the test extra); the default CUDA entry for alibi
+
+
+@pytest.mark.parametrize("family,encoding,kwargs,match", [
+    ("bert", "cope", {}, "CoPE kernels are causal"),
+    ("llama", "sba", {"output_attentions": True}, "attention weights were requested"),
+])
+def test_forced_triton_raises_under_compile_as_in_eager(monkeypatch, family, encoding, kwargs, match):
+    """``HF_POSENC_BACKEND=triton`` with inputs no kernel takes, decided by Python flags (a bidirectional CoPE,
+    output_attentions): a compiled model raises the ValueError eager mode raises, instead of running the
+    full-matrix reference inside the graph."""
+    monkeypatch.setenv("HF_POSENC_BACKEND", "triton")
+    model = make_model(family, encoding=encoding, config_overrides={"num_hidden_layers": 1})
+    x = inputs(family)
+    with pytest.raises(ValueError, match=match):
+        model(**x, **kwargs)
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=match):
+        torch.compile(model, backend="eager")(**x, **kwargs)

@@ -25,6 +25,15 @@ def _interpreting() -> bool:
     return interpreting()
 
 
+def flag_unsupported(name: str, need_weights: bool, dropout: float, training: bool) -> str | None:
+    """The reason the ``name`` kernel cannot run a call, from its Python flags alone (traceable), or None."""
+    if need_weights:
+        return f"the attention weights were requested (output_attentions); the {name} kernel never forms them"
+    if dropout > 0.0 and training:
+        return f"the {name} kernel has no attention dropout (dropout={dropout} while training)"
+    return None
+
+
 def common_unsupported(
     name: str,
     module: str,
@@ -46,10 +55,9 @@ def common_unsupported(
             f"the tensors are on {q.device.type}; the Triton {name} kernel needs CUDA tensors, or "
             "TRITON_INTERPRET=1 to run on the CPU in Triton's interpreter (slow, for tests)"
         )
-    if need_weights:
-        return f"the attention weights were requested (output_attentions); the {name} kernel never forms them"
-    if dropout > 0.0 and training:
-        return f"the {name} kernel has no attention dropout (dropout={dropout} while training)"
+    why = flag_unsupported(name, need_weights, dropout, training)
+    if why is not None:
+        return why
     for label, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in KERNEL_DTYPES:
             return f"the {name} kernel supports float32, bfloat16 and float16, got {label}.dtype={t.dtype}"
@@ -77,7 +85,7 @@ def kernel_preferred(kind: str, module: str, device: torch.device) -> bool:
             and triton_import_error(module) is None)
 
 
-def choose(reason: Callable[[], str | None], on_cuda: bool, kind: str) -> str:
+def choose(reason: Callable[[], str | None], on_cuda: bool, kind: str, static: str | None = None) -> str:
     """``"triton"`` or ``"torch"`` from ``HF_POSENC_BACKEND`` and ``reason()`` (None: the kernel can run).
 
     Unforced on CUDA, the default of ``kind`` (``"sba"``, ``"cope"``) in
@@ -85,14 +93,19 @@ def choose(reason: Callable[[], str | None], on_cuda: bool, kind: str) -> str:
 
     Under ``torch.compile``: ``"torch"``, the tile engine's custom op (``hf_posenc::engine``), which runs the kernel
     inside where :func:`kernel_preferred` and the inputs allow (checked in the op, where the tensors are real;
-    neither the kernel's launch nor Triton's mode can be traced).
+    neither the kernel's launch nor Triton's mode can be traced). ``static`` is the part of ``reason`` that only
+    Python flags decide (a bidirectional CoPE, output_attentions, attention dropout): those calls never reach the
+    op, so with ``HF_POSENC_BACKEND=triton`` it raises while tracing, as eager mode does, instead of running the
+    reference in the graph.
 
     Raises:
         ValueError: ``HF_POSENC_BACKEND=triton`` and the kernel cannot run these inputs.
     """
-    if torch.compiler.is_compiling():
-        return "torch"
     forced = forced_backend()
+    if torch.compiler.is_compiling():
+        if forced == "triton" and static is not None:
+            raise ValueError(f"HF_POSENC_BACKEND=triton, but {static}")
+        return "torch"
     if forced in ("torch", "flex"):
         return "torch"
     if forced == "triton":

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ...ops import eager_value_checks
-from .._attn_dispatch import choose, common_unsupported
+from .._attn_dispatch import choose, common_unsupported, flag_unsupported
 from .._masks import check_window
 from .naive import cope_reference
 from .tiled import cope_tiled
@@ -89,15 +89,16 @@ def cope_backend(
         ValueError: ``HF_POSENC_BACKEND`` names no backend, or names ``triton`` and the kernel cannot run.
     """
 
-    def reason() -> str | None:
-        if not causal:
-            return (
-                "the CoPE kernels are causal; the bidirectional ViT variant (raster-order counts in both "
-                "directions) runs on the PyTorch reference"
-            )
-        return triton_unsupported(q, k, v, mask, q_offset, need_weights, dropout, training)
+    static = None if causal else (
+        "the CoPE kernels are causal; the bidirectional ViT variant (raster-order counts in both "
+        "directions) runs on the PyTorch reference"
+    )
+    static = static or flag_unsupported("cope", need_weights, dropout, training)
 
-    return choose(reason, q.device.type == "cuda", "cope")
+    def reason() -> str | None:
+        return static or triton_unsupported(q, k, v, mask, q_offset, need_weights, dropout, training)
+
+    return choose(reason, q.device.type == "cuda", "cope", static)
 
 
 def cope(

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ...ops import eager_value_checks
-from .._attn_dispatch import choose, common_unsupported
+from .._attn_dispatch import choose, common_unsupported, flag_unsupported
 from .._masks import check_window
 from .naive import sba_reference
 from .tiled import sba_tiled
@@ -79,6 +79,7 @@ def sba_backend(
         lambda: common_unsupported("sba", "sba.triton_sba", q, k, v, mask, q_offset, need_weights, dropout, training),
         q.device.type == "cuda",
         "sba",
+        flag_unsupported("sba", need_weights, dropout, training),
     )
 
 

@@ -159,8 +159,7 @@ class Fire(PositionEncoding):
         formula (logged at debug level)."""
         if ctx.grid is not None or not self.info.causal:
             return None
-        fn = self.function(layer)
-        if query.dtype == torch.float64 or fn.w1.dtype == torch.float64:
+        if query.dtype == torch.float64 or self.fc1_weight.dtype == torch.float64:
             debug_log(__name__, "fire: float64 attention takes the exact bias (full-matrix reference), not the fused "
                       "term's interpolated table of f_theta")
             return None
@@ -169,6 +168,7 @@ class Fire(PositionEncoding):
         if self._shares_terms(ctx):
             table, c, inv_norm, x_max = self._every_layer_term(ctx, q_len, device)
             return KernelTerm.fire(table[layer], c[layer], inv_norm[layer], x_max[layer])
+        fn = self.function(layer)
         position = self._query_positions(ctx, q_len, device, fn.c.dtype)  # (B|1, Lq)
         inv_norm = 1.0 / (fn.psi(torch.maximum(fn.threshold, position.to(fn.threshold.dtype))) + FIRE_EPS)
         q_index = torch.arange(q_len, device=device, dtype=fn.c.dtype) + ctx.q_offset  # i − j <= q_index

@@ -627,3 +627,19 @@ def test_fox_pro_shift_without_a_mask_equals_the_masks():
             got = enc._attention_kv(ctx_for(enc, info, 6, 2), 0, q2, k2, v2, None)
         for a, b in zip(got[:2], want[:2]):
             assert (a - b).abs().max() < 1e-14
+
+
+@pytest.mark.parametrize("name", ["fox", "fox_pro"])
+def test_kernel_term_without_a_mask_equals_an_all_visible_mask(name):
+    """No mask (an unpadded batch): the fused term's cumulative gates skip the validity mask; they equal those
+    of a mask under which every key is visible to the last query."""
+    enc, info = bare(name)
+    hidden, q, k, v = random_inputs(enc, info, 2, 6)
+    ctx = ctx_for(enc, info, 6, 2)
+    q2, k2, v2 = enc("prepare", ctx, 0, hidden, q, k, v)
+    with torch.no_grad():
+        plain = enc("kernel_term", ctx_for(enc, info, 6, 2), 0, q2, k2, v2, None)
+        masked = enc("kernel_term", ctx_for(enc, info, 6, 2), 0, q2, k2, v2,
+                     padded_mask(torch.ones(2, 6, dtype=torch.bool)))
+    for name_ in plain.tensors:
+        assert (plain.tensors[name_] - masked.tensors[name_]).abs().max() < 1e-14, name_

@@ -162,8 +162,11 @@ def forget_bias(
     return bias
 
 
-def cumulative_gates(log_f: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """c (B, H, Lk) = cumsum of the log-gates (B, H, Lk), invalid keys' gates counting as 0 (as in forget_bias)."""
+def cumulative_gates(log_f: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """c (B, H, Lk) = cumsum of the log-gates (B, H, Lk), invalid keys' gates counting as 0 (as in forget_bias);
+    ``valid`` None: every key is valid (no mask)."""
+    if valid is None:
+        return log_f.cumsum(-1)
     return log_f.masked_fill(~valid[:, None, :], 0.0).cumsum(-1)
 
 
@@ -384,5 +387,5 @@ class Fox(PositionEncoding):
         d = query.shape[-1]
         compute = compute_dtype(query.dtype)
         gates = self._gates_from_kv(unpack_state(key[..., d:], self.num_gate_sets * self.groups, compute))
-        valid, _ = key_validity(mask, key.shape[2], key.device, ctx.memo)
+        valid = None if mask is None else key_validity(mask, key.shape[2], key.device, ctx.memo)[0]  # None: all
         return KernelTerm.fox(cumulative_gates(gates[0], valid), key=key[..., :d])

@@ -273,6 +273,7 @@ class FoxPro(Fox):
         if self.bidirectional or ctx.grid is not None:
             return None
         k, v, gates, valid = self._attention_kv(ctx, layer, query, key, value, mask)
+        valid = None if mask is None else valid  # no mask: every key is valid
         return KernelTerm.fox(cumulative_gates(gates[0], valid), key=k.to(query.dtype), value=v.to(query.dtype))
 
     def _attention_kv(self, ctx: PosContext, layer: int, query, key, value, mask):

@@ -422,7 +422,7 @@ def test_describe_backend_names_the_rotary_kernel_only_where_it_is_used():
 @pytest.mark.parametrize("mode", ["train", "eval"])
 def test_encoding_follows_the_model_mode(mode):
     """A model patched after ``.eval()`` gets its encoding in eval mode too (and one patched in training mode, in
-    training mode): the encodings' per-forward memos and dropout read the module's own flag."""
+    training mode): the encodings decide their per-forward memos (shared biases, tables) by their own flag."""
     model = _llama()
     model.train(mode == "train")
     hf_posenc.patch_model(model, "fox_pro")

@@ -72,7 +72,6 @@ from .base import ModelInfo, PosContext, PositionEncoding, relative_positions
 
 __all__ = ["Fire", "FireFunction"]
 
-
 #: added to the normaliser, as in the paper's listing.
 FIRE_EPS = 1e-6
 
@@ -93,9 +92,16 @@ class FireParams:
 
 class FireFunction:
     """One FIRE (the MLP f_theta, c and L) read from row ``idx`` of the stacked parameters of :class:`Fire`,
-    in at least float32."""
+    in at least float32; ``idx=None``: every row at once, with a leading layer dimension that broadcasts
+    (c, L (n, 1, 1); every result gains that dimension first)."""
 
-    def __init__(self, enc: "Fire", idx: int) -> None:
+    def __init__(self, enc: "Fire", idx: int | None) -> None:
+        if idx is None:
+            self.w1, self.b1 = _up(enc.fc1_weight)[:, None], _up(enc.fc1_bias)[:, None]  # (n, 1, hidden)
+            self.w2, self.b2 = _up(enc.fc2_weight), _up(enc.fc2_bias)[:, None]  # (n, H, hidden), (n, 1, H)
+            self.c = torch.exp(_up(enc.log_c))[:, None, None]
+            self.threshold = torch.exp(_up(enc.log_threshold))[:, None, None]
+            return
         self.w1, self.b1 = _up(enc.fc1_weight[idx]), _up(enc.fc1_bias[idx])  # (hidden,), (hidden,)
         self.w2, self.b2 = _up(enc.fc2_weight[idx]), _up(enc.fc2_bias[idx])  # (H, hidden), (H,)
         self.c = torch.exp(_up(enc.log_c[idx]))  # c > 0
@@ -110,6 +116,8 @@ class FireFunction:
         """f_theta on (...) inputs -> (..., H): fc2(relu(x * w1 + b1))."""
         dt = torch.promote_types(x.dtype, self.w1.dtype)
         hidden = F.relu(x.to(dt)[..., None] * self.w1.to(dt) + self.b1.to(dt))
+        if self.w2.dim() == 3:  # every layer: (n, ..., hidden) -> (n, ..., H), one batched product
+            return torch.baddbmm(self.b2.to(dt), hidden, self.w2.to(dt).transpose(1, 2))
         return F.linear(hidden, self.w2.to(dt), self.b2.to(dt))
 
     def bias(self, distance: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -164,48 +172,29 @@ class Fire(PositionEncoding):
                       "term's interpolated table of f_theta")
             return None
         q_len = query.shape[2]
-        device = query.device
-        if self._shares_terms(ctx):
-            table, c, inv_norm, x_max = self._every_layer_term(ctx, q_len, device)
-            return KernelTerm.fire(table[layer], c[layer], inv_norm[layer], x_max[layer])
-        fn = self.function(layer)
-        position = self._query_positions(ctx, q_len, device, fn.c.dtype)  # (B|1, Lq)
-        inv_norm = 1.0 / (fn.psi(torch.maximum(fn.threshold, position.to(fn.threshold.dtype))) + FIRE_EPS)
-        q_index = torch.arange(q_len, device=device, dtype=fn.c.dtype) + ctx.q_offset  # i − j <= q_index
-        x_max = (fn.psi(q_index)[None] * inv_norm).max().detach().clamp_min(1.0)
-        grid = torch.linspace(0.0, 1.0, self.KERNEL_GRID, device=device, dtype=inv_norm.dtype) * x_max
-        return KernelTerm.fire(fn.mlp(grid).T, fn.c, inv_norm, x_max)
+        if not self._shares_terms(ctx):
+            return KernelTerm.fire(*self._term(self.function(layer), ctx, q_len, query.device))
+        key = ("fire_every_layer_term", id(self), q_len, str(query.device))
+        if key not in ctx.memo:
+            ctx.memo[key] = self._term(FireFunction(self, None), ctx, q_len, query.device)
+        return KernelTerm.fire(*(t[layer] for t in ctx.memo[key]))
 
     def _shares_terms(self, ctx: PosContext) -> bool:
-        """Whether this forward builds the fused-attention term of every layer at once (:meth:`_every_layer_term`):
-        in eager mode without gradients to the encoding, one FIRE per layer."""
+        """Whether this forward builds the fused-attention term of every layer at once, kept in its memo (a
+        decoding step paid the few operations of :meth:`_term` in each of its layers): in eager mode without
+        gradients to the encoding, one FIRE per layer."""
         return (self.bias_per_layer and not torch.compiler.is_compiling()
                 and not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())))
 
-    def _every_layer_term(self, ctx: PosContext, q_len: int, device: torch.device):
-        """The term tensors of :meth:`kernel_term` for every layer, stacked on dim 0 (table (n, H, N), c (n,),
-        inv_norm (n, B|1, Lq), x_max (n,)), built once per forward and kept in its memo: the same formulas with
-        a layer dimension (f_θ as one batched product), in the few operations that a decoding step would
-        otherwise pay in each of its layers."""
-        key = ("fire_every_layer_term", id(self), q_len, str(device))
-        if key in ctx.memo:
-            return ctx.memo[key]
-        w1, b1 = _up(self.fc1_weight), _up(self.fc1_bias)  # (n, hidden)
-        w2, b2 = _up(self.fc2_weight), _up(self.fc2_bias)  # (n, H, hidden), (n, H)
-        c = torch.exp(_up(self.log_c))  # (n,)
-        threshold = torch.exp(_up(self.log_threshold))
-        dtype = c.dtype
-        position = self._query_positions(ctx, q_len, device, dtype)  # (B|1, Lq)
-        # psi(x) = log(c x + 1) per layer, as FireFunction.psi
-        inv_norm = 1.0 / (torch.log1p(c[:, None, None] * torch.maximum(threshold[:, None, None], position[None]))
-                          + FIRE_EPS)  # (n, B|1, Lq)
-        q_index = torch.arange(q_len, device=device, dtype=dtype) + ctx.q_offset
-        x_max = (torch.log1p(c[:, None, None] * q_index) * inv_norm).amax(dim=(1, 2)).detach().clamp_min(1.0)
-        grid = torch.linspace(0.0, 1.0, self.KERNEL_GRID, device=device, dtype=dtype) * x_max[:, None]  # (n, N)
-        hidden = F.relu(grid[..., None] * w1[:, None, :] + b1[:, None, :])  # (n, N, hidden)
-        table = torch.baddbmm(b2[:, None, :], hidden, w2.transpose(1, 2)).transpose(1, 2)  # (n, H, N)
-        ctx.memo[key] = (table, c, inv_norm, x_max)
-        return ctx.memo[key]
+    def _term(self, fn: FireFunction, ctx: PosContext, q_len: int, device: torch.device):
+        """(table (H, N), c, inv_norm (B|1, Lq), x_max) of :meth:`kernel_term` for the FIRE ``fn``; for every
+        layer's (``FireFunction(self, None)``) each with a leading layer dimension."""
+        position = self._query_positions(ctx, q_len, device, fn.c.dtype)  # (B|1, Lq)
+        inv_norm = 1.0 / (fn.psi(torch.maximum(fn.threshold, position.to(fn.threshold.dtype))) + FIRE_EPS)
+        q_index = torch.arange(q_len, device=device, dtype=fn.c.dtype) + ctx.q_offset  # i − j <= q_index
+        x_max = (fn.psi(q_index) * inv_norm).amax(dim=(-2, -1)).detach().clamp_min(1.0)
+        grid = torch.linspace(0.0, 1.0, self.KERNEL_GRID, device=device, dtype=inv_norm.dtype) * x_max[..., None]
+        return fn.mlp(grid).transpose(-1, -2), fn.c.reshape(x_max.shape), inv_norm, x_max
 
     #: points of the table that the fused attention kernel interpolates.
     KERNEL_GRID = 256

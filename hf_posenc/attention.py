@@ -30,7 +30,6 @@ probabilities (``output_attentions``) always come from the eager ``torch`` path.
 
 from __future__ import annotations
 
-
 import torch
 from torch.nn import functional as F
 
@@ -51,7 +50,6 @@ from .kernels._masks import band_allowed, mask_key_validity
 from .kernels.attention.tiled import tiled_attention, tiled_unsupported
 from .kernels.custom_ops import tiled_attention_op
 from .ops import expand_kv, masked_softmax
-
 
 __all__ = ["ATTN_IMPLEMENTATION", "attention_backend", "posenc_attention", "register_with_transformers"]
 

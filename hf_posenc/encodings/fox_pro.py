@@ -210,31 +210,29 @@ class FoxPro(Fox):
         need the previous token's raw k and v, so they are applied in ``attend``)."""
         compute = compute_dtype(q.dtype)
         q = _rms_norm(q.to(compute), self.q_norm_weight[layer].to(compute)[None, :, None, :], QK_NORM_EPS).to(q.dtype)
-        if self.bidirectional:  # two gate sets: the general path
-            a_k, a_v = self.shift_gates(layer, hidden)
-            gates = self._gates_to_kv(self.log_gates(layer, hidden))
-            k_state = torch.cat([a_k[..., None], gates], dim=-1)
-            v_state = a_v[..., None]
-        else:
-            k_state, v_state = self._token_states(layer, hidden)
+        k_state, v_state = self._token_states(layer, hidden)
         k = torch.cat([k, pack_state(k_state, k.dtype)], dim=-1)
         v = torch.cat([v, pack_state(v_state, v.dtype)], dim=-1)
         return q, k, v
 
     def _token_states(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cached states of the new tokens of a causal model, [α^k, log f (G)] (B, Hkv, L, 1 + G) and
-        [α^v] (B, Hkv, L, 1) in float32 (float64 for float64 inputs): :meth:`shift_gates` and
-        :meth:`log_gates` as one product with u^k, u^v and w stacked (each output is the dot product of its own
-        linear map; a decoding step pays per operation, not per multiply-add)."""
+        """The cached states of the new tokens, [α^k, log-gates (S·G)] (B, Hkv, L, 1 + S·G) and [α^v]
+        (B, Hkv, L, 1) in float32 (float64 for float64 inputs): :meth:`shift_gates` and :meth:`log_gates` as one
+        product with u^k, u^v and the gate weights stacked (each output is the dot product of its own linear map;
+        a decoding step pays per operation, not per multiply-add)."""
         dtype = compute_dtype(hidden.dtype)
         b, n, _ = hidden.shape
         hkv = self.info.num_kv_heads
-        w = torch.cat([self.key_shift_weight[layer], self.value_shift_weight[layer], self.gate_weight[layer]])
-        z = F.linear(hidden.to(dtype), w.to(dtype))  # (B, L, 2 Hkv + H)
-        alpha = torch.sigmoid(z[..., : 2 * hkv])
-        log_f = F.logsigmoid(z[..., 2 * hkv :] + self.gate_bias[layer].to(dtype))
-        k_state = torch.cat([alpha[..., :hkv, None], log_f.view(b, n, hkv, self.groups)], dim=-1)
-        return k_state.transpose(1, 2), alpha[..., hkv:, None].transpose(1, 2)
+        weights = [self.key_shift_weight[layer], self.value_shift_weight[layer], self.gate_weight[layer]]
+        bias = self.gate_bias[layer]
+        if self.bidirectional:  # the backward gates too
+            weights.append(self.gate_weight_bwd[layer])
+            bias = torch.cat([bias, self.gate_bias_bwd[layer]])
+        z = F.linear(hidden.to(dtype), torch.cat(weights).to(dtype))  # (B, L, 2 Hkv + S H)
+        alpha = torch.sigmoid(z[..., : 2 * hkv]).transpose(1, 2)  # (B, 2 Hkv, L)
+        log_f = F.logsigmoid(z[..., 2 * hkv :] + bias.to(dtype))  # (B, L, S H), as log_gates
+        gates = self._gates_to_kv(log_f.view(b, n, self.num_gate_sets, self.info.num_heads))
+        return torch.cat([alpha[:, :hkv, :, None], gates], dim=-1), alpha[:, hkv:, :, None]
 
     def _shift(self, x: torch.Tensor, alpha: torch.Tensor, has_prev: torch.Tensor, ctx: PosContext,
                plain: bool = False) -> torch.Tensor:

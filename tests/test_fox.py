@@ -32,7 +32,8 @@ from conftest import (
 # ---------------------------------------------------------------------------------------------------
 
 
-def bare(name: str, *, heads=4, kv_heads=2, head_dim=6, hidden=10, causal=True, dtype=torch.float64, seed=0, **params):
+def bare(name: str, *, heads=4, kv_heads=2, head_dim=6, hidden=10, causal=True, dtype=torch.float64, seed=0, layers=1,
+         **params):
     """A fox / fox_pro module for a one-layer model of the given shape, every parameter random (so that the
     norms' and gates' weights are not trivially 1 or 0)."""
     info = ModelInfo(
@@ -41,7 +42,7 @@ def bare(name: str, *, heads=4, kv_heads=2, head_dim=6, hidden=10, causal=True, 
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        num_layers=1,
+        num_layers=layers,
         causal=causal,
         max_positions=None,
         grid=None if causal else (2, 2),
@@ -601,15 +602,22 @@ def test_packed_documents_equal_documents_alone(name):
         assert (packed[:, sl] - alone).abs().max() < 1e-12
 
 
-def test_fused_token_states_equal_the_gates():
-    """fox_pro's one product for the cached states of a causal model equals ``shift_gates`` and ``log_gates``."""
-    enc, info = bare("fox_pro")
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_token_states_equal_the_gates(causal, grad):
+    """fox_pro's one product for the cached states equals the logs of ``shift_gates`` and ``log_gates``, on a causal
+    model and on ViT (two gate sets), per layer with gradients and from one build per forward without them."""
+    enc, info = bare("fox_pro", causal=causal, layers=3)
     hidden = torch.randn(2, 5, info.hidden_size, dtype=torch.float64)
-    k_state, v_state = enc._token_states(0, hidden)
-    a_k, a_v = enc.shift_gates(0, hidden)
-    gates = enc._gates_to_kv(enc.log_gates(0, hidden))
-    assert torch.allclose(k_state, torch.cat([a_k[..., None], gates], dim=-1), rtol=1e-12, atol=1e-14)
-    assert torch.allclose(v_state, a_v[..., None], rtol=1e-12, atol=1e-14)
+    ctx = ctx_for(enc, info, 5, 2)
+    for layer in range(info.num_layers):
+        with torch.set_grad_enabled(grad):
+            k_state, v_state = enc._token_states(ctx, layer, hidden)
+        a_k, a_v = enc.shift_gates(layer, hidden)
+        gates = enc._gates_to_kv(enc.log_gates(layer, hidden))
+        assert torch.allclose(k_state, torch.cat([a_k.log()[..., None], gates], dim=-1), rtol=1e-12, atol=1e-14)
+        assert torch.allclose(v_state, a_v.log()[..., None], rtol=1e-12, atol=1e-14)
+    assert any(key[0] == "per_layer" for key in ctx.memo) is not grad
 
 
 def test_fox_pro_shift_without_a_mask_equals_the_masks():

@@ -18,6 +18,7 @@ import torch
 from hf_posenc import attention as attention_module
 from hf_posenc.kernels.attention import KERNEL_KINDS, TERM_KINDS, KernelTerm, attention_reference
 from hf_posenc.kernels.attention.tiled import TILED_KINDS, tiled_attention
+from hf_posenc.kernels._masks import band_allowed
 
 from conftest import make_model
 from test_kernel_attention import MODEL_CASES, MODEL_IDS, SHAPE, SHAPE_CHUNK, _kink_free, _padded_batch, make_inputs, make_term, rel_err
@@ -467,6 +468,39 @@ def test_few_queries_without_gradients_match_the_reference(kind, q_len, offset, 
         tiled_mod._few_queries = original
     assert calls, "the few-queries path did not run"
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_few_queries_skip_the_mask_only_where_every_key_is_seen():
+    """Without key padding the few-queries path drops its 0 / −inf mask where every query sees every key by
+    position (``tiled._sees_every_key``): that predicate against the band itself, over offsets, lengths and
+    windows both ways; then the outputs against the reference where it holds and where it does not."""
+    from hf_posenc.kernels.attention import tiled as tiled_mod
+    from hf_posenc.kernels.attention.terms import example_term
+
+    for causal in (True, False):
+        for q_len in (1, 2, 3):
+            for k_len in (1, 4, 6):
+                for offset in range(0, k_len):
+                    for window in (None, 1, 2, 4, 5, 6, 7, 9):
+                        q_idx = torch.arange(q_len) + offset
+                        band = band_allowed(q_idx, torch.arange(k_len), causal, window)
+                        assert tiled_mod._sees_every_key(q_len, k_len, offset, causal, window) == bool(band.all()), \
+                            (causal, q_len, k_len, offset, window)
+    g = torch.Generator().manual_seed(7)
+    b, h, hkv, d = 1, 4, 2, 16
+    for q_len, offset, k_len, window, causal in [(1, 20, 21, None, True), (1, 20, 21, 21, True), (1, 20, 21, 20, True),
+                                                 (2, 19, 21, None, True), (2, 0, 21, None, False),
+                                                 (2, 5, 21, 16, False), (2, 5, 21, 17, False)]:
+        shape = (b, h, hkv, q_len, k_len, d)
+        q, k, v = (torch.randn(b, n, ln, d, generator=g) for n, ln in ((h, q_len), (hkv, k_len), (hkv, k_len)))
+        term, _ = example_term("alibi", shape, offset, g)
+        kw = dict(scale=d**-0.5, causal=causal, q_offset=offset, window=window)
+        with torch.no_grad():
+            memo: dict = {}
+            got = tiled_attention(q, k, v, term, memo=memo, **kw)
+            (entry,) = [value for key, value in memo.items() if key[0] == "few_queries_mask"]
+            assert (entry[1] is None) == tiled_mod._sees_every_key(q_len, k_len, offset, causal, window)
+            torch.testing.assert_close(got, attention_reference(q, k, v, term, **kw), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["kerple_log", "t5", "fox"])

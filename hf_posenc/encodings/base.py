@@ -303,6 +303,25 @@ class PositionEncoding(nn.Module):
         self.info = info
         self.check_model(info)
 
+    # -- per-layer weights ----------------------------------------------------------------------------
+    def per_layer(self, ctx: "PosContext | None", tag: object, layer: int, build: Any) -> torch.Tensor:
+        """``build(layer)``: a layer's weights from the parameters stacked on dim 0 (``build`` indexes them with
+        its argument, an int or ``slice(None)``, and keeps that dimension first).
+
+        Without gradients (a decoding step) and outside ``torch.compile``, ``build(slice(None))`` runs once per
+        forward for every layer, kept in ``ctx.memo`` under ``tag`` and unbound per layer: a decoding step pays
+        per operation, and a select (or a concatenation) per parameter and layer added up. With gradients each
+        layer builds its own (the graph then holds no node shared by the layers, which reentrant checkpointing
+        replays one layer at a time). ``build`` must not copy large weights (every layer's copy would be held
+        for the whole forward): slices, views and small derived tensors."""
+        if ctx is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return build(layer)
+        key = ("per_layer", id(self), tag)
+        rows = ctx.memo.get(key)
+        if rows is None:
+            rows = ctx.memo[key] = build(slice(None)).unbind(0)
+        return rows[layer]
+
     # -- construction ---------------------------------------------------------------------------
     @classmethod
     def resolve(cls, config: PosEncConfig, info: ModelInfo) -> PosEncConfig:

@@ -29,13 +29,16 @@ and W_o ~ N(0, initializer_range); γ^q, γ^k, γ^o = 1 (per head and channel:
 The code supports no GQA (``num_kv_heads`` must be None); here the shift gates and γ^k belong to the
 key/value heads, the forget gates and γ^q, γ^o to the query heads. The shift, the key norm and the value
 shift are computed in float32 inside the attention (the code rounds k̃ to the model dtype before its
-norm); q̂ is computed in float32 and rounded to the model dtype, as in the code.
+norm); q̂ (with γ^k, below) is computed in float32 and rounded to the model dtype, as in the code.
 
-Cache state: k_raw ‖ [α^k, log f (G)] and v_raw ‖ [α^v] (+ log g on ViT), packed by
-:mod:`hf_posenc.encodings.cache_state`. FoX Pro stores the raw (unshifted, unnormalised) k and v: the shift
+Cache state: k_raw ‖ [log α^k, log f (G)] and v_raw ‖ [log α^v] (+ log g on ViT), packed by
+:mod:`hf_posenc.encodings.cache_state`: one logsigmoid of one product gives them all (``attend`` takes
+α = exp(log α)). FoX Pro stores the raw (unshifted, unnormalised) k and v: the shift
 of the first new token at a decode step needs the previous token's raw k and v, which only the cache holds, so
 the shift and the key norm are applied in ``attend`` to every key (O(L·D) per head, negligible next to the
-scores). On ViT it shifts each patch's k and v from the previous patch in raster order (the first patch has a
+scores). γ^k is applied to the queries instead of the keys: q̂ · (RMSNorm(k̃) ⊙ γ^k_g) = (q̂ ⊙ γ^k_g) · RMSNorm(k̃)
+for each query head of key/value head g, the same sum of products (so a decoding step does not multiply every
+cached key by it); the probabilities, the outputs and the gradients are those of the formula above. On ViT it shifts each patch's k and v from the previous patch in raster order (the first patch has a
 zero predecessor; CLS is not shifted).
 """
 
@@ -80,14 +83,14 @@ def _native_window_has_prev(ctx: PosContext, layer: int, k_len: int, device: tor
 
 
 class _RmsNorm(torch.autograd.Function):
-    """y = x r w, r = 1 / sqrt(mean(x², -1) + eps), w broadcast to x. Saves x and r (autograd's chain of the same
-    expression keeps x r as well: one more tensor of x's size per norm, three norms a layer in FoX Pro)."""
+    """y = x r w, r = 1 / sqrt(mean(x², -1) + eps), w broadcast to x (None: 1). Saves x and r (autograd's chain of
+    the same expression keeps x r as well: one more tensor of x's size per norm, three norms a layer in FoX Pro)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):  # type: ignore[override]
         r = torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps)
         ctx.save_for_backward(x, r, weight)
-        return x * r * weight
+        return x * r if weight is None else x * r * weight
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -96,7 +99,7 @@ class _RmsNorm(torch.autograd.Function):
         xh = x * r
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            g = dy * weight
+            g = dy if weight is None else dy * weight
             dx = (g - xh * (g * xh).mean(dim=-1, keepdim=True)) * r
         if ctx.needs_input_grad[1]:
             dw = (dy * xh).sum_to_size(weight.shape)
@@ -107,12 +110,13 @@ def _needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x², -1) + eps) * weight, in the dtype of x. Without a gradient, torch's fused rms_norm (a
-    decoding step normalises every cached key of every layer: 34 µs against 60 µs for the three ops, 64 x 288
-    keys, one thread of the 2-core AMD EPYC)."""
-    if not _needs_grad(x, weight):
-        return F.rms_norm(x, (x.shape[-1],), eps=eps) * weight
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x², -1) + eps) * weight (None: no weight), in the dtype of x. Without a gradient, torch's
+    rms_norm (a decoding step normalises every cached key of every layer: 34 µs against 60 µs for the three ops,
+    64 x 288 keys, one thread of the 2-core AMD EPYC)."""
+    if not (_needs_grad(x) or (weight is not None and _needs_grad(weight))):
+        y = F.rms_norm(x, (x.shape[-1],), eps=eps)
+        return y if weight is None else y * weight
     return _RmsNorm.apply(x, weight, eps)
 
 
@@ -206,33 +210,66 @@ class FoxPro(Fox):
     def prepare(
         self, ctx: PosContext, layer: int, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q -> QK-normed q; k -> raw k ‖ [α^k, log-gates]; v -> raw v ‖ [α^v] (the shift and the key norm
-        need the previous token's raw k and v, so they are applied in ``attend``)."""
+        """q -> QK-normed q, times γ^k of its key/value head (see :meth:`_query_gain`); k -> raw k ‖ [log α^k,
+        log-gates]; v -> raw v ‖ [log α^v] (the shift and the key norm need the previous token's raw k and v, so
+        they are applied in ``attend``)."""
         compute = compute_dtype(q.dtype)
-        q = _rms_norm(q.to(compute), self.q_norm_weight[layer].to(compute)[None, :, None, :], QK_NORM_EPS).to(q.dtype)
-        k_state, v_state = self._token_states(layer, hidden)
+        gain = self.per_layer(ctx, ("query_gain", compute), layer, lambda i: self._query_gain(i).to(compute))
+        q = _rms_norm(q.to(compute), gain, QK_NORM_EPS).to(q.dtype)
+        k_state, v_state = self._token_states(ctx, layer, hidden)
         k = torch.cat([k, pack_state(k_state, k.dtype)], dim=-1)
         v = torch.cat([v, pack_state(v_state, v.dtype)], dim=-1)
         return q, k, v
 
-    def _token_states(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cached states of the new tokens, [α^k, log-gates (S·G)] (B, Hkv, L, 1 + S·G) and [α^v]
-        (B, Hkv, L, 1) in float32 (float64 for float64 inputs): :meth:`shift_gates` and :meth:`log_gates` as one
-        product with u^k, u^v and the gate weights stacked (each output is the dot product of its own linear map;
-        a decoding step pays per operation, not per multiply-add)."""
-        dtype = compute_dtype(hidden.dtype)
-        b, n, _ = hidden.shape
-        hkv = self.info.num_kv_heads
-        weights = [self.key_shift_weight[layer], self.value_shift_weight[layer], self.gate_weight[layer]]
-        bias = self.gate_bias[layer]
+    def _query_gain(self, index: int | slice) -> torch.Tensor:
+        """γ^q_h ⊙ γ^k_g(h) (..., H, 1, D) for the layers ``index`` picks: q̂ · (RMSNorm(k̃) ⊙ γ^k) =
+        (q̂ ⊙ γ^k) · RMSNorm(k̃) for the G query heads of each key/value head, so the key norm's gain rides on the
+        query once instead of on every cached key at every decoding step."""
+        key_gain = self.k_norm_weight[index].repeat_interleave(self.groups, dim=-2)
+        return (self.q_norm_weight[index] * key_gain).unsqueeze(-2)
+
+    def _state_order(self, device: torch.device) -> torch.Tensor:
+        """The row order of :meth:`_state_weight`: rows of [u^k (Hkv), u^v (Hkv), gate weights (S·H)] listed as
+        the cache holds their outputs: per key/value head g, u^k_g then the gates of its G query heads (set by
+        set, the order of :meth:`_gates_to_kv`); then u^v of every head."""
+        orders = self.__dict__.setdefault("_state_orders", {})  # a plain attribute, per device
+        order = orders.get(device)
+        if order is None:
+            hkv, g, heads, sets = self.info.num_kv_heads, self.groups, self.info.num_heads, self.num_gate_sets
+            rows = []
+            for kv in range(hkv):
+                rows.append(kv)
+                rows += [2 * hkv + s * heads + kv * g + gi for s in range(sets) for gi in range(g)]
+            rows += [hkv + kv for kv in range(hkv)]
+            order = orders[device] = torch.tensor(rows, device=device)
+        return order
+
+    def _state_weight(self, index: int | slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight (..., R, C) and bias (..., R) whose logsigmoid gives the cached states (:meth:`_token_states`)
+        for the layers ``index`` picks, rows in :meth:`_state_order`; the shift gates have no bias."""
+        weights = [self.key_shift_weight[index], self.value_shift_weight[index], self.gate_weight[index]]
+        biases = [self.gate_bias[index]]
         if self.bidirectional:  # the backward gates too
-            weights.append(self.gate_weight_bwd[layer])
-            bias = torch.cat([bias, self.gate_bias_bwd[layer]])
-        z = F.linear(hidden.to(dtype), torch.cat(weights).to(dtype))  # (B, L, 2 Hkv + S H)
-        alpha = torch.sigmoid(z[..., : 2 * hkv]).transpose(1, 2)  # (B, 2 Hkv, L)
-        log_f = F.logsigmoid(z[..., 2 * hkv :] + bias.to(dtype))  # (B, L, S H), as log_gates
-        gates = self._gates_to_kv(log_f.view(b, n, self.num_gate_sets, self.info.num_heads))
-        return torch.cat([alpha[:, :hkv, :, None], gates], dim=-1), alpha[:, hkv:, :, None]
+            weights.append(self.gate_weight_bwd[index])
+            biases.append(self.gate_bias_bwd[index])
+        zero = biases[0].new_zeros(biases[0].shape[:-1] + (2 * self.info.num_kv_heads,))
+        order = self._state_order(weights[0].device)
+        return (torch.cat(weights, dim=-2).index_select(-2, order),
+                torch.cat([zero, *biases], dim=-1).index_select(-1, order))
+
+    def _token_states(self, ctx: PosContext | None, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached states of the new tokens, [log α^k, log-gates (S·G)] (B, Hkv, L, 1 + S·G) and [log α^v]
+        (B, Hkv, L, 1) in float32 (float64 for float64 inputs): the logs of :meth:`shift_gates` (log σ(u·x)) and
+        :meth:`log_gates` as one product and one logsigmoid, the rows of u^k, u^v and the gate weights stacked in
+        the cache's order (each output is the dot product of its own linear map; a decoding step pays per
+        operation, not per multiply-add). ``attend`` takes α = exp(log α)."""
+        dtype = compute_dtype(hidden.dtype)
+        hkv = self.info.num_kv_heads
+        weight = self.per_layer(ctx, ("state_weight", dtype), layer, lambda i: self._state_weight(i)[0].to(dtype))
+        bias = self.per_layer(ctx, ("state_bias", dtype), layer, lambda i: self._state_weight(i)[1].to(dtype))
+        y = F.logsigmoid(F.linear(hidden.to(dtype), weight, bias))  # (B, L, Hkv (1 + S G) + Hkv)
+        split = y.shape[-1] - hkv
+        return y[..., :split].unflatten(-1, (hkv, -1)).transpose(1, 2), y[..., split:, None].transpose(1, 2)
 
     def _shift(self, x: torch.Tensor, alpha: torch.Tensor, has_prev: torch.Tensor, ctx: PosContext,
                plain: bool = False) -> torch.Tensor:
@@ -280,8 +317,8 @@ class FoxPro(Fox):
         compute = compute_dtype(query.dtype)
         n_gates = self.num_gate_sets * self.groups
         k_state = unpack_state(key[..., d:], 1 + n_gates, compute)
-        a_k, gates = k_state[..., 0], self._gates_from_kv(k_state[..., 1:])
-        a_v = unpack_state(value[..., d:], 1, compute)[..., 0]
+        a_k, gates = k_state[..., 0].exp(), self._gates_from_kv(k_state[..., 1:])
+        a_v = unpack_state(value[..., d:], 1, compute)[..., 0].exp()
         k_len = key.shape[2]
         # which keys have a real predecessor: from the mask before a sliding window cut it (the shift belongs to
         # the token, not to the queries that may see it)
@@ -299,13 +336,15 @@ class FoxPro(Fox):
             has_prev[:, : min(2, k_len)] = False
         plain = unwindowed is None and native is None and ctx.grid is None  # every key but the first has one
         k = self._shift(key[..., :d].to(compute), a_k, has_prev, ctx, plain)
-        k = _rms_norm(k, self.k_norm_weight[layer].to(compute)[None, :, None, :], QK_NORM_EPS)
+        k = _rms_norm(k, None, QK_NORM_EPS)  # γ^k is on the queries (prepare)
         v = self._shift(value[..., :d].to(compute), a_v, has_prev, ctx, plain)
         return k, v, gates, valid
 
     def finish(self, ctx: PosContext, layer: int, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out (B, Lq, H, D) -> σ(W_o x) ⊙ RMSNorm(out) ⊙ γ^o, per head, computed in float32."""
         compute = compute_dtype(out.dtype)
-        o = _rms_norm(out.to(compute), self.out_norm_weight[layer].to(compute), OUT_NORM_EPS)
-        gate = torch.sigmoid(F.linear(hidden.to(compute), self.out_gate_weight[layer].to(compute)))
+        gain = self.per_layer(ctx, ("out_norm", compute), layer, lambda i: self.out_norm_weight[i].to(compute))
+        weight = self.per_layer(ctx, "out_gate", layer, lambda i: self.out_gate_weight[i])  # a view: no copy
+        o = _rms_norm(out.to(compute), gain, OUT_NORM_EPS)
+        gate = torch.sigmoid(F.linear(hidden.to(compute), weight.to(compute)))
         return (o * gate.view(o.shape)).to(out.dtype)

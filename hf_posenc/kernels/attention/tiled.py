@@ -208,6 +208,14 @@ def _few_queries_apply(query, key, value, term, q_offset) -> bool:
             and term.spec.value_term is None and term.spec.prepare is None)
 
 
+def _sees_every_key(q_len: int, k_len: int, q_offset: int, causal: bool, window: int | None) -> bool:
+    """Whether each query i (key index q_offset + i) may see every key by position: causal, the first query is at
+    or past the last key; with a window, the farthest key is nearer than ``window``."""
+    if causal and q_offset < k_len - 1:
+        return False
+    return window is None or window > max(q_offset + q_len - 1, k_len - 1 - q_offset)
+
+
 def _few_queries(query, key, value, term, scale, causal, q_offset, key_valid, window, memo=None) -> torch.Tensor:
     """A few queries without gradients: softmax(scale · q kᵀ + B) v by one SDPA call (grouped heads not expanded),
     B the term's values for these rows (its registry entry, :func:`naive.term_bias`) plus 0 / −inf where a key
@@ -222,6 +230,10 @@ def _few_queries(query, key, value, term, scale, causal, q_offset, key_valid, wi
     entry = None if memo is None else memo.get(mkey)
     if entry is not None and entry[0] is key_valid:
         neg, empty = entry[1], entry[2]
+    elif key_valid is None and _sees_every_key(q_len, k_len, q_offset, causal, window):
+        neg = empty = None  # every query sees every key (a decoding step at the end of the keys): no mask at all
+        if memo is not None:
+            memo[mkey] = (key_valid, neg, empty)
     else:
         q_idx = torch.arange(q_len, device=query.device) + q_offset
         allowed = band_allowed(q_idx, torch.arange(k_len, device=query.device), causal, window)[None, None]
@@ -232,10 +244,14 @@ def _few_queries(query, key, value, term, scale, causal, q_offset, key_valid, wi
         neg = torch.zeros(allowed.shape, dtype=compute, device=query.device).masked_fill_(~allowed, float("-inf"))
         if memo is not None:
             memo[mkey] = (key_valid, neg, empty)  # key_valid kept: the identity check above stays sound
-    mask = neg if bias is None else bias.to(compute) + neg  # x + 0 = x; x + (−inf) = −inf
+    if neg is None:
+        mask = None if bias is None else bias.to(compute)
+    else:
+        mask = neg if bias is None else bias.to(compute) + neg  # x + 0 = x; x + (−inf) = −inf
     out = F.scaled_dot_product_attention(query.to(compute), key.to(compute), value.to(compute), attn_mask=mask,
                                          scale=scale, enable_gqa=key.shape[1] != h)
-    return out.masked_fill(empty, 0.0).to(query.dtype)  # no host read of ``empty``
+    out = out if empty is None else out.masked_fill(empty, 0.0)  # no host read of ``empty``
+    return out.to(query.dtype)
 
 
 #: The two exact CPU paths of the tile engine: torch's fused attention kernel per query block (with the term as

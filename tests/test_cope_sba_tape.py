@@ -451,10 +451,10 @@ def test_tape_layer_updates_by_hand():
         c, s = torch.cat([e[..., :2]] * 2, -1), torch.cat([e[..., 2:]] * 2, -1)
         return x * c + torch.cat([-x[..., 2:], x[..., :2]], -1) * s
 
-    # kv head 1 holds query heads 2 and 3: for each, k rotated by that head's state, then the state
+    # kv head 1 holds query heads 2 and 3: k rotated by each head's state, then the two states
     assert (k1[:, 1, :, 0:4] - rot(k[:, 1], state[:, 2])).abs().max() < 1e-12
-    assert torch.equal(k1[:, 1, :, 4:8], state[:, 2])
-    assert (k1[:, 1, :, 8:12] - rot(k[:, 1], state[:, 3])).abs().max() < 1e-12
+    assert (k1[:, 1, :, 4:8] - rot(k[:, 1], state[:, 3])).abs().max() < 1e-12
+    assert torch.equal(k1[:, 1, :, 8:12], state[:, 2])
     assert torch.equal(k1[:, 1, :, 12:], state[:, 3])
 
     mask = text_mask(b, n, n, 0)
@@ -799,3 +799,54 @@ def test_gradcheck_module_gqa(variant):
 
     args = tuple(t.detach().clone().requires_grad_(True) for t in (q, k, v, hidden, *enc.parameters()))
     assert torch.autograd.gradcheck(f, args)
+
+
+def test_rotate_half_by_is_apply_rotary_bit_for_bit():
+    """tape's rotation from factors built once (``rope.half_rotation``) is ``apply_rotary``'s "half" layout to the
+    bit, broadcasting a key over the query heads of its group."""
+    from hf_posenc.encodings.rope import apply_rotary, half_rotation, rotate_half_by
+
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.float64):
+        x = torch.randn(2, 3, 5, 8, generator=g, dtype=dtype)
+        cos, sin = torch.randn(2, 3, 5, 4, generator=g, dtype=dtype), torch.randn(2, 3, 5, 4, generator=g, dtype=dtype)
+        assert torch.equal(rotate_half_by(x, half_rotation(cos, sin)), apply_rotary(x, cos, sin, "half"))
+        k = torch.randn(2, 1, 5, 8, generator=g, dtype=dtype)
+        assert torch.equal(rotate_half_by(k, half_rotation(cos, sin)), apply_rotary(k.expand(2, 3, 5, 8), cos, sin, "half"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_tape_grouped_few_queries_equal_per_head_attention(dtype, masked):
+    """tape's few-queries path reads the cache's grouped layout (each group's queries as one block-diagonal
+    matrix): its outputs and state aggregates equal per-head softmax attention on the same keys, values and states,
+    with and without a mask (a row that sees no key gives zeros), from a float32 and a bfloat16 (packed) cache."""
+    from hf_posenc.encodings import tape as tape_module
+
+    g = torch.Generator().manual_seed(4)
+    b, hkv, groups, q_len, k_len, d = 2, 2, 3, 2, 9, 8
+    h = hkv * groups
+    q = torch.randn(b, h, q_len, d, generator=g)
+    k = torch.randn(b, h, k_len, d, generator=g)
+    st = torch.randn(b, h, k_len, d, generator=g)
+    v = torch.randn(b, hkv, k_len, d, generator=g)
+    grouped = lambda t: t.unflatten(1, (hkv, groups)).transpose(2, 3).reshape(b, hkv, k_len, groups * d)  # noqa: E731
+    key = torch.cat([grouped(k).to(dtype), pack_state(grouped(st), dtype)], dim=-1)
+    k_read = key[..., : groups * d].float().unflatten(-1, (groups, d)).transpose(2, 3).reshape(b, h, k_len, d)
+    st_read = unpack_state(key[..., groups * d:], groups * d, torch.float32)
+    st_read = st_read.unflatten(-1, (groups, d)).transpose(2, 3).reshape(b, h, k_len, d)
+    allowed = None
+    if masked:
+        allowed = torch.ones(b, 1, q_len, k_len, dtype=torch.bool)
+        allowed[0, :, 0, 4:] = False
+        allowed[1, :, 1] = False  # sees no key
+    out, agg = tape_module._few_queries(q, key, v, True, allowed, False, 0.3)
+    scores = (q @ k_read.transpose(-1, -2)) * 0.3
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.nan_to_num(torch.softmax(scores, -1), nan=0.0)
+    torch.testing.assert_close(out, probs @ v.repeat_interleave(groups, dim=1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(agg, probs @ st_read, rtol=1e-5, atol=1e-6)
+    if masked:
+        assert torch.equal(out[1, :, 1], torch.zeros_like(out[1, :, 1]))
+    assert tape_module._few_queries(q, key, v, False, allowed, False, 0.3)[1] is None

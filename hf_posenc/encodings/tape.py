@@ -115,7 +115,7 @@ from ..registry import param, register_encoding
 from .base import PLAIN_CAUSAL, ModelInfo, PosContext, PositionEncoding
 from .cache_state import pack_state, unpack_state
 from ..kernels._masks import allowed_keys, memo_per_mask
-from .rope import apply_rotary, rope_inv_freq
+from .rope import half_rotation, rope_inv_freq, rotate_half_by
 
 __all__ = ["Tape"]
 
@@ -123,6 +123,7 @@ _ATTN_STATE = "tape_attn_state"  # memo key: (name, layer) -> Ê^layer of the ne
 _Q_STATE = "tape_q_state"  # memo key: (name, layer) -> E^layer of the new tokens as prepared for their queries
 _STATE = "tape_state"  # memo key: (name, layer) -> E^layer of the new tokens, from layer - 1's MLP hook
 _LEAF = "tape_leaf"  # memo key: (name, layer) -> the leaf copy of E^layer read by layer (reentrant recompute)
+_Q_ROT = "tape_q_rotation"  # memo key: (name, layer) -> rope.half_rotation of the new tokens' E^layer
 
 
 class _StateTunnel(torch.autograd.Function):
@@ -238,15 +239,17 @@ class Tape(PositionEncoding):
             sin = sin.masked_fill(is_cls, 0.0)
         return torch.cat([cos, sin], dim=-1)[:, None]
 
-    def mlp_update(self, t: int, hidden: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    def mlp_update(self, t: int, hidden: torch.Tensor, state: torch.Tensor, ctx: PosContext | None = None) -> torch.Tensor:
         """D^t [φ(X^t x) ⊙ U^t E] for states (B, H, L, D) and layer t's MLP output x (B, L, C), over the head axis.
 
         Computed as M_n E_n with the per-token (H, H) matrix M_n = D^t diag(φ(X^t x_n)) U^t (the same sums in
         another order), so no (B, P, L, D) tensor is built; as two batched products (``torch.einsum`` took 32
         operations for them, 13 here: a decoding step pays per operation)."""
         dtype = state.dtype
-        gate = F.silu(hidden.to(dtype) @ self.pe_x[t].to(dtype).T)  # (B, L, P)
-        mix = (self.pe_down[t].to(dtype) * gate[..., None, :]) @ self.pe_up[t].to(dtype)  # (B, L, H, H)
+        x_proj, down, up = (self.per_layer(ctx, name, t, lambda i, n=name: getattr(self, n)[i])
+                            for name in ("pe_x", "pe_down", "pe_up"))
+        gate = F.silu(hidden.to(dtype) @ x_proj.to(dtype).T)  # (B, L, P)
+        mix = (down.to(dtype) * gate[..., None, :]) @ up.to(dtype)  # (B, L, H, H)
         return (mix @ state.transpose(1, 2)).transpose(1, 2)  # (B, H, L, D)
 
     def attend_uses_reference(self, ctx: PosContext, dropout: float, training: bool) -> bool:
@@ -267,8 +270,9 @@ class Tape(PositionEncoding):
         self, ctx: PosContext, layer: int, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Replace k (B, Hkv, Lq, D) by its rotations by E^layer of the new tokens, one per query head of each
-        key/value head, each followed by that head's state (see the module docstring); q is returned as it is and
-        its states are handed to ``attend`` through ``ctx.memo``.
+        key/value head, then those heads' states: (B, Hkv, Lq, G·D + G·D·w) = [k rotated for query heads 0 .. G−1
+        of the group | their states, packed]; q is returned as it is, its states (and their rotation factors) are
+        handed to ``attend`` through ``ctx.memo``.
         E^0 is rotary; E^layer (layer > 0) was computed by the MLP hook of layer - 1 (:meth:`mlp_output`).
         ``hidden`` (the attention input) is not used."""
         b, h, n, d = q.shape
@@ -286,14 +290,16 @@ class Tape(PositionEncoding):
                 # reentrant checkpoint recomputation: read the states as a leaf (see _StateTunnel)
                 state = state.detach().requires_grad_(True)
                 ctx.memo[(_LEAF, layer)] = state
-        ctx.memo[(_Q_STATE, layer)] = state  # the queries' states go to ``attend`` directly (they are not cached)
-        groups = h // hkv
         half = d // 2
-        rotated = apply_rotary(expand_kv(k, groups).to(state.dtype), state[..., :half], state[..., half:], "half")
-        per_head = torch.cat([rotated.to(k.dtype), pack_state(state, k.dtype)], dim=-1)  # (B, H, n, D + D * w)
-        width = per_head.shape[-1]
-        key = per_head.reshape(b, hkv, groups, n, width).permute(0, 1, 3, 2, 4).reshape(b, hkv, n, groups * width)
-        return q, key, v
+        rotation = half_rotation(state[..., :half], state[..., half:])  # the queries' and the keys' (B, H, n, D)
+        ctx.memo[(_Q_STATE, layer)] = state  # the queries' states go to ``attend`` directly (they are not cached)
+        ctx.memo[(_Q_ROT, layer)] = rotation
+        groups = h // hkv
+        # per key/value head g: (B, Hkv, n, G, D), the G query heads of g last but one (views of the per-head tensors)
+        grouped = tuple(t.unflatten(1, (hkv, groups)).transpose(2, 3) for t in rotation)
+        rotated = rotate_half_by(k.to(state.dtype)[:, :, :, None, :], grouped).reshape(b, hkv, n, groups * d)
+        states = state.unflatten(1, (hkv, groups)).transpose(2, 3).reshape(b, hkv, n, groups * d)
+        return q, torch.cat([rotated.to(k.dtype), pack_state(states, k.dtype)], dim=-1), v
 
     def mlp_output(self, ctx: PosContext, layer: int, out: torch.Tensor) -> torch.Tensor:
         """The MLP-stage update after layer ``layer``: E^{layer+1} = Ê + D[φ(X m) ⊙ U Ê] from the MLP output
@@ -307,7 +313,7 @@ class Tape(PositionEncoding):
                 f"tape: the MLP of layer {layer} ran without that layer's attention in this forward; call the whole "
                 "model, not a decoder layer's MLP alone"
             )
-        state = hat + self.mlp_update(layer, out, hat)
+        state = hat + self.mlp_update(layer, out, hat, ctx)
         ctx.memo[(_STATE, layer + 1)] = state
         if torch.is_grad_enabled() and state.requires_grad:
             out = _StateTunnel.apply(out, state, ctx.memo, (_LEAF, layer + 1))
@@ -329,7 +335,7 @@ class Tape(PositionEncoding):
 
         Args:
             query: (B, H, Lq, D) (its states come from ``prepare`` through ``ctx.memo``); key: (B, Hkv, Lk,
-                G·(D + D·w)) -- for each of its G query heads, k rotated by that head's state, then the state;
+                G·D + G·D·w) -- k rotated by the state of each of its G query heads, then those states (packed);
                 value: (B, Hkv, Lk, D).
             mask: (B|1, 1, Lq, Lk) bool (True = attend; causality included) or None.
             scaling: the model's logit scale.
@@ -343,25 +349,25 @@ class Tape(PositionEncoding):
         hkv, k_len = key.shape[1], key.shape[2]
         groups = h // hkv
         dtype = compute_dtype(value.dtype)
-        q_state = ctx.memo.get((_Q_STATE, layer))
-        if q_state is None:
+        q_state, rotation = ctx.memo.get((_Q_STATE, layer)), ctx.memo.get((_Q_ROT, layer))
+        if q_state is None or rotation is None:
             raise RuntimeError(f"tape: the attention of layer {layer} ran without its prepare step in this forward")
-        width = key.shape[-1] // groups
-        per_head = key.reshape(b, hkv, k_len, groups, width).permute(0, 1, 3, 2, 4).reshape(b, h, k_len, width)
-        k = per_head[..., :d].to(dtype)  # rotated by the keys' own states in ``prepare``
         updates = layer < self.info.num_layers - 1
-        k_state = unpack_state(per_head[..., d:], d, dtype) if updates else None
-        half = d // 2
-        q = apply_rotary(query.to(dtype), q_state[..., :half], q_state[..., half:], "half")
+        q = rotate_half_by(query.to(dtype), rotation)
         plain = bool(ctx.memo.get(PLAIN_CAUSAL, False)) and self.info.causal
         allowed = None if plain else _allowed(ctx, mask, q_len, k_len, self.info.causal, query.device)
+        scale = self.per_layer(ctx, ("attn_scale", dtype), layer,
+                               lambda i: self.attn_update[i].to(dtype).sum(-1)) if updates else None  # a_h = Σ_e W_{h,e}
 
         if q_len <= FEW_QUERIES and not ctx.need_weights and not (dropout > 0 and training):
-            out, agg = _few_queries(q, k, value.to(dtype), k_state, allowed, plain, scaling)
+            out, agg = _few_queries(q, key, value.to(dtype), updates, allowed, plain, scaling)
             if updates:
-                scale = self.attn_update[layer].to(dtype).sum(-1)
-                ctx.memo[(_ATTN_STATE, layer)] = q_state + scale[None, :, None, None] * agg
+                ctx.memo[(_ATTN_STATE, layer)] = q_state + scale[:, None, None] * agg
             return out.to(value.dtype), None
+        # per query head: (B, Hkv, Lk, G·D) -> (B, H, Lk, D)
+        per_head = lambda t: t.unflatten(-1, (groups, d)).transpose(2, 3).reshape(b, h, k_len, d)  # noqa: E731
+        k = per_head(key[..., : groups * d].to(dtype))  # rotated by the keys' own states in ``prepare``
+        k_state = per_head(unpack_state(key[..., groups * d:], groups * d, dtype)) if updates else None
         v = expand_kv(value, groups).to(dtype)
         probs = None
         if ctx.need_weights:  # the probabilities are asked for: the full-matrix form
@@ -373,8 +379,7 @@ class Tape(PositionEncoding):
             outs = _attention(q, k, (v, k_state) if updates else (v,), allowed, plain, scaling, dropout if training else 0.0)
             out, agg = outs[0], (outs[1] if updates else None)
         if updates:
-            scale = self.attn_update[layer].to(dtype).sum(-1)  # a_h = Σ_e W_{h,e}, the code's einsum
-            ctx.memo[(_ATTN_STATE, layer)] = q_state + scale[None, :, None, None] * agg
+            ctx.memo[(_ATTN_STATE, layer)] = q_state + scale[:, None, None] * agg
         return out.to(value.dtype), probs
 
 
@@ -387,7 +392,10 @@ FEW_QUERIES = 16
 def _allowed(ctx: PosContext, mask: torch.Tensor | None, q_len: int, k_len: int, causal: bool,
              device: torch.device) -> torch.Tensor | None:
     """:func:`allowed_keys` of this forward's mask, built once per forward and shared by the layers (eager mode:
-    the memo holds the mask, so its address stays its own; under ``torch.compile``, per layer)."""
+    the memo holds the mask, so its address stays its own; under ``torch.compile``, per layer). None without a
+    mask where causality hides no key (each query at or past the last key: a decoding step)."""
+    if mask is None and causal and isinstance(ctx.q_offset, int) and ctx.q_offset >= k_len - 1:
+        return None
     return memo_per_mask(ctx.memo, "tape_allowed", mask, (q_len, k_len, causal, str(device)),
                          lambda: allowed_keys(mask, q_len, k_len, ctx.q_offset, causal, device))
 
@@ -406,21 +414,44 @@ def _weights(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None, is_
 
 def _few_queries(
     q: torch.Tensor,
-    k: torch.Tensor,
+    key: torch.Tensor,
     v: torch.Tensor,
-    state: torch.Tensor | None,
+    with_state: bool,
     allowed: torch.Tensor | None,
     is_causal: bool,
     scaling: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(softmax(q kᵀ · scaling) v, the same weights on ``state``) for a few queries: q, k (B, H, Lq|Lk, D) per
-    query head, v (B, Hkv, Lk, D) per key/value head, state (B, H, Lk, D) or None; ``allowed`` as for
-    :func:`_attention` (``is_causal``: causality alone, queries = keys). Rows with no allowed key give zeros."""
+    """(softmax(q kᵀ · scaling) v, the same weights on the keys' states) for a few queries, read from the cache's
+    grouped layout without copying it per query head: q (B, H, Lq, D) rotated; key (B, Hkv, Lk, G·D + G·D·w) as
+    ``prepare`` stores it; v (B, Hkv, Lk, D); ``with_state``: also the weights on the states (else None);
+    ``allowed`` as for :func:`_attention` (``is_causal``: causality alone, queries = keys). Rows with no allowed
+    key give zeros.
+
+    Each group's G query heads meet its keys in one product: the queries as a block-diagonal (G·Lq, G·D) matrix
+    (query head i in columns i·D .. i·D + D − 1) against the G rotated keys (Lk, G·D) of each cached token; the
+    states likewise, keeping the diagonal blocks of (G·Lq, G·D). G times the multiply-adds of the per-head
+    products, and no copy of the key cache (a decoding step copied it whole in every layer)."""
     b, h, q_len, d = q.shape
-    hkv, k_len = v.shape[1], k.shape[2]
-    probs = _weights(q, k, allowed, is_causal, scaling)
-    out = (probs.reshape(b, hkv, (h // hkv) * q_len, k_len) @ v).reshape(b, h, q_len, v.shape[-1])
-    return out, (probs @ state if state is not None else None)
+    hkv, k_len = key.shape[1], key.shape[2]
+    g = h // hkv
+    dtype = q.dtype
+    eye = torch.eye(g, dtype=dtype, device=q.device) * scaling
+    blocks = (q.reshape(b, hkv, g, q_len, 1, d) * eye[:, None, :, None]).reshape(b, hkv, g * q_len, g * d)
+    scores = (blocks @ key[..., : g * d].to(dtype).transpose(-1, -2)).view(b, h, q_len, k_len)
+    if is_causal:
+        allowed = allowed_keys(None, q_len, k_len, 0, True, q.device)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if allowed is not None:
+        probs = torch.nan_to_num(probs, nan=0.0)  # a row with no allowed key
+    probs = probs.view(b, hkv, g * q_len, k_len)
+    out = (probs @ v).view(b, h, q_len, v.shape[-1])
+    if not with_state:
+        return out, None
+    states = unpack_state(key[..., g * d:], g * d, dtype)  # (B, Hkv, Lk, G·D)
+    agg = (probs @ states).view(b, hkv, g, q_len, g, d).diagonal(dim1=2, dim2=4)  # (B, Hkv, Lq, D, G)
+    return out, agg.permute(0, 1, 4, 2, 3).reshape(b, h, q_len, d)
 
 
 def _attention(

@@ -106,6 +106,20 @@ def attention_backend(encoding: object | None, device: torch.device | str | None
     return default
 
 
+def _backend_of_forward(ctx: PosContext | None, device: torch.device) -> str:
+    """:func:`attention_backend` of ``ctx``'s encoding, decided once per forward and device (kept in ``ctx.memo``;
+    a decoding step asked it in each of its layers). Eager mode only: under ``torch.compile`` at each call."""
+    if ctx is None:
+        return attention_backend(None, device)
+    if torch.compiler.is_compiling():
+        return attention_backend(ctx.encoding, device)
+    key = ("attention_backend", device)
+    backend = ctx.memo.get(key)
+    if backend is None:
+        backend = ctx.memo[key] = attention_backend(ctx.encoding, device)
+    return backend
+
+
 def _as_bool_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     """transformers hands us a bool mask (True = attend) or None; a user's 4D float mask is converted."""
     if attention_mask is None or attention_mask.dtype == torch.bool:
@@ -433,7 +447,7 @@ def posenc_attention(
     Returns:
         out (B, Lq, H, D), and the probabilities (B, H, Lq, Lk) when ``posenc_ctx.need_weights`` else None.
     """
-    backend = attention_backend(posenc_ctx.encoding if posenc_ctx is not None else None, query.device)
+    backend = _backend_of_forward(posenc_ctx, query.device)
     b, h, q_len, d = query.shape
     k_len = key.shape[2]
     if h % key.shape[1]:

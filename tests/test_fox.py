@@ -14,7 +14,8 @@ from transformers import DynamicCache
 import hf_posenc
 from hf_posenc.config import PosEncConfig
 from hf_posenc.encodings.base import ModelInfo, PosContext
-from hf_posenc.encodings.fox import pack_state, unpack_state
+from hf_posenc.encodings import fox_pro as fox_pro_module
+from hf_posenc.encodings.fox import forgetting_attention, pack_state, unpack_state
 from hf_posenc.registry import get_encoding
 from conftest import (
     EOS_ID,
@@ -638,16 +639,57 @@ def test_fox_pro_shift_without_a_mask_equals_the_masks():
 
 
 @pytest.mark.parametrize("name", ["fox", "fox_pro"])
-def test_kernel_term_without_a_mask_equals_an_all_visible_mask(name):
+def test_kernel_term_without_a_mask_equals_an_all_visible_mask(name, monkeypatch):
     """No mask (an unpadded batch): the fused term's cumulative gates skip the validity mask; they equal those
     of a mask under which every key is visible to the last query."""
     enc, info = bare(name)
     hidden, q, k, v = random_inputs(enc, info, 2, 6)
     ctx = ctx_for(enc, info, 6, 2)
     q2, k2, v2 = enc("prepare", ctx, 0, hidden, q, k, v)
+    if name == "fox_pro":  # its few-queries path on the CPU has no term: the six queries here would take it
+        monkeypatch.setattr(fox_pro_module, "FEW_QUERIES", 0)
     with torch.no_grad():
         plain = enc("kernel_term", ctx_for(enc, info, 6, 2), 0, q2, k2, v2, None)
         masked = enc("kernel_term", ctx_for(enc, info, 6, 2), 0, q2, k2, v2,
                      padded_mask(torch.ones(2, 6, dtype=torch.bool)))
     for name_ in plain.tensors:
         assert (plain.tensors[name_] - masked.tensors[name_]).abs().max() < 1e-14, name_
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["plain", "padded", "chunk", "tensor_offset"])
+def test_fox_pro_few_queries_read_the_cache_as_the_reference(case, dtype):
+    """fox_pro's decoding path (a few queries, no gradient, CPU) reads the shift, the key norm and the value shift
+    as scores and weights on the raw cache: its outputs equal ``attend``'s reference (shifted, normalised key and
+    value tensors, then forgetting attention) for one query at the end of the keys without a mask, under left
+    padding (a padded query row sees no key), for a chunk of three queries, and at a tensor offset."""
+    enc, info = bare("fox_pro", heads=6, kv_heads=2, head_dim=8, hidden=12, layers=2, dtype=torch.float32)
+    n, b = 9, 3
+    hidden, q, k, v = random_inputs(enc, info, b, n, dtype=torch.float32)
+    q2, k2, v2 = enc("prepare", ctx_for(enc, info, n, b), 1, hidden, q, k, v)
+    q2, k2, v2 = q2.to(dtype), k2.to(dtype), v2.to(dtype)  # (a bfloat16 cache holds the states as pairs)
+    if dtype == torch.bfloat16:
+        _, k2, v2 = enc("prepare", ctx_for(enc, info, n, b), 1, hidden.to(dtype), q.to(dtype), k.to(dtype), v.to(dtype))
+    q_len = 3 if case == "chunk" else 1
+    offset = n - q_len
+    real = torch.ones(b, n, dtype=torch.bool)
+    if case == "padded":
+        real[1, :4] = False
+    mask = None if case == "plain" else padded_mask(real)[:, :, offset:]
+    if case == "padded":
+        mask[2] = False  # a row that sees no key
+    q_off = torch.tensor(offset) if case == "tensor_offset" else offset
+    ctx = PosContext(encoding=enc, info=info, position_ids=torch.arange(offset, n)[None], q_offset=q_off)
+    query = q2[:, :, offset:]
+    with torch.no_grad():
+        assert enc._decodes(ctx, query)
+        got, probs = enc("attend", ctx, 1, query, k2, v2, mask, 0.3, 0.0, False)
+        want = enc._attention_kv(ctx, 1, query, k2, v2, mask)
+        k_ref, v_ref, gates, valid = want
+        bias = enc._bias(ctx, gates, valid, q_len, k2.device)
+        ref, _ = forgetting_attention(query, k_ref, v_ref, bias, mask, 0.3)
+    assert probs is None
+    tol = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+    if case == "padded":
+        assert torch.equal(got[2], torch.zeros_like(got[2]))

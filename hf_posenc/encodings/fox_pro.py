@@ -50,15 +50,19 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..backend import forced_backend
 from ..config import PosEncConfig
 from ..kernels._common import compute_dtype
 from ..kernels.attention.terms import KernelTerm
 from ..registry import register_encoding
 from .base import UNWINDOWED_MASK, ModelInfo, PosContext, PositionEncoding
 from .cache_state import pack_state, unpack_state
-from .fox import Fox, cumulative_gates, forgetting_attention, key_validity
+from .fox import Fox, _query_index, cumulative_gates, forgetting_attention, key_validity
 
 __all__ = ["FoxPro"]
+
+#: At most this many queries without gradients on the CPU: ``attend`` reads the cache directly (:meth:`FoxPro._few_queries`).
+FEW_QUERIES = 16
 
 #: eps of the QK-norm (the code's ``GroupRMSNorm`` default) and of the output norm (the code's ``norm_eps``).
 QK_NORM_EPS = 1e-5
@@ -298,14 +302,17 @@ class FoxPro(Fox):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Shift k and v, normalise k, then forgetting attention. q (B, H, Lq, D) already normalised; key
         (B, Hkv, Lk, D + state), value (B, Hkv, Lk, D + state). Returns out (B, H, Lq, D), probs (B, H, Lq, Lk)."""
+        if self._decodes(ctx, query):
+            return self._few_queries(ctx, layer, query, key, value, mask, scaling), None
         k, v, gates, valid = self._attention_kv(ctx, layer, query, key, value, mask)
         bias = self._bias(ctx, gates, valid, query.shape[2], key.device)
         return forgetting_attention(query, k, v, bias, mask, scaling, dropout, training)
 
     def kernel_term(self, ctx: PosContext, layer: int, query, key, value, mask) -> KernelTerm | None:
         """The fused-attention term: c of the forward gates, with the shifted, normalised keys and the shifted
-        values (in the query's dtype) replacing the cached ones. None on ViT (two-way gates)."""
-        if self.bidirectional or ctx.grid is not None:
+        values (in the query's dtype) replacing the cached ones. None on ViT (two-way gates), and for the
+        decoding steps that :meth:`attend` computes from the cache without those tensors (:meth:`_decodes`)."""
+        if self.bidirectional or ctx.grid is not None or self._decodes(ctx, query):
             return None
         k, v, gates, valid = self._attention_kv(ctx, layer, query, key, value, mask)
         valid = None if mask is None else valid  # no mask: every key is valid
@@ -315,9 +322,21 @@ class FoxPro(Fox):
         """(shifted + normalised k, shifted v (B, Hkv, Lk, D) in float32, the log-gates, key validity)."""
         d = query.shape[-1]
         compute = compute_dtype(query.dtype)
+        a_k, a_v, gates, valid, has_prev, plain = self._key_states(ctx, layer, query, key, value, mask)
+        gates = self._gates_from_kv(gates)
+        k = self._shift(key[..., :d].to(compute), a_k, has_prev, ctx, plain)
+        k = _rms_norm(k, None, QK_NORM_EPS)  # γ^k is on the queries (prepare)
+        v = self._shift(value[..., :d].to(compute), a_v, has_prev, ctx, plain)
+        return k, v, gates, valid
+
+    def _key_states(self, ctx: PosContext, layer: int, query, key, value, mask):
+        """The cached states read back: (α^k, α^v (B, Hkv, Lk), the log-gates as cached (B, Hkv, Lk, S·G), key
+        validity (B|1, Lk), has_prev (B|1, Lk), plain: every key but the first has its predecessor (no mask))."""
+        d = query.shape[-1]
+        compute = compute_dtype(query.dtype)
         n_gates = self.num_gate_sets * self.groups
         k_state = unpack_state(key[..., d:], 1 + n_gates, compute)
-        a_k, gates = k_state[..., 0].exp(), self._gates_from_kv(k_state[..., 1:])
+        a_k, gates = k_state[..., 0].exp(), k_state[..., 1:]
         a_v = unpack_state(value[..., d:], 1, compute)[..., 0].exp()
         k_len = key.shape[2]
         # which keys have a real predecessor: from the mask before a sliding window cut it (the shift belongs to
@@ -335,10 +354,52 @@ class FoxPro(Fox):
             has_prev = has_prev.clone()
             has_prev[:, : min(2, k_len)] = False
         plain = unwindowed is None and native is None and ctx.grid is None  # every key but the first has one
-        k = self._shift(key[..., :d].to(compute), a_k, has_prev, ctx, plain)
-        k = _rms_norm(k, None, QK_NORM_EPS)  # γ^k is on the queries (prepare)
-        v = self._shift(value[..., :d].to(compute), a_v, has_prev, ctx, plain)
-        return k, v, gates, valid
+        return a_k, a_v, gates, valid, has_prev, plain
+
+    def _decodes(self, ctx: PosContext, query: torch.Tensor) -> bool:
+        """Whether this call takes :meth:`_few_queries` (``attend``; ``kernel_term`` then gives None): a few
+        queries on the CPU without gradients, in eager mode (a compiled graph keeps the tile engine's op), causal
+        text, no probabilities asked for, no backend forced but ``torch`` (a forced Triton or flex backend runs
+        its kernels or raises)."""
+        return (query.shape[2] <= FEW_QUERIES and query.device.type == "cpu" and not self.bidirectional
+                and ctx.grid is None and not ctx.need_weights and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling() and forced_backend() in (None, "torch"))
+
+    def _few_queries(self, ctx: PosContext, layer: int, query, key, value, mask, scaling: float) -> torch.Tensor:
+        """The attention of a few queries (a decoding step) without the shifted, normalised keys and values as
+        tensors of their own: out (B, H, Lq, D).
+
+        The shift and the norm of the keys are read as scores, s_ij = scaling · r_j (q̂_i · k̃_j) + D_ij with
+        r_j = 1 / sqrt(mean(k̃_j²) + eps) (k̃ the shifted raw keys), and the value shift as weights on the raw
+        values: Σ_j p_ij ṽ_j = Σ_j w_ij v_j, w_ij = p_ij (1 − α^v_j) + p_i,j+1 α^v_j+1 [j+1 has a predecessor]
+        (ṽ_j = (1 − α^v_j) v_j + α^v_j v_j−1). The same sums as :meth:`attend`'s reference, without a normalised
+        key tensor or a shifted value tensor: a decoding step shifts and normalises every cached key and value
+        of every layer, and pays per operation and per pass over the cache."""
+        b, h, q_len, d = query.shape
+        hkv, k_len = key.shape[1], key.shape[2]
+        g = h // hkv
+        compute = compute_dtype(query.dtype)
+        a_k, a_v, gates, valid, has_prev, plain = self._key_states(ctx, layer, query, key, value, mask)
+        k = self._shift(key[..., :d].to(compute), a_k, has_prev, ctx, plain)  # (B, Hkv, Lk, D)
+        r = torch.linalg.vector_norm(k, dim=-1).square_().add_(d * QK_NORM_EPS).rsqrt_().mul_(scaling * d**0.5)
+        scores = (query.to(compute).reshape(b, hkv, g * q_len, d) @ k.transpose(-1, -2)).mul_(r[:, :, None, :])
+        # + D_ij = c_i − c_j, the cumulative log-gates summed in the cache's layout (B, Hkv, Lk, G)
+        c = (gates if mask is None else gates.masked_fill(~valid[:, None, :, None], 0.0)).cumsum(2).transpose(2, 3)
+        if isinstance(ctx.q_offset, int):
+            c_q = c[..., ctx.q_offset: ctx.q_offset + q_len]
+        else:
+            c_q = c.index_select(-1, _query_index(q_len, ctx.q_offset, c.device))
+        scores = scores.view(b, hkv, g, q_len, k_len).add_(c_q[..., None]).sub_(c[..., None, :]).view(b, h, q_len, k_len)
+        if mask is not None:
+            scores.masked_fill_(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if mask is not None:
+            probs = torch.nan_to_num(probs, nan=0.0)  # a row with no visible key
+        probs = probs.view(b, hkv, g * q_len, k_len)
+        beta = (a_v if plain else a_v * has_prev[:, None, :])[:, :, None, 1:]  # α^v_j where j has a predecessor
+        weights = probs * (1.0 - a_v)[:, :, None, :]
+        weights[..., :-1].addcmul_(probs[..., 1:], beta)  # w_j += p_j+1 α^v_j+1: v_j's share of ṽ_j+1
+        return (weights @ value[..., :d].to(compute)).view(b, h, q_len, d).to(query.dtype)
 
     def finish(self, ctx: PosContext, layer: int, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out (B, Lq, H, D) -> σ(W_o x) ⊙ RMSNorm(out) ⊙ γ^o, per head, computed in float32."""

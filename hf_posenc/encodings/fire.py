@@ -175,9 +175,10 @@ class Fire(PositionEncoding):
         if not self._shares_terms(ctx):
             return KernelTerm.fire(*self._term(self.function(layer), ctx, q_len, query.device))
         key = ("fire_every_layer_term", id(self), q_len, str(query.device))
-        if key not in ctx.memo:
-            ctx.memo[key] = self._term(FireFunction(self, None), ctx, q_len, query.device)
-        return KernelTerm.fire(*(t[layer] for t in ctx.memo[key]))
+        if key not in ctx.memo:  # each tensor unbound per layer once (a select per tensor and layer otherwise)
+            ctx.memo[key] = list(zip(*(t.unbind(0) for t in self._term(FireFunction(self, None), ctx, q_len,
+                                                                        query.device))))
+        return KernelTerm.fire(*ctx.memo[key][layer])
 
     def _shares_terms(self, ctx: PosContext) -> bool:
         """Whether this forward builds the fused-attention term of every layer at once, kept in its memo (a

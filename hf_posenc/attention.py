@@ -106,6 +106,10 @@ def attention_backend(encoding: object | None, device: torch.device | str | None
     return default
 
 
+def _never(*args) -> bool:
+    return False
+
+
 def _backend_of_forward(ctx: PosContext | None, device: torch.device) -> str:
     """:func:`attention_backend` of ``ctx``'s encoding, decided once per forward and device (kept in ``ctx.memo``;
     a decoding step asked it in each of its layers). Eager mode only: under ``torch.compile`` at each call."""
@@ -465,13 +469,16 @@ def posenc_attention(
     need_weights = bool(posenc_ctx is not None and posenc_ctx.need_weights)
     # under torch.compile the Triton kernels run inside the engine's custom op (below), which checks the mask there
     in_op = backend == "triton" and torch.compiler.is_compiling()
-    if backend != "torch" and not need_weights and not in_op:
+    # an encoding that computes this call itself, faster than the engines (fox_pro's CPU decoding steps)
+    own = posenc_ctx is not None and bool(getattr(unwrap(posenc_ctx.encoding), "attends_itself", _never)(
+        posenc_ctx, query))
+    if backend != "torch" and not need_weights and not in_op and not own:
         out = _kernel_attention(
             backend, posenc_ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling, dropout, training,
         )
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
-    if posenc_ctx is not None and not need_weights:
+    if posenc_ctx is not None and not need_weights and not own:
         out = _tiled_torch_attention(
             posenc_ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling, dropout, training,
             backend,

@@ -304,7 +304,7 @@ class PositionEncoding(nn.Module):
         self.check_model(info)
 
     # -- per-layer weights ----------------------------------------------------------------------------
-    def per_layer(self, ctx: "PosContext | None", tag: object, layer: int, build: Any) -> torch.Tensor:
+    def layer_slice(self, ctx: "PosContext | None", tag: object, layer: int, build: Any) -> torch.Tensor:
         """``build(layer)``: a layer's weights from the parameters stacked on dim 0 (``build`` indexes them with
         its argument, an int or ``slice(None)``, and keeps that dimension first).
 
@@ -316,7 +316,7 @@ class PositionEncoding(nn.Module):
         for the whole forward): slices, views and small derived tensors."""
         if ctx is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
             return build(layer)
-        key = ("per_layer", id(self), tag)
+        key = ("layer_slice", id(self), tag)
         rows = ctx.memo.get(key)
         if rows is None:
             rows = ctx.memo[key] = build(slice(None)).unbind(0)

@@ -40,7 +40,7 @@ StaticCache (allocated lazily with the first update's shape) for free; ``attend`
 every key and strips it:
 
 * fox:      k ‖ [log f of the G query heads of this kv head]                      (+ log g on ViT)
-* fox_pro:  k_raw ‖ [log α^k, log f (G)],   v_raw ‖ [log α^v]                      (+ log g on ViT)
+* fox_pro:  k_raw ‖ [α^k, log f (G)],   v_raw ‖ [α^v]                              (+ log g on ViT)
 
 The states are float32 values, stored in the cache's dtype by :mod:`hf_posenc.encodings.cache_state`
 (two channels, hi and lo, in a bfloat16 or float16 cache: 16 or 22 significant bits; log-gates are clamped to

@@ -31,9 +31,8 @@ key/value heads, the forget gates and γ^q, γ^o to the query heads. The shift, 
 shift are computed in float32 inside the attention (the code rounds k̃ to the model dtype before its
 norm); q̂ (with γ^k, below) is computed in float32 and rounded to the model dtype, as in the code.
 
-Cache state: k_raw ‖ [log α^k, log f (G)] and v_raw ‖ [log α^v] (+ log g on ViT), packed by
-:mod:`hf_posenc.encodings.cache_state`: one logsigmoid of one product gives them all (``attend`` takes
-α = exp(log α)). FoX Pro stores the raw (unshifted, unnormalised) k and v: the shift
+Cache state: k_raw ‖ [α^k, log f (G)] and v_raw ‖ [α^v] (+ log g on ViT), packed by
+:mod:`hf_posenc.encodings.cache_state`: one logsigmoid of one product gives them all, α = exp(log σ(u·x)). FoX Pro stores the raw (unshifted, unnormalised) k and v: the shift
 of the first new token at a decode step needs the previous token's raw k and v, which only the cache holds, so
 the shift and the key norm are applied in ``attend`` to every key (O(L·D) per head, negligible next to the
 scores). γ^k is applied to the queries instead of the keys: q̂ · (RMSNorm(k̃) ⊙ γ^k_g) = (q̂ ⊙ γ^k_g) · RMSNorm(k̃)
@@ -214,11 +213,11 @@ class FoxPro(Fox):
     def prepare(
         self, ctx: PosContext, layer: int, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q -> QK-normed q, times γ^k of its key/value head (see :meth:`_query_gain`); k -> raw k ‖ [log α^k,
-        log-gates]; v -> raw v ‖ [log α^v] (the shift and the key norm need the previous token's raw k and v, so
+        """q -> QK-normed q, times γ^k of its key/value head (see :meth:`_query_gain`); k -> raw k ‖ [α^k,
+        log-gates]; v -> raw v ‖ [α^v] (the shift and the key norm need the previous token's raw k and v, so
         they are applied in ``attend``)."""
         compute = compute_dtype(q.dtype)
-        gain = self.per_layer(ctx, ("query_gain", compute), layer, lambda i: self._query_gain(i).to(compute))
+        gain = self.layer_slice(ctx, ("query_gain", compute), layer, lambda i: self._query_gain(i).to(compute))
         q = _rms_norm(q.to(compute), gain, QK_NORM_EPS).to(q.dtype)
         k_state, v_state = self._token_states(ctx, layer, hidden)
         k = torch.cat([k, pack_state(k_state, k.dtype)], dim=-1)
@@ -248,6 +247,15 @@ class FoxPro(Fox):
             order = orders[device] = torch.tensor(rows, device=device)
         return order
 
+    def _shift_rows(self, device: torch.device) -> torch.Tensor:
+        """(R,) bool: the rows of :meth:`_state_order` that are shift gates (u^k, u^v), per device."""
+        rows = self.__dict__.setdefault("_shift_row_masks", {})
+        mask = rows.get(device)
+        if mask is None:
+            order = self._state_order(device)
+            mask = rows[device] = order < 2 * self.info.num_kv_heads
+        return mask
+
     def _state_weight(self, index: int | slice) -> tuple[torch.Tensor, torch.Tensor]:
         """The weight (..., R, C) and bias (..., R) whose logsigmoid gives the cached states (:meth:`_token_states`)
         for the layers ``index`` picks, rows in :meth:`_state_order`; the shift gates have no bias."""
@@ -262,16 +270,17 @@ class FoxPro(Fox):
                 torch.cat([zero, *biases], dim=-1).index_select(-1, order))
 
     def _token_states(self, ctx: PosContext | None, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cached states of the new tokens, [log α^k, log-gates (S·G)] (B, Hkv, L, 1 + S·G) and [log α^v]
-        (B, Hkv, L, 1) in float32 (float64 for float64 inputs): the logs of :meth:`shift_gates` (log σ(u·x)) and
-        :meth:`log_gates` as one product and one logsigmoid, the rows of u^k, u^v and the gate weights stacked in
+        """The cached states of the new tokens, [α^k, log-gates (S·G)] (B, Hkv, L, 1 + S·G) and [α^v]
+        (B, Hkv, L, 1) in float32 (float64 for float64 inputs): :meth:`shift_gates` as exp(log σ(u·x)) and
+        :meth:`log_gates` from one product and one logsigmoid, the rows of u^k, u^v and the gate weights stacked in
         the cache's order (each output is the dot product of its own linear map; a decoding step pays per
-        operation, not per multiply-add). ``attend`` takes α = exp(log α)."""
+        operation, not per multiply-add)."""
         dtype = compute_dtype(hidden.dtype)
         hkv = self.info.num_kv_heads
-        weight = self.per_layer(ctx, ("state_weight", dtype), layer, lambda i: self._state_weight(i)[0].to(dtype))
-        bias = self.per_layer(ctx, ("state_bias", dtype), layer, lambda i: self._state_weight(i)[1].to(dtype))
+        weight = self.layer_slice(ctx, ("state_weight", dtype), layer, lambda i: self._state_weight(i)[0].to(dtype))
+        bias = self.layer_slice(ctx, ("state_bias", dtype), layer, lambda i: self._state_weight(i)[1].to(dtype))
         y = F.logsigmoid(F.linear(hidden.to(dtype), weight, bias))  # (B, L, Hkv (1 + S G) + Hkv)
+        y = torch.where(self._shift_rows(y.device), y.exp(), y)  # α = exp(log α): the new tokens' only
         split = y.shape[-1] - hkv
         return y[..., :split].unflatten(-1, (hkv, -1)).transpose(1, 2), y[..., split:, None].transpose(1, 2)
 
@@ -336,8 +345,8 @@ class FoxPro(Fox):
         compute = compute_dtype(query.dtype)
         n_gates = self.num_gate_sets * self.groups
         k_state = unpack_state(key[..., d:], 1 + n_gates, compute)
-        a_k, gates = k_state[..., 0].exp(), k_state[..., 1:]
-        a_v = unpack_state(value[..., d:], 1, compute)[..., 0].exp()
+        a_k, gates = k_state[..., 0], k_state[..., 1:]
+        a_v = unpack_state(value[..., d:], 1, compute)[..., 0]
         k_len = key.shape[2]
         # which keys have a real predecessor: from the mask before a sliding window cut it (the shift belongs to
         # the token, not to the queries that may see it)
@@ -355,6 +364,11 @@ class FoxPro(Fox):
             has_prev[:, : min(2, k_len)] = False
         plain = unwindowed is None and native is None and ctx.grid is None  # every key but the first has one
         return a_k, a_v, gates, valid, has_prev, plain
+
+    def attends_itself(self, ctx: PosContext, query: torch.Tensor) -> bool:
+        """Read by the attention function: True where :meth:`attend` computes the call itself (:meth:`_decodes`),
+        so no engine is tried first."""
+        return self._decodes(ctx, query)
 
     def _decodes(self, ctx: PosContext, query: torch.Tensor) -> bool:
         """Whether this call takes :meth:`_few_queries` (``attend``; ``kernel_term`` then gives None): a few
@@ -404,8 +418,8 @@ class FoxPro(Fox):
     def finish(self, ctx: PosContext, layer: int, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out (B, Lq, H, D) -> σ(W_o x) ⊙ RMSNorm(out) ⊙ γ^o, per head, computed in float32."""
         compute = compute_dtype(out.dtype)
-        gain = self.per_layer(ctx, ("out_norm", compute), layer, lambda i: self.out_norm_weight[i].to(compute))
-        weight = self.per_layer(ctx, "out_gate", layer, lambda i: self.out_gate_weight[i])  # a view: no copy
+        gain = self.layer_slice(ctx, ("out_norm", compute), layer, lambda i: self.out_norm_weight[i].to(compute))
+        weight = self.layer_slice(ctx, "out_gate", layer, lambda i: self.out_gate_weight[i])  # a view: no copy
         o = _rms_norm(out.to(compute), gain, OUT_NORM_EPS)
         gate = torch.sigmoid(F.linear(hidden.to(compute), weight.to(compute)))
         return (o * gate.view(o.shape)).to(out.dtype)

@@ -248,7 +248,7 @@ class Tape(PositionEncoding):
         another order), so no (B, P, L, D) tensor is built; as two batched products (``torch.einsum`` took 32
         operations for them, 13 here: a decoding step pays per operation)."""
         dtype = state.dtype
-        x_proj, down, up = (self.per_layer(ctx, name, t, lambda i, n=name: getattr(self, n)[i])
+        x_proj, down, up = (self.layer_slice(ctx, name, t, lambda i, n=name: getattr(self, n)[i])
                             for name in ("pe_x", "pe_down", "pe_up"))
         gate = F.silu(hidden.to(dtype) @ x_proj.to(dtype).T)  # (B, L, P)
         mix = (down.to(dtype) * gate[..., None, :]) @ up.to(dtype)  # (B, L, H, H)
@@ -358,7 +358,7 @@ class Tape(PositionEncoding):
         q = rotate_half_by(query.to(dtype), rotation)
         plain = bool(ctx.memo.get(PLAIN_CAUSAL, False)) and self.info.causal
         allowed = None if plain else _allowed(ctx, mask, q_len, k_len, self.info.causal, query.device)
-        scale = self.per_layer(ctx, ("attn_scale", dtype), layer,
+        scale = self.layer_slice(ctx, ("attn_scale", dtype), layer,
                                lambda i: self.attn_update[i].to(dtype).sum(-1)) if updates else None  # a_h = Σ_e W_{h,e}
 
         if q_len <= FEW_QUERIES and not ctx.need_weights and not (dropout > 0 and training):

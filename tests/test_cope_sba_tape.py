@@ -20,6 +20,7 @@ import math
 import pytest
 import torch
 from torch.func import functional_call
+from torch.nn import functional as F
 from transformers import DynamicCache, StaticCache
 
 import hf_posenc
@@ -622,38 +623,27 @@ def test_cache_matches_full_forward_left_padded(variant, family, cache):
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_tape_few_queries_path_equals_sdpa(monkeypatch, family):
-    """Chunks of at most ``FEW_QUERIES`` queries (a decoding step) take tape's explicit-scores path (one softmax
-    for the values and the states, values per key/value head); longer ones the fused SDPA calls. Both give the
-    same logits for a left-padded batch, whole and cached in pieces (the default is the short path here)."""
-    from hf_posenc.encodings import tape as tape_module
-
+def test_tape_grouped_path_equals_per_head_reference(family):
+    """tape's attention reads the grouped cache through views (``_grouped_attention``); asking for the probabilities
+    takes the per-head full-matrix form instead. Both give the same logits for a left-padded batch, whole and cached
+    in pieces (single tokens and longer chunks)."""
     model = variant_model(family, "tape")
     ids, mask = left_pad([make_ids(1, 7, seed=2)[0], make_ids(1, 10, seed=3)[0]])
     pos = positions_from_mask(mask)
-    calls = []
-    real_few = tape_module._few_queries
-    monkeypatch.setattr(tape_module, "_few_queries", lambda *a: calls.append(1) or real_few(*a))
 
-    def run():
+    def run(weights):
         with torch.no_grad():
-            full = model(ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+            full = model(ids, attention_mask=mask, position_ids=pos, use_cache=False, output_attentions=weights).logits
             past, pieces, start = DynamicCache(config=model.config), [], 0
             for n in STEPS:
                 pieces.append(model(ids[:, start: start + n], attention_mask=mask[:, : start + n],
                                     position_ids=pos[:, start: start + n], past_key_values=past,
-                                    use_cache=True).logits)
+                                    use_cache=True, output_attentions=weights).logits)
                 start += n
         return full, torch.cat(pieces, dim=1)
 
-    few = run()
-    assert calls
-    calls.clear()
-    monkeypatch.setattr(tape_module, "FEW_QUERIES", 0)
-    sdpa = run()
-    assert not calls
     real = mask.bool()
-    for a, b in zip(few, sdpa):
+    for a, b in zip(run(False), run(True)):
         assert (a[real] - b[real]).abs().max() < CACHE_ATOL
 
 
@@ -817,10 +807,11 @@ def test_rotate_half_by_is_apply_rotary_bit_for_bit():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("masked", [False, True])
-def test_tape_grouped_few_queries_equal_per_head_attention(dtype, masked):
-    """tape's few-queries path reads the cache's grouped layout (each group's queries as one block-diagonal
-    matrix): its outputs and state aggregates equal per-head softmax attention on the same keys, values and states,
-    with and without a mask (a row that sees no key gives zeros), from a float32 and a bfloat16 (packed) cache."""
+def test_tape_grouped_attention_equals_per_head_attention(dtype, masked):
+    """tape's attention reads the cache's grouped layout through views (key/value heads as the batch): its outputs
+    and state aggregates equal per-head softmax attention on the same keys, values and states, with and without a
+    mask (a row that sees no key gives zeros), from a float32 and a bfloat16 (packed) cache; causal with queries =
+    keys too, with the gradients of per-head copies."""
     from hf_posenc.encodings import tape as tape_module
 
     g = torch.Generator().manual_seed(4)
@@ -840,7 +831,7 @@ def test_tape_grouped_few_queries_equal_per_head_attention(dtype, masked):
         allowed = torch.ones(b, 1, q_len, k_len, dtype=torch.bool)
         allowed[0, :, 0, 4:] = False
         allowed[1, :, 1] = False  # sees no key
-    out, agg = tape_module._few_queries(q, key, v, True, allowed, False, 0.3)
+    out, agg = tape_module._grouped_attention(q, key, v, True, allowed, False, 0.3)
     scores = (q @ k_read.transpose(-1, -2)) * 0.3
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
@@ -849,4 +840,20 @@ def test_tape_grouped_few_queries_equal_per_head_attention(dtype, masked):
     torch.testing.assert_close(agg, probs @ st_read, rtol=1e-5, atol=1e-6)
     if masked:
         assert torch.equal(out[1, :, 1], torch.zeros_like(out[1, :, 1]))
-    assert tape_module._few_queries(q, key, v, False, allowed, False, 0.3)[1] is None
+    assert tape_module._grouped_attention(q, key, v, False, allowed, False, 0.3)[1] is None
+    if dtype == torch.float32 and not masked:  # causal, queries = keys, gradients against per-head copies
+        qc = torch.randn(b, h, k_len, d, generator=g, requires_grad=True)
+        keyc, vc = key.clone().requires_grad_(True), v.clone().requires_grad_(True)
+        out, agg = tape_module._grouped_attention(qc, keyc, vc, True, None, True, 0.3)
+        (out.square().sum() + agg.sin().sum()).backward()
+        got = [t.grad.clone() for t in (qc, keyc, vc)]
+        for t in (qc, keyc, vc):
+            t.grad = None
+        per_head = lambda t: t.unflatten(-1, (groups, d)).transpose(2, 3).reshape(b, h, k_len, d)  # noqa: E731
+        k_h, st_h = per_head(keyc[..., : groups * d]), per_head(keyc[..., groups * d:])
+        v_h = vc.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(qc, k_h, v_h, is_causal=True, scale=0.3)
+        agg = F.scaled_dot_product_attention(qc, k_h, st_h, is_causal=True, scale=0.3)
+        (out.square().sum() + agg.sin().sum()).backward()
+        for a, w in zip(got, (qc.grad, keyc.grad, vc.grad)):
+            torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-6)

@@ -60,10 +60,9 @@ Attention-stage update without (B, H, L, L) tensors
 ``scaled_dot_product_attention`` over v and over E gives both o_i and the update. As in the code's flash path
 (``flash_attn_func(q, k, position_state0)``), these are separate fused calls (PyTorch's fused CPU kernel
 needs values as wide as q and k; with attention dropout, one call over [v | E] with q and k zero-padded, so
-that one dropout mask acts on both), with is_causal when the mask is causality alone. The attention probabilities
-(B, H, Lq, Lk) are built only when they are asked for (``output_attentions``), and for at most
-``FEW_QUERIES`` queries (a decoding step: a few rows, one softmax shared by the values and the states, cheaper
-there than two fused calls).
+that one dropout mask acts on both), with is_causal when the mask is causality alone; they read the cache's grouped layout (below) through views, the
+key/value heads as the batch (:func:`_grouped_attention`). The attention probabilities (B, H, Lq, Lk) are built only
+when they are asked for (``output_attentions``).
 
 Where this differs from the code, and why
 -----------------------------------------
@@ -84,9 +83,8 @@ head), and stores per key/value head the key rotated for each of its G = H / Hkv
 states (G·D rotated channels, then G·D·w state channels): transformers' caches keep them with the keys, and they follow ``crop``, beam-search ``reorder_cache`` and
 StaticCache (allocated lazily with the first update's shape) for free; ``attend`` splits them. A decoding step
 then rotates no cached key again (rotating every cached key in every layer cost tape 1.58x the unpatched model's
-decoding time on SmolLM2's shape); the cache is G·(D + D·w) channels wide instead of D. A decoding step reads
-that layout as it is (:func:`_few_queries`: each group's queries as one block-diagonal matrix against its G rotated
-keys), without copying the key cache per query head. The states of the new
+decoding time on SmolLM2's shape); the cache is G·(D + D·w) channels wide instead of D. The attention reads that
+layout as it is (:func:`_grouped_attention`), without copying the keys and states per query head. The states of the new
 tokens reach ``attend`` for their queries through ``PosContext.memo`` (queries are not cached).
 The rotated keys are stored in the cache's dtype, as a RoPE model caches its keys. In a bfloat16/float16 cache
 each float32 state value is stored as two channels (hi, lo), as FoX stores its gates
@@ -344,8 +342,7 @@ class Tape(PositionEncoding):
 
         Returns:
             out (B, H, Lq, D) in the value's dtype, and the probabilities (B, H, Lq, Lk) when
-            ``ctx.need_weights`` (else None; (B, H, Lq, Lk) tensors are built only then and for at most
-            ``FEW_QUERIES`` queries).
+            ``ctx.need_weights`` (else None; (B, H, Lq, Lk) tensors are built only then).
         """
         b, h, q_len, d = query.shape
         hkv, k_len = key.shape[1], key.shape[2]
@@ -361,33 +358,23 @@ class Tape(PositionEncoding):
         scale = self.layer_slice(ctx, ("attn_scale", dtype), layer,
                                lambda i: self.attn_update[i].to(dtype).sum(-1)) if updates else None  # a_h = Σ_e W_{h,e}
 
-        if q_len <= FEW_QUERIES and not ctx.need_weights and not (dropout > 0 and training):
-            out, agg = _few_queries(q, key, value.to(dtype), updates, allowed, plain, scaling)
-            if updates:
-                ctx.memo[(_ATTN_STATE, layer)] = q_state + scale[:, None, None] * agg
-            return out.to(value.dtype), None
-        # per query head: (B, Hkv, Lk, G·D) -> (B, H, Lk, D)
-        per_head = lambda t: t.unflatten(-1, (groups, d)).transpose(2, 3).reshape(b, h, k_len, d)  # noqa: E731
-        k = per_head(key[..., : groups * d].to(dtype))  # rotated by the keys' own states in ``prepare``
-        k_state = per_head(unpack_state(key[..., groups * d:], groups * d, dtype)) if updates else None
-        v = expand_kv(value, groups).to(dtype)
         probs = None
-        if ctx.need_weights:  # the probabilities are asked for: the full-matrix form
+        if ctx.need_weights:  # the probabilities are asked for: the full-matrix form, per query head
+            # (B, Hkv, Lk, G·D) -> (B, H, Lk, D)
+            per_head = lambda t: t.unflatten(-1, (groups, d)).transpose(2, 3).reshape(b, h, k_len, d)  # noqa: E731
+            k = per_head(key[..., : groups * d].to(dtype))  # rotated by the keys' own states in ``prepare``
+            k_state = per_head(unpack_state(key[..., groups * d:], groups * d, dtype)) if updates else None
+            v = expand_kv(value, groups).to(dtype)
             probs = _weights(q, k, allowed, plain, scaling)
             dropped = F.dropout(probs, p=dropout, training=training)
             out = dropped @ v
             agg = dropped @ k_state if updates else None
-        else:  # Σ_j α_ij [v_j | E_j]: one attention over the states as further value channels
-            outs = _attention(q, k, (v, k_state) if updates else (v,), allowed, plain, scaling, dropout if training else 0.0)
-            out, agg = outs[0], (outs[1] if updates else None)
+        else:  # Σ_j α_ij [v_j | E_j]: the states as further values, read from the grouped cache as it is
+            out, agg = _grouped_attention(q, key, value.to(dtype), updates, allowed, plain, scaling,
+                                          dropout if training else 0.0)
         if updates:
             ctx.memo[(_ATTN_STATE, layer)] = q_state + scale[:, None, None] * agg
         return out.to(value.dtype), probs
-
-
-#: At most this many queries (a decoding step): ``attend`` reads the cache's grouped layout as it is (views with the
-#: key/value heads as the batch, :func:`_few_queries`); longer inputs copy the keys and states per query head.
-FEW_QUERIES = 16
 
 
 def _allowed(ctx: PosContext, mask: torch.Tensor | None, q_len: int, k_len: int, causal: bool,
@@ -413,7 +400,7 @@ def _weights(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None, is_
     return torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
 
 
-def _few_queries(
+def _grouped_attention(
     q: torch.Tensor,
     key: torch.Tensor,
     v: torch.Tensor,
@@ -421,17 +408,18 @@ def _few_queries(
     allowed: torch.Tensor | None,
     is_causal: bool,
     scaling: float,
+    dropout: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(softmax(q kᵀ · scaling) v, the same weights on the keys' states) for a few queries, read from the cache's
-    grouped layout without copying it per query head: q (B, H, Lq, D) rotated; key (B, Hkv, Lk, G·D + G·D·w) as
-    ``prepare`` stores it; v (B, Hkv, Lk, D); ``with_state``: also the weights on the states (else None);
-    ``allowed`` as for :func:`_attention` (``is_causal``: causality alone, queries = keys). Rows with no allowed
-    key give zeros.
+    """(softmax(q kᵀ · scaling) v, the same weights on the keys' states), read from the cache's grouped layout
+    without copying it per query head: q (B, H, Lq, D) rotated; key (B, Hkv, Lk, G·D + G·D·w) as ``prepare``
+    stores it; v (B, Hkv, Lk, D); ``with_state``: also the weights on the states (else None); ``allowed``,
+    ``is_causal`` and ``dropout`` as for :func:`_attention`. Rows with no allowed key give zeros.
 
     The key/value heads become the batch: (B·Hkv, G, Lk, D) views of the cache's rotated keys and states (head
-    stride D, token stride the cache row) and of the values (head stride 0), two fused SDPA calls on them. On the
-    2-core AMD EPYC, one thread, SmolLM2's shape at 258 keys: 87 µs a layer, against 283 µs for the explicit
-    scores of the G heads of a group in one product, and a copy of the key cache per query head before that."""
+    stride D, token stride the cache row) and of the values (head stride 0), fused SDPA calls on them (gradients
+    bit for bit those of per-head copies). On the 2-core AMD EPYC, one thread, a decoding step of SmolLM2's shape
+    at 258 keys: 87 µs a layer, against 283 µs for the explicit scores of the G heads of a group in one product,
+    and a copy of the key cache per query head before that."""
     b, h, q_len, d = q.shape
     hkv, k_len = key.shape[1], key.shape[2]
     g = h // hkv
@@ -443,7 +431,7 @@ def _few_queries(
     if allowed is not None and not is_causal:  # (B|1, 1, Lq, Lk) -> (B·Hkv, 1, Lq, Lk)
         allowed = allowed[:, None].expand(b, hkv, 1, q_len, k_len).reshape(b * hkv, 1, q_len, k_len)
     outs = _attention(q.reshape(b * hkv, g, q_len, d), per_group(key[..., : g * d].to(dtype)), tuple(values),
-                      allowed, is_causal, scaling, 0.0)
+                      allowed, is_causal, scaling, dropout)
     outs = [o.reshape(b, h, q_len, o.shape[-1]) for o in outs]
     return outs[0], (outs[1] if with_state else None)
 

@@ -32,13 +32,14 @@ shift are computed in float32 inside the attention (the code rounds k̃ to the m
 norm); q̂ (with γ^k, below) is computed in float32 and rounded to the model dtype, as in the code.
 
 Cache state: k_raw ‖ [α^k, log f (G)] and v_raw ‖ [α^v] (+ log g on ViT), packed by
-:mod:`hf_posenc.encodings.cache_state`: one logsigmoid of one product gives them all, α = exp(log σ(u·x)). FoX Pro stores the raw (unshifted, unnormalised) k and v: the shift
-of the first new token at a decode step needs the previous token's raw k and v, which only the cache holds, so
-the shift and the key norm are applied in ``attend`` to every key (O(L·D) per head, negligible next to the
-scores). γ^k is applied to the queries instead of the keys: q̂ · (RMSNorm(k̃) ⊙ γ^k_g) = (q̂ ⊙ γ^k_g) · RMSNorm(k̃)
-for each query head of key/value head g, the same sum of products (so a decoding step does not multiply every
-cached key by it); the probabilities, the outputs and the gradients are those of the formula above. On ViT it shifts each patch's k and v from the previous patch in raster order (the first patch has a
-zero predecessor; CLS is not shifted).
+:mod:`hf_posenc.encodings.cache_state`: one logsigmoid of one product gives them all, α = exp(log σ(u·x)). FoX Pro
+stores the raw (unshifted, unnormalised) k and v: the shift of the first new token at a decode step needs the
+previous token's raw k and v, which only the cache holds, so the shift and the key norm are applied in ``attend`` to
+every key (O(L·D) per head, negligible next to the scores). γ^k is applied to the queries instead of the keys: q̂ ·
+(RMSNorm(k̃) ⊙ γ^k_g) = (q̂ ⊙ γ^k_g) · RMSNorm(k̃) for each query head of key/value head g, the same sum of products
+(so a decoding step does not multiply every cached key by it); the probabilities, the outputs and the gradients are
+those of the formula above. On ViT it shifts each patch's k and v from the previous patch in raster order (the first
+patch has a zero predecessor; CLS is not shifted).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ from .fox import Fox, _query_index, cumulative_gates, forgetting_attention, key_
 
 __all__ = ["FoxPro"]
 
-#: At most this many queries without gradients on the CPU: ``attend`` reads the cache directly (:meth:`FoxPro._few_queries`).
+#: At most this many queries without gradients on the CPU: ``attend`` reads the cache directly
+#: (:meth:`FoxPro._few_queries`).
 FEW_QUERIES = 16
 
 #: eps of the QK-norm (the code's ``GroupRMSNorm`` default) and of the output norm (the code's ``norm_eps``).
@@ -269,7 +271,9 @@ class FoxPro(Fox):
         return (torch.cat(weights, dim=-2).index_select(-2, order),
                 torch.cat([zero, *biases], dim=-1).index_select(-1, order))
 
-    def _token_states(self, ctx: PosContext | None, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _token_states(
+        self, ctx: PosContext | None, layer: int, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached states of the new tokens, [α^k, log-gates (S·G)] (B, Hkv, L, 1 + S·G) and [α^v]
         (B, Hkv, L, 1) in float32 (float64 for float64 inputs): :meth:`shift_gates` as exp(log σ(u·x)) and
         :meth:`log_gates` from one product and one logsigmoid, the rows of u^k, u^v and the gate weights stacked in
@@ -403,7 +407,8 @@ class FoxPro(Fox):
             c_q = c[..., ctx.q_offset: ctx.q_offset + q_len]
         else:
             c_q = c.index_select(-1, _query_index(q_len, ctx.q_offset, c.device))
-        scores = scores.view(b, hkv, g, q_len, k_len).add_(c_q[..., None]).sub_(c[..., None, :]).view(b, h, q_len, k_len)
+        scores = scores.view(b, hkv, g, q_len, k_len).add_(c_q[..., None]).sub_(c[..., None, :])
+        scores = scores.view(b, h, q_len, k_len)
         if mask is not None:
             scores.masked_fill_(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)

@@ -56,18 +56,18 @@ output to :meth:`Tape.mlp_output`, which computes E^{l+1} and stores it for laye
 
 Attention-stage update without (B, H, L, L) tensors
 ----------------------------------------------------
-Σ_j α_ij E_j is attention with the states (per query head) as further values, so
-``scaled_dot_product_attention`` over v and over E gives both o_i and the update. As in the code's flash path
-(``flash_attn_func(q, k, position_state0)``), these are separate fused calls (PyTorch's fused CPU kernel
-needs values as wide as q and k; with attention dropout, one call over [v | E] with q and k zero-padded, so
-that one dropout mask acts on both), with is_causal when the mask is causality alone; they read the cache's grouped layout (below) through views, the
+Σ_j α_ij E_j is attention with the states (per query head) as further values, so ``scaled_dot_product_attention``
+over v and over E gives both o_i and the update. As in the code's flash path (``flash_attn_func(q, k,
+position_state0)``), these are separate fused calls (PyTorch's fused CPU kernel needs values as wide as q and k;
+with attention dropout, one call over [v | E] with q and k zero-padded, so that one dropout mask acts on both), with
+is_causal when the mask is causality alone; they read the cache's grouped layout (below) through views, the
 key/value heads as the batch (:func:`_grouped_attention`). The attention probabilities (B, H, Lq, Lk) are built only
 when they are asked for (``output_attentions``).
 
 Where this differs from the code, and why
 -----------------------------------------
 * Grouped-query attention: the code asserts one key/value head per query head; here the states are per
-  query head and the keys are rotated per query head (after ``expand_kv``).
+  query head and the keys are rotated per query head (each key broadcast over the query heads of its group).
 * Caching: the code disables the KV cache (``past_key_values = None`` in its model forward); here it is
   supported (below). Its random offset of the initial positions during training (``AdaRotaryEmbedding``)
   is not reproduced: by the equivariance above a common offset changes nothing.
@@ -80,12 +80,13 @@ Cache state
 Layer l needs every past key rotated by its state E^l_j, and E^l_j itself (the "values" of the attention-stage
 update). ``prepare`` rotates the new tokens' keys by their states, once per query head (the states are per query
 head), and stores per key/value head the key rotated for each of its G = H / Hkv query heads, then those heads'
-states (G·D rotated channels, then G·D·w state channels): transformers' caches keep them with the keys, and they follow ``crop``, beam-search ``reorder_cache`` and
-StaticCache (allocated lazily with the first update's shape) for free; ``attend`` splits them. A decoding step
-then rotates no cached key again (rotating every cached key in every layer cost tape 1.58x the unpatched model's
-decoding time on SmolLM2's shape); the cache is G·(D + D·w) channels wide instead of D. The attention reads that
-layout as it is (:func:`_grouped_attention`), without copying the keys and states per query head. The states of the new
-tokens reach ``attend`` for their queries through ``PosContext.memo`` (queries are not cached).
+states (G·D rotated channels, then G·D·w state channels): transformers' caches keep them with the keys, and they
+follow ``crop``, beam-search ``reorder_cache`` and StaticCache (allocated lazily with the first update's shape) for
+free; ``attend`` splits them. A decoding step then rotates no cached key again (rotating every cached key in every
+layer cost tape 1.58x the unpatched model's decoding time on SmolLM2's shape); the cache is G·(D + D·w) channels
+wide instead of D. The attention reads that layout as it is (:func:`_grouped_attention`), without copying the keys
+and states per query head. The states of the new tokens reach ``attend`` for their queries through
+``PosContext.memo`` (queries are not cached).
 The rotated keys are stored in the cache's dtype, as a RoPE model caches its keys. In a bfloat16/float16 cache
 each float32 state value is stored as two channels (hi, lo), as FoX stores its gates
 (:mod:`hf_posenc.encodings.cache_state`: 16 or 22 significant bits instead of 8 or 11).
@@ -239,7 +240,9 @@ class Tape(PositionEncoding):
             sin = sin.masked_fill(is_cls, 0.0)
         return torch.cat([cos, sin], dim=-1)[:, None]
 
-    def mlp_update(self, t: int, hidden: torch.Tensor, state: torch.Tensor, ctx: PosContext | None = None) -> torch.Tensor:
+    def mlp_update(
+        self, t: int, hidden: torch.Tensor, state: torch.Tensor, ctx: PosContext | None = None
+    ) -> torch.Tensor:
         """D^t [φ(X^t x) ⊙ U^t E] for states (B, H, L, D) and layer t's MLP output x (B, L, C), over the head axis.
 
         Computed as M_n E_n with the per-token (H, H) matrix M_n = D^t diag(φ(X^t x_n)) U^t (the same sums in
@@ -355,8 +358,9 @@ class Tape(PositionEncoding):
         q = rotate_half_by(query.to(dtype), rotation)
         plain = bool(ctx.memo.get(PLAIN_CAUSAL, False)) and self.info.causal
         allowed = None if plain else _allowed(ctx, mask, q_len, k_len, self.info.causal, query.device)
+        # a_h = Σ_e W_{h,e}
         scale = self.layer_slice(ctx, ("attn_scale", dtype), layer,
-                               lambda i: self.attn_update[i].to(dtype).sum(-1)) if updates else None  # a_h = Σ_e W_{h,e}
+                                 lambda i: self.attn_update[i].to(dtype).sum(-1)) if updates else None
 
         probs = None
         if ctx.need_weights:  # the probabilities are asked for: the full-matrix form, per query head

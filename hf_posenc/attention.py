@@ -34,7 +34,7 @@ import torch
 from torch.nn import functional as F
 
 from .backend import forced_backend
-from .encodings.base import PLAIN_CAUSAL, UNWINDOWED_MASK, PosContext, unwrap, vit_token_coords
+from .encodings.base import PLAIN_CAUSAL, UNWINDOWED_MASK, PosContext, PositionEncoding, unwrap, vit_token_coords
 from .kernels.attention import (
     FLEX_KINDS,
     KernelTerm,
@@ -104,10 +104,6 @@ def attention_backend(encoding: object | None, device: torch.device | str | None
     if default == "triton" and _attention_triton_error() is not None:
         return "torch"
     return default
-
-
-def _never(*args) -> bool:
-    return False
 
 
 def _backend_of_forward(ctx: PosContext | None, device: torch.device) -> str:
@@ -470,8 +466,8 @@ def posenc_attention(
     # under torch.compile the Triton kernels run inside the engine's custom op (below), which checks the mask there
     in_op = backend == "triton" and torch.compiler.is_compiling()
     # an encoding that computes this call itself, faster than the engines (fox_pro's CPU decoding steps)
-    own = posenc_ctx is not None and bool(getattr(unwrap(posenc_ctx.encoding), "attends_itself", _never)(
-        posenc_ctx, query))
+    enc = unwrap(posenc_ctx.encoding) if posenc_ctx is not None else None
+    own = isinstance(enc, PositionEncoding) and enc.attends_itself(posenc_ctx, query)
     if backend != "torch" and not need_weights and not in_op and not own:
         out = _kernel_attention(
             backend, posenc_ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling, dropout, training,

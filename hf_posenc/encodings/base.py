@@ -303,6 +303,11 @@ class PositionEncoding(nn.Module):
         self.info = info
         self.check_model(info)
 
+    def attends_itself(self, ctx: "PosContext", query: torch.Tensor) -> bool:
+        """Whether ``attend`` computes this call itself, faster than the engines (read by the attention function,
+        which then tries no engine first): False; fox_pro's CPU decoding steps say True."""
+        return False
+
     # -- per-layer weights ----------------------------------------------------------------------------
     def layer_slice(self, ctx: "PosContext | None", tag: object, layer: int, build: Any) -> torch.Tensor:
         """``build(layer)``: a layer's weights from the parameters stacked on dim 0 (``build`` indexes them with

@@ -233,30 +233,22 @@ class FoxPro(Fox):
         key_gain = self.k_norm_weight[index].repeat_interleave(self.groups, dim=-2)
         return (self.q_norm_weight[index] * key_gain).unsqueeze(-2)
 
-    def _state_order(self, device: torch.device) -> torch.Tensor:
-        """The row order of :meth:`_state_weight`: rows of [u^k (Hkv), u^v (Hkv), gate weights (S·H)] listed as
+    def _state_order(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row order of :meth:`_state_weight` (R,): rows of [u^k (Hkv), u^v (Hkv), gate weights (S·H)] listed as
         the cache holds their outputs: per key/value head g, u^k_g then the gates of its G query heads (set by
-        set, the order of :meth:`_gates_to_kv`); then u^v of every head."""
+        set, the order of :meth:`_gates_to_kv`); then u^v of every head. With it, (R,) bool: the rows that are
+        shift gates (u^k, u^v). Built once per device."""
         orders = self.__dict__.setdefault("_state_orders", {})  # a plain attribute, per device
-        order = orders.get(device)
-        if order is None:
+        if device not in orders:
             hkv, g, heads, sets = self.info.num_kv_heads, self.groups, self.info.num_heads, self.num_gate_sets
             rows = []
             for kv in range(hkv):
                 rows.append(kv)
                 rows += [2 * hkv + s * heads + kv * g + gi for s in range(sets) for gi in range(g)]
             rows += [hkv + kv for kv in range(hkv)]
-            order = orders[device] = torch.tensor(rows, device=device)
-        return order
-
-    def _shift_rows(self, device: torch.device) -> torch.Tensor:
-        """(R,) bool: the rows of :meth:`_state_order` that are shift gates (u^k, u^v), per device."""
-        rows = self.__dict__.setdefault("_shift_row_masks", {})
-        mask = rows.get(device)
-        if mask is None:
-            order = self._state_order(device)
-            mask = rows[device] = order < 2 * self.info.num_kv_heads
-        return mask
+            order = torch.tensor(rows, device=device)
+            orders[device] = (order, order < 2 * hkv)
+        return orders[device]
 
     def _state_weight(self, index: int | slice) -> tuple[torch.Tensor, torch.Tensor]:
         """The weight (..., R, C) and bias (..., R) whose logsigmoid gives the cached states (:meth:`_token_states`)
@@ -267,7 +259,7 @@ class FoxPro(Fox):
             weights.append(self.gate_weight_bwd[index])
             biases.append(self.gate_bias_bwd[index])
         zero = biases[0].new_zeros(biases[0].shape[:-1] + (2 * self.info.num_kv_heads,))
-        order = self._state_order(weights[0].device)
+        order = self._state_order(weights[0].device)[0]
         return (torch.cat(weights, dim=-2).index_select(-2, order),
                 torch.cat([zero, *biases], dim=-1).index_select(-1, order))
 
@@ -284,7 +276,7 @@ class FoxPro(Fox):
         weight = self.layer_slice(ctx, ("state_weight", dtype), layer, lambda i: self._state_weight(i)[0].to(dtype))
         bias = self.layer_slice(ctx, ("state_bias", dtype), layer, lambda i: self._state_weight(i)[1].to(dtype))
         y = F.logsigmoid(F.linear(hidden.to(dtype), weight, bias))  # (B, L, Hkv (1 + S G) + Hkv)
-        y = torch.where(self._shift_rows(y.device), y.exp(), y)  # α = exp(log α): the new tokens' only
+        y = torch.where(self._state_order(y.device)[1], y.exp(), y)  # α = exp(log α): the new tokens' only
         split = y.shape[-1] - hkv
         return y[..., :split].unflatten(-1, (hkv, -1)).transpose(1, 2), y[..., split:, None].transpose(1, 2)
 
@@ -370,8 +362,7 @@ class FoxPro(Fox):
         return a_k, a_v, gates, valid, has_prev, plain
 
     def attends_itself(self, ctx: PosContext, query: torch.Tensor) -> bool:
-        """Read by the attention function: True where :meth:`attend` computes the call itself (:meth:`_decodes`),
-        so no engine is tried first."""
+        """True where :meth:`attend` computes the call itself (:meth:`_decodes`): no engine is tried first."""
         return self._decodes(ctx, query)
 
     def _decodes(self, ctx: PosContext, query: torch.Tensor) -> bool:
@@ -402,7 +393,7 @@ class FoxPro(Fox):
         r = torch.linalg.vector_norm(k, dim=-1).square_().add_(d * QK_NORM_EPS).rsqrt_().mul_(scaling * d**0.5)
         scores = (query.to(compute).reshape(b, hkv, g * q_len, d) @ k.transpose(-1, -2)).mul_(r[:, :, None, :])
         # + D_ij = c_i − c_j, the cumulative log-gates summed in the cache's layout (B, Hkv, Lk, G)
-        c = (gates if mask is None else gates.masked_fill(~valid[:, None, :, None], 0.0)).cumsum(2).transpose(2, 3)
+        c = cumulative_gates(gates, None if mask is None else valid, key_dim=2).transpose(2, 3)
         if isinstance(ctx.q_offset, int):
             c_q = c[..., ctx.q_offset: ctx.q_offset + q_len]
         else:

@@ -162,15 +162,13 @@ def forget_bias(
     return bias
 
 
-def cumulative_gates(log_f: torch.Tensor, valid: torch.Tensor | None, key_dim: int = -1) -> torch.Tensor:
-    """c (B, H, Lk) = cumsum of the log-gates (B, H, Lk), invalid keys' gates counting as 0 (as in forget_bias);
-    ``valid`` None: every key is valid (no mask). ``key_dim``: the key axis of ``log_f`` for another layout (the
-    cache's (B, Hkv, Lk, G): 2); ``valid`` (B|1, Lk) is broadcast along it."""
+def cumulative_gates(log_f: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """c (B, ..., Lk) = cumsum of the log-gates (B, ..., Lk) (e.g. (B, H, Lk)), invalid keys' gates counting as 0
+    (as in forget_bias); ``valid`` (B|1, Lk), broadcast over the middle axes; None: every key is valid (no mask)."""
     if valid is None:
-        return log_f.cumsum(key_dim)
-    shape = [valid.shape[0]] + [1] * (log_f.dim() - 1)
-    shape[key_dim] = valid.shape[1]
-    return log_f.masked_fill(~valid.view(shape), 0.0).cumsum(key_dim)
+        return log_f.cumsum(-1)
+    valid = valid.view(valid.shape[0], *[1] * (log_f.dim() - 2), valid.shape[1])
+    return log_f.masked_fill(~valid, 0.0).cumsum(-1)
 
 
 def forgetting_attention(

@@ -467,7 +467,7 @@ def posenc_attention(
     in_op = backend == "triton" and torch.compiler.is_compiling()
     # an encoding that computes this call itself, faster than the engines (fox_pro's CPU decoding steps)
     enc = unwrap(posenc_ctx.encoding) if posenc_ctx is not None else None
-    own = isinstance(enc, PositionEncoding) and enc.attends_itself(posenc_ctx, query)
+    own = isinstance(enc, PositionEncoding) and enc.skips_engines(posenc_ctx, query, key)
     if backend != "torch" and not need_weights and not in_op and not own:
         out = _kernel_attention(
             backend, posenc_ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling, dropout, training,

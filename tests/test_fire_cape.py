@@ -179,6 +179,83 @@ def test_fire_term_of_every_layer_at_once_equals_each_layers():
                 assert max_diff(a.tensors[name], b.tensors[name].detach()) < 1e-6, name
 
 
+def test_fire_decoding_bias_of_every_layer_at_once_equals_each_layers(monkeypatch):
+    """A few queries without gradients build the exact bias of every layer at once per forward (kept in its memo);
+    each layer's equals the bias that layer builds alone (gradients on), for one query or a chunk of three, one
+    position row or one per sequence, in float32 and float64. Beyond ``EVERY_LAYER_BIAS_ELEMENTS`` each layer
+    builds its own."""
+    info = ModelInfo("llama", 32, 2, 2, 16, 3, True, 64)
+    torch.manual_seed(0)
+    enc = Fire(PosEncConfig("fire", {"init_threshold": 3.0, "init_c": 0.5}), info).eval()
+    with torch.no_grad():
+        for p in enc.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+
+    def memoised(ctx):
+        return any(k[0] == "fire_every_layer_bias" for k in ctx.memo if isinstance(k, tuple))
+
+    for dtype, tol in ((torch.float32, 1e-6), (torch.float64, 1e-13)):
+        enc = enc.to(dtype)
+        for pos in (torch.tensor([[6]]), torch.tensor([[4, 5, 6], [1, 2, 3]])):
+            q_len = pos.shape[1]
+            ctx = PosContext(encoding=enc, info=info, position_ids=pos, q_offset=7 - q_len)
+            with torch.no_grad():
+                shared = [enc.score_bias(ctx, q_len, 7, CPU, layer) for layer in range(3)]
+            assert memoised(ctx)
+            own = PosContext(encoding=enc, info=info, position_ids=pos, q_offset=7 - q_len)
+            alone = [enc.score_bias(own, q_len, 7, CPU, layer) for layer in range(3)]  # gradients on
+            assert not memoised(own)
+            for a, b in zip(shared, alone):
+                assert a.dtype == b.dtype == dtype
+                assert max_diff(a, b.detach()) < tol
+    ctx = PosContext(encoding=enc, info=info, position_ids=torch.tensor([[6]]), q_offset=6)
+    with torch.no_grad():
+        enc.train()  # train mode: each layer builds its own (see Fire._every_layer_bias)
+        enc.score_bias(ctx, 1, 7, CPU, 0)
+        enc.eval()
+        assert not memoised(ctx)
+        monkeypatch.setattr(Fire, "EVERY_LAYER_BIAS_ELEMENTS", 3 * 32 * 7 - 1)  # layers x hidden x keys, one query
+        enc.score_bias(ctx, 1, 7, CPU, 0)
+        assert not memoised(ctx)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_fire_decoding_steps_skip_the_engines_on_the_cpu(padded, monkeypatch):
+    """A decoding step on the CPU without gradients takes every layer's exact bias as SDPA's float mask instead of
+    the tile engine (which would evaluate each layer's interpolated term): no engine call, and greedy decoding's
+    logits equal those of one forward over the whole sequence (the fused term's), with left padding too."""
+    import hf_posenc.attention as attention_mod
+
+    model = make_model("llama", encoding="fire")
+    enc = next(m for m in model.modules() if isinstance(m, Fire))
+    with torch.no_grad():
+        for p in enc.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+    ids = make_ids(2, 20)  # a prompt of more than FEW_QUERIES tokens runs the engine
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :3] = 0
+    calls = []  # the query lengths the tile engine ran
+    original = attention_mod.tiled_attention
+    monkeypatch.setattr(attention_mod, "tiled_attention", lambda *a, **k: calls.append(a[0].shape[2]) or original(*a, **k))
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        full_mask = torch.cat([mask, torch.ones(2, 4, dtype=mask.dtype)], dim=1)
+        ref = model(out.sequences, attention_mask=full_mask).logits
+    assert 20 in calls and 24 in calls and 1 not in calls, calls  # the prompt and the reference ran the engine
+    steps = torch.stack(out.logits, dim=1)[:, 1:]  # the logits of the decoding steps (the first is the prompt's)
+    torch.testing.assert_close(steps, ref[:, 20:23], rtol=1e-4, atol=1e-4)
+    ctx = PosContext(encoding=enc, info=enc.info, q_offset=0)
+    with torch.no_grad():
+        assert enc.skips_engines(ctx, torch.zeros(2, 2, 16, 16), torch.zeros(2, 2, 16, 16))
+        assert not enc.skips_engines(ctx, torch.zeros(2, 2, 17, 16), torch.zeros(2, 2, 17, 16))  # not a decoding step
+        enc.train()  # (reentrant checkpointing's first pass runs without gradients)
+        assert not enc.skips_engines(ctx, torch.zeros(2, 2, 16, 16), torch.zeros(2, 2, 16, 16))
+        enc.eval()
+    assert not enc.skips_engines(ctx, torch.zeros(2, 2, 1, 16), torch.zeros(2, 2, 1, 16))  # gradients to FIRE
+
+
 def test_fire_left_padding_shifts_the_normaliser_position():
     torch.manual_seed(0)
     enc = Fire(PosEncConfig("fire", {"init_threshold": 2.0}), TEXT)

@@ -659,10 +659,10 @@ def test_kernel_term_without_a_mask_equals_an_all_visible_mask(name, monkeypatch
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["plain", "padded", "chunk", "tensor_offset"])
 def test_fox_pro_few_queries_read_the_cache_as_the_reference(case, dtype):
-    """fox_pro's decoding path (a few queries, no gradient, CPU) reads the shift, the key norm and the value shift
-    as scores and weights on the raw cache: its outputs equal ``attend``'s reference (shifted, normalised key and
-    value tensors, then forgetting attention) for one query at the end of the keys without a mask, under left
-    padding (a padded query row sees no key), for a chunk of three queries, and at a tensor offset."""
+    """fox_pro's decoding path (a few queries, no gradient, CPU: one SDPA call with the forgetting bias as its float
+    mask, the cache's key/value heads as the batch): its outputs equal ``attend``'s reference (forgetting attention
+    of the shifted, normalised keys and shifted values) for one query at the end of the keys without a mask, under
+    left padding (a padded query row sees no key), for a chunk of three queries, and at a tensor offset."""
     enc, info = bare("fox_pro", heads=6, kv_heads=2, head_dim=8, hidden=12, layers=2, dtype=torch.float32)
     n, b = 9, 3
     hidden, q, k, v = random_inputs(enc, info, b, n, dtype=torch.float32)

@@ -303,9 +303,10 @@ class PositionEncoding(nn.Module):
         self.info = info
         self.check_model(info)
 
-    def attends_itself(self, ctx: "PosContext", query: torch.Tensor) -> bool:
-        """Whether ``attend`` computes this call itself, faster than the engines (read by the attention function,
-        which then tries no engine first): False; fox_pro's CPU decoding steps say True."""
+    def skips_engines(self, ctx: "PosContext", query: torch.Tensor, key: torch.Tensor) -> bool:
+        """Whether this call skips the fused and tile engines because the encoding's own path is the faster one
+        there: ``attend`` for a custom attention, else the score bias as SDPA's float mask (read by the attention
+        function). False; fox_pro's and fire's CPU decoding steps say True."""
         return False
 
     # -- per-layer weights ----------------------------------------------------------------------------

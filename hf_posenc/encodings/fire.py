@@ -63,9 +63,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..backend import forced_backend
 from ..config import PosEncConfig
 from ..kernels._common import debug_log
 from ..kernels.attention.terms import KernelTerm
+from ..kernels.attention.tiled import FEW_QUERIES
 from ..ops import eager_value_checks
 from ..registry import param, register_encoding
 from .base import ModelInfo, PosContext, PositionEncoding, relative_positions
@@ -184,8 +186,38 @@ class Fire(PositionEncoding):
         """Whether this forward builds the fused-attention term of every layer at once, kept in its memo (a
         decoding step paid the few operations of :meth:`_term` in each of its layers): in eager mode without
         gradients to the encoding, one FIRE per layer."""
-        return (self.bias_per_layer and not torch.compiler.is_compiling()
-                and not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())))
+        return self.bias_per_layer and self._frozen_eager()
+
+    def _frozen_eager(self) -> bool:
+        """Eager mode, and no gradient flows to FIRE's parameters."""
+        return not torch.compiler.is_compiling() and not (
+            torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
+
+    def skips_engines(self, ctx: PosContext, query: torch.Tensor, key: torch.Tensor) -> bool:
+        """True for a decoding step on the CPU: at most ``FEW_QUERIES`` queries of causal text, in eval and eager
+        mode, without gradients to FIRE, no backend forced but ``torch``, and every layer's bias within
+        ``EVERY_LAYER_BIAS_ELEMENTS`` (:meth:`_every_layer_bias`). The attention then takes :meth:`score_bias`,
+        the exact bias of every layer built at once per forward, as SDPA's float mask; the tile engine would
+        evaluate each layer's interpolated term in that layer, about 20 operations each."""
+        return (query.device.type == "cpu" and ctx.grid is None and self.info.causal
+                and forced_backend() in (None, "torch")
+                and self._every_layer_bias(ctx, query.shape[0], query.shape[2], key.shape[2]))
+
+    def _every_layer_bias(self, ctx: PosContext, batch: int, q_len: int, k_len: int) -> bool:
+        """Whether :meth:`score_bias` builds the bias of every layer at once (one FIRE per layer, causal text,
+        eval mode, eager, no gradient to FIRE, a few queries, and its largest tensor, the MLP's hidden activations
+        of every layer, within ``EVERY_LAYER_BIAS_ELEMENTS``). Not in train mode: reentrant checkpointing runs a
+        layer's first pass without gradients and its recomputation with them, and both must build the same bias."""
+        width = max(self.posenc_config.params["mlp_hidden"], self.info.num_heads)
+        return (q_len <= FEW_QUERIES and not self.training and self.bias_per_layer and ctx.grid is None
+                and self.info.causal
+                and self.info.num_layers * batch * q_len * k_len * width <= self.EVERY_LAYER_BIAS_ELEMENTS
+                and self._frozen_eager())
+
+    #: the most elements the every-layer bias of a decoding step may hold in one tensor (64 MiB in float32:
+    #: 17k keys for 30 layers, one sequence, one query, an MLP 32 wide); beyond, each layer's term is evaluated
+    #: by the engine in its layer.
+    EVERY_LAYER_BIAS_ELEMENTS = 2**24
 
     def _term(self, fn: FireFunction, ctx: PosContext, q_len: int, device: torch.device):
         """(table (H, N), c, inv_norm (B|1, Lq), x_max) of :meth:`kernel_term` for the FIRE ``fn``; for every
@@ -238,7 +270,21 @@ class Fire(PositionEncoding):
             return fn.bias(rel.rel.abs(), r)[None]
         distance = (-rel.rel).clamp_min(0.0)  # i - j for j <= i; 0 on (masked) future keys
         position = self._query_positions(ctx, q_len, device, dtype)
-        return fn.bias(distance, position[:, :, None])
+        if not self._every_layer_bias(ctx, position.shape[0], q_len, k_len):
+            return fn.bias(distance, position[:, :, None])
+        key = ("fire_every_layer_bias", id(self), q_len, k_len, str(device))
+        if key not in ctx.memo:  # unbound once: a view per layer
+            ctx.memo[key] = self._every_layer_causal_bias(distance, position).unbind(0)
+        return ctx.memo[key][layer]
+
+    def _every_layer_causal_bias(self, distance: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """:meth:`FireFunction.bias` of every layer at once, (layers, B|1, H, Lq, Lk), from the distances (Lq, Lk)
+        and the query positions (B|1, Lq): the same formula, the layer dimension first (the MLP's second product
+        batched over the layers)."""
+        fn = FireFunction(self, None)  # c, L (n, 1, 1)
+        normaliser = fn.psi(torch.maximum(fn.threshold, position.to(fn.threshold.dtype))) + FIRE_EPS  # (n, B|1, Lq)
+        x = fn.psi(distance)[:, None] / normaliser[..., None]  # (n, B|1, Lq, Lk)
+        return fn.mlp(x.flatten(1)).unflatten(1, x.shape[1:]).movedim(-1, -3)
 
     @staticmethod
     def _query_positions(

@@ -361,7 +361,7 @@ class FoxPro(Fox):
         plain = unwindowed is None and native is None and ctx.grid is None  # every key but the first has one
         return a_k, a_v, gates, valid, has_prev, plain
 
-    def attends_itself(self, ctx: PosContext, query: torch.Tensor) -> bool:
+    def skips_engines(self, ctx: PosContext, query: torch.Tensor, key: torch.Tensor) -> bool:
         """True where :meth:`attend` computes the call itself (:meth:`_decodes`): no engine is tried first."""
         return self._decodes(ctx, query)
 

@@ -11,11 +11,14 @@ Two ways to decode, each with transformers' own ``generate`` (greedy, batch 1, e
   compiled by generate itself as one graph (``CompileConfig(fullgraph=True, mode=...)``; on CPU
   ``_compile_all_devices = True``, as on CUDA where generate does this by default).
 
-Per-token decode time = (time of ``generate`` with N new tokens − time with 1 new token) / (N − 1): the
-prefill and the first token cancel. Every model gets identical weights (deep copies of one unpatched model,
-``attn_implementation="sdpa"``). Rounds are interleaved (A B A B: every model and mode once per round) and
-the median is reported, as a ratio to the unpatched model in the same mode and run. Prints a markdown table
-and writes JSON (default ``benchmarks/results/decode_<device-name>.json``).
+Per-token decode time = (time of the last new token − time of the first) / (N − 1), both taken by a logits
+processor that generate calls once per new token (after that token's forward): the prefill is not in it. Every
+model gets identical weights (deep copies of one unpatched model, ``attn_implementation="sdpa"``). Each round runs
+the unpatched model before and after every encoding (A B A C A ...; the encodings' order reversed every other
+round), so each encoding's ratio in a round is to the unpatched runs on either side of it, seconds apart; the
+table reports the ratio of the medians over the rounds and the median of those per-round ratios ("paired"),
+the figure that a machine whose speed drifts within a round disturbs least. Prints a markdown table and writes
+JSON (default ``benchmarks/results/decode_<device-name>.json``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, StaticCache
+from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList, StaticCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, device_name, slug, versions  # noqa: E402
@@ -46,8 +49,21 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class StepClock(LogitsProcessor):
+    """Records when each new token's scores reach the processors (once per token, after its forward)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.times = device, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        sync(self.device)
+        self.times.append(time.perf_counter())
+        return scores
+
+
 class Decoder:
-    """One model and one way of decoding; ``run(n)`` generates n tokens greedily and returns the seconds."""
+    """One model and one way of decoding; ``run(n)`` generates n tokens greedily and returns the seconds per token
+    after the first (the prefill excluded)."""
 
     def __init__(self, model, mode: str, prompt: torch.Tensor, max_new: int, compile_mode: str, device) -> None:
         self.model, self.mode, self.prompt, self.device = model, mode, prompt, device
@@ -61,19 +77,17 @@ class Decoder:
             self.kw["compile_config"] = config
 
     def run(self, n: int) -> float:
-        kw = dict(self.kw, max_new_tokens=n, min_new_tokens=n)
+        clock = StepClock(self.device)
+        kw = dict(self.kw, max_new_tokens=n, min_new_tokens=n, logits_processor=LogitsProcessorList([clock]))
         if self.cache is not None:
             self.cache.reset()
             kw["past_key_values"] = self.cache
-        sync(self.device)
-        start = time.perf_counter()
         with torch.no_grad():
             out = self.model.generate(self.prompt, attention_mask=torch.ones_like(self.prompt), **kw)
-        sync(self.device)
-        elapsed = time.perf_counter() - start
-        if out.shape[1] != self.prompt.shape[1] + n:
-            raise RuntimeError(f"generate returned {out.shape[1] - self.prompt.shape[1]} tokens, asked for {n}")
-        return elapsed
+        if out.shape[1] != self.prompt.shape[1] + n or len(clock.times) != n:
+            raise RuntimeError(f"generate returned {out.shape[1] - self.prompt.shape[1]} tokens "
+                               f"({len(clock.times)} steps timed), asked for {n}")
+        return (clock.times[-1] - clock.times[0]) / (n - 1)
 
 
 def main() -> None:
@@ -127,37 +141,44 @@ def main() -> None:
     for key, dec in decoders.items():  # warmup: compiles the decode step (static+compile) once per model
         start = time.perf_counter()
         dec.run(args.new_tokens)
-        dec.run(1)
         compile_s[key] = time.perf_counter() - start
         print(f"warmup {key[0]:>10} {key[1]:<15} {compile_s[key]:6.1f} s", flush=True)
 
-    per_token = {key: [] for key in decoders}
+    names = [name for name in models if name != BASELINE]
+    per_token = {key: [] for key in decoders}  # every run's seconds per token
+    paired = {key: [] for key in decoders if key[0] != BASELINE}  # each run's ratio to the unpatched on either side
     for r in range(args.rounds):
-        for key, dec in decoders.items():  # interleaved: every model and mode once per round
-            full, one = dec.run(args.new_tokens), dec.run(1)
-            per_token[key].append((full - one) / (args.new_tokens - 1))
+        for mode in args.modes:
+            before = decoders[(BASELINE, mode)].run(args.new_tokens)
+            per_token[(BASELINE, mode)].append(before)
+            for name in names if r % 2 == 0 else names[::-1]:  # A B A C A ...
+                t = decoders[(name, mode)].run(args.new_tokens)
+                after = decoders[(BASELINE, mode)].run(args.new_tokens)
+                per_token[(name, mode)].append(t)
+                per_token[(BASELINE, mode)].append(after)
+                paired[(name, mode)].append(t / ((before + after) / 2))
+                before = after
         print(f"round {r + 1}/{args.rounds} done", flush=True)
 
     rows = []
     for (name, mode), times in per_token.items():
         med = statistics.median(times)
-        base = per_token[(BASELINE, mode)]
-        base_med = statistics.median(base)
+        base_med = statistics.median(per_token[(BASELINE, mode)])
         rows.append({
             "encoding": name, "mode": mode, "ms_per_token": 1e3 * med, "tokens_per_s": 1.0 / med,
             "ratio_to_unpatched": med / base_med,
-            # each round's own ratio, then their median: a round that the machine slowed for every model cancels
-            "paired_ratio": statistics.median(t / b for t, b in zip(times, base)),
+            "paired_ratio": statistics.median(paired[(name, mode)]) if name != BASELINE else 1.0,
             "warmup_s": compile_s[(name, mode)],
-            "ms_per_token_all_rounds": [1e3 * t for t in times],
+            "ms_per_token_all_runs": [1e3 * t for t in times],
         })
 
     dev = device_name(device)
     print(f"\nGreedy decoding, Llama {args.layers}x{args.hidden} ({args.heads} heads, {args.kv_heads} kv), prompt "
           f"{args.prompt}, {args.new_tokens} new tokens, batch 1, fp32, {dev}"
           + (f", {args.threads} threads" if device.type == "cpu" else "") + f"; compile mode {compile_mode!r}")
-    print(f"median of {args.rounds} interleaved rounds; ratio = time per token / unpatched's in the same mode; "
-          "paired = the median of each round's own ratio\n")
+    print(f"{args.rounds} rounds, the unpatched model run before and after each encoding; ratio = median time per "
+          "token / unpatched's in the same mode; paired = the median of each run's ratio to the unpatched runs on "
+          "either side\n")
     header = "| encoding | " + " | ".join(f"{m} ms/token (tokens/s) | ratio | paired" for m in args.modes) + " |"
     print(header)
     print("|" + "---|" * (1 + 3 * len(args.modes)))

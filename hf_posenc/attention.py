@@ -465,7 +465,7 @@ def posenc_attention(
     need_weights = bool(posenc_ctx is not None and posenc_ctx.need_weights)
     # under torch.compile the Triton kernels run inside the engine's custom op (below), which checks the mask there
     in_op = backend == "triton" and torch.compiler.is_compiling()
-    # an encoding that computes this call itself, faster than the engines (fox_pro's CPU decoding steps)
+    # an encoding whose own path is the faster one for this call (fox_pro's and fire's CPU decoding steps)
     enc = unwrap(posenc_ctx.encoding) if posenc_ctx is not None else None
     own = isinstance(enc, PositionEncoding) and enc.skips_engines(posenc_ctx, query, key)
     if backend != "torch" and not need_weights and not in_op and not own:

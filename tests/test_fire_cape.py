@@ -250,6 +250,7 @@ def test_fire_decoding_steps_skip_the_engines_on_the_cpu(padded, monkeypatch):
     with torch.no_grad():
         assert enc.skips_engines(ctx, torch.zeros(2, 2, 16, 16), torch.zeros(2, 2, 16, 16))
         assert not enc.skips_engines(ctx, torch.zeros(2, 2, 17, 16), torch.zeros(2, 2, 17, 16))  # not a decoding step
+        assert not enc.skips_engines(ctx, torch.zeros(2, 2, 1, 16).bfloat16(), torch.zeros(2, 2, 1, 16).bfloat16())
         enc.train()  # (reentrant checkpointing's first pass runs without gradients)
         assert not enc.skips_engines(ctx, torch.zeros(2, 2, 16, 16), torch.zeros(2, 2, 16, 16))
         enc.eval()

@@ -194,13 +194,14 @@ class Fire(PositionEncoding):
             torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
 
     def skips_engines(self, ctx: PosContext, query: torch.Tensor, key: torch.Tensor) -> bool:
-        """True for a decoding step on the CPU: at most ``FEW_QUERIES`` queries of causal text, in eval and eager
-        mode, without gradients to FIRE, no backend forced but ``torch``, and every layer's bias within
+        """True for a decoding step on the CPU: at most ``FEW_QUERIES`` float32 queries of causal text, in eval
+        and eager mode, without gradients to FIRE, no backend forced but ``torch``, and every layer's bias within
         ``EVERY_LAYER_BIAS_ELEMENTS`` (:meth:`_every_layer_bias`). The attention then takes :meth:`score_bias`,
         the exact bias of every layer built at once per forward, as SDPA's float mask; the tile engine would
-        evaluate each layer's interpolated term in that layer, about 20 operations each."""
-        return (query.device.type == "cpu" and ctx.grid is None and self.info.causal
-                and forced_backend() in (None, "torch")
+        evaluate each layer's interpolated term in that layer, about 20 operations each. Half and bfloat16 models
+        keep the engine, which adds the term in float32 (that path would round the bias to the model's dtype)."""
+        return (query.device.type == "cpu" and query.dtype == torch.float32 and ctx.grid is None
+                and self.info.causal and forced_backend() in (None, "torch")
                 and self._every_layer_bias(ctx, query.shape[0], query.shape[2], key.shape[2]))
 
     def _every_layer_bias(self, ctx: PosContext, batch: int, q_len: int, k_len: int) -> bool:

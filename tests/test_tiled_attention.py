@@ -470,6 +470,40 @@ def test_few_queries_without_gradients_match_the_reference(kind, q_len, offset, 
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_few_queries_reuse_a_bias_only_for_the_very_same_term_tensors(monkeypatch):
+    """A decoding step's bias is evaluated once for the layers whose terms hold the same tensors (a bias shared by
+    the layers) and afresh for other tensors, another offset, or a tensor changed in place; outputs stay those of
+    the reference."""
+    from hf_posenc.kernels.attention import tiled as tiled_mod
+
+    evaluated = []
+    original = tiled_mod.term_bias
+    monkeypatch.setattr(tiled_mod, "term_bias", lambda *a, **k: evaluated.append(1) or original(*a, **k))
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 4, 1, 16, generator=g), torch.randn(1, 2, 9, 16, generator=g), torch.randn(1, 2, 9, 16, generator=g)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    memo = {}
+    kw = dict(scale=0.25, causal=True, q_offset=8, memo=memo)
+
+    def run(term, **extra):
+        with torch.no_grad():
+            got = tiled_attention(q, k, v, term, **dict(kw, **extra))
+            want = attention_reference(q, k, v, term, scale=0.25, causal=True, q_offset=extra.get("q_offset", 8))
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+    run(KernelTerm.alibi(slopes))
+    run(KernelTerm.alibi(slopes))  # another layer, the same tensor: reused
+    assert len(evaluated) == 1
+    run(KernelTerm.alibi(slopes.clone()))  # equal values, other tensor: evaluated
+    run(KernelTerm.alibi(slopes[:]))  # the first tensor again after another one: only the last bias is kept
+    assert len(evaluated) == 3
+    run(KernelTerm.alibi(slopes[:]), q_offset=7)  # the same tensor (a view of it), another offset
+    assert len(evaluated) == 4
+    slopes.mul_(2.0)  # changed in place (its version moves): evaluated
+    run(KernelTerm.alibi(slopes))
+    assert len(evaluated) == 5
+
+
 def test_few_queries_skip_the_mask_only_where_every_key_is_seen():
     """Without key padding the few-queries path drops its 0 / −inf mask where every query sees every key by
     position (``tiled._sees_every_key``): that predicate against the band itself, over offsets, lengths and

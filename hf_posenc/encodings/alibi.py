@@ -73,7 +73,14 @@ class Alibi(PositionEncoding):
         """The fused-attention term: the slopes (H,). None on ViT (2D grid distances)."""
         if ctx.grid is not None:
             return None
-        return KernelTerm.alibi(alibi_slopes(self.info.num_heads).to(query.device))
+        if torch.compiler.is_compiling():
+            return KernelTerm.alibi(alibi_slopes(self.info.num_heads).to(query.device))
+        # one tensor per device for every layer and forward: a decoding step's engine then evaluates the bias once
+        # per forward, not in every layer (hf_posenc.kernels.attention.tiled._layer_shared_bias)
+        slopes = self.__dict__.setdefault("_slopes", {})  # a plain attribute, per device (no buffer: checkpoints)
+        if query.device not in slopes:
+            slopes[query.device] = alibi_slopes(self.info.num_heads).to(query.device)
+        return KernelTerm.alibi(slopes[query.device])
 
     def score_bias(
         self, ctx: PosContext, q_len: int, k_len: int, device: torch.device, layer: int = 0

@@ -114,9 +114,12 @@ class Kerple(PositionEncoding):
         None on ViT (2D grid distances)."""
         if ctx.grid is not None:
             return None
-        r1, r2 = self.kernel_params()
         idx = layer if self.bias_per_layer else 0
-        return KernelTerm.kerple(self.variant, r1[idx], r2[idx])
+        # without gradients once per forward (PositionEncoding.layer_slice): a shared kernel is then the same tensor
+        # in every layer, and a decoding step's engine evaluates its bias once (tiled._layer_shared_bias)
+        r1 = self.layer_slice(ctx, "kerple_r1", idx, lambda i: self.kernel_params()[0][i])
+        r2 = self.layer_slice(ctx, "kerple_r2", idx, lambda i: self.kernel_params()[1][i])
+        return KernelTerm.kerple(self.variant, r1, r2)
 
     def score_bias(
         self, ctx: PosContext, q_len: int, k_len: int, device: torch.device, layer: int = 0

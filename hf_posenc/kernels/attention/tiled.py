@@ -225,7 +225,7 @@ def _few_queries(query, key, value, term, scale, causal, q_offset, key_valid, wi
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     b, h, q_len, _ = query.shape
     k_len = key.shape[2]
-    bias = term_bias(term, query, q_len, k_len, q_offset, memo)
+    bias = _layer_shared_bias(term, query, q_len, k_len, q_offset, memo)
     mkey = ("few_queries_mask", q_len, k_len, q_offset, causal, window, compute, query.device)
     entry = None if memo is None else memo.get(mkey)
     if entry is not None and entry[0] is key_valid:
@@ -252,6 +252,25 @@ def _few_queries(query, key, value, term, scale, causal, q_offset, key_valid, wi
                                          scale=scale, enable_gqa=key.shape[1] != h)
     out = out if empty is None else out.masked_fill(empty, 0.0)  # no host read of ``empty``
     return out.to(query.dtype)
+
+
+def _layer_shared_bias(term, query, q_len, k_len, q_offset, memo) -> torch.Tensor | None:
+    """:func:`term_bias` of ``term``, reused from the previous layer of this forward when that layer's term held the
+    very same tensors (storage, shape, strides and version: a bias shared by the layers, e.g. ALiBi's slopes, a shared
+    KERPLE kernel or T5 table, Sandwich's table); a decoding step otherwise evaluates the same term in every layer.
+    ``memo`` (per forward) keeps the last such bias only, with the tensors it was built from (so no other tensor can
+    take their address meanwhile); terms with a ``prepare`` step (they read the queries) are evaluated afresh."""
+    if memo is None or term.spec.prepare is not None:
+        return term_bias(term, query, q_len, k_len, q_offset, memo)
+    tensors = tuple(term.tensors.values())
+    signature = (term.kind, tuple(sorted(term.ints.items())), q_len, k_len, q_offset, query.shape[1],
+                 tuple((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version) for t in tensors))
+    last = memo.get("few_queries_shared_bias")
+    if last is not None and last[0] == signature:
+        return last[2]
+    bias = term_bias(term, query, q_len, k_len, q_offset, memo)
+    memo["few_queries_shared_bias"] = (signature, tensors, bias)
+    return bias
 
 
 #: The two exact CPU paths of the tile engine: torch's fused attention kernel per query block (with the term as

@@ -167,8 +167,7 @@ def cumulative_gates(log_f: torch.Tensor, valid: torch.Tensor | None) -> torch.T
     (as in forget_bias); ``valid`` (B|1, Lk), broadcast over the middle axes; None: every key is valid (no mask)."""
     if valid is None:
         return log_f.cumsum(-1)
-    valid = valid.view(valid.shape[0], *[1] * (log_f.dim() - 2), valid.shape[1])
-    return log_f.masked_fill(~valid, 0.0).cumsum(-1)
+    return log_f.masked_fill(~valid[(slice(None),) + (None,) * (log_f.dim() - 2)], 0.0).cumsum(-1)
 
 
 def forgetting_attention(

@@ -54,6 +54,7 @@ from ..backend import forced_backend
 from ..config import PosEncConfig
 from ..kernels._common import compute_dtype
 from ..kernels.attention.terms import KernelTerm
+from ..kernels.attention.tiled import FEW_QUERIES  # the decoding steps: as many queries as the engine's
 from ..registry import register_encoding
 from .base import UNWINDOWED_MASK, ModelInfo, PosContext, PositionEncoding
 from .cache_state import pack_state, unpack_state
@@ -61,9 +62,6 @@ from .fox import Fox, _query_index, cumulative_gates, forgetting_attention, key_
 
 __all__ = ["FoxPro"]
 
-#: At most this many queries without gradients on the CPU: ``attend`` reads the cache directly
-#: (:meth:`FoxPro._few_queries`).
-FEW_QUERIES = 16
 
 #: eps of the QK-norm (the code's ``GroupRMSNorm`` default) and of the output norm (the code's ``norm_eps``).
 QK_NORM_EPS = 1e-5
@@ -324,11 +322,17 @@ class FoxPro(Fox):
         return KernelTerm.fox(cumulative_gates(gates[0], valid), key=k.to(query.dtype), value=v.to(query.dtype))
 
     def _attention_kv(self, ctx: PosContext, layer: int, query, key, value, mask):
-        """(shifted + normalised k, shifted v (B, Hkv, Lk, D) in float32, the log-gates, key validity)."""
+        """(shifted + normalised k, shifted v (B, Hkv, Lk, D) in float32, the log-gates (S tensors (B, H, Lk)), key
+        validity)."""
+        k, v, gates, valid = self._shifted_kv(ctx, layer, query, key, value, mask)
+        return k, v, self._gates_from_kv(gates), valid
+
+    def _shifted_kv(self, ctx: PosContext, layer: int, query, key, value, mask):
+        """(shifted + normalised k, shifted v (B, Hkv, Lk, D) in float32, the log-gates as cached (B, Hkv, Lk, S·G),
+        key validity)."""
         d = query.shape[-1]
         compute = compute_dtype(query.dtype)
         a_k, a_v, gates, valid, has_prev, plain = self._key_states(ctx, layer, query, key, value, mask)
-        gates = self._gates_from_kv(gates)
         k = self._shift(key[..., :d].to(compute), a_k, has_prev, ctx, plain)
         k = _rms_norm(k, None, QK_NORM_EPS)  # γ^k is on the queries (prepare)
         v = self._shift(value[..., :d].to(compute), a_v, has_prev, ctx, plain)
@@ -377,7 +381,7 @@ class FoxPro(Fox):
     def _few_queries(self, ctx: PosContext, layer: int, query, key, value, mask, scaling: float) -> torch.Tensor:
         """The attention of a few queries (a decoding step): out (B, H, Lq, D).
 
-        The shifted, normalised keys and the shifted values as :meth:`_attention_kv` forms them (a pad and a lerp
+        The shifted, normalised keys and the shifted values of :meth:`_shifted_kv` (a pad and a lerp
         each, the norm as ``F.rms_norm``), the forgetting bias D_ij = c_i − c_j from the log-gates summed in the
         cache's layout, and one fused SDPA call with D as its float mask, the key/value heads as the batch (the G
         query heads of each, and their queries, as its rows): the reference's sums (``forgetting_attention``)
@@ -388,10 +392,7 @@ class FoxPro(Fox):
         b, h, q_len, d = query.shape
         hkv, k_len = key.shape[1], key.shape[2]
         compute = compute_dtype(query.dtype)
-        a_k, a_v, gates, valid, has_prev, plain = self._key_states(ctx, layer, query, key, value, mask)
-        prev = None if plain else has_prev
-        k = _rms_norm(_shifted(key[..., :d].to(compute), a_k, prev), None, QK_NORM_EPS)  # γ^k is on the queries
-        v = _shifted(value[..., :d].to(compute), a_v, prev)
+        k, v, gates, valid = self._shifted_kv(ctx, layer, query, key, value, mask)
         # (B, Hkv, G, Lk): the gates transposed before the sum, so that c and the bias are laid out by key (SDPA
         # reads a strided mask at half speed)
         c = cumulative_gates(gates.transpose(2, 3), None if mask is None else valid)

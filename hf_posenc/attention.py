@@ -463,6 +463,8 @@ def posenc_attention(
     if h % key.shape[1]:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({key.shape[1]})")
     scaling = d**-0.5 if scaling is None else scaling
+    if posenc_ctx is not None:  # an encoding's own logit scale (nope's softmax_scale: DroPE)
+        scaling = getattr(unwrap(posenc_ctx.encoding), "softmax_scale", None) or scaling
     causal = bool(getattr(module, "is_causal", False))
     layer = getattr(module, "posenc_layer", 0) if posenc_layer is None else posenc_layer
     # Index of the first query among the keys: the cache length before this forward.

@@ -27,7 +27,7 @@ from ..backend import forced_backend
 from ..config import PosEncConfig
 from .length_scale import check_length_scale_model, keys_seen, length_scale_factor, ssmax_start
 
-__all__ = ["EngineAttention", "ModelInfo", "PosContext", "PositionEncoding", "RelativePositions", "relative_positions", "unwrap", "vit_token_coords"]
+__all__ = ["EngineAttention", "ModelInfo", "PosContext", "model_norm_eps", "PositionEncoding", "RelativePositions", "relative_positions", "unwrap", "vit_token_coords"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,9 @@ class ModelInfo:
     #: per-layer ``rope_parameters`` where layers differ (Gemma 3's local and global layers); None: every
     #: layer uses ``rope_parameters``.
     layer_rope_parameters: tuple[dict, ...] | None = None
+    #: the epsilon of the model's own normalisation layers (``rms_norm_eps``, ``layer_norm_eps``, ...), None if it
+    #: has none; what a norm an encoding adds defaults to (nope's ``qk_norm``, as DroPE's code).
+    norm_eps: float | None = None
     #: per-layer sliding window (keys more than ``window - 1`` positions before the query are masked), None
     #: for a layer without one; None: no layer has one. The attention mask transformers builds carries it.
     sliding_windows: tuple[int | None, ...] | None = None
@@ -69,6 +72,15 @@ PLAIN_CAUSAL = "plain_causal"
 #: hf_posenc's sliding ``window`` was applied to it (``windowed``): what a token's neighbours are (FoX Pro's token
 #: shift) does not depend on which keys a query may attend to.
 UNWINDOWED_MASK = "unwindowed_mask"
+
+
+def model_norm_eps(config: Any) -> float | None:
+    """The epsilon of a transformers config's normalisation layers, None where it names none."""
+    for name in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"):
+        value = getattr(config, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
 
 
 def new_tokens_key(length: int) -> int | str:

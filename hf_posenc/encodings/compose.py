@@ -132,6 +132,11 @@ def _normalise(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
             out[part] = PosEncConfig(part, given).params
         except (ValueError, TypeError) as e:
             raise type(e)(f"part {part!r} of {name!r}: {e}") from None
+    if first == "nope" and (out[first].get("qk_norm") or out[first].get("softmax_scale")):
+        raise ValueError(
+            f"{name!r}: nope's qk_norm and softmax_scale (DroPE) act on a nope layer alone, not inside a composition; "
+            "use 'nope' with them, or a plan"
+        )
     if term == "fox" and out[term].get("rope"):
         raise ValueError(
             f"{name!r}: fox with rope=True brings a second rotary; the first slot ({first!r}) is the composition's "

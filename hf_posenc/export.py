@@ -50,7 +50,7 @@ from .patches import get_family
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EXPORT_ROUTES", "ExportRoute", "LayerFacts", "NativeExport", "export_native", "export_table",
+__all__ = ["EXPORT_ROUTES", "ExportRoute", "LayerFacts", "NativeExport", "export_native", "export_table", "tokenizer_source",
            "native_export"]
 
 #: How the docs and the errors name each family.
@@ -503,20 +503,25 @@ def _target_fields(model_type: str) -> frozenset[str]:
     return frozenset(CONFIG_MAPPING[model_type]().to_dict())
 
 
+#: Source config fields the Llama-shaped families have and the targets lack, which no modeling code reads.
+_UNREAD_FIELDS = ("pretraining_tp",)
+
+
 def _config_misfit(route: ExportRoute, config: Any) -> str | None:
-    """Why the source config's own fields keep ``route`` from fitting (a key the target has no field for, with a
-    value that matters), or None."""
+    """Why the source config's own fields keep ``route`` from fitting (a field the target has no counterpart for,
+    with a value that matters), or None. Attributes that are not fields of the source's config class (metadata
+    such as a checkpoint's ``unk_token_id``) are carried over as they are."""
     source = config.to_dict()
     for key, want in route.must_be:
         if key in source and source[key] != want:
             return f"{key}={source[key]!r} (the architecture has no {key})"
-    if route.target == get_family(getattr(config, "model_type", None)).family:
+    family = get_family(getattr(config, "model_type", None)).family
+    if route.target == family:
         return None  # the family's own config class
-    fields = _target_fields(route.target)
-    allowed = {k for k, _ in route.must_be} | set(route.extra_keys) | set(_NOT_CARRIED) | {"pretraining_tp"}
-    extra = sorted(k for k in source if k not in fields and k not in allowed)
-    if extra:
-        return f"the {type(config).__name__} fields {extra} have no counterpart"
+    lost = _target_fields(family) - _target_fields(route.target) - set(route.extra_keys) - set(_UNREAD_FIELDS)
+    lost -= {k for k, _ in route.must_be}
+    if lost:
+        return f"the {FAMILY_NAMES[family]} config fields {sorted(lost)} have no counterpart"
     return None
 
 
@@ -541,16 +546,17 @@ class NativeExport:
 
 
 def _target_config(route: ExportRoute, plan: _Plan) -> Any:
-    """The target's config: the source's fields it has (and ``route.extra_keys``), then the route's values."""
+    """The target's config: the source's settings (but the source family's fields the target lacks), then the
+    route's values."""
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[route.target]
     source = plan.config.to_dict()
-    if route.target == plan.family:  # the family's own config class: every field carries over
-        fields = set(source)
-    else:
-        fields = _target_fields(route.target) | set(route.extra_keys)
-    kwargs = {k: copy.deepcopy(v) for k, v in source.items() if k in fields and k not in _NOT_CARRIED}
+    # the source family's fields that the target lacks stay behind (checked by _config_misfit); everything else
+    # (fields the two share, the target's extra_keys, attributes that are no field of either) carries over
+    lost = (_target_fields(plan.family) - _target_fields(route.target) - set(route.extra_keys)
+            if route.target != plan.family else set())
+    kwargs = {k: copy.deepcopy(v) for k, v in source.items() if k not in lost and k not in _NOT_CARRIED}
     kwargs.update(route.overrides(plan))
     return cls(**kwargs)
 
@@ -811,7 +817,7 @@ def _check(model: nn.Module, built: nn.Module, family: str, target: NativeExport
     return diff
 
 
-def _tokenizer_source(model: nn.Module) -> Path | None:
+def tokenizer_source(model: nn.Module) -> Path | None:
     """The model's own directory (``name_or_path``) when it holds a tokenizer."""
     path = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
     if not path or not Path(path).is_dir():
@@ -856,7 +862,7 @@ def export_native(model: nn.Module, path: str | os.PathLike, *, tokenizer: Any =
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     built.save_pretrained(out)
-    source = tokenizer if tokenizer is not None else _tokenizer_source(model)
+    source = tokenizer if tokenizer is not None else tokenizer_source(model)
     if source is None:
         logger.warning("export_native: no tokenizer given and none beside the model; %s holds the model only", out)
     else:

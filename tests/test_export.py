@@ -384,3 +384,31 @@ def test_tokenizer_object_is_saved(tmp_path):
     model = make_model("gpt2", encoding="learned")
     export_native(model, tmp_path, tokenizer=_tiny_tokenizer())
     assert (tmp_path / "tokenizer.json").is_file()
+
+
+# -- the conversion study's record -----------------------------------------------------------------------------
+
+
+def test_conversion_study_records_whether_each_entry_exports(tmp_path):
+    """hf-posenc study --from: every entry's result says whether the converted (fine-tuned) model exports, to which
+    architecture, or why not (the export's own message)."""
+    pytest.importorskip("matplotlib")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_posenc.study import StudyConfig, run_study
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(tmp_path / "ckpt")
+    make_model("llama", config_overrides={"vocab_size": len(alphabet), "max_position_embeddings": 256}).save_pretrained(
+        tmp_path / "ckpt")
+    res = run_study(StudyConfig(source=str(tmp_path / "ckpt"), out=str(tmp_path / "out"), steps=2, train_len=16,
+                                batch=2, eval_tokens=128, progress=False,
+                                encodings=["rope", "rope/nope", "alibi", "rope:eval_scaling=yarn"]))
+    records = {r["encoding"]: r["native_export"] for r in res["results"]}
+    assert records["rope"] == {"exports": True, "architecture": "LlamaForCausalLM"}
+    assert records["rope/nope"] == {"exports": True, "architecture": "SmolLM3ForCausalLM"}
+    assert records["rope:eval_scaling=yarn"] == {"exports": True, "architecture": "LlamaForCausalLM"}
+    assert not records["alibi"]["exports"] and "alibi: no stock Llama-family" in records["alibi"]["reason"]

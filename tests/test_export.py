@@ -412,3 +412,83 @@ def test_conversion_study_records_whether_each_entry_exports(tmp_path):
     assert records["rope/nope"] == {"exports": True, "architecture": "SmolLM3ForCausalLM"}
     assert records["rope:eval_scaling=yarn"] == {"exports": True, "architecture": "LlamaForCausalLM"}
     assert not records["alibi"]["exports"] and "alibi: no stock Llama-family" in records["alibi"]["reason"]
+
+
+# -- the real tier: SmolLM2-135M ------------------------------------------------------------------------------
+
+#: SmolLM3's NoPE every 4th layer over SmolLM2's 30 layers (layers 3, 7, ..., 27), as SmolLM3Config builds it.
+THREE_TO_ONE = (["rope"] * 3 + ["nope"]) * 7 + ["rope"] * 2
+REAL = {
+    "3to1": (THREE_TO_ONE, {}, "SmolLM3ForCausalLM"),
+    "nope": ("nope", {}, "SmolLM3ForCausalLM"),
+    "window": ("rope", {"window": 16}, "MistralForCausalLM"),
+    "yarn": ("rope", {"scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}},
+             "LlamaForCausalLM"),
+    # RNoPE-SWA: the 3:1 plan with a 16-key window on the rope layers
+    "rnope-swa": ([{"name": "rope", "window": 16} if e == "rope" else e for e in THREE_TO_ONE], {},
+                  "SmolLM3ForCausalLM"),
+}
+REAL_TEXT = ("The river rises in the hills to the north and flows slowly through the town, where an old stone bridge "
+             "carries the main road over it. In spring the water is high and brown with mud from the fields. ") * 2
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def real_exports(pytestconfig, tmp_path_factory):
+    """SmolLM2 patched with each recipe of REAL, exported, and loaded by the worker in one fresh process:
+    {name: (expected, got, export directory)}."""
+    import contextlib
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_posenc.testing import CheckpointUnavailable, smollm2
+
+    capture = pytestconfig.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+        try:
+            path = smollm2()
+        except CheckpointUnavailable as e:
+            pytest.skip(f"SmolLM2 checkpoint unavailable: {e}")
+    base = AutoModelForCausalLM.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = tokenizer(REAL_TEXT, return_tensors="pt")["input_ids"][:, :48]
+    prompt = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True)["input_ids"]
+    inputs = {"forward": {"input_ids": ids}, "prompt": prompt}
+    root = tmp_path_factory.mktemp("real-export")
+    torch.save(inputs, root / "inputs.pt")
+    jobs, expected = [], {}
+    for name, (encoding, params, architecture) in REAL.items():
+        model = hf_posenc.patch_model(copy.deepcopy(base), encoding, **params).eval()
+        with torch.no_grad():
+            generated = model.generate(prompt, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+            expected[name] = {"output": model(ids).logits, "generated": generated}
+        target = export_native(model, root / name)
+        assert target.architecture == architecture
+        del model
+        jobs.append({"dir": str(root / name), "auto": "AutoModelForCausalLM", "inputs": str(root / "inputs.pt"),
+                     "out": str(root / f"{name}.out.pt"), "new_tokens": 10})
+    run_worker(jobs, root)
+    return {name: (want, torch.load(root / f"{name}.out.pt", weights_only=True), root / name)
+            for name, want in expected.items()}
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", list(REAL))
+def test_smollm2_exports_exactly(real_exports, name):
+    """SmolLM2-135M converted with the 3:1 rope/nope plan, all-nope, a 16-key rope window, rope with YaRN and
+    RNoPE-SWA: the export, loaded without hf_posenc, gives the patched model's logits within 1e-5 (measured: 0.0)
+    and its greedy chat answer; the tokenizer (and its chat template) comes with it."""
+    from transformers import AutoTokenizer
+
+    from hf_posenc.testing import smollm2
+
+    want, got, directory = real_exports[name]
+    assert got["class"] == REAL[name][2] and got["dtype"] == "torch.float32"
+    diff = float((got["output"] - want["output"]).abs().max())
+    assert diff <= ATOL, f"{name}: max |logit difference| {diff}"
+    assert torch.equal(got["generated"], want["generated"])
+    original, copied = AutoTokenizer.from_pretrained(smollm2()), AutoTokenizer.from_pretrained(directory)
+    assert copied.apply_chat_template(CHAT, add_generation_prompt=True) == original.apply_chat_template(
+        CHAT, add_generation_prompt=True)
+    assert copied(REAL_TEXT)["input_ids"] == original(REAL_TEXT)["input_ids"]

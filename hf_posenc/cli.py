@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     diagnostics.add_arguments(p)
     p.set_defaults(func=_cmd_doctor)
     p = sub.add_parser(
-        "export", help="write a patched checkpoint as the stock transformers architecture it equals (no hf_posenc needed)",
+        "export", help="write a patched checkpoint as the stock transformers architecture it equals (no hf_posenc)",
         description=EXPORT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="a directory saved from a patched model")

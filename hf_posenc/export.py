@@ -4,24 +4,24 @@ A model converted with hf_posenc saves as ``posenc_<family>``: only hf_posenc (o
 loader) reads it, and no serving engine does. Many conversions have an exact equivalent among transformers' own
 architectures, though: a plan of ``rope`` and ``nope`` layers with sliding windows is SmolLM3 (``no_rope_layers``,
 ``layer_types``, ``sliding_window``), ``rope`` with ``scaling`` is the family's own ``rope_parameters``, ``rope``
-with one ``window`` on every layer is Mistral, ``learned`` on GPT-2 is GPT-2. :func:`export_native` writes such a
+with one ``window`` on every layer is Mistral, ``learned`` on GPT-2 is GPT-2. `export_native` writes such a
 model as that architecture, with its tokenizer, so that ``AutoModelForCausalLM.from_pretrained`` loads it on a
 machine without hf_posenc, and every engine that runs the architecture runs it.
 
-The mapping is one table, :data:`EXPORT_ROUTES` (rendered by :func:`export_table` on the docs page
+The mapping is one table, `EXPORT_ROUTES` (rendered by `export_table` on the docs page
 ``docs/export.md``): per source family, which plans map to which architecture, through which config keys, and
 what must hold. The first route of the model's family that fits is taken. A model no route fits raises a
 ``ValueError`` that names each part with no stock equivalent (an encoding, a layer option such as ``sink``, a
 parameter such as rope's ``layout``, windows of two sizes) and the nearest recipe that does export.
 
-Each layer is described by two facts (:class:`LayerFacts`): its rotary, in transformers' ``rope_parameters`` form
+Each layer is described by two facts (`LayerFacts`): its rotary, in transformers' ``rope_parameters`` form
 (None for a NoPE layer), and the window it attends through -- the narrower of the entry's own ``window`` and the
 model's native sliding window on that layer (hf_posenc's ``window`` keeps the keys transformers' ``sliding_window``
 keeps: key j > query i - window). The weights are the patched model's own: rope and nope hold none, so the
 native weights carry over under their names; ``learned`` puts its table back where the family keeps one (GPT-2's
 ``wpe``, BERT's and ViT's ``position_embeddings``).
 
-Before anything is written, :func:`export_native` builds the target model from the same tensors and compares its
+Before anything is written, `export_native` builds the target model from the same tensors and compares its
 output with the patched model's on a probe input (float32 and float64 models; ``check=False`` skips it). The
 tests load each route's export in a fresh process that never imports hf_posenc and compare logits and greedy
 generations (tests/test_export.py, tests/test_real.py).
@@ -50,8 +50,8 @@ from .patches import get_family
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EXPORT_ROUTES", "ExportRoute", "LayerFacts", "NativeExport", "export_native", "export_table", "tokenizer_source",
-           "native_export"]
+__all__ = ["EXPORT_ROUTES", "ExportRoute", "LayerFacts", "NativeExport", "export_native", "export_table",
+           "native_export", "tokenizer_source"]
 
 #: How the docs and the errors name each family.
 FAMILY_NAMES = {
@@ -214,12 +214,10 @@ def _learned(plan: _Plan) -> str | None:
     return None
 
 
-def _rope_parameters(plan: _Plan, rotary: dict | None = None) -> dict[str, Any]:
-    """``{"rope_parameters": ...}``: the plan's rotary (or ``rotary``), or the source's when no layer rotates."""
-    rotary = rotary if rotary is not None else plan.first_rotary()
-    if rotary is None:
-        return {}
-    return {"rope_parameters": dict(rotary)}
+def _rope_parameters(plan: _Plan) -> dict[str, Any]:
+    """``{"rope_parameters": ...}``: the rope layers' rotary; nothing (the source's stays) when no layer rotates."""
+    rotary = plan.first_rotary()
+    return {} if rotary is None else {"rope_parameters": rotary}
 
 
 def _layer_types(plan: _Plan) -> list[str]:
@@ -280,7 +278,7 @@ def _learned_overrides(plan: _Plan) -> dict[str, Any]:
 _ROPE = "`rope` on every layer"
 _ONE_ROTARY = "one rotary for every rope layer (its `theta`, `scaling`)"
 #: The mapping table: per source family, the plans that map to a stock architecture. The first that fits is
-#: taken. Rendered on docs/export.md by :func:`export_table`.
+#: taken. Rendered on docs/export.md by `export_table`.
 EXPORT_ROUTES: tuple[ExportRoute, ...] = (
     ExportRoute(("llama",), f"{_ROPE}, no window", "llama", "`rope_parameters`", _ONE_ROTARY,
                 _all(_every_layer_rope, _one_rotary, _no_window), _llama_overrides),
@@ -325,7 +323,7 @@ EXPORT_ROUTES: tuple[ExportRoute, ...] = (
 
 
 def export_table() -> str:
-    """The mapping table as markdown (docs/export.md holds it): one row per route of :data:`EXPORT_ROUTES`."""
+    """The mapping table as markdown (docs/export.md holds it): one row per route of `EXPORT_ROUTES`."""
     rows = ["| family | layers | exports as | config keys | what must hold |", "|---|---|---|---|---|"]
     for route in EXPORT_ROUTES:
         families = ", ".join(FAMILY_NAMES[f] for f in route.families)
@@ -527,15 +525,15 @@ def _config_misfit(route: ExportRoute, config: Any) -> str | None:
 
 @dataclass(frozen=True)
 class NativeExport:
-    """Where a patched model exports (what :func:`native_export` returns).
+    """Where a patched model exports (what `native_export` returns).
 
     Attributes:
         architecture: the target class's name for the model's head (``SmolLM3ForCausalLM`` for a
             ``LlamaForCausalLM``).
         model_type: the target's ``model_type`` (``smollm3``).
         config: the target's transformers config, ready to build the model.
-        route: the row of :data:`EXPORT_ROUTES` that was taken.
-        layers: per layer, what it runs (:class:`LayerFacts`; empty for ``learned``).
+        route: the row of `EXPORT_ROUTES` that was taken.
+        layers: per layer, what it runs (`LayerFacts`; empty for ``learned``).
     """
 
     architecture: str
@@ -609,7 +607,7 @@ def native_export(model: nn.Module) -> NativeExport:
         model: a model patched by hf_posenc (``patch_model`` or ``from_pretrained``).
 
     Returns:
-        A :class:`NativeExport`: the target architecture and its config.
+        A `NativeExport`: the target architecture and its config.
 
     Raises:
         ValueError: no stock architecture computes what the model computes. The message names each part with no
@@ -701,7 +699,7 @@ def _recipe_text(configs: list[PosEncConfig], info: ModelInfo) -> str:
 
 def _nearest(family: str, info: ModelInfo, configs: list[PosEncConfig], source_config: Any,
              rows: int | None) -> str | None:
-    """The first candidate of :func:`_nearest_plans` that exports, with the architecture it exports as."""
+    """The first candidate of `_nearest_plans` that exports, with the architecture it exports as."""
     seen = set()
     for candidate in _nearest_plans(family, configs):
         try:
@@ -795,9 +793,9 @@ def _check(model: nn.Module, built: nn.Module, family: str, target: NativeExport
         return None
     windows = [layer.window for layer in target.layers if layer.window is not None]
     length = min(512, max(32, (min(windows) + 16) if windows else 32))
-    limit = target.config.to_dict().get("n_positions") or target.config.to_dict().get("max_position_embeddings")
-    if limit:
-        length = min(length, int(limit))
+    if not target.layers:  # a learned table: within its rows
+        settings = target.config.to_dict()
+        length = min(length, int(settings.get("n_positions") or settings.get("max_position_embeddings") or length))
     inputs = _probe(model, family, length)
     was_training = model.training
     model.eval()
@@ -848,11 +846,11 @@ def export_native(model: nn.Module, path: str | os.PathLike, *, tokenizer: Any =
             written).
 
     Returns:
-        The :class:`NativeExport` that was written (architecture, config, the route taken).
+        The `NativeExport` that was written (architecture, config, the route taken).
 
     Raises:
         ValueError: no stock architecture computes what the model computes; the message names each part with no
-            stock equivalent and the nearest recipe that exports (see :func:`native_export`).
+            stock equivalent and the nearest recipe that exports (see `native_export`).
     """
     target = native_export(model)
     family = get_family(model.config.model_type).family

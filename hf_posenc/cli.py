@@ -61,11 +61,14 @@ there is none."""
 def _cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    import torch
+
     from .api import from_pretrained
     from .export import export_native, tokenizer_source
 
     try:
-        model = from_pretrained(args.checkpoint)
+        dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
+        model = from_pretrained(args.checkpoint, dtype=dtype)
         tokenizer = args.tokenizer if args.tokenizer is not None else tokenizer_source(model)
         target = export_native(model, args.out, tokenizer=tokenizer, check=not args.no_check)
     except ValueError as e:
@@ -117,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", metavar="OUT", help="the output directory")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="where the tokenizer is (default: CHECKPOINT, when it holds one)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="load (and write) the weights in this dtype (default: the checkpoint's own); the check before "
+                   "writing runs on float32 models only")
     p.add_argument("--no-check", action="store_true",
                    help="skip comparing the exported model's output with the patched model's before writing")
     p.set_defaults(func=_cmd_export)

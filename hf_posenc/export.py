@@ -589,6 +589,11 @@ def _model_configs(model: nn.Module) -> tuple[str, ModelInfo, list[PosEncConfig]
     """(family, model description, per-layer resolved configs, learned table rows) of a patched model."""
     from .api import encoding_module
 
+    for name, module in model.named_modules():
+        if type(module).__module__.split(".")[0] == "peft":
+            raise ValueError(f"the model holds PEFT layers ({name or 'the model'}: {type(module).__name__}); export the "
+                             "merged model: peft_model.merge_and_unload(), then export_native")
+
     family = get_family(getattr(model.config, "model_type", None)).family
     layers = layer_encodings(model)  # raises for an unpatched model
     configs = [module.posenc_config for module, _ in layers]
@@ -835,8 +840,9 @@ def export_native(model: nn.Module, path: str | os.PathLike, *, tokenizer: Any =
     written (no ``position_encoding``, no ``auto_map``, no loader module).
 
     Args:
-        model: a model patched by hf_posenc (``patch_model`` or ``from_pretrained``), base model or head class.
-            Unchanged by the export; its tensors are shared with the target model while it is written.
+        model: a model patched by hf_posenc (``patch_model`` or ``from_pretrained``), base model or head class;
+            with a LoRA adapter, merged first (``merge_and_unload()``). Unchanged by the export; its tensors are
+            shared with the target model while it is written.
         path: the output directory (created; files of the same names are overwritten).
         tokenizer: the tokenizer to save beside the weights: a tokenizer object, or a directory or hub name
             ``AutoTokenizer.from_pretrained`` reads. None: the model's own directory (``model.name_or_path``)

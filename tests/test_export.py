@@ -58,8 +58,8 @@ CASES = [
     Case("llama-rope-yarn", "llama", "rope", "LlamaForCausalLM", {"scaling": YARN}),
     Case("llama-rope-linear", "llama", "rope", "LlamaForCausalLM", {"scaling": {"rope_type": "linear", "factor": 3.0}}),
     # dynamic NTK past max_position_embeddings (64): the prefill and each decoding step recompute the frequencies
-    Case("llama-rope-dynamic", "llama", "rope", "LlamaForCausalLM", {"scaling": {"rope_type": "dynamic", "factor": 2.0}},
-         length=84, prompt=66, new=12),
+    Case("llama-rope-dynamic", "llama", "rope", "LlamaForCausalLM",
+         {"scaling": {"rope_type": "dynamic", "factor": 2.0}}, length=84, prompt=66, new=12),
     # one window on every layer -> Mistral's sliding_window
     Case("llama-rope-window", "llama", "rope", "MistralForCausalLM", {"window": 6}),
     Case("mistral-rope", "mistral", "rope", "MistralForCausalLM", config={"sliding_window": 7}),
@@ -492,3 +492,20 @@ def test_smollm2_exports_exactly(real_exports, name):
     assert copied.apply_chat_template(CHAT, add_generation_prompt=True) == original.apply_chat_template(
         CHAT, add_generation_prompt=True)
     assert copied(REAL_TEXT)["input_ids"] == original(REAL_TEXT)["input_ids"]
+
+
+def test_a_lora_model_exports_once_merged(tmp_path):
+    """Under PEFT the export asks for the merged model; merged, the trained LoRA weights are in the export."""
+    from peft import LoraConfig, get_peft_model
+
+    model = make_model("llama", encoding=["rope", "nope"])
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    with pytest.raises(ValueError, match="PEFT layers .*merge_and_unload"):
+        native_export(peft_model)
+    merged = peft_model.merge_and_unload()
+    ids = torch.randint(3, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    export_native(merged, tmp_path)
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path)(ids).logits, merged.eval()(ids).logits)

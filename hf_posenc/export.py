@@ -782,9 +782,10 @@ def _probe(model: nn.Module, family: str, length: int) -> dict[str, torch.Tensor
     return {"input_ids": ids.to(device)}
 
 
-def _main_output(output: Any) -> torch.Tensor:
-    logits = getattr(output, "logits", None)
-    return logits if logits is not None else output.last_hidden_state
+def _output_tensors(output: Any) -> torch.Tensor:
+    """Every tensor a forward returns (logits; a QA head's start and end logits; a base model's hidden states),
+    flattened and joined."""
+    return torch.cat([v.float().flatten() for v in output.values() if isinstance(v, torch.Tensor)])
 
 
 def _check(model: nn.Module, built: nn.Module, family: str, target: NativeExport) -> float | None:
@@ -806,11 +807,11 @@ def _check(model: nn.Module, built: nn.Module, family: str, target: NativeExport
     model.eval()
     try:
         with torch.no_grad():
-            want = _main_output(model(**inputs, **({} if family == "vit" else {"use_cache": False})))
-            got = _main_output(built(**inputs, **({} if family == "vit" else {"use_cache": False})))
+            want = _output_tensors(model(**inputs, **({} if family == "vit" else {"use_cache": False})))
+            got = _output_tensors(built(**inputs, **({} if family == "vit" else {"use_cache": False})))
     finally:
         model.train(was_training)
-    diff = float((want.float() - got.float()).abs().max())
+    diff = float((want - got).abs().max())
     scale = max(1.0, float(want.abs().max()))
     if not diff <= 1e-4 * scale:
         raise RuntimeError(

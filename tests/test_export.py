@@ -509,3 +509,24 @@ def test_a_lora_model_exports_once_merged(tmp_path):
 
     with torch.no_grad():
         assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path)(ids).logits, merged.eval()(ids).logits)
+
+
+@pytest.mark.parametrize("head", ["LlamaForSequenceClassification", "LlamaForQuestionAnswering",
+                                  "LlamaForTokenClassification"])
+def test_other_heads_export_as_the_targets_head(tmp_path, head):
+    """A head other than the LM's goes to the target's same head (the Auto class that maps both), weights and all."""
+    import transformers
+    from conftest import make_config
+
+    torch.manual_seed(0)
+    model = getattr(transformers, head)(make_config("llama", num_hidden_layers=4, pad_token_id=0)).eval()
+    hf_posenc.patch_model(model, ["rope", "rope", "rope", "nope"])
+    target = export_native(model, tmp_path)
+    assert target.architecture == head.replace("Llama", "SmolLM3")
+    loaded = getattr(transformers, target.architecture).from_pretrained(tmp_path).eval()
+    ids = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = model(ids, use_cache=False), loaded(ids, use_cache=False)
+    assert list(want.keys()) == list(got.keys())
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key

@@ -661,7 +661,8 @@ def _plain(config: PosEncConfig, family: str, **keep: Any) -> PosEncConfig:
 def _nearest_plans(family: str, configs: list[PosEncConfig]) -> list[list[PosEncConfig]]:
     """Candidate recipes, nearest first: the plan with each part that has no stock form replaced (an encoding by
     nope in a plan with rope layers on families that take NoPE layers, else by rope; layer options and rope's
-    other parameters dropped), then with one window size, then one rotary, then plain rope and learned."""
+    other parameters dropped), then with one window size (the most common), then one rotary (the most common),
+    then the model's own rope on every layer; ``learned`` on the families whose stock encoding it is."""
     n = len(configs)
     if family in _LEARNED:
         return [[PosEncConfig("learned")] * n]

@@ -3,7 +3,7 @@
 #   make test     the fast tier of the test suite (a few minutes; docs/testing.md)
 #   make test-all  every test CI runs: the fast tier and the `slow` one
 #   make test-soak  the opt-in `soak` tier (tens of minutes to hours: training soak, L = 4096, compile matrices)
-#   make test-real  the real tier: tests/test_real.py on SmolLM2-135M-Instruct (built once into
+#   make test-real  the real tier: tests/test_real.py and test_export.py on SmolLM2-135M-Instruct (built once into
 #                 $HF_POSENC_CACHE or ~/.cache/hf_posenc; skips without network; docs/real-checkpoint.md)
 #   make test-oldest  a subset of the suite against the oldest supported versions (.venv-oldest), and
 #                 checkpoints saved under each end of the version range loaded under the other
@@ -86,7 +86,8 @@ OLDEST_VENV ?= .venv-oldest
 OLDEST_PINS ?= "transformers==5.17.0" "accelerate==1.3.0" "peft==0.15.0"
 OLDEST_PY := $(OLDEST_VENV)/bin/python
 OLDEST_STAMP := $(OLDEST_VENV)/.hf_posenc-oldest
-OLDEST_TESTS ?= tests/test_api.py tests/test_ecosystem.py tests/test_chunked_prefill.py tests/test_common.py tests/test_recipes.py
+OLDEST_TESTS ?= tests/test_api.py tests/test_ecosystem.py tests/test_chunked_prefill.py tests/test_common.py tests/test_recipes.py \
+	tests/test_export.py
 # Mistral with a StaticCache is left out: transformers 5.17's StaticCache keeps only min(window, max_cache_len)
 # of a model whose every layer slides, so the length hf_posenc needs is lost and the patch refuses that cache
 # with a ValueError (a DynamicCache works; transformers 5.2x records the length and works).
@@ -135,7 +136,7 @@ test-soak: $(STAMP)
 # The real tier (marker `real`): about 45 tests on SmolLM2-135M-Instruct, one model loaded and shared. `-m real`
 # comes after any `-m` in pytest's addopts, so it selects the tier even where the default run deselects it.
 test-real: $(STAMP)
-	$(PY) -m pytest -q --durations=10 -m real $(PYTEST_ARGS) tests/test_real.py
+	$(PY) -m pytest -q --durations=10 -m real $(PYTEST_ARGS) tests/test_real.py tests/test_export.py
 
 $(OLDEST_PY):
 	$(PYTHON) -m venv $(OLDEST_VENV)

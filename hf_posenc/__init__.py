@@ -5,6 +5,7 @@ from . import encodings as _encodings  # noqa: F401  (registers every encoding)
 from .api import describe, encoding_module, from_pretrained, patch_model, support_matrix
 from .config import PosEncConfig
 from .diagnostics import doctor
+from .export import export_native, native_export
 from .profile import position_profile
 from .registry import list_encodings, register_encoding
 from .training import check_adapter, install_peft_hooks as _install_peft_hooks, load_adapter, trainable_modules
@@ -23,9 +24,11 @@ __all__ = [
     "describe",
     "doctor",
     "encoding_module",
+    "export_native",
     "from_pretrained",
     "list_encodings",
     "load_adapter",
+    "native_export",
     "patch_model",
     "position_profile",
     "register_encoding",

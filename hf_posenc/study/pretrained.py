@@ -35,7 +35,8 @@ from .sources import TextSource
 if TYPE_CHECKING:
     from .train import StudyConfig
 
-__all__ = ["CONVERSION_ENCODINGS", "PretrainedTextSource", "checkpoint_record", "load_pretrained", "resolve_source"]
+__all__ = ["CONVERSION_ENCODINGS", "PretrainedTextSource", "checkpoint_record", "load_pretrained",
+           "native_export_record", "resolve_source"]
 
 #: The default entries of a conversion study: the baselines, plain swaps, and compositions that start inert.
 CONVERSION_ENCODINGS: tuple[str, ...] = (
@@ -152,3 +153,15 @@ class PretrainedTextSource(TextSource):
 
 def perplexity(loss: float) -> float | None:
     return math.exp(loss) if loss < 700 else None
+
+
+def native_export_record(model: nn.Module) -> dict[str, Any]:
+    """Whether a converted model exports to a stock transformers architecture (`hf_posenc.export_native`), as
+    the study records it: ``{"exports": True, "architecture": "SmolLM3ForCausalLM"}``, or ``{"exports": False,
+    "reason": ...}`` with the export's message (the part with no stock equivalent, the nearest recipe)."""
+    from ..export import native_export
+
+    try:
+        return {"exports": True, "architecture": native_export(model).architecture}
+    except ValueError as e:
+        return {"exports": False, "reason": str(e)}

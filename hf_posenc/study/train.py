@@ -58,7 +58,8 @@ from ..machine import cpu_name
 from ..registry import list_encodings
 from . import data as D
 from .recipes import StudyEntry, apply_eval_scaling, parse_study_entry
-from .pretrained import CONVERSION_ENCODINGS, PretrainedTextSource, checkpoint_record, load_pretrained, resolve_source
+from .pretrained import (CONVERSION_ENCODINGS, PretrainedTextSource, checkpoint_record, load_pretrained,
+                         native_export_record, resolve_source)
 from .sources import VIT_PATCH, DataSource, make_source
 
 __all__ = [
@@ -528,6 +529,8 @@ def _train_and_eval(
     )
     if other_splits:
         result["splits"] = other_splits
+    if c.source is not None:  # a conversion: does the converted model leave hf_posenc (a stock architecture)?
+        result["native_export"] = native_export_record(model)
     return result
 
 

@@ -75,10 +75,10 @@ class PosEncConfig:
     """A position encoding: its registered ``name`` and its parameters, validated against the registry.
 
     ``params`` always holds every parameter of the encoding, with defaults filled in. A value of ``None``
-    means "resolved from the model when patching"; :func:`hf_posenc.patch_model` writes the resolved
+    means "resolved from the model when patching"; `hf_posenc.patch_model` writes the resolved
     values to ``model.config.position_encoding``.
 
-    ``window`` (every encoding takes it; see :data:`WINDOW_HELP`) limits the keys each query of the encoding's
+    ``window`` (every encoding takes it; see `WINDOW_HELP`) limits the keys each query of the encoding's
     layers sees; it may be given among ``params`` too. It is stored in ``to_dict`` only when set, so configs
     without a window keep their form.
     """
@@ -143,7 +143,7 @@ class PosEncConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, unknown: str = "error") -> "PosEncConfig":
-        """Inverse of :meth:`to_dict`; clear errors for a missing name, unknown names and parameters.
+        """Inverse of `to_dict`; clear errors for a missing name, unknown names and parameters.
 
         Args:
             data: ``{"name": ..., **params}``.
@@ -194,13 +194,13 @@ def is_plan(value: Any) -> bool:
 
 
 def coerce_plan(plan: Any, num_layers: int, *, unknown: str = "error") -> list[PosEncConfig]:
-    """One :class:`PosEncConfig` per layer from a plan: a list of entries (a name, a dict
+    """One `PosEncConfig` per layer from a plan: a list of entries (a name, a dict
     ``{"name": ..., **params}`` or a ``PosEncConfig`` each), repeated over the depth.
 
     Args:
         plan: the list; its length must divide ``num_layers``.
         num_layers: the model's number of layers.
-        unknown: for dict entries, as in :meth:`PosEncConfig.from_dict` (``"warn"`` for a stored plan).
+        unknown: for dict entries, as in `PosEncConfig.from_dict` (``"warn"`` for a stored plan).
 
     Raises:
         ValueError: an empty list, or a length that does not divide ``num_layers``; errors of the entries,

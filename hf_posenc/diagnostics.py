@@ -19,12 +19,12 @@ What it does, on the machine it runs on (the installed package; no repository ne
    attention (SBA), CoPE, CAPE, the rotary kernel (block sizes 2 and 8) and windowed launches (alibi, SBA,
    CoPE with a sliding window). Each row gives the relative error of the output and of every gradient
    (||engine − reference|| / ||reference||), pass or fail against the tolerance of its dtype
-   (:data:`TOLERANCE`), and the time of the engine's forward+backward against SDPA's (causal, no bias) on
+   (`TOLERANCE`), and the time of the engine's forward+backward against SDPA's (causal, no bias) on
    the same shape;
 3. says which backend each registered encoding uses by default on this device, and why
-   (:func:`default_backends`).
+   (`default_backends`).
 
-The report (:func:`doctor`'s return value, ``--out PATH``) is one JSON object, schema :data:`SCHEMA`;
+The report (`doctor`'s return value, ``--out PATH``) is one JSON object, schema `SCHEMA`;
 ``make gpu-check`` commits the same object (with a ``benchmarks`` key added) as
 ``benchmarks/results/gpu_check_<gpu>.json``. The exit status of the command is 1 when any row fails or
 errors. See docs/doctor.md.
@@ -148,8 +148,8 @@ def environment(device: torch.device | str) -> dict[str, Any]:
 def default_backends(device: torch.device | str) -> list[dict[str, str | None]]:
     """Which backend each registered encoding uses by default on ``device``, and why.
 
-    The decisions are the package's own (:func:`hf_posenc.attention.attention_backend`, the dispatchers of
-    ``sba``, ``cope`` and the rotary kernel, the table in :mod:`hf_posenc.kernels.defaults`, and
+    The decisions are the package's own (`hf_posenc.attention.attention_backend`, the dispatchers of
+    ``sba``, ``cope`` and the rotary kernel, the table in `hf_posenc.kernels.defaults`, and
     ``HF_POSENC_BACKEND``), asked on this device; this function only explains them. A call may still fall
     back to ``torch`` for inputs an engine does not take (e.g. ``output_attentions``, dropout in training).
 
@@ -758,8 +758,8 @@ def doctor(
         dtypes: input dtypes (``float32``/``fp32``, ``bfloat16``/``bf16``, ``float16``/``fp16``; a list or a
             comma-separated string). Default: float32 and bfloat16 on CUDA (bfloat16 with ``quick``), float32
             on the CPU.
-        engines: a subset of :data:`ENGINES` (default: all).
-        cases: a subset of the names in :data:`CASES` (default: all, or :data:`QUICK_CASES` with ``quick``).
+        engines: a subset of `ENGINES` (default: all).
+        cases: a subset of the names in `CASES` (default: all, or `QUICK_CASES` with ``quick``).
         quick: fewer cases (one per family) and, on CUDA, one dtype.
         timing: time each row's engine against SDPA (rows run in Triton's interpreter are never timed).
         out: a file, or a directory (the file is then ``hf-posenc-doctor.json`` in it, see `report_path`);

@@ -1,6 +1,6 @@
 """Drawing a position profile (the PNG of ``hf-posenc show``) with matplotlib (Agg canvas), imported lazily.
 
-:func:`draw_profile` draws one profile, one row of panels per layer; :func:`draw_profiles_grid` draws several
+`draw_profile` draws one profile, one row of panels per layer; `draw_profiles_grid` draws several
 (the study's ``profiles.png``), one panel each from a representative layer, in a grid of at most four columns.
 Each kind is drawn the way the papers draw it:
 
@@ -113,7 +113,7 @@ def _panels(entry: dict[str, Any]) -> list[tuple[str, Any]]:
 def _draw_panel(fig: Any, ax: Any, entry: dict[str, Any], what: str, payload: Any, head: str,
                 title_size: float = 9) -> None:
     """Draw one panel of ``entry`` (a layer of a profile) on ``ax``: ``what`` and ``payload`` from
-    :func:`_panels`, ``head`` the panel's title line."""
+    `_panels`, ``head`` the panel's title line."""
     if what == "curves":
         _curves(ax, entry, payload, "bias" if payload == "bias" else "trace(T_i^T T_j) / head_dim",
                 legend_size=6 if title_size < 10 else 9)
@@ -141,7 +141,7 @@ def _draw_panel(fig: Any, ax: Any, entry: dict[str, Any], what: str, payload: An
 
 
 def draw_profile(profile: dict[str, Any], path: str | os.PathLike) -> None:
-    """Draw ``profile`` (from :func:`hf_posenc.position_profile`) into the PNG file ``path``: one row of
+    """Draw ``profile`` (from `hf_posenc.position_profile`) into the PNG file ``path``: one row of
     panels per layer.
 
     Raises ImportError naming ``pip install "hf_posenc[study]"`` when matplotlib is missing."""

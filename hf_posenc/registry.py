@@ -102,9 +102,9 @@ class EncodingSpec:
     kind: str
     summary: str
     paper: str
-    #: every family the encoding supports (derived from its declaration by :func:`supported_families`).
+    #: every family the encoding supports (derived from its declaration by `supported_families`).
     families: tuple[str, ...] = FAMILIES
-    #: compositions only (``"rope+fox"``, see :mod:`hf_posenc.encodings.compose`): the full stored parameters
+    #: compositions only (``"rope+fox"``, see `hf_posenc.encodings.compose`): the full stored parameters
     #: from what the user gave, validated; None for a registered encoding (its ``params`` fields validate it).
     normalise: Callable[[Any], dict] | None = None
 
@@ -117,7 +117,7 @@ class EncodingSpec:
 
 
 _REGISTRY: dict[str, EncodingSpec] = {}
-#: builds the spec of a composition ``"<first>+<term>"``; set by :mod:`hf_posenc.encodings.compose` (the registry
+#: builds the spec of a composition ``"<first>+<term>"``; set by `hf_posenc.encodings.compose` (the registry
 #: sits below the encodings and never imports them).
 _COMPOSER: Callable[[str], EncodingSpec] | None = None
 
@@ -139,7 +139,7 @@ def register_encoding(
 ) -> Callable[[type], type]:
     """Class decorator that registers a ``PositionEncoding`` subclass under ``name``.
 
-    ``params`` must be a dataclass whose fields are built with :func:`param`.
+    ``params`` must be a dataclass whose fields are built with `param`.
     """
     if not dataclasses.is_dataclass(params):
         raise TypeError(f"params for encoding {name!r} must be a dataclass, got {params!r}")

@@ -1,7 +1,7 @@
 """Outputs of ``hf-posenc study``: a markdown table, ``results.json`` and a PNG plot.
 
-:func:`write_results` writes ``results.json`` and ``table.md`` (the study calls it after every model, so
-an interrupted study keeps what it finished), :func:`write_plot` then ``study.png``; into the output folder:
+`write_results` writes ``results.json`` and ``table.md`` (the study calls it after every model, so
+an interrupted study keeps what it finished), `write_plot` then ``study.png``; into the output folder:
 
 * ``results.json``: every number (per-step training losses, every metric at every length) and the exact
   settings, versions, machine, seed and device;
@@ -65,7 +65,7 @@ def split_evals(run: dict[str, Any], split: str) -> list[dict[str, Any]]:
 
 def entry_label(run: dict[str, Any]) -> str:
     """The label of a run's entry in the table and the plot: its readable ``label`` (plans, windows, scaling
-    at evaluation: see :mod:`hf_posenc.study.recipes`), else the spec as given."""
+    at evaluation: see `hf_posenc.study.recipes`), else the spec as given."""
     return run.get("label") or run["encoding"]
 
 
@@ -538,7 +538,7 @@ def write_plot(results: dict[str, Any], out_dir: str | os.PathLike) -> bool:
 
 
 def write_outputs(results: dict[str, Any], out_dir: str | os.PathLike) -> dict[str, str]:
-    """Write ``results.json`` and ``table.md``, then ``study.png`` (see :func:`write_plot`) into ``out_dir``."""
+    """Write ``results.json`` and ``table.md``, then ``study.png`` (see `write_plot`) into ``out_dir``."""
     files = write_results(results, out_dir)
     write_plot(results, out_dir)
     return files
@@ -546,10 +546,10 @@ def write_outputs(results: dict[str, Any], out_dir: str | os.PathLike) -> dict[s
 
 def write_profiles_figure(results: dict[str, Any], out_dir: str | os.PathLike) -> str | None:
     """What each model learned: every run's profile (``profiles/*.json``, written after its training, see
-    :func:`hf_posenc.position_profile`) drawn, every layer, to ``profiles/<run>.png`` by
-    :func:`hf_posenc.profile_plot.draw_profile`; and ``profiles.png``, an overview grid of at most four columns
+    `hf_posenc.position_profile`) drawn, every layer, to ``profiles/<run>.png`` by
+    `hf_posenc.profile_plot.draw_profile`; and ``profiles.png``, an overview grid of at most four columns
     with one panel per entry (its first seed), drawn from one representative layer
-    (:func:`hf_posenc.profile_plot.draw_profiles_grid`). Returns its path, or None when no run has a profile.
+    (`hf_posenc.profile_plot.draw_profiles_grid`). Returns its path, or None when no run has a profile.
     A failure is printed and recorded as ``results["profiles_error"]`` (the numbers are on disk already)."""
     import json
     import sys

@@ -181,9 +181,10 @@ matrix: $(STAMP)
 		t = re.sub(re.escape(s) + ".*?" + re.escape(e), lambda m: s + "\n" + hf_posenc.support_matrix() + "\n" + e, \
 		p.read_text(), count=1, flags=re.S); p.write_text(t); print("README.md support matrix updated")'
 
-# The docs extra (mkdocs, mkdocs-material, mkdocstrings) on top of the setup; mkdocs reads the package's
-# source (griffe), it does not import it. --strict: a broken link or anchor, a page missing from the nav or a
-# docstring mkdocstrings cannot render fails the build. The site goes to site/ (gitignored).
+# The docs extra (mkdocs, mkdocs-material, mkdocstrings) on top of the setup. The API pages read the package's
+# source (griffe); the encoding catalogue (encodings.md) is generated from the registry by a build hook
+# (docs/hooks/catalogue.py), which imports the package. --strict: a broken link or anchor, a page missing from
+# the nav or a docstring mkdocstrings cannot render fails the build. The site goes to site/ (gitignored).
 DOCS_STAMP := $(VENV)/.hf_posenc-setup-docs
 $(DOCS_STAMP): pyproject.toml | $(STAMP)
 	$(PY) -m pip install -e ".[docs]"

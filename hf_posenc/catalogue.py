@@ -14,8 +14,9 @@
 * its inert start and whether it composes, found by patching a tiny Llama with the composition
   (``"rope+<term>"`` with ``init="identity"``, or ``"<first>+alibi"``) and reporting what happened.
 
-The site's build hook (``docs/hooks/catalogue.py``) adds the page as ``encodings.md``; a new encoding, parameter or
-option appears there at the next build.
+The options every encoding takes as options of its layers (``window``, ...) are listed once, from the ``<NAME>_HELP``
+strings of `hf_posenc.config` (`layer_options`). The site's build hook (``docs/hooks/catalogue.py``) adds the page
+as ``encodings.md``; a new encoding, parameter or option appears there at the next build.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["KIND_ORDER", "encoding_catalogue", "encoding_facts", "formula_excerpt"]
+__all__ = ["KIND_ORDER", "encoding_catalogue", "encoding_facts", "formula_excerpt", "layer_options"]
 
 #: The kinds in the order the catalogue shows them (from the outside of the attention to the inside), each with
 #: what it changes. A kind not listed here follows, alphabetically, without a description.
@@ -246,6 +247,15 @@ def encoding_facts(name: str, model: Any | None = None) -> dict[str, Any]:
     }
 
 
+def layer_options() -> dict[str, str]:
+    """The options every encoding takes, as options of its layers (``window``, ...), with their help text: every
+    ``<NAME>_HELP`` string of `hf_posenc.config`, by the convention ``WINDOW_HELP`` set."""
+    from . import config
+
+    return {name[: -len("_HELP")].lower(): text for name, text in sorted(vars(config).items())
+            if name.endswith("_HELP") and name.isupper() and isinstance(text, str)}
+
+
 def _kind_anchor(kind: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", kind.lower()).strip("-")
 
@@ -259,8 +269,7 @@ def encoding_catalogue(api_page: str = "api/encodings.md") -> str:
     catalogue) whose anchors ``#<module>`` hold the encodings' full module docstrings."""
     import torch
 
-    from .config import WINDOW_HELP
-    from .registry import FAMILIES, get_encoding, list_encodings
+    from .registry import FAMILIES, list_encodings
 
     with torch.no_grad():
         model = _tiny_llama()
@@ -278,9 +287,11 @@ def encoding_catalogue(api_page: str = "api/encodings.md") -> str:
         "the ViT form) is on the API page, linked from each entry.",
         "",
         "Use one with `hf_posenc.patch_model(model, \"<name>\", **parameters)`; compose a rotary or absolute "
-        "encoding with a term as `\"rope+fire\"` ([compositions](compositions.md)). Every encoding also takes "
-        f"`window` (default `None`): {WINDOW_HELP}. The families: {', '.join(f'`{f}`' for f in FAMILIES)} "
-        "([model families](families.md)).",
+        "encoding with a term as `\"rope+fire\"` ([compositions](compositions.md)). The families: "
+        f"{', '.join(f'`{f}`' for f in FAMILIES)} ([model families](families.md)). Every encoding also takes "
+        "these options of its layers:",
+        "",
+        *[f"- `{name}`: {_cell(text)}" for name, text in layer_options().items()],
         "",
         "| kind | what it changes | encodings |",
         "|---|---|---|",
@@ -313,7 +324,7 @@ def _entry(f: dict[str, Any], api_page: str) -> list[str]:
         lines += [f"| `{p['name']}` | {p['type']} | `{p['default']}` | {_cell(p['allowed'])} | {_cell(p['help'])} |"
                   for p in f["parameters"]]
     else:
-        lines.append("No parameters (but `window`).")
+        lines.append("No parameters of its own (the layer options above apply).")
     lines.append("")
     # hf_posenc's own modules are on the API page; a user's registered encoding is named by its module
     source = f"[`{module_file}`]({api_page}#{f['module']})" if f["module"].startswith("hf_posenc.") else \

@@ -114,3 +114,13 @@ def test_mkdocs_build_strict_with_the_generated_catalogue(tmp_path):
     html = (tmp_path / "encodings" / "index.html").read_text()
     assert all(f'id="{name}"' in html for name in hf_posenc.list_encodings())
     assert not any(ROLE.search(p.read_text()) for p in tmp_path.rglob("*.html"))
+
+
+def test_the_layer_options_are_listed_once_from_the_config_module(page, monkeypatch):
+    from hf_posenc import config
+    from hf_posenc.catalogue import layer_options
+
+    assert "window" in layer_options()
+    assert f"- `window`: {' '.join(config.WINDOW_HELP.split())}" in page
+    monkeypatch.setattr(config, "SINK_HELP", "the first k keys stay visible", raising=False)
+    assert layer_options()["sink"] == "the first k keys stay visible"  # a new option's help appears by convention

@@ -12,8 +12,8 @@ The use case: a model trained with RoPE (any RoPE causal LM: ``--base`` takes a 
 and the corpus is then read in the checkpoint's tokens when it has a tokenizer; without ``--base``, a tiny
 byte-level Llama is trained here for ``--pretrain-steps`` steps and saved to ``<out>/rope``) is switched to another
 encoding with ``hf_posenc.patch_model`` (default ``alibi``; ``--encoding fire``, ``kerple``, ... bring
-parameters that start untrained), which costs it its loss; fine-tuning runs until the validation loss is back within ``--tolerance`` of the RoPE model's (or
-``--steps`` steps). ``--lora`` trains LoRA adapters plus the encoding's own parameters
+parameters that start untrained), which costs it its loss; fine-tuning runs until the validation loss is back
+within ``--tolerance`` of the RoPE model's (or ``--steps`` steps). ``--lora`` trains LoRA adapters plus the encoding's own parameters
 (``modules_to_save=hf_posenc.trainable_modules(model)``) instead of every weight.
 
 Everything runs through accelerate: ``--mixed-precision bf16``, ``--gradient-checkpointing``, DDP under

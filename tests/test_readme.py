@@ -103,3 +103,13 @@ def test_the_python_snippets_run(tmp_path, monkeypatch):
 def test_pages_that_include_the_readme_find_their_sections(page):
     for name in re.findall(r'--8<-- "README\.md:([\w-]+)"', (ROOT / page).read_text()):
         assert f"--8<-- [start:{name}]" in README and f"--8<-- [end:{name}]" in README
+
+
+def test_the_demo_is_described_as_the_default_study():
+    from hf_posenc.study import DEFAULT_ENCODINGS
+
+    section = " ".join(_section("From a fresh clone: two commands").split())
+    plain = [e for e in DEFAULT_ENCODINGS if e.isidentifier()]
+    assert f"trains {WORDS[len(DEFAULT_ENCODINGS)]} byte-level Llamas" in section
+    assert f"one model per encoding (`{' '.join(plain)}`) and {WORDS[len(DEFAULT_ENCODINGS) - len(plain)]} recipes" \
+        in section

@@ -38,7 +38,7 @@ peak of about 17 float32 (B, H, L, L) tensors in a forward (27 with the backward
 head_dim 16 and 256, where one (B, H, L, L, head_dim) tensor alone would be 16 to 256 of them.
 ⌊p⌋ and ⌈p⌉ carry no gradient; the weight p − ⌊p⌋ does (so the gates are trained through it).
 The reference math (``cope_attention``, ``cope_positions``, ``interpolate_logits``) takes tensors only and
-lives beside the kernels, in :mod:`hf_posenc.kernels.cope.naive`.
+lives beside the kernels, in `hf_posenc.kernels.cope.naive`.
 
 KV cache: the gates of query i only involve q_i and the keys, which the cache already holds; nothing else
 is stored. Left padding: padded keys are masked, so their gates are 0 before the sum and they are not

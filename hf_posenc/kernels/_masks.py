@@ -88,7 +88,7 @@ def allowed_keys(
 def windowed_allowed(
     allowed: torch.Tensor, lq: int, lk: int, q_offset: int | torch.Tensor, window: int | None, sink: int | None = None
 ) -> torch.Tensor:
-    """(B|1, 1, Lq, Lk) bool: ``allowed`` (causal, from :func:`allowed_keys`) and, with a ``window``, the band
+    """(B|1, 1, Lq, Lk) bool: ``allowed`` (causal, from `allowed_keys`) and, with a ``window``, the band
     j > qi − window (query i is key ``q_offset + i``), with the ``sink`` first keys besides it. The encodings'
     references treat a key the mask removes as absent: no weight, no CoPE gate, no stick-breaking break; so does
     the window. TypeError / ValueError for a window that is neither None nor an int >= 1."""

@@ -106,7 +106,7 @@ def tile_blocked(
     every query may use every key of it.
 
     ``blocked_rows``: the block's rows of the inverted mask with reversed keys, (B|1, 1, BM, Lk) (see
-    :func:`blocked_mask_rows`). ``window``: the band (keys j <= qi − window blocked) in tiles marked ``band``.
+    `blocked_mask_rows`). ``window``: the band (keys j <= qi − window blocked) in tiles marked ``band``.
     """
     blocked = None
     if tile.causal or tile.band:

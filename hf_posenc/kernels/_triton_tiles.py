@@ -5,7 +5,7 @@ Both kernels walk the key tiles of a query block from the diagonal backwards, ca
 gate count, SBA's broken stick) across tiles; their backward runs a query-major kernel that stores that carry
 every ``CSTRIDE``-th tile ("checkpoints") and a key-major kernel that restarts from the nearest checkpoint.
 The device functions here are written undecorated, like every function those kernels call: each kernel module
-lists the ones it uses among the helpers of its :class:`~hf_posenc.kernels._jit.LazyJit`, which jits them in
+lists the ones it uses among the helpers of its `LazyJit`, which jits them in
 the mode in force and binds them into that module's globals (where its kernels find them by name). None of
 them calls another helper, so each works from any module's namespace.
 
@@ -85,7 +85,7 @@ def _batch_kv_head(pair, HKV):
 
 def _store_rows(ptr, rows, stride, offs_d, row_ok, d_ok, value):
     """Store ``value`` (len(rows), BD) into rows ``rows`` of a (L, D) slice with row stride ``stride``
-    (:func:`_load_rows`'s counterpart)."""
+    (`_load_rows`'s counterpart)."""
     tl.store(ptr + rows[:, None].to(tl.int64) * stride + offs_d[None, :], value, mask=row_ok[:, None] & d_ok[None, :])
 
 

@@ -1,6 +1,6 @@
 """The tile-wise attention engine as PyTorch custom ops, so that ``torch.compile`` keeps it.
 
-Dynamo cannot trace :class:`hf_posenc.kernels.attention.tiled.TiledAttentionFunction` (an autograd Function that
+Dynamo cannot trace `hf_posenc.kernels.attention.tiled.TiledAttentionFunction` (an autograd Function that
 carries a plan object and loops over tiles in Python). Registered as ``torch.library.custom_op`` s, the engine
 is one opaque node in the compiled graph, forward and backward:
 
@@ -289,8 +289,8 @@ def tiled_attention_op(
     band: int | None = None,
     engine: str = "torch",
 ) -> Tensor:
-    """:func:`hf_posenc.kernels.attention.tiled_attention` through the custom op (traceable by ``torch.compile``),
-    or with ``engine="triton"`` the Triton kernels (:func:`~hf_posenc.kernels.attention.fused_attention`) where
+    """`hf_posenc.kernels.attention.tiled_attention` through the custom op (traceable by ``torch.compile``),
+    or with ``engine="triton"`` the Triton kernels (`fused_attention`) where
     they take the inputs.
 
     Args:

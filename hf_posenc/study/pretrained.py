@@ -11,7 +11,7 @@ way) and ``rope:eval_scaling=yarn`` (the unpatched model with YaRN at evaluation
 The text: ``--data`` if given, else the English documentation that ships with Python (``pydoc_data.topics``: the
 language reference's topics, about 110 thousand SmolLM2 tokens), tokenised with the checkpoint's tokenizer; the
 first 90 % trains, the last 10 % evaluates. No download beyond the checkpoint itself: ``--from smollm2`` builds
-the cached SmolLM2-135M-Instruct checkpoint (:func:`hf_posenc.testing.smollm2`).
+the cached SmolLM2-135M-Instruct checkpoint (`hf_posenc.testing.smollm2`).
 
 The run records the checkpoint's name and SHA-256 hashes of its config.json and its weight files.
 """
@@ -50,7 +50,7 @@ _LOADED: dict[str, nn.Module] = {}
 
 def resolve_source(source: str) -> Path:
     """The checkpoint directory of ``--from``: a directory with config.json, or ``smollm2`` (the cached
-    SmolLM2-135M-Instruct, built on first use by :func:`hf_posenc.testing.smollm2`)."""
+    SmolLM2-135M-Instruct, built on first use by `hf_posenc.testing.smollm2`)."""
     if source == "smollm2":
         from ..testing import smollm2
 
@@ -107,7 +107,7 @@ def _english_text() -> tuple[str, str]:
 
 class PretrainedTextSource(TextSource):
     """Next-token prediction with the checkpoint's tokenizer on English text (see the module docstring);
-    metric: perplexity per token. Batches and evaluation windows as :class:`TextSource` builds them."""
+    metric: perplexity per token. Batches and evaluation windows as `TextSource` builds them."""
 
     def __init__(self, config: StudyConfig, lengths: list[int], seed: int | None = None) -> None:
         from transformers import AutoTokenizer

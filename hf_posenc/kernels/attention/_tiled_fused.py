@@ -25,8 +25,8 @@ from ._tiles import (
 # EXP_FLOOR (hf_posenc.kernels._subnormal): a probability exp(s − lse) below e^EXP_FLOOR is subnormal. The fused
 # CPU backward recomputes such probabilities wherever a bias decays far (ALiBi: the backward of a 2048-key
 # causal step took 115 ms with them, 47 ms without, measured with flush-to-zero set before torch's threads
-# started; see :func:`_subnormal_free`).
-#: the largest shift (nats) by which :func:`_subnormal_free` scales the probabilities and every gradient of a
+# started; see `_subnormal_free`).
+#: the largest shift (nats) by which `_subnormal_free` scales the probabilities and every gradient of a
 #: block: e^40 ≈ 2e17 keeps the kernel's sums far from float32's overflow (3e38).
 MAX_SHIFT = 40.0
 #: the shift above 2β + 1 (nats): the gradient of the logits, P (dP − Δ), stays normal for |dP − Δ| down to
@@ -121,8 +121,8 @@ class _ShawBand:
         return min(max(k_start, self.plan.q_offset + q0 - self.kmax + 1), k_stop)
 
     def parts(self, qi, q0, q1, k_start, k_stop, valid, b, h, qa, jc, ok) -> list[_Part]:
-        """The block's keys k_start .. k_stop − 1 as fused-kernel parts (:func:`_flash_parts_fwd`): the keys before
-        the band strip unmasked (see :meth:`split`), then the strip with its mask."""
+        """The block's keys k_start .. k_stop − 1 as fused-kernel parts (`_flash_parts_fwd`): the keys before
+        the band strip unmasked (see `split`), then the strip with its mask."""
         split = self.split(q0, k_start, k_stop, valid)
         strip = _Part(split - k_start, k_stop - k_start, self.mask(qi, q0, q1, split, k_stop, valid, b, h, qa, jc, ok))
         return ([_Part(0, split - k_start)] if split > k_start else []) + [strip]
@@ -233,7 +233,7 @@ def _flash_mask(tile: "_Tile", plan: _Plan, qi: torch.Tensor, q0: int, q1: int, 
 
 def _channel_keys(kx: torch.Tensor, channel: torch.Tensor) -> torch.Tensor:
     """Keys (B, H, m, D) with the term's per-key channel (B|1, H, m) as one more channel (B, H, m, D + 1); the
-    queries carry a 1 there (:func:`_with_one`), so the fused kernel adds the term to q · k itself."""
+    queries carry a 1 there (`_with_one`), so the fused kernel adds the term to q · k itself."""
     return torch.cat([kx, channel[..., None].expand(kx.shape[0], *channel.shape[1:], 1)], dim=-1)
 
 
@@ -248,7 +248,7 @@ def _with_zero(x: torch.Tensor) -> torch.Tensor:
 
 
 def _alibi_channel(plan: _Plan, valid: torch.Tensor | None) -> bool:
-    """Whether ALiBi runs as a key channel (:meth:`_Tile.key_channel`): causal with an int offset, where its
+    """Whether ALiBi runs as a key channel (`_Tile.key_channel`): causal with an int offset, where its
     bias −slope (qi − j) is FoX's c[qi] − c[j] with c[j] = −slope · j (a constant log forget gate), and with padding
     or a window (the blocks do not split at their diagonal). Measured at L = 2048, H = 8, D = 32 (AMD EPYC, 2
     threads, forward + backward against SDPA's): unsplit (B = 2, left padding, L = 1024) the channel took 124 ms
@@ -259,7 +259,7 @@ def _alibi_channel(plan: _Plan, valid: torch.Tensor | None) -> bool:
 
 
 def _splits_at_diagonal(plan: _Plan, valid: torch.Tensor | None) -> bool:
-    """Whether the query blocks split at their diagonal square (:func:`_diagonal_start`): causal with an int
+    """Whether the query blocks split at their diagonal square (`_diagonal_start`): causal with an int
     offset, no padding and no window."""
     return valid is None and plan.window is None and plan.causal and plan.q_offset is not None
 
@@ -269,7 +269,7 @@ def _block_parts(tile: "_Tile", plan: _Plan, qi: torch.Tensor, q0: int, q1: int,
     """The fused-kernel parts of one query block (queries at key indices ``qi``, in order) over its keys
     k_start .. k_stop − 1, with the term's float masks (none where the term rides in a key channel).
 
-    Split at the diagonal square (:func:`_diagonal_start`): the keys before it carry the term alone, the square the
+    Split at the diagonal square (`_diagonal_start`): the keys before it carry the term alone, the square the
     term and the kernel's own causal mask; nothing is filled with −inf. A Toeplitz term's far part is a strided
     view of its per-distance values (rows reversed: no copy; the kernel reads masks by their strides) and its
     square one mask per size for the whole call (δ = i − j on every block's square). Otherwise (padding, a
@@ -317,7 +317,7 @@ class _Part(NamedTuple):
 def _causal_parts(m: int, far: int, far_mask: torch.Tensor | None = None, square_mask: torch.Tensor | None = None,
                   far_rev: bool = False) -> list[_Part]:
     """The parts of m keys whose first ``far`` every row sees and whose last m − far form the diagonal square
-    (:func:`_diagonal_start`), with the term's masks of each (None: no term)."""
+    (`_diagonal_start`), with the term's masks of each (None: no term)."""
     return ([_Part(0, far, far_mask, False, far_rev)] if far > 0 else []) + [_Part(far, m, square_mask, True)]
 
 
@@ -340,7 +340,7 @@ def _flash_parts_fwd(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, parts
 
 
 def _flash_parts_bwd(dob, qb, kb, vb, ob, lb, parts: list[_Part]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of :func:`_flash_parts_fwd` from the merged output ``ob`` and log-sum-exp ``lb``: each part's
+    """(dq, dk, dv) of `_flash_parts_fwd` from the merged output ``ob`` and log-sum-exp ``lb``: each part's
     fused backward gives the exact gradients of its keys (Δ_i = dO_i · o_i is the whole row's)."""
     dq, dks, dvs = None, [], []
     for part in parts:
@@ -388,12 +388,12 @@ def _head_runs(starts: list[int], k_stop: int):
 
 def _channel_fused_backward(plan: _Plan, tile: "_Tile", q, k, v, out, lse, do, valid, q_off, b, h, hkv, d,
                             want_c: bool):
-    """The backward of the key-channel path (FoX, causal ALiBi: see :meth:`_Tile.key_channel`) through the fused
+    """The backward of the key-channel path (FoX, causal ALiBi: see `_Tile.key_channel`) through the fused
     CPU kernel, per query block and run of heads that share a first key, with c's gradient read from the channel
     that carries it: dc[j] = −Σ_i dS_ij (the per-row constant's gradient Σ_j dS_ij is 0: a softmax row's dS sums
-    to 0). Subnormal probabilities are avoided as in :func:`_subnormal_free`: per head, the keys no logit can lift
-    are left out (:func:`_flush_start`), and one shift per head lifts the rest. Where the forward split the
-    block's keys (:func:`_diagonal_start`), so does the backward: no mask; else the block's causal/padding mask,
+    to 0). Subnormal probabilities are avoided as in `_subnormal_free`: per head, the keys no logit can lift
+    are left out (`_flush_start`), and one shift per head lifts the rest. Where the forward split the
+    block's keys (`_diagonal_start`), so does the backward: no mask; else the block's causal/padding mask,
     in which each row's own flush rides too. Returns dq (of the scaled q), dk, dv and dc (B, H, Lk) or None."""
     q_len, k_len = q.shape[2], k.shape[2]
     kx, vx = _expand_heads(k, h), _expand_heads(v, h)
@@ -479,7 +479,7 @@ def fused_forward(plan: _Plan, tile: _Tile, q, k, v, valid, q_off, b, h, d, out,
 
 def uses_key_channel(plan: _Plan, valid: torch.Tensor | None) -> bool:
     """Whether the term rides in one more key channel on the fused path: a gate (FoX), or causal ALiBi with padding
-    or a window (:func:`_alibi_channel`)."""
+    or a window (`_alibi_channel`)."""
     return plan.form == "gate" or _alibi_channel(plan, valid)
 
 

@@ -112,7 +112,7 @@ class _FireTiles:
 
 def _skew_buffer(like: torch.Tensor, m: int) -> torch.Tensor:
     """An uninitialised (..., n, m + n) buffer for a tile (..., n, m) whose anti-diagonals
-    :func:`_antidiagonal_sums` will sum: the tile is written into its first m columns, the n others are zero."""
+    `_antidiagonal_sums` will sum: the tile is written into its first m columns, the n others are zero."""
     n = like.shape[-2]
     buf = like.new_empty(*like.shape[:-1], m + n)
     buf[..., m:].zero_()
@@ -120,7 +120,7 @@ def _skew_buffer(like: torch.Tensor, m: int) -> torch.Tensor:
 
 
 def _antidiagonal_sums(buf: torch.Tensor, m: int) -> torch.Tensor:
-    """buf (B, H, n, m + n) from :func:`_skew_buffer`, the tile ds in its first m columns -> (H, n + m − 1):
+    """buf (B, H, n, m + n) from `_skew_buffer`, the tile ds in its first m columns -> (H, n + m − 1):
     entry c = Σ_{b, i + j = c} ds[b, :, i, j].
 
     The Toeplitz tiles run with their query rows reversed (row i' is query q1 − 1 − i'), so the diagonals

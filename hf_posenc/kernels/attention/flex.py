@@ -1,6 +1,6 @@
 """The position terms as FlexAttention ``score_mod`` functions (``torch.nn.attention.flex_attention``).
 
-Same contract as ``naive.attention_reference`` for every kind in :data:`~.terms.FLEX_KINDS` (shaw's value
+Same contract as ``naive.attention_reference`` for every kind in `FLEX_KINDS` (shaw's value
 term has no score_mod form). Masks (causal with the query offset, a sliding window, per-batch key validity)
 become a block mask (FlexAttention skips the blocks it marks empty: those outside the window), built once per forward when the caller passes a ``memo`` dict. On CUDA the call goes through
 ``torch.compile`` (FlexAttention's fused kernels; gradients of the captured term tensors included); on
@@ -29,7 +29,7 @@ def _compiled_flex():
 
 def score_mod_for(term: KernelTerm, q_offset: int):
     """The score_mod ``(score, b, h, q_idx, kv_idx) -> score + B_h(i, j)`` of ``term`` (None for ``none``): its
-    registry entry's value (:meth:`~.terms.TermSpec.value`) on FlexAttention's indices."""
+    registry entry's value (`value`) on FlexAttention's indices."""
     spec = term.spec
     if not spec.flex:
         raise ValueError(f"the {term.kind} term has no FlexAttention form; allowed: {', '.join(FLEX_KINDS)}")

@@ -2,7 +2,7 @@
 
 Same interface as the kernel (``fused_attention`` in ``triton_attention.py``): q (B, H, Lq, D), k and v
 (B, Hkv, Lk, D) with H a multiple of Hkv (query head h reads key/value head h // (H / Hkv)), a
-:class:`~hf_posenc.kernels.attention.terms.KernelTerm`, the logit scale, causal or bidirectional, the key
+`KernelTerm`, the logit scale, causal or bidirectional, the key
 index of the first query (``q_offset``: query i is key q_offset + i) and an optional per-batch key-valid
 vector, and an optional sliding ``window`` (a band mask: causal, key j visible iff qi − window < j <= qi;
 bidirectional, iff |qi − j| < window). Gradients come from autograd, for q, k, v and every term tensor that
@@ -29,10 +29,10 @@ def term_bias(
     memo: dict | None = None,
 ) -> torch.Tensor | None:
     """The additive logit term (B|1, H, Lq, Lk) float32 of ``term`` (None for ``none``): its registry entry's
-    value (:class:`~.terms.TermSpec`) evaluated on broadcast index tensors (b, h, i, j).
+    value (`TermSpec`) evaluated on broadcast index tensors (b, h, i, j).
 
     ``query`` (B, H, Lq, D) is needed by terms with a ``prepare`` step only (shaw: its key term is scale-free
-    here: the caller scales q . a^K with the logits; see :func:`attention_reference`). ``memo`` (a per-forward
+    here: the caller scales q . a^K with the logits; see `attention_reference`). ``memo`` (a per-forward
     dict, e.g. ``PosContext.memo``): the index tensors are built once for every layer of a forward that asks
     with the same sizes and offset (a decoding step's 30 layers built 4 aranges each)."""
     spec = term.spec

@@ -1,6 +1,6 @@
 """Tile-wise PyTorch attention with a position term: the engine wherever the Triton kernels do not run.
 
-Modules, along the engine's paths: this one (the entry, :func:`tiled_attention`); ``_tiles.py`` (the call's plan,
+Modules, along the engine's paths: this one (the entry, `tiled_attention`); ``_tiles.py`` (the call's plan,
 each form's tiles: a Toeplitz term's strided views of its per-distance values from the term registry, a gate's
 vector, FIRE's table cells, Shaw's buckets; the masks); ``_tiled_fused.py`` (the fused-CPU path: float masks split
 at the diagonal, the key channel, Shaw's band, the subnormal flush); ``_tiled_function.py`` (the autograd
@@ -107,7 +107,7 @@ BLOCK_K = 512
 
 
 def tiled_unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, term: KernelTerm) -> str | None:
-    """None when :func:`tiled_attention` takes these inputs, else the reason (a sentence)."""
+    """None when `tiled_attention` takes these inputs, else the reason (a sentence)."""
     key = term.key if term.key is not None else key
     value = term.value if term.value is not None else value
     if term.kind not in TILED_KINDS or (term.spec.form == "pair" and term.kind not in PAIR_TILES):
@@ -160,13 +160,13 @@ def tiled_attention(
             tiles outside the band are never built, the band is masked inside the partly covered ones. With a
             tensor offset the band is masked per tile from the tensor (no tile skipped).
         memo: a per-forward dict (``PosContext.memo``): a decoding step's mask and index tensors are built once
-            for all the layers that share them (:data:`FEW_QUERIES`).
+            for all the layers that share them (`FEW_QUERIES`).
 
     Returns:
         (B, H, Lq, D) in the query's dtype; rows without any visible key are 0.
 
     Raises:
-        ValueError: the term does not fit the inputs (see :func:`tiled_unsupported`), bad block sizes, or a
+        ValueError: the term does not fit the inputs (see `tiled_unsupported`), bad block sizes, or a
             window below 1.
         TypeError: ``window`` is not an int (or None), or ``q_offset`` is neither an int nor a tensor.
     """
@@ -218,7 +218,7 @@ def _sees_every_key(q_len: int, k_len: int, q_offset: int, causal: bool, window:
 
 def _few_queries(query, key, value, term, scale, causal, q_offset, key_valid, window, memo=None) -> torch.Tensor:
     """A few queries without gradients: softmax(scale · q kᵀ + B) v by one SDPA call (grouped heads not expanded),
-    B the term's values for these rows (its registry entry, :func:`naive.term_bias`) plus 0 / −inf where a key
+    B the term's values for these rows (its registry entry, `naive.term_bias`) plus 0 / −inf where a key
     is visible / masked; rows that see no key are 0, as the tiles give them. Computed in float32 (float64 stays
     float64). With ``memo`` (per forward) the 0 / −inf mask and the index tensors are built once for the layers
     that share sizes, offset, window and key padding (the same ``key_valid`` tensor)."""
@@ -255,7 +255,7 @@ def _few_queries(query, key, value, term, scale, causal, q_offset, key_valid, wi
 
 
 def _layer_shared_bias(term, query, q_len, k_len, q_offset, memo) -> torch.Tensor | None:
-    """:func:`term_bias` of ``term``, reused from the previous layer of this forward when that layer's term held the
+    """`term_bias` of ``term``, reused from the previous layer of this forward when that layer's term held the
     very same tensors (storage, shape, strides and version: a bias shared by the layers, e.g. ALiBi's slopes, a shared
     KERPLE kernel or T5 table, Sandwich's table); a decoding step otherwise evaluates the same term in every layer.
     ``memo`` (per forward) keeps the last such bias only, with the tensors it was built from (so no other tensor can
@@ -282,7 +282,7 @@ autotune.register_site("tiled.engine", ("fused", "online"), default="fused",
 
 
 def _choose_path(query, key, value, valid, q_off_t, plan, tensors) -> str:
-    """``fused`` or ``online`` for this call: :func:`hf_posenc.kernels.autotune.choose`, timing a forward (and,
+    """``fused`` or ``online`` for this call: `hf_posenc.kernels.autotune.choose`, timing a forward (and,
     when gradients flow, a backward) of each path on detached copies of these very inputs."""
     train = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, *tensors))
     b, h, q_len, d = query.shape

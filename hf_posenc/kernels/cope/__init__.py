@@ -65,7 +65,7 @@ FLOAT32_ON_CUDA = (
 
 def triton_unsupported(q, k, v, mask, q_offset, need_weights=False, dropout=0.0, training=False) -> str | None:
     """The reason the causal CoPE Triton kernel cannot run these inputs (a sentence), or None: the checks every
-    attention kernel shares, then float32 on CUDA (:data:`FLOAT32_ON_CUDA`)."""
+    attention kernel shares, then float32 on CUDA (`FLOAT32_ON_CUDA`)."""
     why = common_unsupported("cope", "cope.triton_cope", q, k, v, mask, q_offset, need_weights, dropout, training)
     if why is None and q.device.type == "cuda" and q.dtype == torch.float32:
         return FLOAT32_ON_CUDA
@@ -141,8 +141,8 @@ def cope(
 
 
 def cope_torch(q, k, v, table, mask, scale, q_offset=0, window=None) -> torch.Tensor:
-    """Causal CoPE off Triton (same arguments as :func:`cope`, already checked): the tile-wise engine, or for a
-    few queries without gradients (:data:`FEW_QUERIES`) the whole row at once."""
+    """Causal CoPE off Triton (same arguments as `cope`, already checked): the tile-wise engine, or for a
+    few queries without gradients (`FEW_QUERIES`) the whole row at once."""
     if _few_queries(q, k, v, table, q_offset):
         return cope_reference(q, k, v, table, mask, scale, q_offset, window=window)
     return cope_tiled(q, k, v, table, mask, scale, q_offset, window=window)

@@ -1,8 +1,8 @@
 """CoPE's reference math in plain PyTorch (Golovneva et al. 2024, "Contextual Position Encoding",
 https://arxiv.org/abs/2405.18719; the formula is in ``hf_posenc/encodings/cope.py``), and the reference of the
-CoPE kernels behind their interface (:func:`cope_reference`, the test oracle).
+CoPE kernels behind their interface (`cope_reference`, the test oracle).
 
-The encoding (``hf_posenc.encodings.cope``) calls :func:`cope_attention` for what no kernel covers (the
+The encoding (``hf_posenc.encodings.cope``) calls `cope_attention` for what no kernel covers (the
 probabilities, attention dropout, the bidirectional variants); it takes tensors only.
 """
 
@@ -119,7 +119,7 @@ def cope_reference(
     q_offset: int | torch.Tensor = 0,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Causal CoPE attention as :func:`cope_attention` computes it, behind the kernels' interface.
+    """Causal CoPE attention as `cope_attention` computes it, behind the kernels' interface.
 
     Args:
         q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D), H a multiple of Hkv (expanded here).
@@ -129,7 +129,7 @@ def cope_reference(
         scale: logit scale (gates σ(s q·k), logits s q·k + q·e[p]).
         window: None, or an int >= 1: a sliding window, applied as the band mask qi − window < j (with the
             causal mask: each query sees its last ``window`` keys, itself included); the keys it removes are
-            removed as the mask removes keys (see :func:`windowed_allowed`).
+            removed as the mask removes keys (see `windowed_allowed`).
 
     Returns:
         (B, H, Lq, D) in q's dtype, computed in float32 (float64 for float64 inputs).

@@ -81,7 +81,7 @@ BLOCK_N: int | None = 256
 def _row_tables(qb: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """(B, Hkv, R, npos, 2): z = q e and its forward differences Δz[t] = z[t + 1] - z[t] (0 at t = npos - 1,
     where p is clamped and its weight p - ⌊p⌋ is 0), so that pos = z[⌊p⌋] + (p - ⌊p⌋) Δz[⌊p⌋]. The
-    pairs are adjacent in memory: for float32, one gather of a float64 view fetches both (see :func:`_gather2`)."""
+    pairs are adjacent in memory: for float32, one gather of a float64 view fetches both (see `_gather2`)."""
     z = qb @ table
     pairs = torch.zeros(z.shape + (2,), dtype=z.dtype, device=z.device)
     pairs[..., 0] = z
@@ -281,7 +281,7 @@ def _backward(q, k, v, table, mask, scale, q_offset, block_m, block_n, out, lse,
 
 
 def _plain_tail_allowed(q: torch.Tensor, dtype: torch.dtype, window, q_offset) -> bool:
-    """Whether the walk may hand its saturated keys to the fused CPU kernel (:func:`_saturated_tail`)."""
+    """Whether the walk may hand its saturated keys to the fused CPU kernel (`_saturated_tail`)."""
     return (dtype == torch.float32 and window is None and isinstance(q_offset, int) and _flash_fwd is not None
             and eager_value_checks(q))
 

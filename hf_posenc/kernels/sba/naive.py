@@ -1,9 +1,9 @@
 """Stick-breaking attention's reference math in plain PyTorch (Tan et al. 2024, "Scaling Stick-Breaking
 Attention: An Efficient Implementation and In-depth Study", https://arxiv.org/abs/2410.17980; the formula is in
 ``hf_posenc/encodings/sba.py``), and the reference of the stick-breaking kernels behind their interface
-(:func:`sba_reference`, the test oracle).
+(`sba_reference`, the test oracle).
 
-The encoding (``hf_posenc.encodings.sba``) calls :func:`stick_breaking_attention` for what no kernel covers
+The encoding (``hf_posenc.encodings.sba``) calls `stick_breaking_attention` for what no kernel covers
 (the weights, attention dropout); it takes tensors only.
 """
 
@@ -85,7 +85,7 @@ def sba_reference(
     bias: torch.Tensor | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Stick-breaking attention as :func:`stick_breaking_attention` computes it, behind the kernels' interface.
+    """Stick-breaking attention as `stick_breaking_attention` computes it, behind the kernels' interface.
 
     Args:
         q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D), H a multiple of Hkv (expanded here).
@@ -95,7 +95,7 @@ def sba_reference(
         attend_current, remainder: see the encoding; bias: (H, D) for ``remainder="bias"``.
         window: None, or an int >= 1: a sliding window, applied as the band mask qi − window < j (with the
             causal mask: each query sees its last ``window`` keys, itself included); the keys it removes are
-            removed as the mask removes keys (see :func:`windowed_allowed`).
+            removed as the mask removes keys (see `windowed_allowed`).
 
     Returns:
         (B, H, Lq, D) in q's dtype, computed in float32 (float64 for float64 inputs).

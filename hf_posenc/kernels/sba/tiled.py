@@ -80,7 +80,7 @@ def _exhausted(c: torch.Tensor, stop_early: bool) -> bool:
 
 
 def _stop_early(q: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether the walks may stop once every stick is exhausted (:func:`_exhausted`)."""
+    """Whether the walks may stop once every stick is exhausted (`_exhausted`)."""
     return dtype == torch.float32 and eager_value_checks(q)
 
 

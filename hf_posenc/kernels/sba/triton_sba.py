@@ -51,7 +51,7 @@ whose buffers fit in ``CARRY_BUDGET_BYTES``; each chunk runs both backward kerne
 
 Only builtins of ``triton.language`` and Triton >= 3.3 features (``tl.associative_scan(reverse=)``,
 ``tl.reduce``, ``input_precision``) are used; the functions below are jitted lazily per mode by
-:class:`hf_posenc.kernels._jit.LazyJit` (see there why). Dots on bfloat16/float16 use the tensor cores with
+`hf_posenc.kernels._jit.LazyJit` (see there why). Dots on bfloat16/float16 use the tensor cores with
 float32 accumulation; float32 inputs use 3xTF32 dots (tensor cores, about float32 accuracy) unless
 ``torch.backends.cuda.matmul.allow_tf32`` is set (then TF32). In the interpreter every dot is done in
 float32 (its bfloat16 dot is wrong).

@@ -14,8 +14,8 @@
 * its inert start and whether it composes, found by patching a tiny Llama with the composition
   (``"rope+<term>"`` with ``init="identity"``, or ``"<first>+alibi"``) and reporting what happened.
 
-The options every encoding takes as options of its layers (``window``, ...) are listed once, from the ``<NAME>_HELP``
-strings of `hf_posenc.config` (`layer_options`). The site's build hook (``docs/hooks/catalogue.py``) adds the page
+The options every encoding takes as options of its layers (``window``, ``sink``, ``length_scale``) are listed
+once, from `hf_posenc.config.LAYER_OPTIONS` (`layer_options`). The site's build hook (``docs/hooks/catalogue.py``) adds the page
 as ``encodings.md``; a new encoding, parameter or option appears there at the next build.
 """
 
@@ -72,6 +72,8 @@ def _engines(cls: type) -> tuple[str, str]:
             where = "the token embeddings"
         elif cls.rotate is not PositionEncoding.rotate:
             where = "q and k"
+        elif getattr(cls, "prepare", None) is not PositionEncoding.prepare:
+            where = "q and k (a norm, where its parameters ask for one)"
         else:
             return ("transformers' SDPA; no position term",) * 2
         cpu = f"transformers' SDPA; the encoding acts on {where} in PyTorch"
@@ -248,12 +250,11 @@ def encoding_facts(name: str, model: Any | None = None) -> dict[str, Any]:
 
 
 def layer_options() -> dict[str, str]:
-    """The options every encoding takes, as options of its layers (``window``, ...), with their help text: every
-    ``<NAME>_HELP`` string of `hf_posenc.config`, by the convention ``WINDOW_HELP`` set."""
-    from . import config
+    """The options every encoding takes, as options of its layers (``window``, ``sink``, ``length_scale``), with
+    their help text: `hf_posenc.config.LAYER_OPTIONS`."""
+    from .config import LAYER_OPTIONS
 
-    return {name[: -len("_HELP")].lower(): text for name, text in sorted(vars(config).items())
-            if name.endswith("_HELP") and name.isupper() and isinstance(text, str)}
+    return dict(LAYER_OPTIONS)
 
 
 def _kind_anchor(kind: str) -> str:

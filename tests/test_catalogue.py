@@ -120,7 +120,8 @@ def test_the_layer_options_are_listed_once_from_the_config_module(page, monkeypa
     from hf_posenc import config
     from hf_posenc.catalogue import layer_options
 
-    assert "window" in layer_options()
-    assert f"- `window`: {' '.join(config.WINDOW_HELP.split())}" in page
-    monkeypatch.setattr(config, "SINK_HELP", "the first k keys stay visible", raising=False)
-    assert layer_options()["sink"] == "the first k keys stay visible"  # a new option's help appears by convention
+    assert list(layer_options()) == list(config.LAYER_OPTIONS) == ["window", "sink", "length_scale"]
+    for option, text in config.LAYER_OPTIONS.items():
+        assert f"- `{option}`: {' '.join(text.split())}" in page
+    monkeypatch.setitem(config.LAYER_OPTIONS, "new_option", "a new option's help")
+    assert layer_options()["new_option"] == "a new option's help"  # a new option appears with its help

@@ -17,7 +17,10 @@ in plain PyTorch, on any device (CPU, MPS, CUDA without Triton). Query i is key 
 Tiling. The queries are split into blocks of ``block_q`` rows; each block runs against the keys it can
 see (causal with an int ``q_offset``: keys up to its last query; the tiles right of the diagonal are never
 built; with a sliding ``window`` and an int offset the keys from its first query's window edge on: the key
-tiles left of the band are never built either, so the cost is O(Lq · (window + block_q)) per head). On the CPU in float32 (every term; Shaw when causal) each block is one call of torch's fused CPU attention
+tiles left of the band are never built either, so the cost is O(Lq · (window + block_q)) per head; with
+attention sinks, ``sink``, a block also visits the sink keys [0, sink), as a key range of its own when a gap
+separates them from its window (``_Plan.key_ranges``; on the fused path the ranges' results merge by their
+log-sum-exp), never the tiles between). On the CPU in float32 (every term; Shaw when causal) each block is one call of torch's fused CPU attention
 kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp) with the
 block's term as an additive float mask (B, H, block_q, keys seen), built from the term's small tensors:
 few large products win on the CPU. Causal with an int offset and no padding or window, a block's keys split

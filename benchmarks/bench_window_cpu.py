@@ -9,10 +9,10 @@ stick-breaking tile walks in ``hf_posenc/kernels/_reverse_tiles.py``), so a caus
 O(L · (window + block)) instead of O(L²/2). Per engine (the attention engine with no term and with ALiBi, CoPE,
 stick-breaking), one causal forward, and one forward + backward, of q, k, v (1, 8, L, 32) float32, with
 ``window=None`` (A) and ``window=W`` (B; with ``--sink S``, ``window=W, sink=S``: the sink keys' tiles are
-visited too, those between them and the window still skipped), run A B A B ... (``--repeats`` rounds after one warmup each); the
-ratio of the medians is reported, so the drift of a shared machine hits both alike. One torch thread by default
-(why: docs/benchmarks.md). Prints a table and writes JSON (default
-``benchmarks/results/window_cpu_<device>.json``).
+visited too, those between them and the window still skipped), run A B A B ... (``--repeats`` rounds after one
+warmup each); the ratio of the medians is reported, so the drift of a shared machine hits both alike. One torch
+thread by default (why: docs/benchmarks.md). Prints a table and writes JSON (default
+``benchmarks/results/window_cpu_<device>.json``, ``window_sink<S>_cpu_<device>.json`` with ``--sink``).
 """
 
 from __future__ import annotations

@@ -20,17 +20,17 @@ built; with a sliding ``window`` and an int offset the keys from its first query
 tiles left of the band are never built either, so the cost is O(Lq · (window + block_q)) per head; with
 attention sinks, ``sink``, a block also visits the sink keys [0, sink), as a key range of its own when a gap
 separates them from its window (``_Plan.key_ranges``; on the fused path the ranges' results merge by their
-log-sum-exp), never the tiles between). On the CPU in float32 (every term; Shaw when causal) each block is one call of torch's fused CPU attention
-kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp) with the
-block's term as an additive float mask (B, H, block_q, keys seen), built from the term's small tensors:
-few large products win on the CPU. Causal with an int offset and no padding or window, a block's keys split
-at its diagonal square (``_block_parts``): the keys before it carry the term alone, the square the term and the
-kernel's own causal mask, two calls merged by their log-sum-exp; no mask is filled with −inf (the kernel reads
-a mask by its strides, so a view serves). Elsewhere (other devices, float64, shaw) the block loops over key tiles
-of ``block_k`` with an online softmax (running max and sum). Every tile is computed in float32 (float64
-inputs stay float64), whatever the input dtype; the output is cast back. Memory: O(block_q · Lk) per head
-for the tile, plus O(L · D) for q, k, v (k, v expanded to the query heads on the fused-kernel path, which
-takes no GQA), the output and the log-sum-exp; never (B, H, Lq, Lk).
+log-sum-exp), never the tiles between). On the CPU in float32 (every term; Shaw when causal) each block is one
+call of torch's fused CPU attention kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``, which returns
+the log-sum-exp) with the block's term as an additive float mask (B, H, block_q, keys seen), built from the
+term's small tensors: few large products win on the CPU. Causal with an int offset and no padding or window, a
+block's keys split at its diagonal square (``_block_parts``): the keys before it carry the term alone, the square
+the term and the kernel's own causal mask, two calls merged by their log-sum-exp; no mask is filled with −inf
+(the kernel reads a mask by its strides, so a view serves). Elsewhere (other devices, float64, shaw) the block
+loops over key tiles of ``block_k`` with an online softmax (running max and sum). Every tile is computed in
+float32 (float64 inputs stay float64), whatever the input dtype; the output is cast back. Memory:
+O(block_q · Lk) per head for the tile, plus O(L · D) for q, k, v (k, v expanded to the query heads on the
+fused-kernel path, which takes no GQA), the output and the log-sum-exp; never (B, H, Lq, Lk).
 
 Toeplitz tiles run with their query rows reversed (row i' is query q1 − 1 − i'): the tile is then a plain
 strided view of the reversed per-distance vector (``unfold``), and the lines of constant distance are its

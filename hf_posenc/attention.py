@@ -59,8 +59,6 @@ ATTN_IMPLEMENTATION = "hf_posenc"
 _QUERY_BLOCK = 128
 #: query rows per step when a mask is checked for the kernels' form (causal + key padding).
 _MASK_CHECK_ROWS = 1024
-#: why a layer with attention sinks (``sink``) runs the mask path: the engines take a window, not its sinks.
-SINK_REASON = "the engines skip the key tiles left of a window and take no attention sinks (sink=) yet"
 
 
 def attention_backend(encoding: object | None, device: torch.device | str | None = None) -> str:
@@ -316,8 +314,6 @@ def _engine_inputs(
         reason = unsupported(query, key, value, term)
     if reason is None and ctx.own_window() is not None and ctx.grid is not None:
         reason = "a sliding window on ViT's grid is per axis; the kernels' window is 1D"
-    if reason is None and ctx.own_sink() is not None:
-        reason = SINK_REASON
     return (None, None, reason) if reason is not None else (term, key_valid, None)
 
 
@@ -346,7 +342,7 @@ def _kernel_attention(
     run = fused_attention if backend == "triton" else flex_attention_term
     extra = {} if backend == "triton" else {"memo": ctx.memo}
     return run(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset, key_valid=key_valid,
-               window=ctx.engine_window(layer), **extra)
+               window=ctx.engine_window(layer), sink=ctx.own_sink(), **extra)
 
 
 def _tiled_torch_attention(
@@ -380,7 +376,7 @@ def _tiled_torch_attention(
     if reason is not None:
         return None
     return tiled_attention(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset,
-                           key_valid=key_valid, window=ctx.engine_window(layer), memo=ctx.memo)
+                           key_valid=key_valid, window=ctx.engine_window(layer), memo=ctx.memo, sink=ctx.own_sink())
 
 
 def _compiled_tiled_attention(
@@ -415,13 +411,12 @@ def _compiled_tiled_attention(
         reason = tiled_unsupported(query, key, value, term)
     if reason is None and ctx.own_window() is not None and ctx.grid is not None:
         reason = "a sliding window on ViT's grid is per axis; the engine's window is 1D"
-    if reason is None and ctx.own_sink() is not None:
-        reason = SINK_REASON
     if reason is not None:
         debug_log(__name__, f"torch.compile: the full-matrix reference runs layer {layer}: {reason}")
         return None
     return tiled_attention_op(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset, mask=mask,
-                              window=ctx.engine_window(layer), band=ctx.native_window(layer), engine=engine)
+                              window=ctx.engine_window(layer), band=ctx.native_window(layer), engine=engine,
+                              sink=ctx.own_sink())
 
 
 def posenc_attention(

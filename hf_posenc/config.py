@@ -9,7 +9,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .kernels._masks import check_window
+from .kernels._masks import check_sink, check_window
 from .registry import EncodingSpec, get_encoding
 
 __all__ = [
@@ -90,22 +90,6 @@ LENGTH_SCALE_HELP = (
 #: The options of a layer that every encoding takes beside its own parameters, with their help text. They are
 #: attributes of `PosEncConfig` (not entries of ``params``), stored in ``to_dict`` only when set.
 LAYER_OPTIONS: dict[str, str] = {"window": WINDOW_HELP, "sink": SINK_HELP, "length_scale": LENGTH_SCALE_HELP}
-
-
-def check_sink(sink: object, window: int | None, where: str = "sink") -> int | None:
-    """``sink`` validated: None or an int >= 1 (a numpy integer is taken as the int it holds), and only with a
-    ``window`` (without one every key is visible already)."""
-    if sink is None:
-        return None
-    sink = _plain(sink)
-    if isinstance(sink, bool) or not isinstance(sink, int):
-        raise TypeError(f"{where} must be an int >= 1 (the first keys every query sees) or None, got "
-                        f"{type(sink).__name__} ({sink!r})")
-    if sink < 1:
-        raise ValueError(f"{where} must be >= 1 (the first keys every query sees) or None, got {sink}")
-    if window is None:
-        raise ValueError(f"{where} ({sink}) needs a sliding window: without window= every query sees every key already")
-    return sink
 
 
 def check_length_scale(value: object, where: str = "length_scale") -> str | None:

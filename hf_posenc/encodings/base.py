@@ -559,16 +559,5 @@ class EngineAttention(PositionEncoding):
     bidirectional model (ViT, BERT). CoPE and stick-breaking attention."""
 
     def attend_uses_reference(self, ctx: PosContext, dropout: float, training: bool) -> bool:
-        """Whether ``attend`` runs the full-matrix reference rather than a kernel or the tile-wise engine (also with
-        attention sinks, which the engines do not take: ``hf_posenc.attention.SINK_REASON``)."""
-        return not self.info.causal or ctx.need_weights or (dropout > 0.0 and training) or ctx.own_sink() is not None
-
-    def engines_take_sink(self, ctx: PosContext) -> bool:
-        """False where the layer has attention sinks (``sink``), which the kernels do not take: ``attend`` then runs
-        its reference; a forced ``HF_POSENC_BACKEND=triton`` raises a ValueError saying so."""
-        if ctx.own_sink() is None:
-            return True
-        if forced_backend() == "triton":
-            raise ValueError(f"HF_POSENC_BACKEND=triton, but {self.name!r}: the kernels take no attention sinks "
-                             "(sink=) yet; unset HF_POSENC_BACKEND or set it to 'torch'")
-        return False
+        """Whether ``attend`` runs the full-matrix reference rather than a kernel or the tile-wise engine."""
+        return not self.info.causal or ctx.need_weights or (dropout > 0.0 and training)

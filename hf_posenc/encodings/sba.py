@@ -229,22 +229,23 @@ class StickBreaking(EngineAttention):
         """
         if ctx.grid is not None or not self.info.causal:  # ViT's grid, or bidirectional text (BERT)
             return self._attend_grid(ctx, layer, query, key, value, mask, scaling, dropout, training)
-        # a sliding window (hf_posenc's, the model's own) is in ``mask`` already (a band); the engines also take
-        # it as a number, to skip the key tiles outside it
-        window = ctx.engine_window(layer)
+        # a sliding window (hf_posenc's, the model's own) and its sinks are in ``mask`` already (a band and the
+        # first columns); the engines also take them as numbers, to skip the key tiles outside them
+        window, sink = ctx.engine_window(layer), ctx.own_sink()
 
-        if (sba_backend(query, key, value, mask, ctx.q_offset, ctx.need_weights, dropout, training) == "triton"
-                and self.engines_take_sink(ctx)):
+        if sba_backend(query, key, value, mask, ctx.q_offset, ctx.need_weights, dropout, training) == "triton":
             bias = self.remainder_bias[layer] if self.remainder == "bias" else None
             out = stick_breaking(
-                query, key, value, mask, scaling, ctx.q_offset, self.attend_current, self.remainder, bias, window=window
+                query, key, value, mask, scaling, ctx.q_offset, self.attend_current, self.remainder, bias,
+                window=window, sink=sink,
             )
             return out, None
         if not self.attend_uses_reference(ctx, dropout, training):
             # the tile-wise engine: O(L·block) memory, no weights formed
             bias = self.remainder_bias[layer] if self.remainder == "bias" else None
             out = sba_tiled(
-                query, key, value, mask, scaling, ctx.q_offset, self.attend_current, self.remainder, bias, window=window
+                query, key, value, mask, scaling, ctx.q_offset, self.attend_current, self.remainder, bias,
+                window=window, sink=sink,
             )
             return out, None
         b, h, q_len, _ = query.shape

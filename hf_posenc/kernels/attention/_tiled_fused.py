@@ -16,7 +16,6 @@ from ._tiles import (
     _expand_heads,
     _Plan,
     _query_blocks,
-    _query_index,
     _rows,
     _Tile,
 )
@@ -101,8 +100,8 @@ class _ShawBand:
         """(key index (n, K) clamped into range, visible (B|1, n, K) bool) of each row's band."""
         j = qi[:, None] + self.offsets[None, :]
         ok = (j >= 0) & (j < k_len)
-        if self.plan.window is not None:
-            ok = ok & (j > qi[:, None] - self.plan.window)
+        if self.plan.window is not None:  # the band, and the sinks beside it
+            ok = ok & ((j > qi[:, None] - self.plan.window) | (j < (self.plan.sink or 0)))
         jc = j.clamp(0, max(k_len - 1, 0))
         ok = ok[None]
         if valid is not None:
@@ -150,17 +149,16 @@ def _shaw_fused_forward(plan, tile, q, kx, vx, valid, q_off, b, h, d, out, lse) 
     """Fill ``out`` and ``lse`` (Shaw's frame, see ``_ShawBand``) block by block through the fused kernel."""
     q_len, k_len = q.shape[2], kx.shape[2]
     band = _ShawBand(tile, plan, q.device)
-    for q0, q1, qi, k_start, k_stop in _query_blocks(plan, q_len, k_len, q_off, q.device):
-        if k_stop <= k_start:
+    for q0, q1, qi, ranges in _query_blocks(plan, q_len, k_len, q_off, q.device):
+        if not ranges:
             out[:, :, q0:q1] = 0.0
             lse[:, :, q0:q1] = float("inf")
             continue
         qb = q[:, :, q0:q1]
         qa = qb @ band.d_key.T  # (B, H, n, K): q_i · (a^K_r − a^K_−K), q already scaled
         jc, ok = band.columns(qi, k_len, valid)
-        parts = band.parts(qi, q0, q1, k_start, k_stop, valid, b, h, qa, jc, ok)
-        o, lb = _flash_parts_fwd(qb, kx[:, :, k_start:k_stop], vx[:, :, k_start:k_stop], parts)
-        empty = _empty_rows(plan, qi, valid, k_start, k_stop)
+        o, lb, empty = _merged_ranges(plan, qi, valid, ranges, lambda k0, k1: _flash_parts_fwd(
+            qb, kx[:, :, k0:k1], vx[:, :, k0:k1], band.parts(qi, q0, q1, k0, k1, valid, b, h, qa, jc, ok)))
         if empty is not None:
             o = o.masked_fill(empty, 0.0)
             lb = lb.masked_fill(empty[..., 0], float("inf"))
@@ -178,21 +176,22 @@ def _shaw_fused_backward(plan, tile, q, k, v, out, lse, do, valid, q_off, b, h, 
     dq = torch.zeros_like(q)
     dkx, dvx = torch.zeros_like(kx), torch.zeros_like(vx)
     d_key, d_value = torch.zeros_like(tile.a_key), torch.zeros_like(tile.a_value)
-    for q0, q1, qi, k_start, k_stop in _query_blocks(plan, q_len, k_len, q_off, q.device):
-        if k_stop <= k_start:
+    for q0, q1, qi, ranges in _query_blocks(plan, q_len, k_len, q_off, q.device):
+        if not ranges:
             continue
         n = q1 - q0
         qb, dob, ob, lb = q[:, :, q0:q1], do[:, :, q0:q1], out[:, :, q0:q1], lse[:, :, q0:q1]
         qa = qb @ band.d_key.T
         jc, ok = band.columns(qi, k_len, valid)
-        parts = band.parts(qi, q0, q1, k_start, k_stop, valid, b, h, qa, jc, ok)
         has = torch.isfinite(lb)[..., None]
         o_frame = ob - has * band.base_value
-        gq, gk, gv = _flash_parts_bwd(dob, qb, kx[:, :, k_start:k_stop], vx[:, :, k_start:k_stop], o_frame, lb,
-                                      parts)
-        dq[:, :, q0:q1] = gq
-        dkx[:, :, k_start:k_stop] += gk
-        dvx[:, :, k_start:k_stop] += gv
+        for k_start, k_stop in ranges:
+            parts = band.parts(qi, q0, q1, k_start, k_stop, valid, b, h, qa, jc, ok)
+            gq, gk, gv = _flash_parts_bwd(dob, qb, kx[:, :, k_start:k_stop], vx[:, :, k_start:k_stop], o_frame, lb,
+                                          parts)
+            dq[:, :, q0:q1] += gq
+            dkx[:, :, k_start:k_stop] += gk
+            dvx[:, :, k_start:k_stop] += gv
         # the band's share
         p, kb = band.probabilities(qb, kx, jc, ok, qa, lb)  # (B, H, n, K), (B, H, n, K, D)
         vb = vx[:, :, jc]
@@ -330,13 +329,34 @@ def _flash_parts_fwd(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, parts
         o, l = _flash_fwd(_rows(qb, part.rev), kb[:, :, part.lo : part.hi], vb[:, :, part.lo : part.hi], 0.0,
                           part.causal, attn_mask=part.mask, scale=1.0)
         o, l = _rows(o, part.rev), _rows(l, part.rev, -1)
-        if out is None:
-            out, lse = o, l
-            continue
-        merged = torch.logaddexp(lse, l)
-        out = out * torch.exp(lse - merged)[..., None] + o * torch.exp(l - merged)[..., None]
-        lse = merged
+        out, lse = (o, l) if out is None else _merge(out, lse, o, l)
     return out, lse
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two softmax attentions of the same rows over disjoint keys, (out (B, H, n, E), lse (B, H, n)) each, as one
+    over all of their keys (a row with lse −inf on one side takes the other's)."""
+    merged = torch.logaddexp(lse, l)
+    return out * torch.exp(lse - merged)[..., None] + o * torch.exp(l - merged)[..., None], merged
+
+
+def _merged_ranges(plan: _Plan, qi: torch.Tensor, valid: torch.Tensor | None, ranges: list[tuple[int, int]], run
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(out, lse, empty) of one query block over its key ranges (``_Plan.key_ranges``: the sinks apart from the
+    window's keys): ``run(k_start, k_stop)`` gives a range's (out, lse) from the fused kernel, merged by
+    log-sum-exp. The kernel returns lse 0 (and out 0) for a row that sees none of a range's keys, so with several
+    ranges such a row enters the merge with lse −inf. ``empty``: (B|1, 1, n, 1) the rows that see no key at all
+    (their out and lse are the caller's to set), or None."""
+    out = lse = empty = None
+    for i, (k_start, k_stop) in enumerate(ranges):
+        o, l = run(k_start, k_stop)
+        e = _empty_rows(plan, qi, valid, k_start, k_stop)
+        if len(ranges) > 1 and e is not None:
+            l = l.masked_fill(e[..., 0], float("-inf"))
+        empty = e if i == 0 else (None if e is None or empty is None else empty & e)
+        out, lse = (o, l) if out is None else _merge(out, lse, o, l)
+    return out, lse, empty
 
 
 def _flash_parts_bwd(dob, qb, kb, vb, ob, lb, parts: list[_Part]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -402,38 +422,38 @@ def _channel_fused_backward(plan: _Plan, tile: "_Tile", q, k, v, out, lse, do, v
     dq = torch.zeros_like(q)
     dkx, dvx = torch.zeros_like(kx), torch.zeros_like(vx)
     dc = q.new_zeros(b, h, k_len) if want_c else None
-    for q0, q1, qi, k_start, k_stop in _query_blocks(plan, q_len, k_len, q_off, q.device):
-        if k_stop <= k_start:
-            continue
-        channel, ref = tile.key_channel(qi, k_start, k_stop)
-        keys = _channel_keys(kx[:, :, k_start:k_stop], channel)  # (B, H, m, D + 1)
-        lse_b = lse[:, :, q0:q1]
-        beta = q[:, :, q0:q1].norm(dim=-1) * knorm[:, :, k_start:k_stop].amax(-1, keepdim=True)  # (B, H, n)
-        starts = _flush_start(tile.c, ref, lse_b, beta, k_start, k_stop)
-        shift = (2 * beta.amax(-1, keepdim=True) + 1 + SHIFT_MARGIN).clamp_(max=MAX_SHIFT)  # (B, H, 1)
-        unscale = torch.exp(-shift)[..., None]
-        diag = _diagonal_start(plan, q0, q1, k_start, k_stop, valid)
-        mask = None if diag is not None else _flash_mask(tile, plan, qi, q0, q1, k_start, k_stop, valid, b, 1,
-                                                          term=False)
-        for h0, h1, s0 in _head_runs(starts, k_stop):
-            hs, m = slice(h0, h1), k_stop - s0
-            kb = keys[:, hs, s0 - k_start :]
-            if diag is not None:
-                parts = _causal_parts(m, diag - s0)
-            else:  # the rows' own flush (keys after the run's start that a row's logits still cannot lift)
-                floor = torch.where(torch.isfinite(lse_b[:, hs]), lse_b[:, hs] - beta[:, hs] + EXP_FLOOR,
-                                    torch.full_like(beta[:, hs], float("-inf")))  # (B, h1 − h0, n)
-                flushed = kb[..., d][:, :, None, :] < floor[..., None]  # (B, h1 − h0, n, m)
-                mask_h = mask[..., s0 - k_start :].expand(b, h1 - h0, q1 - q0, m).masked_fill(flushed, float("-inf"))
-                parts = [_Part(0, m, mask_h)]
-            gq, gk, gv = _flash_parts_bwd(doa[:, hs, q0:q1], qa[:, hs, q0:q1], kb, va[:, hs, s0:k_stop],
-                                          oa[:, hs, q0:q1], lse_b[:, hs] - shift[:, hs], parts)
-            u = unscale[:, hs]
-            dq[:, hs, q0:q1] += gq[..., :d].mul_(u)
-            dkx[:, hs, s0:k_stop] += gk[..., :d].mul_(u)
-            dvx[:, hs, s0:k_stop] += gv[..., :d].mul_(u)
-            if dc is not None:
-                dc[:, hs, s0:k_stop] -= gk[..., d].mul_(u[..., 0])
+    for q0, q1, qi, ranges in _query_blocks(plan, q_len, k_len, q_off, q.device):
+        for k_start, k_stop in ranges:  # one body per key range (the sinks apart from the window)
+            channel, ref = tile.key_channel(qi, k_start, k_stop)
+            keys = _channel_keys(kx[:, :, k_start:k_stop], channel)  # (B, H, m, D + 1)
+            lse_b = lse[:, :, q0:q1]
+            beta = q[:, :, q0:q1].norm(dim=-1) * knorm[:, :, k_start:k_stop].amax(-1, keepdim=True)  # (B, H, n)
+            starts = _flush_start(tile.c, ref, lse_b, beta, k_start, k_stop)
+            shift = (2 * beta.amax(-1, keepdim=True) + 1 + SHIFT_MARGIN).clamp_(max=MAX_SHIFT)  # (B, H, 1)
+            unscale = torch.exp(-shift)[..., None]
+            diag = _diagonal_start(plan, q0, q1, k_start, k_stop, valid)
+            mask = None if diag is not None else _flash_mask(tile, plan, qi, q0, q1, k_start, k_stop, valid, b, 1,
+                                                              term=False)
+            for h0, h1, s0 in _head_runs(starts, k_stop):
+                hs, m = slice(h0, h1), k_stop - s0
+                kb = keys[:, hs, s0 - k_start :]
+                if diag is not None:
+                    parts = _causal_parts(m, diag - s0)
+                else:  # the rows' own flush (keys after the run's start that a row's logits still cannot lift)
+                    floor = torch.where(torch.isfinite(lse_b[:, hs]), lse_b[:, hs] - beta[:, hs] + EXP_FLOOR,
+                                        torch.full_like(beta[:, hs], float("-inf")))  # (B, h1 − h0, n)
+                    flushed = kb[..., d][:, :, None, :] < floor[..., None]  # (B, h1 − h0, n, m)
+                    mask_h = mask[..., s0 - k_start :].expand(b, h1 - h0, q1 - q0, m).masked_fill(flushed,
+                                                                                                  float("-inf"))
+                    parts = [_Part(0, m, mask_h)]
+                gq, gk, gv = _flash_parts_bwd(doa[:, hs, q0:q1], qa[:, hs, q0:q1], kb, va[:, hs, s0:k_stop],
+                                              oa[:, hs, q0:q1], lse_b[:, hs] - shift[:, hs], parts)
+                u = unscale[:, hs]
+                dq[:, hs, q0:q1] += gq[..., :d].mul_(u)
+                dkx[:, hs, s0:k_stop] += gk[..., :d].mul_(u)
+                dvx[:, hs, s0:k_stop] += gv[..., :d].mul_(u)
+                if dc is not None:
+                    dc[:, hs, s0:k_stop] -= gk[..., d].mul_(u[..., 0])
     if h != hkv:
         dk = dkx.view(b, hkv, h // hkv, k_len, d).sum(2)
         dv = dvx.view(b, hkv, h // hkv, k_len, d).sum(2)
@@ -455,21 +475,21 @@ def fused_forward(plan: _Plan, tile: _Tile, q, k, v, valid, q_off, b, h, d, out,
     kx, vx = _expand_heads(k, h), _expand_heads(v, h)
     qf = _with_one(q) if channel else q
     vf = _with_zero(vx) if channel else vx
-    for q0 in range(0, q_len, plan.block_q):
-        q1 = min(q0 + plan.block_q, q_len)
-        qi = _query_index(q_off, q0, q1, q.device)
-        k_start, k_stop = plan.key_start(q0, k_len), plan.key_stop(q1, k_len)
-        if k_stop <= k_start:
+    for q0, q1, qi, ranges in _query_blocks(plan, q_len, k_len, q_off, q.device):
+        if not ranges:
             out[:, :, q0:q1] = 0.0
             lse[:, :, q0:q1] = float("inf")
             continue
-        kb = kx[:, :, k_start:k_stop]
-        if channel:
-            kb = _channel_keys(kb, tile.key_channel(qi, k_start, k_stop)[0])
-        parts = _block_parts(tile, plan, qi, q0, q1, k_start, k_stop, valid, b, h, channel)
-        o, l = _flash_parts_fwd(qf[:, :, q0:q1], kb, vf[:, :, k_start:k_stop], parts)
+
+        def run(k_start: int, k_stop: int, q0: int = q0, q1: int = q1, qi: torch.Tensor = qi):
+            kb = kx[:, :, k_start:k_stop]
+            if channel:
+                kb = _channel_keys(kb, tile.key_channel(qi, k_start, k_stop)[0])
+            parts = _block_parts(tile, plan, qi, q0, q1, k_start, k_stop, valid, b, h, channel)
+            return _flash_parts_fwd(qf[:, :, q0:q1], kb, vf[:, :, k_start:k_stop], parts)
+
+        o, l, empty = _merged_ranges(plan, qi, valid, ranges, run)
         o = o[..., :d]
-        empty = _empty_rows(plan, qi, valid, k_start, k_stop)
         if empty is not None:
             o = o.masked_fill(empty, 0.0)
             l = l.masked_fill(empty[..., 0], float("inf"))
@@ -494,29 +514,25 @@ def fused_backward_plain(plan: _Plan, tile: _Tile, q, k, v, out, lse, do, valid,
     kx, vx = _expand_heads(k, h), _expand_heads(v, h)
     dkx = torch.zeros_like(kx) if h != hkv else dk
     dvx = torch.zeros_like(vx) if h != hkv else dv
-    for q0 in range(0, q_len, plan.block_q):
-        q1 = min(q0 + plan.block_q, q_len)
-        k_start, k_stop = plan.key_start(q0, k_len), plan.key_stop(q1, k_len)
-        if k_stop <= k_start:
-            continue
-        if not underflow or _splits_at_diagonal(plan, valid):  # the forward's parts
-            parts = _block_parts(tile, plan, _query_index(q_off, q0, q1, q.device), q0, q1, k_start,
-                                 k_stop, valid, b, h, False)
-            gq, gk, gv = _flash_parts_bwd(do[:, :, q0:q1], q[:, :, q0:q1], kx[:, :, k_start:k_stop],
-                                          vx[:, :, k_start:k_stop], out[:, :, q0:q1], lse[:, :, q0:q1], parts)
-            dq[:, :, q0:q1] = gq
-            dkx[:, :, k_start:k_stop] += gk
-            dvx[:, :, k_start:k_stop] += gv
-            continue
-        qi = _rows(_query_index(q_off, q0, q1, q.device), rev, 0)
-        mask = _flash_mask(tile, plan, qi, q0, q1, k_start, k_stop, valid, b, h)
-        qb, kb, vb = _rows(q[:, :, q0:q1], rev), kx[:, :, k_start:k_stop], vx[:, :, k_start:k_stop]
-        mask, lse_b, unscale = _subnormal_free(mask, qb, kb, _rows(lse[:, :, q0:q1], rev, -1), b)
-        gq, gk, gv = _flash_bwd(_rows(do[:, :, q0:q1], rev), qb, kb, vb, _rows(out[:, :, q0:q1], rev), lse_b,
-                                0.0, False, attn_mask=mask, scale=1.0)
-        dq[:, :, q0:q1] = _rows(gq.mul_(unscale), rev)
-        dkx[:, :, k_start:k_stop] += gk.mul_(unscale)
-        dvx[:, :, k_start:k_stop] += gv.mul_(unscale)
+    for q0, q1, qi_in_order, ranges in _query_blocks(plan, q_len, k_len, q_off, q.device):
+        for k_start, k_stop in ranges:  # the sinks apart from the window's keys
+            if not underflow or _splits_at_diagonal(plan, valid):  # the forward's parts
+                parts = _block_parts(tile, plan, qi_in_order, q0, q1, k_start, k_stop, valid, b, h, False)
+                gq, gk, gv = _flash_parts_bwd(do[:, :, q0:q1], q[:, :, q0:q1], kx[:, :, k_start:k_stop],
+                                              vx[:, :, k_start:k_stop], out[:, :, q0:q1], lse[:, :, q0:q1], parts)
+                dq[:, :, q0:q1] += gq
+                dkx[:, :, k_start:k_stop] += gk
+                dvx[:, :, k_start:k_stop] += gv
+                continue
+            qi = _rows(qi_in_order, rev, 0)
+            mask = _flash_mask(tile, plan, qi, q0, q1, k_start, k_stop, valid, b, h)
+            qb, kb, vb = _rows(q[:, :, q0:q1], rev), kx[:, :, k_start:k_stop], vx[:, :, k_start:k_stop]
+            mask, lse_b, unscale = _subnormal_free(mask, qb, kb, _rows(lse[:, :, q0:q1], rev, -1), b)
+            gq, gk, gv = _flash_bwd(_rows(do[:, :, q0:q1], rev), qb, kb, vb, _rows(out[:, :, q0:q1], rev), lse_b,
+                                    0.0, False, attn_mask=mask, scale=1.0)
+            dq[:, :, q0:q1] += _rows(gq.mul_(unscale), rev)
+            dkx[:, :, k_start:k_stop] += gk.mul_(unscale)
+            dvx[:, :, k_start:k_stop] += gv.mul_(unscale)
     if h != hkv:
         dk = dkx.view(b, hkv, h // hkv, k_len, d).sum(2)
         dv = dvx.view(b, hkv, h // hkv, k_len, d).sum(2)

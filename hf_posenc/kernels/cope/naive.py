@@ -13,7 +13,7 @@ from torch.nn import functional as F
 
 from ...ops import expand_kv
 from .._common import compute_dtype
-from .._masks import allowed_keys, windowed_allowed
+from .._masks import allowed_keys, check_sink, check_window, windowed_allowed
 
 __all__ = ["cope_attention", "cope_positions", "cope_reference", "interpolate_logits"]
 
@@ -118,6 +118,7 @@ def cope_reference(
     scale: float,
     q_offset: int | torch.Tensor = 0,
     window: int | None = None,
+    sink: int | None = None,
 ) -> torch.Tensor:
     """Causal CoPE attention as `cope_attention` computes it, behind the kernels' interface.
 
@@ -130,6 +131,8 @@ def cope_reference(
         window: None, or an int >= 1: a sliding window, applied as the band mask qi − window < j (with the
             causal mask: each query sees its last ``window`` keys, itself included); the keys it removes are
             removed as the mask removes keys (see `windowed_allowed`).
+        sink: None, or an int >= 1 with a ``window``: attention sinks, the keys j < sink kept besides the band
+            (they count as any visible key does).
 
     Returns:
         (B, H, Lq, D) in q's dtype, computed in float32 (float64 for float64 inputs).
@@ -138,7 +141,8 @@ def cope_reference(
     b, h, lq, _ = q.shape
     lk = k.shape[2]
     groups = h // k.shape[1]
-    allowed = windowed_allowed(allowed_keys(mask, lq, lk, q_offset, True, q.device), lq, lk, q_offset, window)
+    allowed = windowed_allowed(allowed_keys(mask, lq, lk, q_offset, True, q.device), lq, lk, q_offset, window,
+                               check_sink(sink, check_window(window)))
     out, _ = cope_attention(
         q.to(dtype), expand_kv(k, groups).to(dtype), expand_kv(v, groups).to(dtype), allowed, scale, table.to(dtype)
     )

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 from ...ops import expand_kv
 from .._common import compute_dtype
-from .._masks import allowed_keys, windowed_allowed
+from .._masks import allowed_keys, check_sink, check_window, windowed_allowed
 
 __all__ = ["SOFTPLUS_THRESHOLD", "sba_reference", "stick_breaking_attention"]
 
@@ -84,6 +84,7 @@ def sba_reference(
     remainder: str = "discard",
     bias: torch.Tensor | None = None,
     window: int | None = None,
+    sink: int | None = None,
 ) -> torch.Tensor:
     """Stick-breaking attention as `stick_breaking_attention` computes it, behind the kernels' interface.
 
@@ -96,6 +97,8 @@ def sba_reference(
         window: None, or an int >= 1: a sliding window, applied as the band mask qi − window < j (with the
             causal mask: each query sees its last ``window`` keys, itself included); the keys it removes are
             removed as the mask removes keys (see `windowed_allowed`).
+        sink: None, or an int >= 1 with a ``window``: attention sinks, the keys j < sink kept besides the band
+            (they count as any visible key does).
 
     Returns:
         (B, H, Lq, D) in q's dtype, computed in float32 (float64 for float64 inputs).
@@ -104,7 +107,8 @@ def sba_reference(
     b, h, lq, _ = q.shape
     lk = k.shape[2]
     groups = h // k.shape[1]
-    allowed = windowed_allowed(allowed_keys(mask, lq, lk, q_offset, True, q.device), lq, lk, q_offset, window)
+    allowed = windowed_allowed(allowed_keys(mask, lq, lk, q_offset, True, q.device), lq, lk, q_offset, window,
+                               check_sink(sink, check_window(window)))
     offset = q_offset.to(q.device) if isinstance(q_offset, torch.Tensor) else q_offset
     q_index = torch.arange(lq, device=q.device) + offset
     out, _ = stick_breaking_attention(

@@ -7,7 +7,14 @@ from .config import PosEncConfig
 from .diagnostics import doctor
 from .profile import position_profile
 from .registry import list_encodings, register_encoding
-from .training import check_adapter, install_peft_hooks as _install_peft_hooks, load_adapter, trainable_modules
+from .training import (
+    check_adapter,
+    encoding_parameters,
+    install_peft_hooks as _install_peft_hooks,
+    load_adapter,
+    param_groups,
+    trainable_modules,
+)
 
 from .auto import register as _register_auto
 from . import hf_posenc_loader as _hf_posenc_loader  # noqa: F401  (save_pretrained copies its file beside the weights)
@@ -23,9 +30,11 @@ __all__ = [
     "describe",
     "doctor",
     "encoding_module",
+    "encoding_parameters",
     "from_pretrained",
     "list_encodings",
     "load_adapter",
+    "param_groups",
     "patch_model",
     "position_profile",
     "register_encoding",

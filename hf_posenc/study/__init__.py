@@ -70,6 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=None, help="attention heads (default hidden / 16)")
     p.add_argument("--batch", type=int, default=None, help="batch size (default 16; 64 on vit)")
     p.add_argument("--lr", type=float, default=None, help="peak AdamW learning rate (default 3e-3; with --from 1e-4)")
+    p.add_argument("--encoding-lr", type=float, default=None,
+                   help="the encoding's own learning rate (hf_posenc.param_groups: its parameters in their own AdamW "
+                   "group). Default: --lr; with --from the larger of --lr and 1e-2 (measured: docs/compositions.md), "
+                   "so that a term started inert (init=identity) moves")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed: same seed, same numbers (default {d.seed})")
     p.add_argument("--seeds", type=int, nargs="+", default=None, metavar="S",
                    help="several seeds (e.g. 0 1 2): every encoding is trained once per seed; the table gives the "
@@ -107,7 +111,8 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
     """A :class:`StudyConfig` from parsed ``hf-posenc study`` arguments."""
     return StudyConfig(
         encodings=args.encodings, family=args.family, task=args.task, train_len=args.train_len, steps=args.steps,
-        layers=args.layers, hidden=args.hidden, heads=args.heads, batch=args.batch, lr=args.lr, seed=args.seed,
+        layers=args.layers, hidden=args.hidden, heads=args.heads, batch=args.batch, lr=args.lr,
+        encoding_lr=args.encoding_lr, seed=args.seed,
         seeds=args.seeds, jobs=args.jobs, device=args.device, threads=args.threads, out=args.out, data=args.data,
         factors=args.factors, eval_tokens=args.eval_tokens, eval_sequences=args.eval_sequences, progress=not args.no_progress,
         resume=args.resume, source=args.source,

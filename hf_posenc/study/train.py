@@ -56,6 +56,7 @@ from .. import encoding_module, patch_model
 from ..config import PosEncConfig
 from ..machine import cpu_name
 from ..registry import list_encodings
+from ..training import ENCODING_LR, param_groups
 from . import data as D
 from .recipes import StudyEntry, apply_eval_scaling, parse_study_entry
 from .pretrained import CONVERSION_ENCODINGS, PretrainedTextSource, checkpoint_record, load_pretrained, resolve_source
@@ -103,6 +104,9 @@ class StudyConfig:
     heads: int | None = None  # default hidden // 16
     batch: int | None = None  # default 16 (text, tasks), 64 (vit)
     lr: float | None = None  # 3e-3 (a conversion study: 1e-4)
+    #: the encoding's own learning rate (hf_posenc.param_groups); default: lr (a conversion study: the larger of lr
+    #: and hf_posenc.training.ENCODING_LR, so that a term started inert moves)
+    encoding_lr: float | None = None
     seed: int = 0
     seeds: list[int] | None = None  # several seeds: every encoding once per seed (default: [seed])
     jobs: int = 1  # worker processes for independent (encoding, seed) runs
@@ -162,6 +166,10 @@ class StudyConfig:
             raise ValueError(f"--hidden {c.hidden} must be divisible by --heads {c.heads} into an even head size")
         if not c.lr > 0:
             raise ValueError(f"--lr must be > 0, got {c.lr}")
+        if c.encoding_lr is None:
+            c.encoding_lr = max(c.lr, ENCODING_LR) if convert else c.lr
+        if isinstance(c.encoding_lr, bool) or not isinstance(c.encoding_lr, (int, float)) or not c.encoding_lr > 0:
+            raise ValueError(f"--encoding-lr must be a number > 0, got {c.encoding_lr!r}")
         if c.seeds is None:
             c.seeds = [c.seed]
         if isinstance(c.seeds, int) or not isinstance(c.seeds, (list, tuple)) or not c.seeds:
@@ -430,6 +438,38 @@ def _lr_lambda(steps: int):
     return f
 
 
+def make_optimizer(model: nn.Module, config: StudyConfig) -> tuple[torch.optim.Optimizer, Any]:
+    """The study's optimizer and schedule: AdamW (betas 0.9, 0.95, no weight decay) over
+    :func:`hf_posenc.param_groups` (the encoding at ``config.encoding_lr``, the rest at ``config.lr``) of a
+    patched model, linear warm-up over the first 10 % of ``config.steps`` then cosine to 0."""
+    groups = param_groups(model, lr=config.lr, encoding_lr=config.encoding_lr)
+    opt = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(config.steps))
+
+
+def fine_tune(model: nn.Module, batches: Iterator[tuple[dict[str, torch.Tensor], int]], config: StudyConfig,
+              steps: int, device: torch.device, on_step: Any = None) -> list[float]:
+    """Train ``model`` for ``steps`` of ``batches`` (the study's recipe: :func:`make_optimizer`, gradients clipped to
+    norm 1.0); returns the training losses. ``on_step(loss)`` is called after each step."""
+    opt, sched = make_optimizer(model, config)
+    losses: list[float] = []
+    model.train()
+    for step, (batch, _) in enumerate(batches):
+        if step >= steps:
+            break
+        batch = {k: v.to(device) for k, v in batch.items()}
+        loss = model(**batch).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if on_step is not None:
+            on_step(losses[-1])
+    return losses
+
+
 def _train_and_eval(
     spec: str, index: int, total: int, config: StudyConfig, data: DataSource, device: torch.device
 ) -> dict[str, Any]:
@@ -470,28 +510,16 @@ def _train_and_eval(
 
     from tqdm.auto import tqdm
 
-    opt = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(c.steps))
     seeded = f" seed {data.seed}" if len(c.seeds or ()) > 1 else ""
     bar = tqdm(total=train_steps, desc=f"[{index}/{total}] {spec}{seeded}", unit="step", disable=not c.progress,
                mininterval=0.5, file=sys.stderr, dynamic_ncols=True)
-    losses: list[float] = []
     t0, cpu0 = time.perf_counter(), time.process_time()
-    model.train()
     try:
-        for step, (batch, _) in enumerate(data.train_batches()):
-            if step >= train_steps:
-                break
-            batch = {k: v.to(device) for k, v in batch.items()}
-            loss = model(**batch).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            losses.append(loss.item())
+        def shown(loss: float) -> None:
             bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+
+        losses = fine_tune(model, data.train_batches(), c, train_steps, device, on_step=shown)
         train_s, train_cpu = time.perf_counter() - t0, time.process_time() - cpu0
         if c.out is not None:  # what the model learned, before any evaluation-time re-patching
             result["profile"] = _write_profile(model, data, c, spec)
@@ -640,7 +668,8 @@ def _assemble(c: StudyConfig, device: torch.device, lengths: list[int], env: dic
             "eval_factors": [round((n / c.train_len) ** (2 if vit else 1), 4) for n in lengths],
         },
         "settings": {**asdict(c), "device_resolved": str(device), "optimizer": "AdamW(betas=(0.9, 0.95), "
-                     "weight_decay=0), linear warmup over the first 10% of steps then cosine to 0, grad clip 1.0",
+                     "weight_decay=0) over hf_posenc.param_groups (the encoding at encoding_lr), linear warmup over "
+                     "the first 10% of steps then cosine to 0, grad clip 1.0",
                      "intermediate_size": 4 * c.hidden, "vit_patch_size": VIT_PATCH if vit else None},
         "environment": env,
         "data": data.describe(),

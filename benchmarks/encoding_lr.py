@@ -1,0 +1,118 @@
+"""How far an inert term moves in a short fine-tune, per learning rate of the encoding: the measurement behind
+``hf_posenc.training.ENCODING_LR`` (docs/compositions.md).
+
+    python benchmarks/encoding_lr.py                                  # SmolLM2-135M-Instruct, fire and fox
+    python benchmarks/encoding_lr.py --terms fire --encoding-lrs 1e-4 1e-2 --steps 12
+
+For each term and each encoding learning rate: the pretrained checkpoint (``--from``, default the cached
+SmolLM2-135M-Instruct) is patched with ``rope+<term>`` and ``init="identity"`` (the unpatched logits at step 0)
+and fine-tuned by the conversion study's recipe (:func:`hf_posenc.study.train.fine_tune`: AdamW betas 0.9, 0.95
+over :func:`hf_posenc.param_groups`, the model at ``--lr``, the encoding at the rate measured; warm-up over 10 %
+of the steps then cosine; gradients clipped to norm 1), on the study's text (``pydoc_data.topics`` in the
+checkpoint's tokens, the training split), the same batches for every run. Then, on the study's held-out tokens in
+windows of the fine-tuning length:
+
+* ``term_effect``: the largest |logit| difference between the fine-tuned model and the same model with its term
+  set back to inert (``start_inert``), i.e. what the term learned, apart from what the rest of the model learned;
+* ``perplexity`` of the fine-tuned model and ``perplexity_term_inert`` of that same model with the term inert:
+  whether what the term learned helps or harms on held-out text.
+
+``--encoding-lrs`` equal to ``--lr`` is the fine-tune without a separate rate (one rate for every parameter).
+Writes JSON (default ``benchmarks/results/encoding_lr_<device>.json``) and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import ROOT, device_name, slug, versions  # noqa: E402
+
+import hf_posenc  # noqa: E402
+from hf_posenc.encodings.base import unwrap  # noqa: E402
+from hf_posenc.study.pretrained import PretrainedTextSource, load_pretrained, resolve_source  # noqa: E402
+from hf_posenc.study.train import StudyConfig, deterministic, fine_tune  # noqa: E402
+
+
+@torch.no_grad()
+def _logits(model: torch.nn.Module, windows: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    return torch.cat([model(input_ids=windows[i : i + 1]).logits.float() for i in range(windows.shape[0])])
+
+
+def _perplexity(logits: torch.Tensor, windows: torch.Tensor) -> float:
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
+    return float(torch.exp(nll))
+
+
+def run(term: str, encoding_lr: float, args: argparse.Namespace, data: PretrainedTextSource,
+        config: StudyConfig) -> dict:
+    torch.manual_seed(config.seed)
+    model = load_pretrained(resolve_source(config.source))
+    hf_posenc.patch_model(model, f"rope+{term}", init="identity")
+    run_config = StudyConfig(**{**config.__dict__, "encoding_lr": encoding_lr})
+    windows = data.windows[config.train_len]
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    losses = fine_tune(model, data.train_batches(), run_config, config.steps, torch.device("cpu"))
+    train_s, train_cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    trained = _logits(model, windows)
+    unwrap(hf_posenc.encoding_module(model)).term.start_inert()
+    inert = _logits(model, windows)
+    diff = (trained - inert).abs()
+    return {
+        "term": term, "encoding_lr": encoding_lr, "lr": config.lr,
+        "term_effect_max": float(diff.max()), "term_effect_mean": float(diff.mean()),
+        "perplexity": _perplexity(trained, windows), "perplexity_term_inert": _perplexity(inert, windows),
+        "train_losses": losses, "train_seconds": round(train_s, 1), "train_cpu_seconds": round(train_cpu, 1),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--from", dest="source", default="smollm2", help="checkpoint directory, hub id or 'smollm2'")
+    p.add_argument("--terms", nargs="+", default=["fire", "fox"])
+    p.add_argument("--encoding-lrs", nargs="+", type=float, default=[1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1])
+    p.add_argument("--lr", type=float, default=1e-4, help="the model's learning rate (default 1e-4, the study's)")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--train-len", type=int, default=256)
+    p.add_argument("--eval-tokens", type=int, default=1024, help="held-out tokens scored (windows of --train-len)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/encoding_lr_<device>.json)")
+    args = p.parse_args()
+    config = StudyConfig(source=args.source, lr=args.lr, steps=args.steps, batch=args.batch, train_len=args.train_len,
+                         eval_tokens=args.eval_tokens, factors=[1], out=None).resolved()
+    device = torch.device("cpu")
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"encoding_lr_{slug(device_name(device))}.json"
+    rows = []
+    with deterministic(device, args.threads):
+        data = PretrainedTextSource(config, [config.train_len])
+        record = {"what": __doc__.split("\n\n")[0], "settings": vars(args), "device": device_name(device),
+                  "threads": args.threads, "load_average_at_start": os.getloadavg(), **versions(), "runs": rows}
+        for term in args.terms:
+            for lr in args.encoding_lrs:
+                r = run(term, lr, args, data, config)
+                rows.append(r)
+                print(f"rope+{term} encoding_lr {lr:g}: term effect {r['term_effect_max']:.3f} (mean "
+                      f"{r['term_effect_mean']:.4f}), perplexity {r['perplexity']:.3f} (term inert "
+                      f"{r['perplexity_term_inert']:.3f}), {r['train_seconds']:.0f} s", file=sys.stderr, flush=True)
+                record["load_average_at_end"] = os.getloadavg()
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(record, indent=2) + "\n")
+    print("| term | encoding lr | term effect (max abs logit) | mean | perplexity | term set inert |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| rope+{r['term']} | {r['encoding_lr']:g} | {r['term_effect_max']:.3f} | {r['term_effect_mean']:.4f} "
+              f"| {r['perplexity']:.3f} | {r['perplexity_term_inert']:.3f} |")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -96,7 +96,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="text: validation bytes (tokens with --from) scored at every length (default 16384; with "
                    "--from 1024)")
     p.add_argument("--from", dest="source", default=None, metavar="CHECKPOINT",
-                   help="a conversion study: fine-tune this pretrained causal LM (a checkpoint directory, or "
+                   help="a conversion study: fine-tune this pretrained causal LM (a checkpoint directory, a Hugging "
+                   "Face Hub id such as HuggingFaceTB/SmolLM2-135M, loaded through the local Hub cache first, or "
                    "'smollm2' for the cached SmolLM2-135M-Instruct) after each swap, on English text, and evaluate "
                    "it before the swap, right after it and after fine-tuning (hf_posenc/study/pretrained.py)")
     p.add_argument("--eval-sequences", type=int, default=d.eval_sequences,

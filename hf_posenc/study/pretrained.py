@@ -47,17 +47,78 @@ TRAIN_FRACTION = 0.9
 _LOADED: dict[str, nn.Module] = {}
 
 
+#: (hub id, Hub cache directory) already resolved to a snapshot directory in this process
+_RESOLVED: dict[tuple[str, str], Path] = {}
+
+
 def resolve_source(source: str) -> Path:
-    """The checkpoint directory of ``--from``: a directory with config.json, or ``smollm2`` (the cached
-    SmolLM2-135M-Instruct, built on first use by :func:`hf_posenc.testing.smollm2`)."""
+    """The checkpoint directory of ``--from``: a directory with config.json; ``smollm2`` (the cached
+    SmolLM2-135M-Instruct, built on first use by :func:`hf_posenc.testing.smollm2`); or a Hugging Face Hub id
+    (``org/name``), resolved by transformers' own loading (``cached_file``): the local Hub cache is used first
+    (``HF_HOME``, ``HF_HUB_CACHE``; offline too, with ``HF_HUB_OFFLINE=1``), what it lacks is downloaded. The
+    config, the safetensors weights (one file or the shards of ``model.safetensors.index.json``) and the tokenizer
+    are fetched into the cache, and their snapshot directory is returned.
+
+    Raises:
+        ValueError: a directory without config.json, a path that does not exist and is no hub id, or a hub id
+            that neither the cache nor the network can provide (the reason, and what to do, in the message).
+    """
     if source == "smollm2":
         from ..testing import smollm2
 
         return Path(smollm2())
-    path = Path(source)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"--from {source!r}: not a checkpoint directory (no config.json) and not 'smollm2'")
-    return path
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--from {source!r}: not a checkpoint directory (no config.json)")
+        return path
+    from huggingface_hub import constants
+
+    key = (source, str(constants.HF_HUB_CACHE))
+    if key not in _RESOLVED:
+        _RESOLVED[key] = _hub_snapshot(source)
+    return _RESOLVED[key]
+
+
+def _looks_like_hub_id(source: str) -> bool:
+    """``name`` or ``org/name`` of letters, digits and ``-_.`` (the Hub's rule), not a path."""
+    import re
+
+    return bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?", source)) and ".." not in source
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    """The Hub cache's snapshot directory of ``repo_id`` with its config, safetensors weights and tokenizer."""
+    if not _looks_like_hub_id(repo_id):
+        raise ValueError(f"--from {repo_id!r}: no such directory, and not a Hugging Face Hub id (org/name); give a "
+                         "checkpoint directory (with config.json), a hub id, or 'smollm2'")
+    from transformers import AutoTokenizer
+    from transformers.utils import cached_file
+
+    try:
+        config = Path(cached_file(repo_id, "config.json"))
+        index = cached_file(repo_id, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False)
+        if index is not None:
+            shards = sorted(set(json.loads(Path(index).read_text())["weight_map"].values()))
+        else:
+            shards = ["model.safetensors"]
+        for shard in shards:
+            cached_file(repo_id, shard)
+        AutoTokenizer.from_pretrained(repo_id)  # its files into the same snapshot
+    except OSError as e:
+        from huggingface_hub import constants
+
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
+        offline = ("HF_HUB_OFFLINE is set and the local cache does not hold it" if constants.HF_HUB_OFFLINE else
+                   "neither the local cache nor the Hub gave it (no network, no such repository, or no safetensors "
+                   "weights)")
+        raise ValueError(
+            f"--from {repo_id!r}: no such directory, and the Hugging Face Hub checkpoint could not be loaded: "
+            f"{offline}. Looked in the cache {constants.HF_HUB_CACHE} (set HF_HOME or HF_HUB_CACHE to use another). "
+            f"transformers said: {first}. Download it where there is network (hf download {repo_id}; a conversion "
+            "study needs config.json, safetensors weights and the tokenizer), or give a checkpoint directory."
+        ) from None
+    return config.parent
 
 
 def _sha256(paths: list[Path]) -> str:
@@ -75,7 +136,7 @@ def checkpoint_record(path: Path) -> dict[str, Any]:
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         raise ValueError(f"{path} holds no *.safetensors weights (hf_posenc loads safetensors only)")
-    return {
+    record = {
         "path": str(path),
         "name": config.get("_model_name_or_path") or config.get("_name_or_path") or path.name,
         "model_type": config.get("model_type"),
@@ -83,6 +144,10 @@ def checkpoint_record(path: Path) -> dict[str, Any]:
         "weights_sha256": _sha256(weights),
         "weight_files": [w.name for w in weights],
     }
+    hub = [source for (source, _), v in _RESOLVED.items() if v == path]
+    if hub:  # a Hub checkpoint: its id and the commit of its snapshot
+        record.update(name=hub[0], hub_id=hub[0], revision=path.name)
+    return record
 
 
 def load_pretrained(path: Path) -> nn.Module:

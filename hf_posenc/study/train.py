@@ -115,7 +115,7 @@ class StudyConfig:
     out: str | None = "out/study"
     data: str | None = None
     factors: list[float] | None = None  # 1 2 4 8 (a conversion study: 1 2 4)
-    #: a conversion study (``--from``): a checkpoint directory, or "smollm2" (hf_posenc.study.pretrained)
+    #: a conversion study (``--from``): a checkpoint directory, a Hub id, or "smollm2" (hf_posenc.study.pretrained)
     source: str | None = None
     eval_tokens: int | None = None  # 16384 (a conversion study: 1024)
     eval_sequences: int = 128
@@ -128,7 +128,7 @@ class StudyConfig:
         convert = c.source is not None
         if convert:
             if not isinstance(c.source, str) or not c.source:
-                raise TypeError(f"--from must be a checkpoint directory or 'smollm2', got {c.source!r}")
+                raise TypeError(f"--from must be a checkpoint directory, a hub id or 'smollm2', got {c.source!r}")
             if c.family != "llama" and c.family != "gpt2":
                 raise ValueError(f"--from fine-tunes a pretrained causal LM; --family {c.family} does not apply")
             if c.task not in (None, "text"):

@@ -166,10 +166,10 @@ def patch_model(
 
 
 def _resolve_one(config: PosEncConfig, info: ModelInfo) -> PosEncConfig:
-    """``config`` with the parameters left to the model filled in (``resolve``), its window kept."""
+    """``config`` with the parameters left to the model filled in (``resolve``), its layer options kept."""
     resolved = config.spec.cls.resolve(config, info)
-    if resolved.window != config.window:
-        resolved = dataclasses.replace(resolved, window=config.window)
+    if resolved.layer_options() != config.layer_options():
+        resolved = dataclasses.replace(resolved, **config.layer_options())
     return resolved
 
 
@@ -240,15 +240,14 @@ def describe(model: nn.Module) -> dict[str, Any]:
         for name, (module, _) in zip(base.posenc_layers, layer_encodings(model)):
             config = module.posenc_config
             per_layer.append({"layer": name, "encoding": config.name, "params": dict(config.params),
-                              "window": config.window, "backend": _backend_summary(module, device)})
+                              **config.layer_options(), "backend": _backend_summary(module, device)})
         backends = sorted({entry["backend"] for entry in per_layer})
         return {"encoding": "plan", "params": {}, "kind": "plan", **out, "backend": ", ".join(backends),
                 "plan": per_layer}
     spec = get_encoding(inner.name)
     out = {"encoding": spec.name, "params": dict(inner.posenc_config.params), "kind": spec.kind, **out,
            "backend": _backend_summary(inner, device)}
-    if inner.posenc_config.window is not None:
-        out["window"] = inner.posenc_config.window
+    out.update({k: v for k, v in inner.posenc_config.layer_options().items() if v is not None})
     return out
 
 

@@ -59,6 +59,8 @@ ATTN_IMPLEMENTATION = "hf_posenc"
 _QUERY_BLOCK = 128
 #: query rows per step when a mask is checked for the kernels' form (causal + key padding).
 _MASK_CHECK_ROWS = 1024
+#: why a layer with attention sinks (``sink``) runs the mask path: the engines take a window, not its sinks.
+SINK_REASON = "the engines skip the key tiles left of a window and take no attention sinks (sink=) yet"
 
 
 def attention_backend(encoding: object | None, device: torch.device | str | None = None) -> str:
@@ -162,13 +164,14 @@ def _needs_causal_mask(q_len: int, k_len: int, q_offset: int | torch.Tensor) -> 
 
 def window_band(
     window: int, causal: bool, q_len: int, k_len: int, q_offset: int | torch.Tensor, device: torch.device,
-    grid: tuple[int, int] | None = None,
+    grid: tuple[int, int] | None = None, sink: int | None = None,
 ) -> torch.Tensor:
     """(1, 1, Lq, Lk) bool: the keys a sliding window of ``window`` lets each query see (query i is key
     qi = q_offset + i). Text: the kernels' own band (``naive.band_allowed``): causal, qi - window < j <= qi (its
     last ``window`` keys, itself included; as transformers' ``sliding_window_overlay``); bidirectional,
     |qi - j| < window. ViT's grid: both
-    the row and the column offsets below ``window``, the CLS token seeing and seen by every token."""
+    the row and the column offsets below ``window``, the CLS token seeing and seen by every token. ``sink``: the
+    keys j < sink are seen besides the band (causality still applies)."""
     if grid is not None:
         coords = vit_token_coords(grid, device)
         q, k = coords[-q_len:], coords[-k_len:]
@@ -176,9 +179,11 @@ def window_band(
         is_cls = torch.zeros(coords.shape[0], dtype=torch.bool, device=device)
         is_cls[0] = True
         band = near | is_cls[-q_len:, None] | is_cls[None, -k_len:]
+        if sink:
+            band = band | (torch.arange(k_len, device=device) < sink)[None, :]
         return band[None, None]
     q_idx = torch.arange(q_len, device=device) + q_offset
-    return band_allowed(q_idx, torch.arange(k_len, device=device), causal, window)[None, None]
+    return band_allowed(q_idx, torch.arange(k_len, device=device), causal, window, sink)[None, None]
 
 
 def _windowed_mask(
@@ -187,12 +192,13 @@ def _windowed_mask(
 ) -> torch.Tensor:
     """The attention mask (B|1, 1, Lq, Lk) bool with the sliding window applied, built once per forward for a
     given mask (the layers of an encoding share it)."""
-    memo_key = ("window_mask", window, causal, q_len, k_len, _offset_key(q_offset),
+    sink = ctx.own_sink()
+    memo_key = ("window_mask", window, sink, causal, q_len, k_len, _offset_key(q_offset),
                 None if attention_mask is None else (attention_mask.data_ptr(), tuple(attention_mask.shape)))
     cached = ctx.memo.get(memo_key)
     if cached is not None:
         return cached
-    band = window_band(window, causal, q_len, k_len, q_offset, device, ctx.grid)
+    band = window_band(window, causal, q_len, k_len, q_offset, device, ctx.grid, sink)
     mask = _full_mask(attention_mask, causal, q_len, k_len, q_offset, device)
     if mask is None and causal:  # one query at the end of the keys: causality holds without a mask
         mask = _causal_mask(q_len, k_len, q_offset, device)[None, None]
@@ -310,6 +316,8 @@ def _engine_inputs(
         reason = unsupported(query, key, value, term)
     if reason is None and ctx.own_window() is not None and ctx.grid is not None:
         reason = "a sliding window on ViT's grid is per axis; the kernels' window is 1D"
+    if reason is None and ctx.own_sink() is not None:
+        reason = SINK_REASON
     return (None, None, reason) if reason is not None else (term, key_valid, None)
 
 
@@ -407,6 +415,8 @@ def _compiled_tiled_attention(
         reason = tiled_unsupported(query, key, value, term)
     if reason is None and ctx.own_window() is not None and ctx.grid is not None:
         reason = "a sliding window on ViT's grid is per axis; the engine's window is 1D"
+    if reason is None and ctx.own_sink() is not None:
+        reason = SINK_REASON
     if reason is not None:
         debug_log(__name__, f"torch.compile: the full-matrix reference runs layer {layer}: {reason}")
         return None
@@ -453,10 +463,14 @@ def posenc_attention(
     if h % key.shape[1]:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({key.shape[1]})")
     scaling = d**-0.5 if scaling is None else scaling
+    if posenc_ctx is not None:  # an encoding's own logit scale (nope's softmax_scale: DroPE)
+        scaling = getattr(unwrap(posenc_ctx.encoding), "softmax_scale", None) or scaling
     causal = bool(getattr(module, "is_causal", False))
     layer = getattr(module, "posenc_layer", 0) if posenc_layer is None else posenc_layer
     # Index of the first query among the keys: the cache length before this forward.
     q_offset = posenc_ctx.q_offset if posenc_ctx is not None else k_len - q_len
+    if posenc_ctx is not None:  # a length-scaled softmax (length_scale) is a scale of each query: every path takes it
+        query = posenc_ctx.scale_queries(layer, query, k_len, _as_bool_mask(attention_mask), causal)
     # The encoding's sliding window: the references below get it as a band on the mask; the kernels and the tile
     # engine take it as a number (with the model's own, already in the mask transformers built: the narrower,
     # PosContext.engine_window) and skip the key tiles outside it.

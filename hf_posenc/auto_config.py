@@ -117,7 +117,8 @@ def _rope_is_native(config: Any, params: dict) -> bool:
     no sliding window, no scaling and no partial rotary of its own."""
     if params.get("layout", "half") != "half":
         return False
-    if any(params.get(key) is not None for key in ("window", "scaling", "partial_rotary_factor")):
+    if any(params.get(key) is not None for key in ("window", "sink", "length_scale", "scaling",
+                                                    "partial_rotary_factor")):
         return False
     theta = params.get("theta")
     if theta is None:

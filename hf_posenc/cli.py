@@ -8,7 +8,7 @@ import dataclasses
 import sys
 
 from . import list_encodings, support_matrix
-from .config import WINDOW_HELP
+from .config import LAYER_OPTIONS
 from .registry import get_encoding
 
 
@@ -20,7 +20,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
             for f in dataclasses.fields(spec.params):
                 print(f"    {f.name} = {f.default!r}: {f.metadata['help']}")
     if args.verbose:
-        print(f"\nEvery encoding also takes:\n    window = None: {WINDOW_HELP}")
+        print("\nEvery encoding also takes:")
+        for option, text in LAYER_OPTIONS.items():
+            print(f"    {option} = None: {text}")
         print("A plan (a list of encodings, one per layer, repeated over the depth) is given to patch_model or "
               "the config key as a list, e.g. ['rope', 'rope', 'rope', 'nope'].")
     return 0

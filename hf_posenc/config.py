@@ -12,7 +12,10 @@ from typing import Any, Mapping
 from .kernels._masks import check_window
 from .registry import EncodingSpec, get_encoding
 
-__all__ = ["PosEncConfig", "CONFIG_KEY", "WINDOW_HELP", "check_window", "coerce_plan", "is_plan"]
+__all__ = [
+    "PosEncConfig", "CONFIG_KEY", "LAYER_OPTIONS", "LENGTH_SCALES", "WINDOW_HELP", "check_window", "coerce_plan",
+    "is_plan",
+]
 
 #: The attribute of a transformers config that holds the encoding, as a plain dict.
 CONFIG_KEY = "position_encoding"
@@ -68,6 +71,50 @@ WINDOW_HELP = (
     "(the keys transformers' sliding_window gives Mistral); on bidirectional models the keys less than `window` "
     "positions away on either side (per grid axis on ViT); None: every key"
 )
+#: help text of ``sink``.
+SINK_HELP = (
+    "attention sinks beside the sliding window (StreamingLLM, Xiao et al. 2023, arXiv:2309.17453): the first "
+    "`sink` keys (positions 0 .. sink - 1 of the sequence) stay visible to every query that the window would hide "
+    "them from; needs `window`; None: no sink"
+)
+#: the length-scaled softmaxes ``length_scale`` takes.
+LENGTH_SCALES = ("ssmax", "logn")
+#: help text of ``length_scale``.
+LENGTH_SCALE_HELP = (
+    "a per-query factor on the attention logits, by the number n of keys the query sees (n = its position + 1 on "
+    "causal models, capped by the window and its sinks): 'ssmax' multiplies them by s * log n with s learned per "
+    "head and layer (Scalable-Softmax, Nakanishi 2025, arXiv:2501.19399; s starts at 1 / log P, P the model's "
+    "context); 'logn' by max(1, log n / log P) (Qwen's log-n scaling, fixed); applied as a scale of the query; "
+    "None: off"
+)
+#: The options of a layer that every encoding takes beside its own parameters, with their help text. They are
+#: attributes of :class:`PosEncConfig` (not entries of ``params``), stored in ``to_dict`` only when set.
+LAYER_OPTIONS: dict[str, str] = {"window": WINDOW_HELP, "sink": SINK_HELP, "length_scale": LENGTH_SCALE_HELP}
+
+
+def check_sink(sink: object, window: int | None, where: str = "sink") -> int | None:
+    """``sink`` validated: None or an int >= 1 (a numpy integer is taken as the int it holds), and only with a
+    ``window`` (without one every key is visible already)."""
+    if sink is None:
+        return None
+    sink = _plain(sink)
+    if isinstance(sink, bool) or not isinstance(sink, int):
+        raise TypeError(f"{where} must be an int >= 1 (the first keys every query sees) or None, got "
+                        f"{type(sink).__name__} ({sink!r})")
+    if sink < 1:
+        raise ValueError(f"{where} must be >= 1 (the first keys every query sees) or None, got {sink}")
+    if window is None:
+        raise ValueError(f"{where} ({sink}) needs a sliding window: without window= every query sees every key already")
+    return sink
+
+
+def check_length_scale(value: object, where: str = "length_scale") -> str | None:
+    """``length_scale`` validated: None, ``"ssmax"`` or ``"logn"``."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in LENGTH_SCALES:
+        raise ValueError(f"{where} must be one of {list(LENGTH_SCALES)} or None, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -78,27 +125,36 @@ class PosEncConfig:
     means "resolved from the model when patching"; :func:`hf_posenc.patch_model` writes the resolved
     values to ``model.config.position_encoding``.
 
-    ``window`` (every encoding takes it; see :data:`WINDOW_HELP`) limits the keys each query of the encoding's
-    layers sees; it may be given among ``params`` too. It is stored in ``to_dict`` only when set, so configs
-    without a window keep their form.
+    The layer options (every encoding takes them; :data:`LAYER_OPTIONS`): ``window`` limits the keys each query
+    of the encoding's layers sees, ``sink`` keeps the first keys visible beside the window, ``length_scale``
+    scales each query's logits by the number of keys it sees. They may be given among ``params`` too, and are
+    stored in ``to_dict`` only when set, so configs without them keep their form.
     """
 
     name: str
     params: Mapping[str, Any] = field(default_factory=dict)
     window: int | None = None
+    sink: int | None = None
+    length_scale: str | None = None
 
     def __post_init__(self) -> None:
         spec = get_encoding(self.name)
         if not isinstance(self.params, Mapping):
             raise TypeError(f"params must be a mapping, got {type(self.params).__name__}")
-        if "window" in self.params:
+        if any(option in self.params for option in LAYER_OPTIONS):
             params = dict(self.params)
-            given = params.pop("window")
-            if self.window is not None and given != self.window:
-                raise ValueError(f"window given twice, as {self.window!r} and {given!r}")
+            for option in LAYER_OPTIONS:
+                if option not in params:
+                    continue
+                given, own = params.pop(option), getattr(self, option)
+                if own is not None and given != own:
+                    raise ValueError(f"{option} given twice, as {own!r} and {given!r}")
+                object.__setattr__(self, option, given)
             object.__setattr__(self, "params", params)
-            object.__setattr__(self, "window", given)
-        object.__setattr__(self, "window", check_window(self.window, f"window of encoding {self.name!r}"))
+        where = f"of encoding {self.name!r}"
+        object.__setattr__(self, "window", check_window(self.window, f"window {where}"))
+        object.__setattr__(self, "sink", check_sink(self.sink, self.window, f"sink {where}"))
+        object.__setattr__(self, "length_scale", check_length_scale(self.length_scale, f"length_scale {where}"))
         if spec.normalise is not None:  # a composition ("rope+fox"): its parts validate their own parameters
             object.__setattr__(self, "params", spec.normalise(self.params))
             return
@@ -128,17 +184,25 @@ class PosEncConfig:
     def spec(self) -> EncodingSpec:
         return get_encoding(self.name)
 
+    def layer_options(self) -> dict[str, Any]:
+        """The layer options (:data:`LAYER_OPTIONS`) by name, None where unset."""
+        return {option: getattr(self, option) for option in LAYER_OPTIONS}
+
+    def with_params(self, params: Mapping[str, Any]) -> "PosEncConfig":
+        """The same encoding and layer options with ``params`` instead of its parameters (validated again)."""
+        return PosEncConfig(self.name, params, **self.layer_options())
+
     def replace(self, **params: Any) -> "PosEncConfig":
-        """A copy with some parameters changed (validated again); ``window`` may be among them."""
-        window = params.pop("window", self.window)
-        return PosEncConfig(self.name, {**self.params, **params}, window)
+        """A copy with some parameters changed (validated again); layer options (``window``, ...) may be among
+        them."""
+        options = {option: params.pop(option, value) for option, value in self.layer_options().items()}
+        return PosEncConfig(self.name, {**self.params, **params}, **options)
 
     def to_dict(self) -> dict[str, Any]:
-        """The form stored in ``config.position_encoding``: ``{"name": ..., **params}`` (and ``"window"`` when
-        set)."""
+        """The form stored in ``config.position_encoding``: ``{"name": ..., **params}`` (and each layer option,
+        ``"window"`` ..., when set)."""
         out = {"name": self.name, **self.params}
-        if self.window is not None:
-            out["window"] = self.window
+        out.update({option: value for option, value in self.layer_options().items() if value is not None})
         return out
 
     @classmethod
@@ -160,7 +224,7 @@ class PosEncConfig:
             raise ValueError(f"{CONFIG_KEY} must have a 'name' key, got keys {sorted(data)}")
         params = {k: v for k, v in data.items() if k != "name"}
         if unknown == "warn":
-            known = [*get_encoding(data["name"]).param_names(), "window"]
+            known = [*get_encoding(data["name"]).param_names(), *LAYER_OPTIONS]
             extra = sorted(set(params) - set(known), key=str)
             if extra:
                 warnings.warn(

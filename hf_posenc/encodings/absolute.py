@@ -3,6 +3,19 @@
 * NoPE: "Length Generalization of Causal Transformers without Position Encoding", Wang et al. 2024,
   https://arxiv.org/abs/2404.12224 -- no position signal at all; a causal mask alone lets a decoder
   infer order. On ViT there is no such cue: the model becomes permutation-invariant over patches.
+
+  DroPE ("Extending the Context of Pretrained LLMs by Dropping Their Positional Embeddings", Gelberg et al.,
+  ICLR 2026; the authors' code: github.com/SakanaAI/DroPE, ``custom_models/attention.py``) drops a pretrained
+  model's RoPE and recalibrates it at its original context: ``nope`` on a pretrained RoPE model. Its options, as
+  the authors' code has them:
+
+  - ``qk_norm`` ("q", "k", "qk"): an RMSNorm over the whole query projection, the whole key projection, or both
+    (all heads of a token at once: q_norm = RMSNorm(H·D), k_norm = RMSNorm(H_kv·D)), with a learned weight that
+    starts at 1 and the model's own ``rms_norm_eps`` (``qk_norm_eps``); applied to the projections before the
+    attention (after a family's own per-head QK-norm, where it has one). One weight per layer.
+  - ``softmax_scale``: the logit scale of the attention instead of the model's (1/√D for most families); the
+    authors' default is the model's own (their config sets none).
+  Neither is in NoPE's paper; both default to off, which is plain NoPE.
 * Sinusoidal: "Attention Is All You Need", Vaswani et al. 2017, https://arxiv.org/abs/1706.03762 --
   PE(pos, 2i) = sin(pos / base^(2i/d)),  PE(pos, 2i+1) = cos(pos / base^(2i/d)), interleaved as in the
   paper, added to the token embeddings. On ViT: the 2D form (MAE, https://arxiv.org/abs/2111.06377):
@@ -42,7 +55,16 @@ __all__ = ["NoPE", "Sinusoidal", "Learned", "sinusoidal_table"]
 
 @dataclass
 class NoPEParams:
-    pass
+    qk_norm: str | None = param(
+        None, "DroPE's QK-norm: an RMSNorm with a learned weight over the whole query projection ('q'), the whole "
+        "key projection ('k') or both ('qk'), before the attention (SakanaAI/DroPE); None: none",
+        type=str, optional=True, choices=("q", "k", "qk"))
+    qk_norm_eps: float | None = param(
+        None, "epsilon of qk_norm's RMSNorm; None: the model's own rms_norm_eps (as DroPE's code), 1e-6 where the "
+        "model has none", type=float, optional=True, gt=0.0)
+    softmax_scale: float | None = param(
+        None, "DroPE's softmax_scale: the attention's logit scale instead of the model's (1/sqrt(head_dim) for "
+        "most families); None: the model's", type=float, optional=True, gt=0.0)
 
 
 @register_encoding(
@@ -53,9 +75,52 @@ class NoPEParams:
     paper="https://arxiv.org/abs/2404.12224",
 )
 class NoPE(PositionEncoding):
-    """No position encoding: the patch removes the model's own and adds nothing."""
+    """No position encoding: the patch removes the model's own and adds nothing; optionally DroPE's QK-norm and
+    softmax scale (see the module docstring)."""
 
     relative = True  # no position signal at all: position_ids are never read
+
+    def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:
+        super().__init__(config, info)
+        self.qk_norm = config.params["qk_norm"]
+        #: the attention's logit scale instead of the model's (read by the attention function), or None.
+        self.softmax_scale = config.params["softmax_scale"]
+        #: q/k pass through ``prepare`` only with a QK-norm.
+        self.prepares_qkv = self.qk_norm is not None
+        if self.qk_norm is not None:
+            n = info.num_layers
+            if "q" in self.qk_norm:
+                #: DroPE's q_norm weights (layers, H·D), from 1 (nn.RMSNorm's start)
+                self.q_norm_weight = nn.Parameter(torch.ones(n, info.num_heads * info.head_dim))
+            if "k" in self.qk_norm:
+                self.k_norm_weight = nn.Parameter(torch.ones(n, info.num_kv_heads * info.head_dim))
+
+    @classmethod
+    def resolve(cls, config: PosEncConfig, info: ModelInfo) -> PosEncConfig:
+        if config.params["qk_norm"] is None or config.params["qk_norm_eps"] is not None:
+            return config
+        return config.replace(qk_norm_eps=info.norm_eps if info.norm_eps is not None else 1e-6)
+
+    def prepare(
+        self, ctx: PosContext, layer: int, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, H, Lq, D) and k (B, Hkv, Lq, D) through DroPE's RMSNorm over all heads of each token."""
+        eps = self.posenc_config.params["qk_norm_eps"] or 1e-6
+        if "q" in self.qk_norm:
+            q = _rms_norm_over_heads(q, self.q_norm_weight[layer], eps)
+        if "k" in self.qk_norm:
+            k = _rms_norm_over_heads(k, self.k_norm_weight[layer], eps)
+        return q, k, v
+
+
+def _rms_norm_over_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x (B, H, L, D) over all H·D channels of each token (the whole projection, as DroPE's
+    ``nn.RMSNorm(H·D)`` before the head split), with ``weight`` (H·D,); computed in float32, returned in x's dtype
+    (``torch.nn.functional.rms_norm`` on the token's channels)."""
+    b, h, n, d = x.shape
+    flat = x.transpose(1, 2).reshape(b, n, h * d)
+    out = torch.nn.functional.rms_norm(flat.float(), (h * d,), weight.float(), eps)
+    return out.to(x.dtype).reshape(b, n, h, d).transpose(1, 2)
 
 
 def sinusoidal_table(positions: torch.Tensor, dim: int, base: float) -> torch.Tensor:

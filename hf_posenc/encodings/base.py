@@ -25,8 +25,9 @@ from torch import nn
 
 from ..backend import forced_backend
 from ..config import PosEncConfig
+from .length_scale import check_length_scale_model, keys_seen, length_scale_factor, ssmax_start
 
-__all__ = ["EngineAttention", "ModelInfo", "PosContext", "PositionEncoding", "RelativePositions", "relative_positions", "unwrap", "vit_token_coords"]
+__all__ = ["EngineAttention", "ModelInfo", "PosContext", "model_norm_eps", "PositionEncoding", "RelativePositions", "relative_positions", "unwrap", "vit_token_coords"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,9 @@ class ModelInfo:
     #: per-layer ``rope_parameters`` where layers differ (Gemma 3's local and global layers); None: every
     #: layer uses ``rope_parameters``.
     layer_rope_parameters: tuple[dict, ...] | None = None
+    #: the epsilon of the model's own normalisation layers (``rms_norm_eps``, ``layer_norm_eps``, ...), None if it
+    #: has none; what a norm an encoding adds defaults to (nope's ``qk_norm``, as DroPE's code).
+    norm_eps: float | None = None
     #: per-layer sliding window (keys more than ``window - 1`` positions before the query are masked), None
     #: for a layer without one; None: no layer has one. The attention mask transformers builds carries it.
     sliding_windows: tuple[int | None, ...] | None = None
@@ -68,6 +72,15 @@ PLAIN_CAUSAL = "plain_causal"
 #: hf_posenc's sliding ``window`` was applied to it (``windowed``): what a token's neighbours are (FoX Pro's token
 #: shift) does not depend on which keys a query may attend to.
 UNWINDOWED_MASK = "unwindowed_mask"
+
+
+def model_norm_eps(config: Any) -> float | None:
+    """The epsilon of a transformers config's normalisation layers, None where it names none."""
+    for name in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"):
+        value = getattr(config, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
 
 
 def new_tokens_key(length: int) -> int | str:
@@ -129,6 +142,35 @@ class PosContext:
     def own_window(self) -> int | None:
         """The sliding ``window`` of the encoding this context runs (its config's), or None."""
         return getattr(getattr(unwrap(self.encoding), "posenc_config", None), "window", None)
+
+    def unwindowed(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The attention mask before hf_posenc's sliding ``window`` (and its sinks) cut it: which keys are real
+        tokens and have a real predecessor does not depend on which keys a query may attend to (FoX's gates between
+        a sink and the window count). ``mask`` itself without an own window.
+        (Only with an own window: the lookup by id(mask) makes torch.compile guard on the mask object.)"""
+        if mask is None or self.own_window() is None:
+            return mask
+        return self.memo.get((UNWINDOWED_MASK, id(mask)), mask)
+
+    def own_sink(self) -> int | None:
+        """The ``sink`` of the encoding this context runs (its config's: the first keys every query sees beside its
+        sliding window), or None."""
+        return getattr(getattr(unwrap(self.encoding), "posenc_config", None), "sink", None)
+
+    def scale_queries(
+        self, layer: int, query: torch.Tensor, k_len: int, mask: torch.Tensor | None, causal: bool
+    ) -> torch.Tensor:
+        """``query`` (B, H, Lq, D) times the factor of the encoding's ``length_scale`` (the query's logits scaled by
+        the number of keys it sees: :mod:`hf_posenc.encodings.length_scale`), or ``query`` itself without one.
+        ``mask``: the attention mask (B|1, 1, Lq, Lk) bool or None (read on bidirectional models)."""
+        config = getattr(unwrap(self.encoding), "posenc_config", None)
+        if config is None or config.length_scale is None:
+            return query
+        q_len = query.shape[2]
+        n = keys_seen(self.position_ids if self.grid is None else None, mask, causal, q_len, k_len, self.q_offset,
+                      self.engine_window(layer), self.own_sink(), query.device)
+        factor = self.encoding("length_scale", self, layer, n)
+        return (query.float() * factor).to(query.dtype)
 
     def engine_window(self, layer: int) -> int | None:
         """The window the tile engines and kernels skip key tiles for on the encoding's layer ``layer``: the
@@ -302,6 +344,29 @@ class PositionEncoding(nn.Module):
         self.posenc_config = config
         self.info = info
         self.check_model(info)
+        self._check_layer_options(config, info)
+        if config.length_scale == "ssmax":
+            #: SSMax's s (layers of this encoding, heads): see hf_posenc.encodings.length_scale.
+            self.ssmax_scale = nn.Parameter(torch.full((info.num_layers, info.num_heads), ssmax_start(info)))
+
+    @staticmethod
+    def _check_layer_options(config: PosEncConfig, info: ModelInfo) -> None:
+        """``ValueError`` where the model cannot take the layer options ``sink`` and ``length_scale``."""
+        check_length_scale_model(config.length_scale, info, config.sink, config.window, config.name)
+        if config.sink is not None and any(w is not None for w in info.sliding_windows or ()):
+            raise ValueError(
+                f"sink={config.sink} of {config.name!r} on a {info.family} model with its own sliding window: "
+                "transformers' mask and sliding cache drop the first keys of those layers before hf_posenc sees them; "
+                "turn the model's window off (e.g. config.sliding_window = None before building the model) and give "
+                "window= and sink= to the encoding instead"
+            )
+
+    def length_scale(self, ctx: "PosContext", layer: int, n: torch.Tensor) -> torch.Tensor:
+        """The factor (B|1, H|1, Lq, 1) float32 of ``length_scale`` on the queries of ``layer`` that see ``n``
+        keys (B|1, 1, Lq, 1) (:mod:`hf_posenc.encodings.length_scale`)."""
+        kind = self.posenc_config.length_scale
+        s = self.ssmax_scale[layer] if kind == "ssmax" else None
+        return length_scale_factor(kind, n, self.info.max_positions, s)
 
     def skips_engines(self, ctx: "PosContext", query: torch.Tensor, key: torch.Tensor) -> bool:
         """Whether this call skips the fused and tile engines because the encoding's own path is the faster one
@@ -371,9 +436,11 @@ class PositionEncoding(nn.Module):
             return self.finish(*args, **kwargs)
         if op == "kernel_term":
             return self.kernel_term(*args, **kwargs)
+        if op == "length_scale":
+            return self.length_scale(*args, **kwargs)
         raise ValueError(
             f"unknown operation {op!r} for encoding {self.name!r}; allowed: embed, rotate, bias, attend, prepare, "
-            "finish, kernel_term"
+            "finish, kernel_term, length_scale"
         )
 
     # -- memory pre-check of the O(L^2) references (see hf_posenc.memory) -------------------------------
@@ -492,5 +559,16 @@ class EngineAttention(PositionEncoding):
     bidirectional model (ViT, BERT). CoPE and stick-breaking attention."""
 
     def attend_uses_reference(self, ctx: PosContext, dropout: float, training: bool) -> bool:
-        """Whether ``attend`` runs the full-matrix reference rather than a kernel or the tile-wise engine."""
-        return not self.info.causal or ctx.need_weights or (dropout > 0.0 and training)
+        """Whether ``attend`` runs the full-matrix reference rather than a kernel or the tile-wise engine (also with
+        attention sinks, which the engines do not take: ``hf_posenc.attention.SINK_REASON``)."""
+        return not self.info.causal or ctx.need_weights or (dropout > 0.0 and training) or ctx.own_sink() is not None
+
+    def engines_take_sink(self, ctx: PosContext) -> bool:
+        """False where the layer has attention sinks (``sink``), which the kernels do not take: ``attend`` then runs
+        its reference; a forced ``HF_POSENC_BACKEND=triton`` raises a ValueError saying so."""
+        if ctx.own_sink() is None:
+            return True
+        if forced_backend() == "triton":
+            raise ValueError(f"HF_POSENC_BACKEND=triton, but {self.name!r}: the kernels take no attention sinks "
+                             "(sink=) yet; unset HF_POSENC_BACKEND or set it to 'torch'")
+        return False

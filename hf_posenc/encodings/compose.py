@@ -40,7 +40,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ..config import PosEncConfig
+from ..config import LAYER_OPTIONS, PosEncConfig
 from ..registry import EncodingSpec, get_encoding, param, set_composer
 from .base import ModelInfo, PosContext, PositionEncoding
 
@@ -92,7 +92,7 @@ def _normalise(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
     parts: dict[str, dict[str, Any]] = {first: {}, term: {}}
     owners: dict[str, list[str]] = {}
     for part in parts:
-        for key in [*get_encoding(part).param_names(), "window"]:
+        for key in [*get_encoding(part).param_names(), *LAYER_OPTIONS]:
             owners.setdefault(key, []).append(part)
     init = "default"
     for key, value in params.items():
@@ -117,18 +117,26 @@ def _normalise(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
         else:
             raise ValueError(
                 f"unknown parameter {key!r} for {name!r}; allowed: init, {first}, {term}, and the parameters of "
-                f"either part: {', '.join(sorted(k for k in owners if k != 'window'))}"
+                f"either part: {', '.join(sorted(k for k in owners if k not in LAYER_OPTIONS))}"
             )
     if init not in INIT_CHOICES:
         raise ValueError(f"init of {name!r} must be one of {list(INIT_CHOICES)}, got {init!r}")
     out: dict[str, Any] = {}
     for part, given in parts.items():
-        if "window" in given:
-            raise ValueError(f"window belongs to the layer, not to part {part!r}: pass window= to the composition")
+        for option in LAYER_OPTIONS:
+            if option in given:
+                raise ValueError(
+                    f"{option} belongs to the layer, not to part {part!r}: pass {option}= to the composition"
+                )
         try:
             out[part] = PosEncConfig(part, given).params
         except (ValueError, TypeError) as e:
             raise type(e)(f"part {part!r} of {name!r}: {e}") from None
+    if first == "nope" and (out[first].get("qk_norm") or out[first].get("softmax_scale")):
+        raise ValueError(
+            f"{name!r}: nope's qk_norm and softmax_scale (DroPE) act on a nope layer alone, not inside a composition; "
+            "use 'nope' with them, or a plan"
+        )
     if term == "fox" and out[term].get("rope"):
         raise ValueError(
             f"{name!r}: fox with rope=True brings a second rotary; the first slot ({first!r}) is the composition's "
@@ -166,7 +174,7 @@ class ComposedEncoding(PositionEncoding):
         params = dict(config.params)
         params[first] = cls.first_cls.resolve(_part_config(config, first), info).params
         params[term] = cls.term_cls.resolve(_part_config(config, term), info).params
-        return PosEncConfig(config.name, params, config.window)
+        return config.with_params(params)
 
     def check_model(self, info: ModelInfo) -> None:
         pass  # each part checks the model when it is built
@@ -193,9 +201,11 @@ class ComposedEncoding(PositionEncoding):
             return self.prepare(*args, **kwargs)
         if op in ("bias", "attend", "finish", "kernel_term"):
             return self.term(op, *args, **kwargs)
+        if op == "length_scale":  # a layer option: the composition's own (its parts have no layer options)
+            return self.length_scale(*args, **kwargs)
         raise ValueError(
             f"unknown operation {op!r} for encoding {self.name!r}; allowed: embed, rotate, bias, attend, prepare, "
-            "finish, kernel_term"
+            "finish, kernel_term, length_scale"
         )
 
     def prepare(

@@ -167,7 +167,7 @@ class Cope(EngineAttention):
         backend = cope_backend(
             query, key, value, mask, ctx.q_offset, ctx.need_weights, dropout, training, causal=self.info.causal
         )
-        if backend == "triton":
+        if backend == "triton" and self.engines_take_sink(ctx):
             return cope(query, key, value, self.pos_emb[layer], mask, scaling, ctx.q_offset, window=window), None
         if not self.attend_uses_reference(ctx, dropout, training):
             # the tile-wise engine (O(L·block) memory, no probabilities formed), or for a decoding step without

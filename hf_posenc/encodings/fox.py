@@ -375,7 +375,8 @@ class Fox(PositionEncoding):
         compute = compute_dtype(query.dtype)
         k, state = key[..., :d], key[..., d:]
         gates = self._gates_from_kv(unpack_state(state, self.num_gate_sets * self.groups, compute))
-        valid, _ = key_validity(mask, key.shape[2], key.device, ctx.memo)
+        # which keys are real: from the mask before a window cut it (the gates between a sink and the window count)
+        valid, _ = key_validity(ctx.unwindowed(mask), key.shape[2], key.device, ctx.memo)
         bias = self._bias(ctx, gates, valid, query.shape[2], key.device)
         return forgetting_attention(query, k, value, bias, mask, scaling, dropout, training)
 

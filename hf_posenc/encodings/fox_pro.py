@@ -56,7 +56,7 @@ from ..kernels._common import compute_dtype
 from ..kernels.attention.terms import KernelTerm
 from ..kernels.attention.tiled import FEW_QUERIES  # the decoding steps: as many queries as the engine's
 from ..registry import register_encoding
-from .base import UNWINDOWED_MASK, ModelInfo, PosContext, PositionEncoding
+from .base import ModelInfo, PosContext, PositionEncoding
 from .cache_state import pack_state, unpack_state
 from .fox import Fox, _query_index, cumulative_gates, forgetting_attention, key_validity
 
@@ -350,11 +350,7 @@ class FoxPro(Fox):
         k_len = key.shape[2]
         # which keys have a real predecessor: from the mask before a sliding window cut it (the shift belongs to
         # the token, not to the queries that may see it)
-        # (only with an own window: the lookup by id(mask) makes torch.compile guard on the mask object, one
-        # recompile per call)
-        unwindowed = mask
-        if mask is not None and ctx.own_window() is not None:
-            unwindowed = ctx.memo.get((UNWINDOWED_MASK, id(mask)), mask)
+        unwindowed = ctx.unwindowed(mask)
         valid, has_prev = key_validity(unwindowed, k_len, key.device, ctx.memo)
         native = _native_window_has_prev(ctx, layer, k_len, key.device)
         if native is not None:

@@ -233,7 +233,8 @@ class StickBreaking(EngineAttention):
         # it as a number, to skip the key tiles outside it
         window = ctx.engine_window(layer)
 
-        if sba_backend(query, key, value, mask, ctx.q_offset, ctx.need_weights, dropout, training) == "triton":
+        if (sba_backend(query, key, value, mask, ctx.q_offset, ctx.need_weights, dropout, training) == "triton"
+                and self.engines_take_sink(ctx)):
             bias = self.remainder_bias[layer] if self.remainder == "bias" else None
             out = stick_breaking(
                 query, key, value, mask, scaling, ctx.q_offset, self.attend_current, self.remainder, bias, window=window

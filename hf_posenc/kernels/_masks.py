@@ -45,17 +45,23 @@ def check_window(window: object, where: str = "window") -> int | None:
     return window
 
 
-def band_allowed(q_idx: torch.Tensor, k_idx: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor:
+def band_allowed(
+    q_idx: torch.Tensor, k_idx: torch.Tensor, causal: bool, window: int | None, sink: int | None = None
+) -> torch.Tensor:
     """(Lq, Lk) bool: True where the query at key index ``q_idx[i]`` may see key ``k_idx[j]`` by position.
 
     causal: j <= qi, and with a window qi − window < j (the last ``window`` keys, the query's own included:
-    transformers' ``sliding_window``); bidirectional with a window: |qi − j| < window; otherwise all."""
+    transformers' ``sliding_window``); bidirectional with a window: |qi − j| < window; otherwise all. ``sink``
+    (with a window): the keys j < sink are seen besides the band (by the queries at or after them when causal)."""
     delta = q_idx[:, None] - k_idx[None, :]
     allowed = torch.ones(delta.shape, dtype=torch.bool, device=delta.device)
     if causal:
         allowed = delta >= 0
     if window is not None:
-        allowed = allowed & (delta < window) & (delta > -window)
+        band = (delta < window) & (delta > -window)
+        if sink:
+            band = band | (k_idx[None, :] < sink)
+        allowed = allowed & band
     return allowed
 
 
@@ -80,18 +86,18 @@ def allowed_keys(
 
 
 def windowed_allowed(
-    allowed: torch.Tensor, lq: int, lk: int, q_offset: int | torch.Tensor, window: int | None
+    allowed: torch.Tensor, lq: int, lk: int, q_offset: int | torch.Tensor, window: int | None, sink: int | None = None
 ) -> torch.Tensor:
     """(B|1, 1, Lq, Lk) bool: ``allowed`` (causal, from :func:`allowed_keys`) and, with a ``window``, the band
-    j > qi − window (query i is key ``q_offset + i``). The encodings' references treat a key the mask removes as
-    absent: no weight, no CoPE gate, no stick-breaking break; so does the window. TypeError / ValueError for a
-    window that is neither None nor an int >= 1."""
+    j > qi − window (query i is key ``q_offset + i``), with the ``sink`` first keys besides it. The encodings'
+    references treat a key the mask removes as absent: no weight, no CoPE gate, no stick-breaking break; so does
+    the window. TypeError / ValueError for a window that is neither None nor an int >= 1."""
     window = check_window(window)
     if window is None:
         return allowed
     off = q_offset.to(allowed.device) if isinstance(q_offset, torch.Tensor) else q_offset
     qi = torch.arange(lq, device=allowed.device) + off
-    return allowed & band_allowed(qi, torch.arange(lk, device=allowed.device), True, window)[None, None]
+    return allowed & band_allowed(qi, torch.arange(lk, device=allowed.device), True, window, sink)[None, None]
 
 
 def mask_key_validity(

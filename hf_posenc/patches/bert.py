@@ -18,7 +18,7 @@ from torch import nn
 from transformers.models.bert.modeling_bert import BertEmbeddings, BertModel, BertSelfAttention
 
 from ..attention import posenc_attention
-from ..encodings.base import ModelInfo
+from ..encodings.base import ModelInfo, model_norm_eps
 from .base import (
     FamilyPatch,
     add_embeddings,
@@ -159,6 +159,7 @@ class BertPatch(FamilyPatch):
             causal=False,
             max_positions=config.max_position_embeddings,
             initializer_range=getattr(config, "initializer_range", 0.02),
+            norm_eps=model_norm_eps(config),
         )
 
     def native_weights(self, base: nn.Module) -> dict[str, torch.Tensor]:

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from ..attention import posenc_attention
-from ..encodings.base import ModelInfo
+from ..encodings.base import ModelInfo, model_norm_eps
 from .base import (
     FamilyPatch,
     add_embeddings,
@@ -386,6 +386,7 @@ class DecoderPatch(FamilyPatch):
             causal=True,
             max_positions=getattr(config, "max_position_embeddings", None),
             initializer_range=getattr(config, "initializer_range", 0.02),
+            norm_eps=model_norm_eps(config),
             sliding_windows=_sliding_windows(config, layers),
             **_rope_facts(config, head_dim, layers),
         )

@@ -16,7 +16,7 @@ from transformers.cache_utils import EncoderDecoderCache
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention, GPT2Model
 
 from ..attention import posenc_attention
-from ..encodings.base import ModelInfo
+from ..encodings.base import ModelInfo, model_norm_eps
 from .base import (
     FamilyPatch,
     add_embeddings,
@@ -150,6 +150,7 @@ class GPT2Patch(FamilyPatch):
             causal=True,
             max_positions=config.n_positions,
             initializer_range=getattr(config, "initializer_range", 0.02),
+            norm_eps=model_norm_eps(config),
         )
 
     def native_weights(self, base: nn.Module) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ from torch import nn
 from transformers.models.vit.modeling_vit import ViTAttention, ViTEmbeddings, ViTModel
 
 from ..attention import posenc_attention
-from ..encodings.base import ModelInfo
+from ..encodings.base import ModelInfo, model_norm_eps
 from .base import FamilyPatch, add_embeddings, make_context, require_ctx, swap_class
 
 
@@ -147,6 +147,7 @@ class ViTPatch(FamilyPatch):
             grid=grid,
             patch_size=patch,
             initializer_range=getattr(config, "initializer_range", 0.02),
+            norm_eps=model_norm_eps(config),
         )
 
     def native_weights(self, base: nn.Module) -> dict[str, torch.Tensor]:

@@ -89,8 +89,7 @@ def _short(config: PosEncConfig) -> str:
     """``name`` or ``name(key=value, ...)`` with the parameters that differ from the defaults."""
     defaults = PosEncConfig(config.name).params
     changed = {k: v for k, v in config.params.items() if v != defaults.get(k)}
-    if config.window is not None:
-        changed["window"] = config.window
+    changed.update({k: v for k, v in config.layer_options().items() if v is not None})
     if not changed:
         return config.name
     return f"{config.name}(" + ", ".join(f"{k}={v}" for k, v in changed.items()) + ")"

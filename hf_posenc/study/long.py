@@ -35,6 +35,7 @@ import math
 import random
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,7 +156,9 @@ def make_long_eval(tokenizer: Any, held_out: torch.Tensor, context: int, seed: i
 
 def _forward(model: nn.Module, ids: torch.Tensor, cache: Any, device: torch.device) -> torch.Tensor:
     """Logits (n, V) float32 of ``ids`` (n,) on top of ``cache`` (which grows by n)."""
-    out = model(input_ids=ids[None].to(device), past_key_values=cache, use_cache=True)
+    with warnings.catch_warnings():  # transformers >= 5.24 renames the argument; the old name works in every 5.x
+        warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
+        out = model(input_ids=ids[None].to(device), past_key_values=cache, use_cache=True)
     return out.logits[0].float()
 
 
@@ -206,11 +209,11 @@ def _passkey(model: nn.Module, hay: Haystack, chunk: int, device: torch.device, 
             answer = hay.question[-hay.answer :].to(logits.device)
             scores = logits[-hay.answer - 1 : -1].log_softmax(-1)
             results.append({
-                "length": b + q, "key_at": hay.key_at, "distance": b + q - hay.key_at,
+                "length": b + q, "key": hay.key, "key_at": hay.key_at, "distance": b + q - hay.key_at,
                 "retrieved": bool((scores.argmax(-1) == answer).all()),
                 "answer_logprob": float(scores.gather(-1, answer[:, None]).sum()),
             })
-            cache.crop(b)
+            cache.crop(-q)  # remove the question and answer again (a negative count: every transformers 5.x)
     return results
 
 

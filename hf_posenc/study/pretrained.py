@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from . import data as D
-from .sources import TextSource
+from .sources import TextSource, subseed
 
 if TYPE_CHECKING:
     from .train import StudyConfig
@@ -188,6 +188,22 @@ class PretrainedTextSource(TextSource):
             text, what = _english_text()
         ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
         cut = int(ids.numel() * TRAIN_FRACTION)
+        self.long = None
+        if config.long_eval:  # the last 2P tokens are held out for the long evaluation (and the short one)
+            from transformers import AutoConfig
+
+            from .long import context_length, make_long_eval
+
+            context = context_length(AutoConfig.from_pretrained(path))
+            cut = min(cut, ids.numel() - 2 * context)
+            if cut <= config.train_len:
+                raise ValueError(
+                    f"--long-eval holds out the last 2P = {2 * context} tokens of the text (P = {context}, the "
+                    f"checkpoint's max_position_embeddings), and the text has {ids.numel()} tokens in this "
+                    "checkpoint's tokenizer: too few left to fine-tune on; give a longer --data"
+                )
+            self.long = make_long_eval(tokenizer, ids[cut:], context, subseed(self.seed, "passkey"),
+                                       config.passkey_lengths, config.passkey_positions)
         self.corpus = SimpleNamespace(train=ids[:cut], val=ids[cut:], source=what)
         if self.corpus.train.numel() <= config.train_len:
             raise ValueError(f"the training split has {self.corpus.train.numel()} tokens: too few for --train-len")
@@ -206,7 +222,16 @@ class PretrainedTextSource(TextSource):
             "eval_tokens_per_length": int(first.numel()),
             "eval": "the same validation tokens at every length, cut into windows; every token but each window's "
             "first is predicted from the tokens before it in its window",
+            **({"long_eval": self.long.describe()} if self.long is not None else {}),
         }
+
+    def evaluate_long(self, model: nn.Module, device: torch.device, label: str = "") -> dict[str, Any]:
+        """The evaluation past the pretrained context (:func:`hf_posenc.study.long.evaluate_long`)."""
+        from .long import evaluate_long
+
+        if self.long is None:
+            raise ValueError("this study has no long evaluation (--long-eval)")
+        return evaluate_long(model, self.long, device, progress=self.config.progress, label=label)
 
     def evaluate(self, model: nn.Module, length: int, device: torch.device, split: str = D.IN_DISTRIBUTION
                  ) -> dict[str, Any]:

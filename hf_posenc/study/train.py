@@ -119,6 +119,11 @@ class StudyConfig:
     source: str | None = None
     eval_tokens: int | None = None  # 16384 (a conversion study: 1024)
     eval_sequences: int = 128
+    #: a conversion study: also evaluate past the pretrained context P (hf_posenc.study.long): perplexity on
+    #: [P/2, P) and [P, 2P), passkey at passkey_lengths (fractions of P) with the key at passkey_positions
+    long_eval: bool = False
+    passkey_lengths: list[float] | None = None  # default long.DEFAULT_PASSKEY_LENGTHS
+    passkey_positions: list[float] | None = None  # default long.DEFAULT_PASSKEY_POSITIONS
     progress: bool = True
     resume: bool = False  # continue from out/results.json (same settings), skipping the models it holds
 
@@ -133,6 +138,24 @@ class StudyConfig:
                 raise ValueError(f"--from fine-tunes a pretrained causal LM; --family {c.family} does not apply")
             if c.task not in (None, "text"):
                 raise ValueError(f"--from runs the text task (English text, perplexity per token); got --task {c.task}")
+        if not isinstance(c.long_eval, bool):
+            raise TypeError(f"long_eval must be True or False, got {c.long_eval!r}")
+        if c.long_eval:
+            if not convert:
+                raise ValueError("--long-eval evaluates past a pretrained checkpoint's context: it needs --from")
+            from .long import DEFAULT_PASSKEY_LENGTHS, DEFAULT_PASSKEY_POSITIONS
+
+            for name, default, ok in (("passkey_lengths", DEFAULT_PASSKEY_LENGTHS, lambda f: 0 < f <= 2),
+                                      ("passkey_positions", DEFAULT_PASSKEY_POSITIONS, lambda f: 0 <= f < 2)):
+                value = list(default) if getattr(c, name) is None else getattr(c, name)
+                if (not isinstance(value, (list, tuple)) or not value
+                        or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and ok(f) for f in value)):
+                    bounds = "(0, 2]" if name == "passkey_lengths" else "[0, 2)"
+                    raise ValueError(f"--{name.replace('_', '-')} must be fractions of the pretrained context in "
+                                     f"{bounds}, got {value!r}")
+                setattr(c, name, sorted({float(f) for f in value}))
+        elif c.passkey_lengths is not None or c.passkey_positions is not None:
+            raise ValueError("--passkey-lengths and --passkey-positions apply with --long-eval only")
         if c.encodings is None:
             c.encodings = list(CONVERSION_ENCODINGS if convert else DEFAULT_ENCODINGS)
         if c.steps is None:
@@ -543,6 +566,8 @@ def _train_and_eval(
         bar.set_postfix_str(f"{last} | {shown}", refresh=True)
     finally:
         bar.close()
+    if c.long_eval:
+        result["long_eval"] = long_evaluation(model, entry, data, device, f"[{index}/{total}] {spec}")
     k = max(1, len(losses) // 20)
     result.update(
         status="ok",
@@ -557,6 +582,18 @@ def _train_and_eval(
     if other_splits:
         result["splits"] = other_splits
     return result
+
+
+def long_evaluation(model: nn.Module, entry: StudyEntry, data: DataSource, device: torch.device,
+                    label: str = "") -> dict[str, Any]:
+    """An entry's evaluation past the pretrained context P (:mod:`hf_posenc.study.long`); an entry with scaling at
+    evaluation (``rope:eval_scaling=yarn``) is re-patched for 2P first (factor 2, ``original_max_position_embeddings``
+    P) and the result records the ``position_encoding`` it ran with."""
+    long = data.long
+    extra = {}
+    if entry.eval_scaling is not None:
+        extra["eval_position_encoding"] = apply_eval_scaling(model, entry, long.context, 2 * long.context)
+    return {**data.evaluate_long(model, device, label), **extra}
 
 
 def _profile_slug(spec: str, seed: int) -> str:
@@ -633,6 +670,9 @@ def _load_previous(config: StudyConfig, device: torch.device) -> dict[str, Any]:
         raise ValueError(f"--resume: {path} is not a results.json of this hf_posenc version (schema {SCHEMA_VERSION})")
     now = {**asdict(config), "device_resolved": str(device)}
     then = prev["settings"]
+    # settings that a results.json written before they existed ran with
+    then = {"long_eval": False, "passkey_lengths": None, "passkey_positions": None, "encoding_lr": then.get("lr"),
+            **then}
     diff = [f"{k} {then.get(k)!r} (now {v!r})" for k, v in now.items()
             if k not in _RESUME_FREE and _jsonish(then.get(k)) != _jsonish(v)]
     if diff:
@@ -772,6 +812,8 @@ def run_study(config: StudyConfig) -> dict[str, Any]:
                 before = [{"length": n, **datas[c.seeds[0]].evaluate(base, n, device)} for n in lengths]
                 del base
             conversion = {"checkpoint": record, "before": before}
+            if c.long_eval and (prev or {}).get("before_long_eval") is not None:
+                conversion["before_long_eval"] = prev["before_long_eval"]
         done: dict[tuple[str, int], dict[str, Any]] = {}
         if prev is not None:
             now_data = _jsonish(datas[c.seeds[0]].describe())
@@ -806,6 +848,9 @@ def run_study(config: StudyConfig) -> dict[str, Any]:
                 print(f"[{i + 1}/{len(runs)}] {label(spec, seed)}: kept from results.json (--resume)", file=sys.stderr)
             else:
                 todo.append(i)
+        if c.long_eval:  # the estimate, then the unpatched model past its context (once)
+            _start_long_eval(c, datas[c.seeds[0]], device, conversion, len(todo))
+            snapshot(complete=False)
         try:
             if c.jobs > 1 and len(todo) > 1:
                 _run_parallel(c, runs, todo, lengths, device, finished, snapshot, label)
@@ -825,6 +870,36 @@ def run_study(config: StudyConfig) -> dict[str, Any]:
         report.write_plot(out, c.out)
         report.write_profiles_figure(out, c.out)
     return out
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
+def _start_long_eval(c: StudyConfig, data: DataSource, device: torch.device, conversion: dict[str, Any],
+                     entries: int) -> None:
+    """Print the long evaluation's estimated cost (timed on the unpatched model) and evaluate the unpatched model
+    past its context, unless ``conversion`` holds it already (``--resume``); both recorded in ``conversion``."""
+    from .long import estimate_seconds
+
+    long = data.long
+    base = build_model(c, 0).to(device)
+    est = estimate_seconds(base, long, device)
+    todo = entries + (conversion.get("before_long_eval") is None)
+    lengths = sorted({n for h in long.haystacks for n in h.lengths})
+    print(
+        f"hf-posenc study: long evaluation (--long-eval) past the pretrained context P = {long.context}: perplexity "
+        f"on [{long.context // 2}, {long.context}) and [{long.context}, {2 * long.context}) of one window of "
+        f"{2 * long.context} held-out tokens, passkey at {', '.join(map(str, lengths))} tokens; "
+        f"{est['passes_per_entry']} prefills of {est['pass_tokens']} tokens per entry (chunks of {long.chunk}). "
+        f"Timed on the unpatched model (first chunks {est['chunk_seconds']} s): about "
+        f"{_minutes(est['per_entry_seconds'])} per entry, {_minutes(est['per_entry_seconds'] * todo)} for the "
+        f"{todo} to evaluate here, plus each entry's fine-tune; encodings with a term inside the attention run "
+        "hf_posenc's tile engine and take longer", file=sys.stderr, flush=True)
+    conversion["long_eval_estimate"] = {**est, "evaluations": todo}
+    if conversion.get("before_long_eval") is None:
+        conversion["before_long_eval"] = data.evaluate_long(base, device, "unpatched")
+    del base
 
 
 def _run_parallel(c: StudyConfig, runs: list[tuple[str, int]], todo: list[int], lengths: list[int],

@@ -58,6 +58,23 @@ def test_conversion_study_evaluates_before_after_the_swap_and_fine_tuned(checkpo
     assert saved["settings"]["source"] == str(checkpoint) and saved["settings"]["lr"] == 1e-4
 
 
+def test_zero_shot_entries_and_plans_that_fill_the_depth(checkpoint, tmp_path):
+    """``zero_shot=true`` evaluates the swap without fine-tuning; a plan ending in ``/...`` fills the checkpoint's
+    depth (2 layers here: rope/nope*3/... is rope, nope), whatever --layers says."""
+    res = run_study(StudyConfig(source=str(checkpoint), out=None, encodings=[
+        "rope:window=8,zero_shot=true", "rope/nope*3/...", "rope/nope:zero_shot=true"], **TINY))
+    assert res["errors"] == 0
+    runs = {r["encoding"]: r for r in res["results"]}
+    zero = runs["rope:window=8,zero_shot=true"]
+    assert zero["train"]["losses"] == [] and zero["label"] == "rope(window=8) zero-shot"
+    assert [e["metric"] for e in zero["eval"]] == [e["metric"] for e in zero["eval_start"]]
+    assert any("zero-shot" in n for n in zero["notes"])
+    filled = runs["rope/nope*3/..."]
+    assert [e["name"] for e in filled["position_encoding"]] == ["rope", "nope"] and filled["train"]["losses"]
+    assert runs["rope/nope:zero_shot=true"]["train"]["losses"] == []
+    assert "not trained" in res["table"]
+
+
 def test_conversion_resume_keeps_the_finished_runs(checkpoint, tmp_path, capsys):
     cfg = dict(source=str(checkpoint), out=str(tmp_path), **TINY)
     run_study(StudyConfig(encodings=["rope"], **cfg))

@@ -422,7 +422,8 @@ def long_table(results: dict[str, Any]) -> list[str]:
             lines.append(row(f"{entry_label(r)} ({r['status']})", None))
             continue
         trained = bool(r.get("train", {}).get("losses"))
-        lines.append(row(entry_label(r) + ("" if trained else " (not trained)"), r.get("long_eval")))
+        label = entry_label(r)
+        lines.append(row(label + ("" if trained or "zero-shot" in label else " (not trained)"), r.get("long_eval")))
     keys = ", ".join(f"token {h['key_at']}" for h in described["passkey"])
     lines += ["", f"Perplexity per token by target position over one window of {described['window_tokens']} held-out "
               f"tokens (the last of the text, never trained on), after each entry's fine-tune ({st['steps']} steps x "

@@ -235,11 +235,16 @@ class StudyConfig:
                 expanded += [n for n in list_encodings() if n not in expanded]
             elif e not in expanded:
                 entry = parse_study_entry(e)  # validates the names and parameters
-                misfit = (entry.is_plan and c.layers % len(entry.encoding)) or (
-                    entry.eval_scaling is not None and c.family == "vit")
+                # a conversion study's depth is the checkpoint's (patch_model checks the plan against it)
+                plan_misfit = (entry.is_plan and not entry.fills_depth and not convert
+                               and c.layers % len(entry.encoding))
+                misfit = plan_misfit or (entry.eval_scaling is not None and c.family == "vit")
                 if defaulted and misfit:
                     continue
-                if entry.is_plan and c.layers % len(entry.encoding):
+                if entry.zero_shot and not convert:
+                    raise ValueError(f"--encodings {e!r}: zero_shot evaluates a pretrained model without fine-tuning; "
+                                     "it applies to a conversion study (--from)")
+                if plan_misfit:
                     raise ValueError(
                         f"--encodings {e!r}: a plan of {len(entry.encoding)} layers is repeated over the depth, so "
                         f"its length must divide --layers ({c.layers})"
@@ -511,6 +516,9 @@ def _train_and_eval(
     result["seed"] = data.seed
     torch.manual_seed(data.seed)
     model = build_model(c, data.vocab_size)
+    if entry.fills_depth:  # a plan ending in /...: one entry per layer of this model
+        entry = entry.to_depth(model.config.num_hidden_layers)
+        enc = entry.encoding
     patch_model(model, enc)
     model.to(device)
     result["position_encoding"] = copy.deepcopy(model.config.position_encoding)
@@ -524,12 +532,13 @@ def _train_and_eval(
         return {"eval_position_encoding": apply_eval_scaling(model, entry, c.train_len, n)}
 
     # A conversion study evaluates the pretrained model right after the swap too; its eval-time recipes
-    # (rope:eval_scaling=yarn) are baselines that are not trained.
-    train_steps = 0 if (c.source is not None and entry.eval_scaling is not None) else c.steps
+    # (rope:eval_scaling=yarn) and its zero_shot entries are baselines that are not trained.
+    train_steps = 0 if (c.source is not None and (entry.eval_scaling is not None or entry.zero_shot)) else c.steps
     if c.source is not None:
         result["eval_start"] = [{"length": n, **at_length(n), **data.evaluate(model, n, device)} for n in lengths]
         if train_steps == 0:
-            notes.append("a baseline evaluated at each length without training")
+            notes.append("evaluated at each length without training (zero-shot)" if entry.zero_shot else
+                         "a baseline evaluated at each length without training")
 
     from tqdm.auto import tqdm
 

@@ -17,7 +17,8 @@ windows of the fine-tuning length:
 * ``perplexity`` of the fine-tuned model and ``perplexity_term_inert`` of that same model with the term inert:
   whether what the term learned helps or harms on held-out text.
 
-``--encoding-lrs`` equal to ``--lr`` is the fine-tune without a separate rate (one rate for every parameter).
+``--encoding-lrs`` equal to ``--lr`` is the fine-tune without a separate rate (one rate for every parameter);
+``default`` is :func:`hf_posenc.param_groups`' own default for the term (the documented recipe).
 Writes JSON (default ``benchmarks/results/encoding_lr_<device>.json``) and prints a markdown table.
 """
 
@@ -36,40 +37,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, device_name, slug, versions  # noqa: E402
 
 import hf_posenc  # noqa: E402
-from hf_posenc.encodings.base import unwrap  # noqa: E402
-from hf_posenc.study.pretrained import PretrainedTextSource, load_pretrained, resolve_source  # noqa: E402
-from hf_posenc.study.train import StudyConfig, deterministic, fine_tune  # noqa: E402
+from hf_posenc.study.pretrained import PretrainedTextSource, load_pretrained, resolve_source, term_effect  # noqa: E402
+from hf_posenc.study.train import StudyConfig, deterministic, fine_tune, make_optimizer  # noqa: E402
 
 
-@torch.no_grad()
-def _logits(model: torch.nn.Module, windows: torch.Tensor) -> torch.Tensor:
-    model.eval()
-    return torch.cat([model(input_ids=windows[i : i + 1]).logits.float() for i in range(windows.shape[0])])
-
-
-def _perplexity(logits: torch.Tensor, windows: torch.Tensor) -> float:
-    nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
-    return float(torch.exp(nll))
-
-
-def run(term: str, encoding_lr: float, args: argparse.Namespace, data: PretrainedTextSource,
-        config: StudyConfig) -> dict:
+def run(term: str, encoding_lr: float | None, data: PretrainedTextSource, config: StudyConfig) -> dict:
     torch.manual_seed(config.seed)
     model = load_pretrained(resolve_source(config.source))
     hf_posenc.patch_model(model, f"rope+{term}", init="identity")
     run_config = StudyConfig(**{**config.__dict__, "encoding_lr": encoding_lr})
-    windows = data.windows[config.train_len]
+    rates = [g["lr"] for g in make_optimizer(model, run_config)[0].param_groups if g.get("name") != "model"]
     t0, cpu0 = time.perf_counter(), time.process_time()
     losses = fine_tune(model, data.train_batches(), run_config, config.steps, torch.device("cpu"))
     train_s, train_cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    trained = _logits(model, windows)
-    unwrap(hf_posenc.encoding_module(model)).term.start_inert()
-    inert = _logits(model, windows)
-    diff = (trained - inert).abs()
     return {
-        "term": term, "encoding_lr": encoding_lr, "lr": config.lr,
-        "term_effect_max": float(diff.max()), "term_effect_mean": float(diff.mean()),
-        "perplexity": _perplexity(trained, windows), "perplexity_term_inert": _perplexity(inert, windows),
+        "term": term, "encoding_lr": encoding_lr, "encoding_group_lrs": rates, "lr": config.lr,
+        **term_effect(model, data.windows[config.train_len]),
         "train_losses": losses, "train_seconds": round(train_s, 1), "train_cpu_seconds": round(train_cpu, 1),
     }
 
@@ -78,7 +61,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--from", dest="source", default="smollm2", help="checkpoint directory, hub id or 'smollm2'")
     p.add_argument("--terms", nargs="+", default=["fire", "fox"])
-    p.add_argument("--encoding-lrs", nargs="+", type=float, default=[1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1])
+    p.add_argument("--encoding-lrs", nargs="+", default=["1e-4", "1e-3", "3e-3", "1e-2", "3e-2", "1e-1"],
+                   help="encoding learning rates; 'default' for hf_posenc.param_groups' own defaults")
     p.add_argument("--lr", type=float, default=1e-4, help="the model's learning rate (default 1e-4, the study's)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--batch", type=int, default=2)
@@ -97,10 +81,11 @@ def main() -> None:
         record = {"what": __doc__.split("\n\n")[0], "settings": vars(args), "device": device_name(device),
                   "threads": args.threads, "load_average_at_start": os.getloadavg(), **versions(), "runs": rows}
         for term in args.terms:
-            for lr in args.encoding_lrs:
-                r = run(term, lr, args, data, config)
+            for text in args.encoding_lrs:
+                lr = None if text == "default" else float(text)
+                r = run(term, lr, data, config)
                 rows.append(r)
-                print(f"rope+{term} encoding_lr {lr:g}: term effect {r['term_effect_max']:.3f} (mean "
+                print(f"rope+{term} encoding_lr {text} {r['encoding_group_lrs']}: term effect {r['term_effect_max']:.3f} (mean "
                       f"{r['term_effect_mean']:.4f}), perplexity {r['perplexity']:.3f} (term inert "
                       f"{r['perplexity_term_inert']:.3f}), {r['train_seconds']:.0f} s", file=sys.stderr, flush=True)
                 record["load_average_at_end"] = os.getloadavg()
@@ -109,7 +94,9 @@ def main() -> None:
     print("| term | encoding lr | term effect (max abs logit) | mean | perplexity | term set inert |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| rope+{r['term']} | {r['encoding_lr']:g} | {r['term_effect_max']:.3f} | {r['term_effect_mean']:.4f} "
+        rate = "default " + "/".join(f"{x:g}" for x in r["encoding_group_lrs"]) if r["encoding_lr"] is None else (
+            f"{r['encoding_lr']:g}")
+        print(f"| rope+{r['term']} | {rate} | {r['term_effect_max']:.3f} | {r['term_effect_mean']:.4f} "
               f"| {r['perplexity']:.3f} | {r['perplexity_term_inert']:.3f} |")
     print(f"wrote {out}")
 

@@ -58,7 +58,7 @@ from .patches import get_family
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ADAPTER_MARKER", "ENCODING_LR", "check_adapter", "encoding_parameters", "load_adapter", "param_groups",
+__all__ = ["ADAPTER_MARKER", "ENCODING_LR", "ENCODING_LRS", "check_adapter", "encoding_parameters", "load_adapter", "param_groups",
            "trainable_modules"]
 
 #: The file written beside ``adapter_config.json`` when an adapter of a patched model is saved.
@@ -128,13 +128,15 @@ def trainable_modules(model: nn.Module) -> list[str]:
 
 # -- the encoding's own learning rate ---------------------------------------------------------------
 
-#: The default learning rate of the encoding's parameter group in :func:`param_groups` (an absolute rate, not a
-#: multiple of the model's: Adam moves a parameter by about its learning rate per step whatever the gradient's
-#: scale, and an inert term has a fixed distance to travel). Measured on SmolLM2-135M-Instruct: see
-#: docs/compositions.md and ``benchmarks/encoding_lr.py``.
+#: The default learning rate of an encoding's parameters in :func:`param_groups` (an absolute rate, not a multiple
+#: of the model's: Adam moves a parameter by about its learning rate per step whatever the gradient's scale, and a
+#: term started inert has a fixed distance to travel). Measured on SmolLM2-135M-Instruct for FIRE (the best held-out
+#: perplexity after the fine-tune): docs/compositions.md, ``benchmarks/encoding_lr.py``.
 ENCODING_LR = 1e-2
-
-
+#: Encodings whose parameters need another default rate, measured the same way. FoX's inert gates sit at σ(10): the
+#: bias is a log-scale decay rate (-log f ≈ exp(-b)), so a gate that forgets must travel several units, and at 1e-2
+#: the term moved the logits by 0.14 where at 3e-2 it moved them by 1.6 with the best held-out perplexity.
+ENCODING_LRS: dict[str, float] = {"fox": 3e-2}
 def _unwrapped(model: nn.Module) -> nn.Module:
     """The model inside DDP/DataParallel (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
     while True:
@@ -170,6 +172,20 @@ def encoding_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in slot[1].parameters() if p.requires_grad]
 
 
+def _default_rates(slot: nn.Module) -> dict[int, tuple[str, float]]:
+    """Parameter id -> (encoding name, default rate): each parameter takes the rate of the innermost encoding that
+    holds it (:data:`ENCODING_LRS`, else :data:`ENCODING_LR`; a composition's or a plan's own parameters, such as
+    the layer options', the generic one)."""
+    from .encodings.base import PositionEncoding
+
+    rates: dict[int, tuple[str, float]] = {}
+    for module in slot.modules():  # parents before children: the innermost encoding's rate wins
+        if isinstance(module, PositionEncoding):
+            for p in module.parameters():
+                rates[id(p)] = (module.name, ENCODING_LRS.get(module.name, ENCODING_LR))
+    return rates
+
+
 def param_groups(
     model: nn.Module,
     lr: float,
@@ -200,17 +216,19 @@ def param_groups(
         model: a patched model (or a ``PeftModel`` of one, or one inside DDP, ``DataParallel`` or
             ``torch.compile``).
         lr: the learning rate of every other trainable parameter.
-        encoding_lr: the encoding's rate; default the larger of ``lr`` and :data:`ENCODING_LR` (1e-2, chosen by
-            measurement on SmolLM2-135M: docs/compositions.md).
+        encoding_lr: one rate for all the encoding's parameters. Default: per encoding, the larger of ``lr`` and
+            its measured default (:data:`ENCODING_LRS`: ``fox`` 3e-2; every other :data:`ENCODING_LR`, 1e-2;
+            measured on SmolLM2-135M, docs/compositions.md).
         weight_decay: the other parameters' weight decay; None leaves it to the optimizer's default.
         encoding_weight_decay: the encoding's weight decay (default 0: decay would pull an inert FoX gate bias
             towards 0, i.e. towards forgetting half of each step, and a learned table towards no position).
 
     Returns:
         ``[{"name": "model", "params": [...], "lr": lr, ...}, {"name": "encoding", "params": [...],
-        "lr": encoding_lr, "weight_decay": encoding_weight_decay}]``, only parameters that require a
-        gradient, each in one group; a group with no parameters is left out (an encoding without parameters
-        gives the model group alone).
+        "lr": encoding_lr, "weight_decay": encoding_weight_decay}]``: only parameters that require a gradient,
+        each in one group; a group with no parameters is left out (an encoding without parameters gives the model
+        group alone). With the default rates, an encoding whose rate differs from the others (``fox`` in
+        ``rope+fox``, or in a plan beside ``fire``) gets a group of its own, ``"name": "encoding:fox"``.
 
     Raises:
         ValueError: the model is not patched, or a rate or decay is not a finite number >= 0 (rates > 0).
@@ -227,8 +245,6 @@ def param_groups(
             raise ValueError(f"param_groups: {name} must be a finite number {'> 0' if positive else '>= 0'}, "
                              f"got {value!r}")
     encoding = encoding_parameters(model)
-    if encoding_lr is None:
-        encoding_lr = max(float(lr), ENCODING_LR)
     ids = {id(p) for p in encoding}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
     groups: list[dict[str, Any]] = []
@@ -238,8 +254,18 @@ def param_groups(
             group["weight_decay"] = float(weight_decay)
         groups.append(group)
     if encoding:
-        groups.append({"name": "encoding", "params": encoding, "lr": float(encoding_lr),
-                       "weight_decay": float(encoding_weight_decay)})
+        if encoding_lr is not None:
+            by_label = {"encoding": (float(encoding_lr), encoding)}
+        else:
+            defaults = _default_rates(_encoding_slot(_unwrapped(model))[1])
+            by_label = {}
+            for p in encoding:
+                owner, rate = defaults.get(id(p), ("", ENCODING_LR))
+                label = f"encoding:{owner}" if owner in ENCODING_LRS else "encoding"
+                by_label.setdefault(label, (max(float(lr), rate), []))[1].append(p)
+        for label, (rate, params) in by_label.items():
+            groups.append({"name": label, "params": params, "lr": rate,
+                           "weight_decay": float(encoding_weight_decay)})
     if not groups:
         raise ValueError(f"{type(_unwrapped(model)).__name__} has no parameter that requires a gradient")
     return groups

@@ -12,7 +12,7 @@ import torch
 from conftest import make_ids, make_model
 
 import hf_posenc
-from hf_posenc.training import ENCODING_LR
+from hf_posenc.training import ENCODING_LR, ENCODING_LRS
 
 LR, ENC_LR = 1e-4, 3e-2
 
@@ -62,9 +62,9 @@ def test_groups_split_the_parameters():
     assert {id(p) for p in groups[1]["params"]} == enc
     rest = {id(p) for p in groups[0]["params"]}
     assert not rest & enc and rest | enc == {id(p) for p in model.parameters()}
-    # defaults: the larger of lr and ENCODING_LR; weight decay of the model group when given
+    # defaults: the larger of lr and ENCODING_LR (fire has no rate of its own); the model group's weight decay
     groups = hf_posenc.param_groups(model, lr=LR, weight_decay=0.1)
-    assert groups[1]["lr"] == ENCODING_LR and groups[0]["weight_decay"] == 0.1
+    assert "fire" not in ENCODING_LRS and groups[1]["lr"] == ENCODING_LR and groups[0]["weight_decay"] == 0.1
     assert hf_posenc.param_groups(model, lr=0.5)[1]["lr"] == 0.5
     # frozen parameters are in no group
     model.lm_head.weight.requires_grad_(False)
@@ -73,9 +73,17 @@ def test_groups_split_the_parameters():
 
 def test_plan_and_no_parameters():
     model = make_model("llama", encoding=[{"name": "rope+fox", "init": "identity"}, "kerple"], train=True)
+    enc = hf_posenc.encoding_module(model)
+    fox, kerple = enc.entries[0].term, enc.entries[1]
+    # the default rates: fox's own (measured) and the generic one for kerple
     groups = hf_posenc.param_groups(model, lr=LR)
-    assert {id(p) for p in groups[1]["params"]} == {id(p) for p in hf_posenc.encoding_module(model).parameters()}
-    assert len(groups[1]["params"]) > 2  # fox's gates and kerple's kernel parameters
+    assert [(g["name"], g["lr"]) for g in groups] == [("model", LR), ("encoding:fox", ENCODING_LRS["fox"]),
+                                                      ("encoding", ENCODING_LR)]
+    assert {id(p) for p in groups[1]["params"]} == {id(p) for p in fox.parameters()}
+    assert {id(p) for p in groups[2]["params"]} == {id(p) for p in kerple.parameters()}
+    # one rate given: one encoding group
+    groups = hf_posenc.param_groups(model, lr=LR, encoding_lr=ENC_LR)
+    assert {id(p) for p in groups[1]["params"]} == {id(p) for p in enc.parameters()} and len(groups) == 2
     groups = hf_posenc.param_groups(make_model("llama", encoding="rope"), lr=LR)  # rope has no parameters
     assert [g["name"] for g in groups] == ["model"]
     # inside torch.compile's wrapper (not compiled until called)

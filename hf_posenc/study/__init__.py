@@ -72,8 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=None, help="peak AdamW learning rate (default 3e-3; with --from 1e-4)")
     p.add_argument("--encoding-lr", type=float, default=None,
                    help="the encoding's own learning rate (hf_posenc.param_groups: its parameters in their own AdamW "
-                   "group). Default: --lr; with --from the larger of --lr and 1e-2 (measured: docs/compositions.md), "
-                   "so that a term started inert (init=identity) moves")
+                   "group). Default: --lr; with --from param_groups' measured defaults, the larger of --lr and 1e-2 "
+                   "(fox: 3e-2; docs/compositions.md), so that a term started inert (init=identity) moves")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed: same seed, same numbers (default {d.seed})")
     p.add_argument("--seeds", type=int, nargs="+", default=None, metavar="S",
                    help="several seeds (e.g. 0 1 2): every encoding is trained once per seed; the table gives the "

@@ -35,7 +35,8 @@ from .sources import TextSource, subseed
 if TYPE_CHECKING:
     from .train import StudyConfig
 
-__all__ = ["CONVERSION_ENCODINGS", "PretrainedTextSource", "checkpoint_record", "load_pretrained", "resolve_source"]
+__all__ = ["CONVERSION_ENCODINGS", "PretrainedTextSource", "checkpoint_record", "load_pretrained", "resolve_source",
+           "term_effect"]
 
 #: The default entries of a conversion study: the baselines, plain swaps, and compositions that start inert.
 CONVERSION_ENCODINGS: tuple[str, ...] = (
@@ -238,6 +239,42 @@ class PretrainedTextSource(TextSource):
         out = super().evaluate(model, length, device, split)
         out["bits_per_token"] = out.pop("bits_per_byte")
         return out
+
+
+@torch.no_grad()
+def term_effect(model: nn.Module, windows: torch.Tensor) -> dict[str, float]:
+    """What the term of a composition (``rope+fire``, ``rope+fox``, ...) contributes to a model: its logits on
+    ``windows`` (N, L) token ids, one window at a time, against those of the same model with the term set back to
+    inert (its ``start_inert``; the model is left so).
+
+    Returns:
+        ``term_effect_max`` and ``term_effect_mean``: the largest and the mean |logit| difference;
+        ``perplexity`` and ``perplexity_term_inert``: per token over the windows, before and after resetting.
+
+    Raises:
+        ValueError: the model's encoding is not a composition, or its term has no inert start.
+    """
+    from ..api import encoding_module
+    from ..encodings.base import unwrap
+
+    term = getattr(unwrap(encoding_module(model)), "term", None)
+    if term is None:
+        raise ValueError("term_effect measures a composition's term (e.g. 'rope+fire'); this model has none")
+
+    def logits() -> torch.Tensor:
+        model.eval()
+        return torch.cat([model(input_ids=windows[i : i + 1]).logits.float() for i in range(windows.shape[0])])
+
+    def ppl(x: torch.Tensor) -> float:
+        return math.exp(float(nn.functional.cross_entropy(x[:, :-1].reshape(-1, x.shape[-1]),
+                                                          windows[:, 1:].reshape(-1))))
+
+    trained = logits()
+    term.start_inert()
+    inert = logits()
+    diff = (trained - inert).abs()
+    return {"term_effect_max": float(diff.max()), "term_effect_mean": float(diff.mean()),
+            "perplexity": ppl(trained), "perplexity_term_inert": ppl(inert)}
 
 
 def perplexity(loss: float) -> float | None:

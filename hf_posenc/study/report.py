@@ -371,10 +371,14 @@ def conversion_table(results: dict[str, Any]) -> str:
                      + (tuned or " | ".join("not trained" for _ in x)) + " |")
     c = results["checkpoint"]
     st = results["settings"]
-    enc_lr = st.get("encoding_lr")
+    enc_lr = st.get("encoding_lr", st["lr"])  # absent: a results.json from before the encoding's own rate
+    from ..training import ENCODING_LR, ENCODING_LRS
+
+    own = ", ".join(f"{k} {v:g}" for k, v in ENCODING_LRS.items())
+    enc_text = (f" (the encoding's parameters at hf_posenc.param_groups' default rates: {own}, the others "
+                f"{ENCODING_LR:g})" if enc_lr is None else f" (the encoding's parameters at {enc_lr})" if enc_lr != st["lr"] else "")
     lines += ["", f"{c['name']} ({c['model_type']}, weights sha256 {c['weights_sha256'][:12]}), fine-tuned "
-              f"{st['steps']} steps x batch {st['batch']} x {st['train_len']} tokens at lr {st['lr']}"
-              + (f" (the encoding's parameters at {enc_lr})" if enc_lr is not None and enc_lr != st["lr"] else "")
+              f"{st['steps']} steps x batch {st['batch']} x {st['train_len']} tokens at lr {st['lr']}" + enc_text
               + f"; perplexity per token over the same {results['data']['eval_tokens_per_length']} validation tokens "
               f"of {results['data']['source']} at every length."]
     lines += long_table(results)

@@ -56,7 +56,7 @@ from .. import encoding_module, patch_model
 from ..config import PosEncConfig
 from ..machine import cpu_name
 from ..registry import list_encodings
-from ..training import ENCODING_LR, param_groups
+from ..training import param_groups
 from . import data as D
 from .recipes import StudyEntry, apply_eval_scaling, parse_study_entry
 from .pretrained import CONVERSION_ENCODINGS, PretrainedTextSource, checkpoint_record, load_pretrained, resolve_source
@@ -104,8 +104,9 @@ class StudyConfig:
     heads: int | None = None  # default hidden // 16
     batch: int | None = None  # default 16 (text, tasks), 64 (vit)
     lr: float | None = None  # 3e-3 (a conversion study: 1e-4)
-    #: the encoding's own learning rate (hf_posenc.param_groups); default: lr (a conversion study: the larger of lr
-    #: and hf_posenc.training.ENCODING_LR, so that a term started inert moves)
+    #: the encoding's own learning rate (hf_posenc.param_groups); default: lr; a conversion study keeps None:
+    #: param_groups' measured defaults per encoding (hf_posenc.training.ENCODING_LR(S)), so that a term started
+    #: inert moves
     encoding_lr: float | None = None
     seed: int = 0
     seeds: list[int] | None = None  # several seeds: every encoding once per seed (default: [seed])
@@ -189,9 +190,10 @@ class StudyConfig:
             raise ValueError(f"--hidden {c.hidden} must be divisible by --heads {c.heads} into an even head size")
         if not c.lr > 0:
             raise ValueError(f"--lr must be > 0, got {c.lr}")
-        if c.encoding_lr is None:
-            c.encoding_lr = max(c.lr, ENCODING_LR) if convert else c.lr
-        if isinstance(c.encoding_lr, bool) or not isinstance(c.encoding_lr, (int, float)) or not c.encoding_lr > 0:
+        if c.encoding_lr is None and not convert:
+            c.encoding_lr = c.lr
+        if c.encoding_lr is not None and (isinstance(c.encoding_lr, bool) or not isinstance(c.encoding_lr, (int, float))
+                                          or not c.encoding_lr > 0):
             raise ValueError(f"--encoding-lr must be a number > 0, got {c.encoding_lr!r}")
         if c.seeds is None:
             c.seeds = [c.seed]
@@ -468,8 +470,9 @@ def _lr_lambda(steps: int):
 
 def make_optimizer(model: nn.Module, config: StudyConfig) -> tuple[torch.optim.Optimizer, Any]:
     """The study's optimizer and schedule: AdamW (betas 0.9, 0.95, no weight decay) over
-    :func:`hf_posenc.param_groups` (the encoding at ``config.encoding_lr``, the rest at ``config.lr``) of a
-    patched model, linear warm-up over the first 10 % of ``config.steps`` then cosine to 0."""
+    :func:`hf_posenc.param_groups` (the encoding at ``config.encoding_lr``, None: param_groups' defaults per
+    encoding; the rest at ``config.lr``) of a patched model, linear warm-up over the first 10 % of
+    ``config.steps`` then cosine to 0."""
     groups = param_groups(model, lr=config.lr, encoding_lr=config.encoding_lr)
     opt = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(config.steps))

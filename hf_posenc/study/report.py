@@ -429,12 +429,13 @@ def long_table(results: dict[str, Any]) -> list[str]:
         label = entry_label(r)
         lines.append(row(label + ("" if trained or "zero-shot" in label else " (not trained)"), r.get("long_eval")))
     keys = ", ".join(f"token {h['key_at']}" for h in described["passkey"])
-    lines += ["", f"Perplexity per token by target position over one window of {described['window_tokens']} held-out "
-              f"tokens (the last of the text, never trained on), after each entry's fine-tune ({st['steps']} steps x "
-              f"{st['batch']} x {st['train_len']} tokens) unless marked; passkey: the five-digit key (at {keys}) "
-              "retrieved (✓, every answer token the argmax) or not (✗) by a question ending at that many tokens; "
-              f"time: the long evaluation alone, on {results.get('environment', {}).get('device_name', 'this device')} "
-              f"(torch threads: {(results.get('environment') or {}).get('torch_threads')})."]
+    lines += ["", f"Perplexity per token by target position over {described['window_tokens']} held-out tokens (the end "
+              f"of the text, never trained on; the passkey sentence's own tokens left out), after each entry's "
+              f"fine-tune ({st['steps']} steps x {st['batch']} x {st['train_len']} tokens) unless marked; passkey: "
+              f"a sentence with a five-digit key inserted in that text at {keys}, retrieved (✓, every answer token "
+              "the argmax) or not (✗) by a question ending at that many tokens; time: the long evaluation alone, on "
+              f"{results.get('environment', {}).get('device_name', 'this device')} (torch threads: "
+              f"{(results.get('environment') or {}).get('torch_threads')})."]
     return lines
 
 

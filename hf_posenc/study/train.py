@@ -897,18 +897,20 @@ def _start_long_eval(c: StudyConfig, data: DataSource, device: torch.device, con
     long = data.long
     base = build_model(c, 0).to(device)
     est = estimate_seconds(base, long, device)
-    todo = entries + (conversion.get("before_long_eval") is None)
+    before = conversion.get("before_long_eval") is None
+    todo = entries + before
+    wall = est["per_entry_seconds"] * (before + math.ceil(entries / max(1, c.jobs)))
     lengths = sorted({n for h in long.haystacks for n in h.lengths})
     print(
         f"hf-posenc study: long evaluation (--long-eval) past the pretrained context P = {long.context}: perplexity "
-        f"on [{long.context // 2}, {long.context}) and [{long.context}, {2 * long.context}) of one window of "
-        f"{2 * long.context} held-out tokens, passkey at {', '.join(map(str, lengths))} tokens; "
-        f"{est['passes_per_entry']} prefills of {est['pass_tokens']} tokens per entry (chunks of {long.chunk}). "
-        f"Timed on the unpatched model (first chunks {est['chunk_seconds']} s): about "
-        f"{_minutes(est['per_entry_seconds'])} per entry, {_minutes(est['per_entry_seconds'] * todo)} for the "
-        f"{todo} to evaluate here, plus each entry's fine-tune; encodings with a term inside the attention run "
-        "hf_posenc's tile engine and take longer", file=sys.stderr, flush=True)
-    conversion["long_eval_estimate"] = {**est, "evaluations": todo}
+        f"on [{long.context // 2}, {long.context}) and [{long.context}, {2 * long.context}) of {2 * long.context} "
+        f"held-out tokens, passkey at {', '.join(map(str, lengths))} tokens in them; {est['passes_per_entry']} "
+        f"prefill(s) of {est['pass_tokens']} tokens per entry (chunks of {long.chunk}). Timed on the unpatched model "
+        f"(first chunks {est['chunk_seconds']} s): about {_minutes(est['per_entry_seconds'])} per entry, "
+        f"{_minutes(wall)} for the {todo} to evaluate here ({c.jobs} at a time), plus each entry's fine-tune; "
+        "encodings with a term inside the attention run hf_posenc's tile engine and take longer",
+        file=sys.stderr, flush=True)
+    conversion["long_eval_estimate"] = {**est, "evaluations": todo, "wall_seconds": round(wall, 1)}
     if conversion.get("before_long_eval") is None:
         conversion["before_long_eval"] = data.evaluate_long(base, device, "unpatched")
     del base

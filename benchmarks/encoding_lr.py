@@ -6,8 +6,8 @@
 
 For each term and each encoding learning rate: the pretrained checkpoint (``--from``, default the cached
 SmolLM2-135M-Instruct) is patched with ``rope+<term>`` and ``init="identity"`` (the unpatched logits at step 0)
-and fine-tuned by the conversion study's recipe (:func:`hf_posenc.study.train.fine_tune`: AdamW betas 0.9, 0.95
-over :func:`hf_posenc.param_groups`, the model at ``--lr``, the encoding at the rate measured; warm-up over 10 %
+and fine-tuned by the conversion study's recipe (``hf_posenc.study.train.fine_tune``: AdamW betas 0.9, 0.95
+over ``hf_posenc.param_groups``, the model at ``--lr``, the encoding at the rate measured; warm-up over 10 %
 of the steps then cosine; gradients clipped to norm 1), on the study's text (``pydoc_data.topics`` in the
 checkpoint's tokens, the training split), the same batches for every run. Then, on the study's held-out tokens in
 windows of the fine-tuning length:
@@ -18,7 +18,7 @@ windows of the fine-tuning length:
   whether what the term learned helps or harms on held-out text.
 
 ``--encoding-lrs`` equal to ``--lr`` is the fine-tune without a separate rate (one rate for every parameter);
-``default`` is :func:`hf_posenc.param_groups`' own default for the term (the documented recipe).
+``default`` is ``hf_posenc.param_groups``' own default for the term (the documented recipe).
 Writes JSON (default ``benchmarks/results/encoding_lr_<device>.json``) and prints a markdown table.
 """
 
@@ -74,7 +74,8 @@ def main() -> None:
     config = StudyConfig(source=args.source, lr=args.lr, steps=args.steps, batch=args.batch, train_len=args.train_len,
                          eval_tokens=args.eval_tokens, factors=[1], out=None).resolved()
     device = torch.device("cpu")
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"encoding_lr_{slug(device_name(device))}.json"
+    default_out = ROOT / "benchmarks" / "results" / f"encoding_lr_{slug(device_name(device))}.json"
+    out = Path(args.out) if args.out else default_out
     rows = []
     with deterministic(device, args.threads):
         data = PretrainedTextSource(config, [config.train_len])
@@ -85,7 +86,8 @@ def main() -> None:
                 lr = None if text == "default" else float(text)
                 r = run(term, lr, data, config)
                 rows.append(r)
-                print(f"rope+{term} encoding_lr {text} {r['encoding_group_lrs']}: term effect {r['term_effect_max']:.3f} (mean "
+                print(f"rope+{term} encoding_lr {text} {r['encoding_group_lrs']}: term effect "
+                      f"{r['term_effect_max']:.3f} (mean "
                       f"{r['term_effect_mean']:.4f}), perplexity {r['perplexity']:.3f} (term inert "
                       f"{r['perplexity_term_inert']:.3f}), {r['train_seconds']:.0f} s", file=sys.stderr, flush=True)
                 record["load_average_at_end"] = os.getloadavg()

@@ -58,8 +58,8 @@ from .patches import get_family
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ADAPTER_MARKER", "ENCODING_LR", "ENCODING_LRS", "check_adapter", "encoding_parameters", "load_adapter", "param_groups",
-           "trainable_modules"]
+__all__ = ["ADAPTER_MARKER", "ENCODING_LR", "ENCODING_LRS", "check_adapter", "encoding_parameters", "load_adapter",
+           "param_groups", "trainable_modules"]
 
 #: The file written beside ``adapter_config.json`` when an adapter of a patched model is saved.
 ADAPTER_MARKER = "hf_posenc_adapter.json"
@@ -128,7 +128,7 @@ def trainable_modules(model: nn.Module) -> list[str]:
 
 # -- the encoding's own learning rate ---------------------------------------------------------------
 
-#: The default learning rate of an encoding's parameters in :func:`param_groups` (an absolute rate, not a multiple
+#: The default learning rate of an encoding's parameters in ``param_groups`` (an absolute rate, not a multiple
 #: of the model's: Adam moves a parameter by about its learning rate per step whatever the gradient's scale, and a
 #: term started inert has a fixed distance to travel). Measured on SmolLM2-135M-Instruct for FIRE (the best held-out
 #: perplexity after the fine-tune): docs/compositions.md, ``benchmarks/encoding_lr.py``.
@@ -174,7 +174,7 @@ def encoding_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 def _default_rates(slot: nn.Module) -> dict[int, tuple[str, float]]:
     """Parameter id -> (encoding name, default rate): each parameter takes the rate of the innermost encoding that
-    holds it (:data:`ENCODING_LRS`, else :data:`ENCODING_LR`; a composition's or a plan's own parameters, such as
+    holds it (``ENCODING_LRS``, else ``ENCODING_LR``; a composition's or a plan's own parameters, such as
     the layer options', the generic one)."""
     from .encodings.base import PositionEncoding
 
@@ -217,7 +217,7 @@ def param_groups(
             ``torch.compile``).
         lr: the learning rate of every other trainable parameter.
         encoding_lr: one rate for all the encoding's parameters. Default: per encoding, the larger of ``lr`` and
-            its measured default (:data:`ENCODING_LRS`: ``fox`` 3e-2; every other :data:`ENCODING_LR`, 1e-2;
+            its measured default (``ENCODING_LRS``: ``fox`` 3e-2; every other ``ENCODING_LR``, 1e-2;
             measured on SmolLM2-135M, docs/compositions.md).
         weight_decay: the other parameters' weight decay; None leaves it to the optimizer's default.
         encoding_weight_decay: the encoding's weight decay (default 0: decay would pull an inert FoX gate bias

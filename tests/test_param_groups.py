@@ -88,8 +88,8 @@ def test_plan_and_no_parameters():
     assert [g["name"] for g in groups] == ["model"]
     # inside torch.compile's wrapper (not compiled until called)
     compiled = torch.compile(model)
-    assert [len(g["params"]) for g in hf_posenc.param_groups(compiled, lr=LR)] == [len(g["params"]) for g in
-                                                                                     hf_posenc.param_groups(model, lr=LR)]
+    sizes = [len(g["params"]) for g in hf_posenc.param_groups(model, lr=LR)]
+    assert [len(g["params"]) for g in hf_posenc.param_groups(compiled, lr=LR)] == sizes
 
 
 def test_bad_arguments():

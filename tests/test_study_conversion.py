@@ -113,7 +113,7 @@ HUB_REVISION = "0" * 39 + "1"
 
 
 def _hub_cache_with(checkpoint, root):
-    """A Hub cache at ``root`` holding ``checkpoint`` as the ``main`` snapshot of :data:`HUB_ID` (the layout
+    """A Hub cache at ``root`` holding ``checkpoint`` as the ``main`` snapshot of ``HUB_ID`` (the layout
     huggingface_hub writes: models--org--name/refs/main -> snapshots/<commit>/files)."""
     import shutil
 

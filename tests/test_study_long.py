@@ -14,7 +14,7 @@ pytest.importorskip("matplotlib")
 
 import hf_posenc  # noqa: E402
 from hf_posenc.study import StudyConfig, run_study  # noqa: E402
-from hf_posenc.study.long import estimate_seconds, evaluate_long, make_long_eval  # noqa: E402
+from hf_posenc.study.long import _INTRO, estimate_seconds, evaluate_long, make_long_eval  # noqa: E402
 
 P = 256
 
@@ -70,14 +70,10 @@ def test_chunked_bands_and_cropped_passkey_equal_plain_forwards(checkpoint, toke
         ids = data.window[None]
         logits = model(input_ids=ids).logits[0].float()
     nll = torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:], reduction="none").double()
-    first = data.haystacks[0]
-    target = torch.arange(1, 2 * P)  # nll[i] is the loss of the token at position i + 1
-    text = (target < first.key_at) | (target >= first.key_at + first.sentence)  # not the passkey sentence
     for band in out["bands"]:
         lo, hi = band["band"]
-        keep = text & (target >= lo) & (target < hi)
-        assert band["tokens"] == int(keep.sum())
-        assert band["loss"] == pytest.approx(float(nll[keep].mean()), rel=1e-5, abs=1e-5)
+        assert band["tokens"] == hi - max(lo, 1)
+        assert band["loss"] == pytest.approx(float(nll[max(lo, 1) - 1 : hi - 1].mean()), rel=1e-5, abs=1e-5)
     assert [b["band"] for b in out["bands"]] == [[0, P // 2], [P // 2, P], [P, 2 * P]]
     assert len(out["passkey"]) == sum(len(h.lengths) for h in data.haystacks)
     for h in data.haystacks:
@@ -96,16 +92,16 @@ def test_chunked_bands_and_cropped_passkey_equal_plain_forwards(checkpoint, toke
 def test_haystack_holds_the_key_where_it_says(tokenizer):
     data = _data(tokenizer)
     held_out = torch.randint(0, 200, (3 * P,), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(data.window, held_out[-2 * P :])
     for h, f in zip(data.haystacks, (0.0, 0.75)):
         sentence = tokenizer(f"\nThe pass key is {h.key}. Remember it. {h.key} is the pass key.\n",
                              add_special_tokens=False)["input_ids"]
-        assert h.key_at == round(f * P) and h.sentence == len(sentence)
+        intro = tokenizer(_INTRO, add_special_tokens=False)["input_ids"]
+        assert h.key_at == max(round(f * P), len(intro)) and h.ids[: len(intro)].tolist() == intro
         assert h.ids[h.key_at : h.key_at + len(sentence)].tolist() == sentence
-        # the rest is the end of the held-out text, in order
-        rest = torch.cat([h.ids[: h.key_at], h.ids[h.key_at + len(sentence) :]])
-        assert torch.equal(rest, held_out[-rest.numel() :]) and h.ids.numel() == 2 * P
+        assert h.ids.numel() == 2 * P
         assert h.question[-h.answer :].tolist() == tokenizer(f" {h.key}", add_special_tokens=False)["input_ids"]
-        assert all(n - h.question.numel() >= h.key_at for n in h.lengths) and max(h.lengths) == 2 * P
+        assert all(n - h.question.numel() >= h.key_at + len(sentence) for n in h.lengths) and max(h.lengths) == 2 * P
     assert data.haystacks[0].key != data.haystacks[1].key
     with pytest.raises(ValueError, match=f"2P = {2 * P} held-out tokens"):
         make_long_eval(tokenizer, torch.zeros(2 * P - 1, dtype=torch.long), P, seed=0)
@@ -155,7 +151,7 @@ def test_no_attention_call_sees_more_than_a_chunk_of_queries(checkpoint, tokeniz
 def test_estimate(checkpoint, tokenizer):
     data = _data(tokenizer)
     est = estimate_seconds(_model(checkpoint), data, torch.device("cpu"), chunks=3)
-    assert len(est["chunk_seconds"]) == 3 and est["passes_per_entry"] == 2 and est["pass_tokens"] == 2 * P
+    assert len(est["chunk_seconds"]) == 3 and est["passes_per_entry"] == 3 and est["pass_tokens"] == 2 * P
     assert est["per_entry_seconds"] >= 0
 
 
@@ -177,7 +173,7 @@ def test_study_long_eval_reports_and_resumes(checkpoint, tmp_path, capsys):
     assert yarn["bands"] != before["bands"]
     assert runs["rope"]["long_eval"]["passkey"]
     assert res["data"]["long_eval"]["context"] == P and res["long_eval_estimate"]["evaluations"] == 3
-    assert res["long_eval_estimate"]["passes_per_entry"] == 1
+    assert res["long_eval_estimate"]["passes_per_entry"] == 2
     table = (tmp_path / "table.md").read_text()
     assert f"| entry | [{P // 2}, {P}) | [{P}, {2 * P}) |" in table and "rope + YaRN at eval (not trained)" in table
     # the held-out text excludes the last 2P tokens from training

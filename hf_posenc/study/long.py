@@ -7,27 +7,28 @@ model, once) is also measured there, after its fine-tune:
 * **Perplexity per position band** on real text: one window of 2P held-out tokens (the end of the study's text,
   which the fine-tune never sees), every token predicted from all the tokens before it in the window; the mean
   loss over the targets at positions [0, P/2), [P/2, P) (inside the context) and [P, 2P) (beyond it).
-* **Passkey retrieval** in the checkpoint's own tokens, with that same window as the haystack (as the "needle in
-  a haystack" tests hide a fact in real text): the sentence "The pass key is 12345. Remember it. 12345 is the pass
-  key." is inserted at position ``f * P`` (``passkey_positions``, default 0.25), and at each length L of
-  ``passkey_lengths`` (fractions of P; default P/2, P, 3P/2, 2P) the question "What is the pass key? The pass key
-  is" with the key as its answer ends at token L. Retrieved when the argmax at every answer token is the key's
-  token (teacher-forced, the same as greedy decoding); the answer's log-probability is recorded too. The window
-  holds 2P tokens with the sentence in it; the sentence's own tokens are no targets of the perplexity, so the
-  bands score the held-out text alone (each of its tokens sees the sentence among its context once it is past).
+* **Passkey retrieval** in the checkpoint's own tokens (Mohtashami and Jaggi 2023, as the YaRN and LongLoRA
+  papers run it): a five-digit key in the sentence "The pass key is 12345. Remember it. 12345 is the pass key." at
+  position ``f * P`` (``passkey_positions``, default 0.25) of a haystack of filler sentences ("The grass is green.
+  The sky is blue. ..."), and at each length L of ``passkey_lengths`` (fractions of P; default P/2, P, 3P/2, 2P)
+  the question "What is the pass key? The pass key is" with the key as its answer, ending at token L. Retrieved
+  when the argmax at every answer token is the key's token (teacher-forced, the same as greedy decoding); the
+  answer's log-probability is recorded too. Filler, not the held-out text, is the haystack: measured on
+  SmolLM2-135M (unpatched, 2 threads), a key 3.5k tokens before the question in the Python documentation was not
+  retrieved (answer log-probability -8.9) where the same key 3.5k tokens back in filler (without the opening
+  sentence) was (-1.0), both inside its 8k context.
 
-Both come from one chunked prefill of the 2P tokens with a ``DynamicCache`` (``chunk`` tokens at a time, P/8 up to
-1024): the memory is O(L) for the cache plus O(chunk * L) for one chunk's attention, whichever engine runs (the
-unpatched model's SDPA gets a (chunk, L) mask; hf_posenc's attention runs its tile engine with the query offset),
-and the logits are (chunk, vocabulary), never (L, vocabulary). At each passkey length the question and its answer
-run on top of the cache of the first L - q tokens, are scored, and are cropped off again (``DynamicCache.crop``),
-so one pass answers every length, each answer exactly that of a standalone prompt of L tokens. A second key
-position costs a second pass (questions only). An entry with YaRN at evaluation (``rope:eval_scaling=yarn``) runs
-the whole long evaluation with factor 2 (2P / P), i.e. "YaRN x2".
+Each is one chunked prefill of 2P tokens with a ``DynamicCache`` (``chunk`` tokens at a time, P/8 up to 1024):
+the memory is O(L) for the cache plus O(chunk * L) for one chunk's attention, whichever engine runs (the unpatched
+model's SDPA gets a (chunk, L) mask; hf_posenc's attention runs its tile engine with the query offset), and the
+logits are (chunk, vocabulary), never (L, vocabulary). At each passkey length the question and its answer run on
+top of the cache of the first L - q tokens, are scored, and are cropped off again (``DynamicCache.crop``), so one
+prefill answers every length, each answer exactly that of a standalone prompt of L tokens. An entry with YaRN at
+evaluation (``rope:eval_scaling=yarn``) runs the whole long evaluation with factor 2 (2P / P), i.e. "YaRN x2".
 
-Cost: one forward of 2P tokens per key position and entry (one by default). :func:`estimate_seconds` times the
-first chunks of the band window on the unpatched model and extrapolates (a chunk's time grows linearly with the
-keys it sees); the study prints it before the first long evaluation.
+Cost: (1 + number of key positions) prefills of 2P tokens per entry (two by default). ``estimate_seconds`` times
+the first chunks of the band window on the unpatched model and extrapolates (a chunk's time grows linearly with
+the keys it sees); the study prints it before the first long evaluation.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ DEFAULT_PASSKEY_POSITIONS: tuple[float, ...] = (0.25,)
 #: the longest chunk of the prefill (tokens).
 MAX_CHUNK = 1024
 
+_INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. Find it and memorize "
+          "it. I will quiz you about it later.\n")
+_FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 _KEY = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
 _QUESTION = "\nWhat is the pass key? The pass key is"
 
@@ -70,14 +74,13 @@ def context_length(config: Any) -> int:
 
 @dataclass
 class Haystack:
-    """One passkey haystack: ``ids`` (2P,), the held-out window with the key sentence at ``key_at`` (``sentence``
-    tokens long), the key, and per length L the question + answer ids (``question``) that follow the first
-    ``L - len(question)`` tokens; ``answer`` is the number of answer tokens at the end of ``question``."""
+    """One passkey haystack: ``ids`` (2P,), filler with the key sentence at ``key_at``, the key, and per length L
+    the question + answer ids (``question``) that follow the first ``L - len(question)`` tokens; ``answer`` is the
+    number of answer tokens at the end of ``question``."""
 
     ids: torch.Tensor
     key: int
     key_at: int
-    sentence: int
     question: torch.Tensor
     answer: int
     lengths: list[int]
@@ -88,30 +91,26 @@ class LongEvalData:
     """What the long evaluation runs on (built once per study, the same for every entry)."""
 
     context: int  # P
-    haystacks: list[Haystack]  # the first one's tokens are also the band window
+    window: torch.Tensor  # (2P,) held-out tokens
+    haystacks: list[Haystack]
     chunk: int
     bands: list[tuple[int, int]] = field(default_factory=list)
 
     def describe(self) -> dict[str, Any]:
         return {
             "context": self.context,
-            "window_tokens": int(self.haystacks[0].ids.numel()),
+            "window_tokens": int(self.window.numel()),
             "bands": [list(b) for b in self.bands],
             "chunk": self.chunk,
             "passkey": [{"key_at": h.key_at, "lengths": h.lengths, "key": h.key} for h in self.haystacks],
-            "how": "one chunked prefill with a DynamicCache of 2P held-out tokens with the passkey sentence inserted; "
-            "perplexity per band of target positions (the sentence's tokens excluded); passkey teacher-forced on "
-            "the answer tokens, the question run on the cache and cropped off again (hf_posenc/study/long.py)",
+            "how": "chunked prefills with a DynamicCache; perplexity per band of target positions over 2P held-out "
+            "tokens; passkey in filler, teacher-forced on the answer tokens, each question run on the cache and "
+            "cropped off again (hf_posenc/study/long.py)",
         }
 
-    @property
-    def window(self) -> torch.Tensor:
-        """(2P,) the band window: the first haystack."""
-        return self.haystacks[0].ids
-
     def passes(self) -> int:
-        """Forwards of 2P tokens per entry: one per key position."""
-        return len(self.haystacks)
+        """Prefills of 2P tokens per entry: the band window and one per key position."""
+        return 1 + len(self.haystacks)
 
 
 def _ids(tokenizer: Any, text: str) -> list[int]:
@@ -121,7 +120,7 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
 def make_long_eval(tokenizer: Any, held_out: torch.Tensor, context: int, seed: int,
                    lengths: tuple[float, ...] | list[float] = DEFAULT_PASSKEY_LENGTHS,
                    positions: tuple[float, ...] | list[float] = DEFAULT_PASSKEY_POSITIONS) -> LongEvalData:
-    """The held-out window (2P tokens: the end of ``held_out``, with the passkey sentence) once per key position.
+    """The band window (the last 2P tokens of ``held_out``) and one passkey haystack per key position.
 
     Raises:
         ValueError: fewer than 2P held-out tokens, or a length or position outside (0, 2] / [0, 2).
@@ -137,23 +136,23 @@ def make_long_eval(tokenizer: Any, held_out: torch.Tensor, context: int, seed: i
     chunk = max(1, min(MAX_CHUNK, context // 8))
     bands = [(0, context // 2), (context // 2, context), (context, total)]
     rng = random.Random(seed)
-    question_ids = _ids(tokenizer, _QUESTION)
+    intro, filler, question = _ids(tokenizer, _INTRO), _ids(tokenizer, _FILLER), _ids(tokenizer, _QUESTION)
     haystacks = []
     for f in positions:
         key = rng.randint(10000, 99999)
-        sentence = _ids(tokenizer, _KEY.format(key=key))
-        answer = _ids(tokenizer, f" {key}")
-        q = len(question_ids) + len(answer)
-        text = held_out[-(total - len(sentence)):].tolist()
-        key_at = min(round(f * context), len(text))
-        ids = text[:key_at] + sentence + text[key_at:]
+        sentence, answer = _ids(tokenizer, _KEY.format(key=key)), _ids(tokenizer, f" {key}")
+        q = len(question) + len(answer)
+        key_at = max(len(intro), round(f * context))
+        n_fill = total - len(intro) - len(sentence)
+        fill = (filler * (n_fill // len(filler) + 1))[:n_fill]
+        ids = intro + fill[: key_at - len(intro)] + sentence + fill[key_at - len(intro) :]
         # a length needs the whole key sentence before its question
         kept = sorted({round(x * context) for x in lengths if round(x * context) - q >= key_at + len(sentence)})
         if not kept:
             raise ValueError(f"passkey key position {f} P leaves no room for a question at lengths {list(lengths)} P")
-        haystacks.append(Haystack(torch.tensor(ids), key, key_at, len(sentence), torch.tensor(question_ids + answer),
+        haystacks.append(Haystack(torch.tensor(ids[:total]), key, key_at, torch.tensor(question + answer),
                                   len(answer), kept))
-    return LongEvalData(context, haystacks, chunk, bands)
+    return LongEvalData(context, held_out[-total:].clone(), haystacks, chunk, bands)
 
 
 def _forward(model: nn.Module, ids: torch.Tensor, cache: Any, device: torch.device) -> torch.Tensor:
@@ -177,15 +176,14 @@ def _bounds(total: int, chunk: int, stops: list[int]) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def _pass(model: nn.Module, hay: Haystack, chunk: int, device: torch.device, tick: Any, nll: torch.Tensor | None
-          ) -> list[dict[str, Any]]:
-    """One chunked prefill of ``hay``: its passkey results, and into ``nll`` (when given) the loss of every target
-    (``nll[t - 1]`` for the token at position t)."""
-    ids = hay.ids
+def _pass(model: nn.Module, ids: torch.Tensor, chunk: int, device: torch.device, tick: Any,
+          nll: torch.Tensor | None = None, hay: Haystack | None = None) -> list[dict[str, Any]]:
+    """One chunked prefill of ``ids``: into ``nll`` (when given) the loss of every target (``nll[t - 1]`` for the
+    token at position t); with a haystack, its passkey results (the prefill then stops at the last question)."""
     cache = _cache(model)
-    q = hay.question.numel()
-    stops = [n - q for n in hay.lengths]
-    end = ids.numel() if nll is not None else max(stops)
+    q = hay.question.numel() if hay is not None else 0
+    stops = [n - q for n in hay.lengths] if hay is not None else []
+    end = max(stops) if nll is None and stops else ids.numel()
     results = []
     for a, b in _bounds(end, chunk, stops):
         logits = _forward(model, ids[a:b], cache, device)
@@ -195,7 +193,7 @@ def _pass(model: nn.Module, hay: Haystack, chunk: int, device: torch.device, tic
                 logits[: targets.numel()], targets, reduction="none").double().cpu()
         del logits
         tick(b - a)
-        if b in stops:
+        if hay is not None and b in stops:
             logits = _forward(model, hay.question, cache, device)
             answer = hay.question[-hay.answer :].to(logits.device)
             scores = logits[-hay.answer - 1 : -1].log_softmax(-1)
@@ -209,15 +207,10 @@ def _pass(model: nn.Module, hay: Haystack, chunk: int, device: torch.device, tic
 
 
 def _bands(data: LongEvalData, nll: torch.Tensor) -> list[dict[str, Any]]:
-    """Perplexity per band of target positions, the passkey sentence's own tokens left out."""
-    hay = data.haystacks[0]
-    scored = torch.ones(hay.ids.numel(), dtype=torch.bool)
-    scored[0] = False  # the first token has no target
-    scored[hay.key_at : hay.key_at + hay.sentence] = False
+    """Perplexity per band of target positions (the target at position t is ``nll[t - 1]``)."""
     out = []
     for lo, hi in data.bands:
-        keep = scored[lo:hi]
-        part = nll[max(lo, 1) - 1 : hi - 1][keep[max(lo, 1) - lo :]]
+        part = nll[max(lo, 1) - 1 : hi - 1]
         loss = float(part.mean())
         out.append({"band": [lo, hi], "tokens": int(part.numel()), "loss": loss,
                     "perplexity": math.exp(loss) if loss < 700 else None})
@@ -231,17 +224,15 @@ def evaluate_long(model: nn.Module, data: LongEvalData, device: torch.device, pr
     ``cpu_seconds``; a progress bar over the tokens prefilled (on stderr) unless ``progress`` is False."""
     from tqdm.auto import tqdm
 
-    first = data.haystacks[0].ids.numel()
-    total = first + sum(max(h.lengths) - h.question.numel() for h in data.haystacks[1:])
+    total = data.window.numel() + sum(max(h.lengths) - h.question.numel() for h in data.haystacks)
     bar = tqdm(total=total, desc=f"long eval {label}".strip(), unit="tok", unit_scale=True, disable=not progress,
                mininterval=1.0, file=sys.stderr, dynamic_ncols=True)
     model.eval()
     t0, cpu0 = time.perf_counter(), time.process_time()
-    nll = torch.empty(first - 1, dtype=torch.float64)
+    nll = torch.empty(data.window.numel() - 1, dtype=torch.float64)
     try:
-        passkey = _pass(model, data.haystacks[0], data.chunk, device, bar.update, nll)
-        for hay in data.haystacks[1:]:
-            passkey += _pass(model, hay, data.chunk, device, bar.update, None)
+        _pass(model, data.window, data.chunk, device, bar.update, nll=nll)
+        passkey = [r for h in data.haystacks for r in _pass(model, h.ids, data.chunk, device, bar.update, hay=h)]
     finally:
         bar.close()
     return {

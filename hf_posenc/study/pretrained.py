@@ -54,7 +54,7 @@ _RESOLVED: dict[tuple[str, str], Path] = {}
 
 def resolve_source(source: str) -> Path:
     """The checkpoint directory of ``--from``: a directory with config.json; ``smollm2`` (the cached
-    SmolLM2-135M-Instruct, built on first use by :func:`hf_posenc.testing.smollm2`); or a Hugging Face Hub id
+    SmolLM2-135M-Instruct, built on first use by ``hf_posenc.testing.smollm2``); or a Hugging Face Hub id
     (``org/name``), resolved by transformers' own loading (``cached_file``): the local Hub cache is used first
     (``HF_HOME``, ``HF_HUB_CACHE``; offline too, with ``HF_HUB_OFFLINE=1``), what it lacks is downloaded. The
     config, the safetensors weights (one file or the shards of ``model.safetensors.index.json``) and the tokenizer
@@ -85,7 +85,8 @@ def _looks_like_hub_id(source: str) -> bool:
     """``name`` or ``org/name`` of letters, digits and ``-_.`` (the Hub's rule), not a path."""
     import re
 
-    return bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?", source)) and ".." not in source
+    name = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+    return bool(re.fullmatch(rf"{name}(/{name})?", source)) and ".." not in source
 
 
 def _hub_snapshot(repo_id: str) -> Path:
@@ -227,7 +228,7 @@ class PretrainedTextSource(TextSource):
         }
 
     def evaluate_long(self, model: nn.Module, device: torch.device, label: str = "") -> dict[str, Any]:
-        """The evaluation past the pretrained context (:func:`hf_posenc.study.long.evaluate_long`)."""
+        """The evaluation past the pretrained context (``hf_posenc.study.long.evaluate_long``)."""
         from .long import evaluate_long
 
         if self.long is None:

@@ -9,7 +9,7 @@ An ``--encodings`` spec (see :func:`hf_posenc.study.train.split_encodings`) is o
   ``rope*3/nope`` (SmolLM3's 3:1), ``rope:window=16*3/nope`` (RNoPE-SWA); repeated over the depth like
   any plan (its length must divide the number of layers); ending in ``/...``, it is repeated over the depth and
   its last repeat cut at the last layer, as SmolLM3's ``no_rope_layers`` pattern is: ``rope*3/nope/...`` on a
-  30-layer model is 7 x (rope, rope, rope, nope) + rope, rope (:meth:`StudyEntry.to_depth`);
+  30-layer model is 7 x (rope, rope, rope, nope) + rope, rope (``StudyEntry.to_depth``);
 * ``zero_shot=true`` on an entry (on any one entry of a plan) in a conversion study (``--from``): the swapped
   model is evaluated without fine-tuning, like the ``eval_scaling`` baselines;
 * ``eval_scaling=TYPE`` on a rope entry (``rope:eval_scaling=yarn``): the model is trained with plain rope and,

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "column_labels", "group_runs", "long_table", "markdown_table", "plot", "split_evals", "split_names", "spread", "write_json",
+    "column_labels", "group_runs", "long_table", "markdown_table", "plot", "split_evals", "split_names", "spread",
+    "write_json",
     "write_outputs", "write_plot", "write_profiles_figure", "write_results",
 ]
 
@@ -375,8 +376,11 @@ def conversion_table(results: dict[str, Any]) -> str:
     from ..training import ENCODING_LR, ENCODING_LRS
 
     own = ", ".join(f"{k} {v:g}" for k, v in ENCODING_LRS.items())
-    enc_text = (f" (the encoding's parameters at hf_posenc.param_groups' default rates: {own}, the others "
-                f"{ENCODING_LR:g})" if enc_lr is None else f" (the encoding's parameters at {enc_lr})" if enc_lr != st["lr"] else "")
+    if enc_lr is None:
+        enc_text = (f" (the encoding's parameters at hf_posenc.param_groups' default rates: {own}, the others "
+                    f"{ENCODING_LR:g})")
+    else:
+        enc_text = f" (the encoding's parameters at {enc_lr})" if enc_lr != st["lr"] else ""
     lines += ["", f"{c['name']} ({c['model_type']}, weights sha256 {c['weights_sha256'][:12]}), fine-tuned "
               f"{st['steps']} steps x batch {st['batch']} x {st['train_len']} tokens at lr {st['lr']}" + enc_text
               + f"; perplexity per token over the same {results['data']['eval_tokens_per_length']} validation tokens "
@@ -430,12 +434,11 @@ def long_table(results: dict[str, Any]) -> list[str]:
         lines.append(row(label + ("" if trained or "zero-shot" in label else " (not trained)"), r.get("long_eval")))
     keys = ", ".join(f"token {h['key_at']}" for h in described["passkey"])
     lines += ["", f"Perplexity per token by target position over {described['window_tokens']} held-out tokens (the end "
-              f"of the text, never trained on; the passkey sentence's own tokens left out), after each entry's "
-              f"fine-tune ({st['steps']} steps x {st['batch']} x {st['train_len']} tokens) unless marked; passkey: "
-              f"a sentence with a five-digit key inserted in that text at {keys}, retrieved (✓, every answer token "
-              "the argmax) or not (✗) by a question ending at that many tokens; time: the long evaluation alone, on "
-              f"{results.get('environment', {}).get('device_name', 'this device')} (torch threads: "
-              f"{(results.get('environment') or {}).get('torch_threads')})."]
+              f"of the text, never trained on), after each entry's fine-tune ({st['steps']} steps x {st['batch']} x "
+              f"{st['train_len']} tokens) unless marked; passkey: a five-digit key at {keys} of filler text, retrieved "
+              "(✓, every answer token the argmax) or not (✗) by a question ending at that many tokens; time: the "
+              f"long evaluation alone, on {results.get('environment', {}).get('device_name', 'this device')} (torch "
+              f"threads: {(results.get('environment') or {}).get('torch_threads')})."]
     return lines
 
 

@@ -470,7 +470,7 @@ def _lr_lambda(steps: int):
 
 def make_optimizer(model: nn.Module, config: StudyConfig) -> tuple[torch.optim.Optimizer, Any]:
     """The study's optimizer and schedule: AdamW (betas 0.9, 0.95, no weight decay) over
-    :func:`hf_posenc.param_groups` (the encoding at ``config.encoding_lr``, None: param_groups' defaults per
+    ``hf_posenc.param_groups`` (the encoding at ``config.encoding_lr``, None: param_groups' defaults per
     encoding; the rest at ``config.lr``) of a patched model, linear warm-up over the first 10 % of
     ``config.steps`` then cosine to 0."""
     groups = param_groups(model, lr=config.lr, encoding_lr=config.encoding_lr)
@@ -480,7 +480,7 @@ def make_optimizer(model: nn.Module, config: StudyConfig) -> tuple[torch.optim.O
 
 def fine_tune(model: nn.Module, batches: Iterator[tuple[dict[str, torch.Tensor], int]], config: StudyConfig,
               steps: int, device: torch.device, on_step: Any = None) -> list[float]:
-    """Train ``model`` for ``steps`` of ``batches`` (the study's recipe: :func:`make_optimizer`, gradients clipped to
+    """Train ``model`` for ``steps`` of ``batches`` (the study's recipe: ``make_optimizer``, gradients clipped to
     norm 1.0); returns the training losses. ``on_step(loss)`` is called after each step."""
     opt, sched = make_optimizer(model, config)
     losses: list[float] = []
@@ -598,7 +598,7 @@ def _train_and_eval(
 
 def long_evaluation(model: nn.Module, entry: StudyEntry, data: DataSource, device: torch.device,
                     label: str = "") -> dict[str, Any]:
-    """An entry's evaluation past the pretrained context P (:mod:`hf_posenc.study.long`); an entry with scaling at
+    """An entry's evaluation past the pretrained context P (``hf_posenc.study.long``); an entry with scaling at
     evaluation (``rope:eval_scaling=yarn``) is re-patched for 2P first (factor 2, ``original_max_position_embeddings``
     P) and the result records the ``position_encoding`` it ran with."""
     long = data.long

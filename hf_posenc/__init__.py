@@ -8,7 +8,14 @@ from .diagnostics import doctor
 from .export import export_native, native_export
 from .profile import position_profile
 from .registry import list_encodings, register_encoding
-from .training import check_adapter, install_peft_hooks as _install_peft_hooks, load_adapter, trainable_modules
+from .training import (
+    check_adapter,
+    encoding_parameters,
+    install_peft_hooks as _install_peft_hooks,
+    load_adapter,
+    param_groups,
+    trainable_modules,
+)
 
 from .auto import register as _register_auto
 from . import hf_posenc_loader as _hf_posenc_loader  # noqa: F401  (save_pretrained copies its file beside the weights)
@@ -24,11 +31,13 @@ __all__ = [
     "describe",
     "doctor",
     "encoding_module",
+    "encoding_parameters",
     "export_native",
     "from_pretrained",
     "list_encodings",
     "load_adapter",
     "native_export",
+    "param_groups",
     "patch_model",
     "position_profile",
     "register_encoding",

@@ -43,6 +43,7 @@ import hashlib
 import inspect
 import json
 import logging
+import math
 import os
 import warnings
 from pathlib import Path
@@ -57,7 +58,8 @@ from .patches import get_family
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ADAPTER_MARKER", "check_adapter", "load_adapter", "trainable_modules"]
+__all__ = ["ADAPTER_MARKER", "ENCODING_LR", "ENCODING_LRS", "check_adapter", "encoding_parameters", "load_adapter",
+           "param_groups", "trainable_modules"]
 
 #: The file written beside ``adapter_config.json`` when an adapter of a patched model is saved.
 ADAPTER_MARKER = "hf_posenc_adapter.json"
@@ -122,6 +124,151 @@ def trainable_modules(model: nn.Module) -> list[str]:
         if module is enc:
             return [name]
     raise ValueError("the encoding module is not reachable from the model")  # unreachable for a patched model
+
+
+# -- the encoding's own learning rate ---------------------------------------------------------------
+
+#: The default learning rate of an encoding's parameters in ``param_groups`` (an absolute rate, not a multiple
+#: of the model's: Adam moves a parameter by about its learning rate per step whatever the gradient's scale, and a
+#: term started inert has a fixed distance to travel). Measured on SmolLM2-135M-Instruct for FIRE (the best held-out
+#: perplexity after the fine-tune): docs/compositions.md, ``benchmarks/encoding_lr.py``.
+ENCODING_LR = 1e-2
+#: Encodings whose parameters need another default rate, measured the same way. FoX's inert gates sit at σ(10): the
+#: bias is a log-scale decay rate (-log f ≈ exp(-b)), so a gate that forgets must travel several units, and at 1e-2
+#: the term moved the logits by 0.14 where at 3e-2 it moved them by 1.6 with the best held-out perplexity.
+ENCODING_LRS: dict[str, float] = {"fox": 3e-2}
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside DDP/DataParallel (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def encoding_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The trainable parameters of a patched model's encoding (those with ``requires_grad``).
+
+    Args:
+        model: a patched model; also a ``PeftModel`` (the encoding's trained copy, when
+            ``modules_to_save=hf_posenc.trainable_modules(model)`` put one there: the frozen original is not
+            trainable), or a model inside DDP, ``DataParallel`` or ``torch.compile``.
+
+    Returns:
+        The parameters of the module at ``<base model>.posenc`` (the encoding, every part of a composition,
+        every entry of a plan, and the layer options' own parameters) that require a gradient; ``[]`` when the
+        encoding has none (``rope``, ``alibi``, ...).
+
+    Raises:
+        ValueError: the model is not patched by hf_posenc.
+    """
+    inner = _unwrapped(model)
+    slot = _encoding_slot(inner)
+    if slot is None:
+        raise ValueError(f"{type(inner).__name__} is not patched by hf_posenc: it has no encoding parameters; "
+                         "call hf_posenc.patch_model first")
+    return [p for p in slot[1].parameters() if p.requires_grad]
+
+
+def _default_rates(slot: nn.Module) -> dict[int, tuple[str, float]]:
+    """Parameter id -> (encoding name, default rate): each parameter takes the rate of the innermost encoding that
+    holds it (``ENCODING_LRS``, else ``ENCODING_LR``; a composition's or a plan's own parameters, such as
+    the layer options', the generic one)."""
+    from .encodings.base import PositionEncoding
+
+    rates: dict[int, tuple[str, float]] = {}
+    for module in slot.modules():  # parents before children: the innermost encoding's rate wins
+        if isinstance(module, PositionEncoding):
+            for p in module.parameters():
+                rates[id(p)] = (module.name, ENCODING_LRS.get(module.name, ENCODING_LR))
+    return rates
+
+
+def param_groups(
+    model: nn.Module,
+    lr: float,
+    encoding_lr: float | None = None,
+    *,
+    weight_decay: float | None = None,
+    encoding_weight_decay: float = 0.0,
+) -> list[dict[str, Any]]:
+    """Optimizer parameter groups with the encoding's parameters apart, at their own learning rate.
+
+    A term started inert (``init="identity"``) sits at zero (FIRE's last layer, a T5 table) or on a flat
+    sigmoid (FoX's gates at σ(10)); Adam moves a parameter by about its learning rate per step, so at a
+    pretrained model's fine-tuning rate (1e-4) the term stays where it started. Give it its own rate:
+
+    ```python
+    opt = torch.optim.AdamW(hf_posenc.param_groups(model, lr=1e-4), betas=(0.9, 0.95))
+    ```
+
+    Every optimizer that takes parameter groups takes them (a scheduler scales each group's rate by the same
+    factor); with accelerate, build the optimizer from them before ``accelerator.prepare``; with the ``Trainer``,
+    ``optimizers=(torch.optim.AdamW(groups), None)`` or
+    ``optimizer_cls_and_kwargs=(torch.optim.AdamW, {"params": groups})``; with PEFT, call it on the
+    ``PeftModel`` (the encoding's group is its trained copy, from
+    ``modules_to_save=hf_posenc.trainable_modules(model)``; LoRA's parameters are in the model group). See
+    docs/training.md.
+
+    Args:
+        model: a patched model (or a ``PeftModel`` of one, or one inside DDP, ``DataParallel`` or
+            ``torch.compile``).
+        lr: the learning rate of every other trainable parameter.
+        encoding_lr: one rate for all the encoding's parameters. Default: per encoding, the larger of ``lr`` and
+            its measured default (``ENCODING_LRS``: ``fox`` 3e-2; every other ``ENCODING_LR``, 1e-2;
+            measured on SmolLM2-135M, docs/compositions.md).
+        weight_decay: the other parameters' weight decay; None leaves it to the optimizer's default.
+        encoding_weight_decay: the encoding's weight decay (default 0: decay would pull an inert FoX gate bias
+            towards 0, i.e. towards forgetting half of each step, and a learned table towards no position).
+
+    Returns:
+        ``[{"name": "model", "params": [...], "lr": lr, ...}, {"name": "encoding", "params": [...],
+        "lr": encoding_lr, "weight_decay": encoding_weight_decay}]``: only parameters that require a gradient,
+        each in one group; a group with no parameters is left out (an encoding without parameters gives the model
+        group alone). With the default rates, an encoding whose rate differs from the others (``fox`` in
+        ``rope+fox``, or in a plan beside ``fire``) gets a group of its own, ``"name": "encoding:fox"``.
+
+    Raises:
+        ValueError: the model is not patched, or a rate or decay is not a finite number >= 0 (rates > 0).
+        TypeError: a rate or decay is not a number.
+    """
+    for name, value, positive in (("lr", lr, True), ("encoding_lr", encoding_lr, True),
+                                  ("weight_decay", weight_decay, False),
+                                  ("encoding_weight_decay", encoding_weight_decay, False)):
+        if value is None and name in ("encoding_lr", "weight_decay"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"param_groups: {name} must be a number, got {value!r}")
+        if not math.isfinite(value) or not (value > 0 if positive else value >= 0):
+            raise ValueError(f"param_groups: {name} must be a finite number {'> 0' if positive else '>= 0'}, "
+                             f"got {value!r}")
+    encoding = encoding_parameters(model)
+    ids = {id(p) for p in encoding}
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
+    groups: list[dict[str, Any]] = []
+    if rest:
+        group: dict[str, Any] = {"name": "model", "params": rest, "lr": float(lr)}
+        if weight_decay is not None:
+            group["weight_decay"] = float(weight_decay)
+        groups.append(group)
+    if encoding:
+        if encoding_lr is not None:
+            by_label = {"encoding": (float(encoding_lr), encoding)}
+        else:
+            defaults = _default_rates(_encoding_slot(_unwrapped(model))[1])
+            by_label = {}
+            for p in encoding:
+                owner, rate = defaults.get(id(p), ("", ENCODING_LR))
+                label = f"encoding:{owner}" if owner in ENCODING_LRS else "encoding"
+                by_label.setdefault(label, (max(float(lr), rate), []))[1].append(p)
+        for label, (rate, params) in by_label.items():
+            groups.append({"name": label, "params": params, "lr": rate,
+                           "weight_decay": float(encoding_weight_decay)})
+    if not groups:
+        raise ValueError(f"{type(_unwrapped(model)).__name__} has no parameter that requires a gradient")
+    return groups
 
 
 # -- the adapter marker ----------------------------------------------------------------------------

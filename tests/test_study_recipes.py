@@ -19,12 +19,31 @@ TINY = dict(steps=3, train_len=8, hidden=32, layers=4, batch=4, eval_tokens=128,
     ("rope:partial_rotary_factor=0.5", "rope(partial_rotary_factor=0.5)", None),
     ("rope:eval_scaling=yarn", "rope + YaRN at eval", None),
     ("rope:eval_scaling=linear*3/nope", "rope×3/nope + PI at eval", ["rope", "rope", "rope", "nope"]),
+    ("rope:window=8192,sink=4,zero_shot=true", "rope(window=8192, sink=4) zero-shot", None),
+    ("rope:window=64*3/nope/...", "rope(window=64)×3/nope/…", ["rope", "rope", "rope", "nope"]),
+    ("nope:qk_norm=qk", "nope(qk_norm=qk)", None),
+    ("nope:length_scale=ssmax", "nope(length_scale=ssmax)", None),
 ])
 def test_entries_and_labels(spec, label, layers):
     entry = parse_study_entry(spec)
     assert entry.label == label
     assert (entry.names if entry.is_plan else None) == layers
-    assert entry_label(entry.encoding, entry.eval_scaling) == label
+    assert entry_label(entry.encoding, entry.eval_scaling, entry.zero_shot, entry.fills_depth) == label
+
+
+def test_plan_that_fills_the_depth():
+    entry = parse_study_entry("rope:window=64*3/nope/...")
+    assert entry.fills_depth and not entry.zero_shot
+    full = entry.to_depth(10)
+    assert full.names == ["rope", "rope", "rope", "nope"] * 2 + ["rope", "rope"] and not full.fills_depth
+    assert full.encoding[0].window == 64 and full.label == entry.label
+    assert parse_study_entry("rope*3/nope").to_depth(10).names == ["rope", "rope", "rope", "nope"]  # not filling
+    with pytest.raises(ValueError, match="may only end a plan"):
+        parse_study_entry("rope/.../nope")
+    with pytest.raises(ValueError, match="zero_shot is true or false"):
+        parse_study_entry("rope:zero_shot=3")
+    with pytest.raises(ValueError, match="applies to a conversion study"):
+        StudyConfig(encodings=["rope:zero_shot=true"]).resolved()
 
 
 @pytest.mark.parametrize("spec, pattern", [

@@ -70,6 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=None, help="attention heads (default hidden / 16)")
     p.add_argument("--batch", type=int, default=None, help="batch size (default 16; 64 on vit)")
     p.add_argument("--lr", type=float, default=None, help="peak AdamW learning rate (default 3e-3; with --from 1e-4)")
+    p.add_argument("--encoding-lr", type=float, default=None,
+                   help="the encoding's own learning rate (hf_posenc.param_groups: its parameters in their own AdamW "
+                   "group). Default: --lr; with --from param_groups' measured defaults, the larger of --lr and 1e-2 "
+                   "(fox: 3e-2; docs/compositions.md), so that a term started inert (init=identity) moves")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed: same seed, same numbers (default {d.seed})")
     p.add_argument("--seeds", type=int, nargs="+", default=None, metavar="S",
                    help="several seeds (e.g. 0 1 2): every encoding is trained once per seed; the table gives the "
@@ -92,9 +96,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="text: validation bytes (tokens with --from) scored at every length (default 16384; with "
                    "--from 1024)")
     p.add_argument("--from", dest="source", default=None, metavar="CHECKPOINT",
-                   help="a conversion study: fine-tune this pretrained causal LM (a checkpoint directory, or "
+                   help="a conversion study: fine-tune this pretrained causal LM (a checkpoint directory, a Hugging "
+                   "Face Hub id such as HuggingFaceTB/SmolLM2-135M, loaded through the local Hub cache first, or "
                    "'smollm2' for the cached SmolLM2-135M-Instruct) after each swap, on English text, and evaluate "
                    "it before the swap, right after it and after fine-tuning (hf_posenc/study/pretrained.py)")
+    p.add_argument("--long-eval", action="store_true",
+                   help="with --from: also evaluate every entry (and the unpatched model) past the checkpoint's "
+                   "pretrained context P (its max_position_embeddings): perplexity on [P/2, P) and [P, 2P) of 2P "
+                   "held-out tokens, and passkey retrieval at lengths up to 2P. Minutes per entry on a CPU (prints "
+                   "its estimate first; docs/study.md); --resume continues it")
+    p.add_argument("--passkey-lengths", type=float, nargs="+", default=None, metavar="F",
+                   help="--long-eval: passkey lengths as fractions of P (default 0.5 1 1.5 2)")
+    p.add_argument("--passkey-positions", type=float, nargs="+", default=None, metavar="F",
+                   help="--long-eval: the key's position as fractions of P, one prefill of 2P tokens each (default "
+                   "0.25)")
     p.add_argument("--eval-sequences", type=int, default=d.eval_sequences,
                    help=f"synthetic tasks: evaluation sequences per length (default {d.eval_sequences})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -107,10 +122,12 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
     """A `StudyConfig` from parsed ``hf-posenc study`` arguments."""
     return StudyConfig(
         encodings=args.encodings, family=args.family, task=args.task, train_len=args.train_len, steps=args.steps,
-        layers=args.layers, hidden=args.hidden, heads=args.heads, batch=args.batch, lr=args.lr, seed=args.seed,
+        layers=args.layers, hidden=args.hidden, heads=args.heads, batch=args.batch, lr=args.lr,
+        encoding_lr=args.encoding_lr, seed=args.seed,
         seeds=args.seeds, jobs=args.jobs, device=args.device, threads=args.threads, out=args.out, data=args.data,
         factors=args.factors, eval_tokens=args.eval_tokens, eval_sequences=args.eval_sequences, progress=not args.no_progress,
-        resume=args.resume, source=args.source,
+        resume=args.resume, source=args.source, long_eval=args.long_eval, passkey_lengths=args.passkey_lengths,
+        passkey_positions=args.passkey_positions,
     )
 
 

@@ -7,7 +7,11 @@ An ``--encodings`` spec (see `hf_posenc.study.train.split_encodings`) is one of:
   inside a value on the command line, so write scaling from Python, or use ``eval_scaling``);
 * a plan: entries joined by ``/``, each an encoding spec as above, ``name*K`` repeating an entry K times:
   ``rope*3/nope`` (SmolLM3's 3:1), ``rope:window=16*3/nope`` (RNoPE-SWA); repeated over the depth like
-  any plan (its length must divide ``--layers``);
+  any plan (its length must divide the number of layers); ending in ``/...``, it is repeated over the depth and
+  its last repeat cut at the last layer, as SmolLM3's ``no_rope_layers`` pattern is: ``rope*3/nope/...`` on a
+  30-layer model is 7 x (rope, rope, rope, nope) + rope, rope (``StudyEntry.to_depth``);
+* ``zero_shot=true`` on an entry (on any one entry of a plan) in a conversion study (``--from``): the swapped
+  model is evaluated without fine-tuning, like the ``eval_scaling`` baselines;
 * ``eval_scaling=TYPE`` on a rope entry (``rope:eval_scaling=yarn``): the model is trained with plain rope and,
   at each evaluation length L longer than the training length T, rope is re-patched with transformers' ``TYPE``
   scaling (``yarn`` or ``linear``, i.e. position interpolation) of factor L / T and
@@ -34,14 +38,33 @@ EVAL_SCALINGS = ("yarn", "linear")
 _EVAL_NAMES = {"yarn": "YaRN", "linear": "PI"}
 
 
+#: the last piece of a plan that repeats it over the depth, cutting its last repeat at the last layer
+FILL_DEPTH = "..."
+
+
 @dataclass(frozen=True)
 class StudyEntry:
     """One entry of a study: the encoding (one config, or a plan: one config per plan entry), the scaling applied
-    at evaluation only (or None) and the label shown in the table and the plot."""
+    at evaluation only (or None), the label shown in the table and the plot, whether a conversion study evaluates
+    it without fine-tuning (``zero_shot``) and whether its plan fills the depth (``fills_depth``, a plan ending in
+    ``/...``)."""
 
     encoding: PosEncConfig | list[PosEncConfig]
     eval_scaling: str | None
     label: str
+    zero_shot: bool = False
+    fills_depth: bool = False
+
+    def to_depth(self, layers: int) -> StudyEntry:
+        """A plan that fills the depth as one entry per layer: repeated, the last repeat cut at layer ``layers``
+        (itself when the plan does not fill the depth)."""
+        if not self.fills_depth:
+            return self
+        if not isinstance(layers, int) or layers < 1:
+            raise ValueError(f"a model depth must be an integer >= 1, got {layers!r}")
+        plan = list(self.encoding)
+        full = (plan * (layers // len(plan) + 1))[:layers]
+        return StudyEntry(full, self.eval_scaling, self.label, self.zero_shot, False)
 
     @property
     def is_plan(self) -> bool:
@@ -62,8 +85,8 @@ def _value(text: str) -> Any:
         return text.strip()
 
 
-def _parse_one(spec: str, where: str) -> tuple[PosEncConfig, str | None]:
-    """``name`` or ``name:key=value,...`` -> (config, eval_scaling)."""
+def _parse_one(spec: str, where: str) -> tuple[PosEncConfig, str | None, bool]:
+    """``name`` or ``name:key=value,...`` -> (config, eval_scaling, zero_shot)."""
     name, _, rest = spec.partition(":")
     params: dict[str, Any] = {}
     for item in filter(None, rest.split(",")):
@@ -72,6 +95,9 @@ def _parse_one(spec: str, where: str) -> tuple[PosEncConfig, str | None]:
             raise ValueError(f"--encodings {where!r}: parameters are key=value pairs separated by commas")
         params[key.strip()] = _value(value)
     eval_scaling = params.pop("eval_scaling", None)
+    zero_shot = params.pop("zero_shot", False)
+    if not isinstance(zero_shot, bool):
+        raise ValueError(f"--encodings {where!r}: zero_shot is true or false, got {zero_shot!r}")
     config = PosEncConfig.coerce(name.strip(), **params)
     if eval_scaling is not None:
         if config.name != "rope":
@@ -82,7 +108,7 @@ def _parse_one(spec: str, where: str) -> tuple[PosEncConfig, str | None]:
             )
         if config.params.get("scaling") is not None:
             raise ValueError(f"--encodings {where!r}: give scaling or eval_scaling, not both")
-    return config, eval_scaling
+    return config, eval_scaling, zero_shot
 
 
 def _short(config: PosEncConfig) -> str:
@@ -95,9 +121,11 @@ def _short(config: PosEncConfig) -> str:
     return f"{config.name}(" + ", ".join(f"{k}={v}" for k, v in changed.items()) + ")"
 
 
-def entry_label(encoding: PosEncConfig | list[PosEncConfig], eval_scaling: str | None = None) -> str:
-    """A readable label: runs of a plan's equal entries compressed (``rope×3/nope``), parameters that differ from
-    the defaults in parentheses, the scaling at evaluation named (``rope + YaRN at eval``)."""
+def entry_label(encoding: PosEncConfig | list[PosEncConfig], eval_scaling: str | None = None,
+                zero_shot: bool = False, fills_depth: bool = False) -> str:
+    """A readable label: runs of a plan's equal entries compressed (``rope×3/nope``), ``/…`` for a plan that fills
+    the depth, parameters that differ from the defaults in parentheses, the scaling at evaluation named
+    (``rope + YaRN at eval``), `` zero-shot`` for an entry evaluated without fine-tuning."""
     if isinstance(encoding, list):
         runs: list[list[Any]] = []
         for config in encoding:
@@ -109,8 +137,12 @@ def entry_label(encoding: PosEncConfig | list[PosEncConfig], eval_scaling: str |
         label = "/".join(text if n == 1 else f"{text}×{n}" for text, n in runs)
     else:
         label = _short(encoding)
+    if fills_depth:
+        label += "/…"
     if eval_scaling is not None:
         label += f" + {_EVAL_NAMES.get(eval_scaling, eval_scaling)} at eval"
+    if zero_shot:
+        label += " zero-shot"
     return label
 
 
@@ -118,14 +150,23 @@ def parse_study_entry(spec: str) -> StudyEntry:
     """A ``--encodings`` spec (see the module docstring) -> `StudyEntry`; ``ValueError``/``TypeError``
     naming the spec for a bad one."""
     if "/" not in spec and "*" not in spec.partition(":")[0]:
-        config, eval_scaling = _parse_one(spec, spec)
-        return StudyEntry(config, eval_scaling, entry_label(config, eval_scaling))
+        config, eval_scaling, zero_shot = _parse_one(spec, spec)
+        return StudyEntry(config, eval_scaling, entry_label(config, eval_scaling, zero_shot), zero_shot)
     entries: list[PosEncConfig] = []
     scalings = set()
-    for piece in spec.split("/"):
+    zero_shot = fills = False
+    pieces = spec.split("/")
+    if pieces[-1].strip() == FILL_DEPTH:
+        fills = True
+        pieces = pieces[:-1]
+        if not pieces:
+            raise ValueError(f"--encodings {spec!r}: '/...' repeats the plan before it; write e.g. rope*3/nope/...")
+    for piece in pieces:
         piece = piece.strip()
         if not piece:
             raise ValueError(f"--encodings {spec!r}: empty plan entry between slashes; write e.g. rope*3/nope")
+        if piece == FILL_DEPTH:
+            raise ValueError(f"--encodings {spec!r}: '...' may only end a plan (rope*3/nope/...)")
         body, star, count = piece.rpartition("*")
         if star and count.strip().isdigit() and body:
             repeat, piece = int(count), body
@@ -133,14 +174,15 @@ def parse_study_entry(spec: str) -> StudyEntry:
                 raise ValueError(f"--encodings {spec!r}: a repeat count must be >= 1, got {repeat}")
         else:
             repeat = 1
-        config, eval_scaling = _parse_one(piece, spec)
+        config, eval_scaling, zero = _parse_one(piece, spec)
         scalings.add(eval_scaling)
+        zero_shot |= zero
         entries.extend([config] * repeat)
     scalings.discard(None)
     if len(scalings) > 1:
         raise ValueError(f"--encodings {spec!r}: one eval_scaling per plan, got {sorted(scalings)}")
     eval_scaling = next(iter(scalings), None)
-    return StudyEntry(entries, eval_scaling, entry_label(entries, eval_scaling))
+    return StudyEntry(entries, eval_scaling, entry_label(entries, eval_scaling, zero_shot, fills), zero_shot, fills)
 
 
 def _scaled(config: PosEncConfig, eval_scaling: str, train_len: int, length: int) -> PosEncConfig:

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "column_labels", "group_runs", "markdown_table", "plot", "split_evals", "split_names", "spread", "write_json",
-    "write_outputs", "write_plot", "write_profiles_figure", "write_results", "replot", "entry_style", "log_ticks",
-    "same_lines", "joined_label", "checkpoint_title", "plot_conversion",
+    "column_labels", "group_runs", "long_table", "markdown_table", "plot", "split_evals", "split_names", "spread",
+    "write_json", "write_outputs", "write_plot", "write_profiles_figure", "write_results", "replot", "entry_style",
+    "log_ticks", "same_lines", "joined_label", "checkpoint_title", "plot_conversion",
 ]
 
 LEARNED_MARK = "†"
@@ -489,11 +489,74 @@ def conversion_table(results: dict[str, Any]) -> str:
                      + (tuned or " | ".join("not trained" for _ in x)) + " |")
     c = results["checkpoint"]
     st = results["settings"]
+    enc_lr = st.get("encoding_lr", st["lr"])  # absent: a results.json from before the encoding's own rate
+    from ..training import ENCODING_LR, ENCODING_LRS
+
+    own = ", ".join(f"{k} {v:g}" for k, v in ENCODING_LRS.items())
+    if enc_lr is None:
+        enc_text = (f" (the encoding's parameters at hf_posenc.param_groups' default rates: {own}, the others "
+                    f"{ENCODING_LR:g})")
+    else:
+        enc_text = f" (the encoding's parameters at {enc_lr})" if enc_lr != st["lr"] else ""
     lines += ["", f"{c['name']} ({c['model_type']}, weights sha256 {c['weights_sha256'][:12]}), fine-tuned "
-              f"{st['steps']} steps x batch {st['batch']} x {st['train_len']} tokens at lr {st['lr']}; perplexity per "
-              f"token over the same {results['data']['eval_tokens_per_length']} validation tokens of "
-              f"{results['data']['source']} at every length."]
+              f"{st['steps']} steps x batch {st['batch']} x {st['train_len']} tokens at lr {st['lr']}" + enc_text
+              + f"; perplexity per token over the same {results['data']['eval_tokens_per_length']} validation tokens "
+              f"of {results['data']['source']} at every length."]
+    lines += long_table(results)
     return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def _passkey_cells(long: dict[str, Any], lengths: list[int]) -> list[str]:
+    """One cell per passkey length: ✓ / ✗ for one key, ``k/n`` keys retrieved for several."""
+    cells = []
+    for n in lengths:
+        got = [r["retrieved"] for r in long.get("passkey", []) if r["length"] == n]
+        cells.append("" if not got else ("✓" if got[0] else "✗") if len(got) == 1 else f"{sum(got)}/{len(got)}")
+    return cells
+
+
+def long_table(results: dict[str, Any]) -> list[str]:
+    """The evaluation past the pretrained context P (``--long-eval``) as markdown lines: perplexity on [P/2, P) and
+    [P, 2P), passkey per length, and the time of each entry's long evaluation; ``[]`` without one."""
+    described = (results.get("data") or {}).get("long_eval")
+    before = results.get("before_long_eval")
+    if not described:
+        return []
+    p = described["context"]
+    lengths = sorted({n for h in described["passkey"] for n in h["lengths"]})
+    head = f"| entry | [{p // 2}, {p}) | [{p}, {2 * p}) | " + " | ".join(f"passkey {n}" for n in lengths) + " | time |"
+    lines = ["", f"Past the pretrained context (P = {p}, `--long-eval`):", "", head, "|---|" + "---:|" * (
+        3 + len(lengths))]
+    st = results["settings"]
+
+    def row(label: str, long: dict[str, Any] | None) -> str:
+        if not long:
+            return f"| {label} | " + " | ".join("-" for _ in range(3 + len(lengths))) + " |"
+        bands = {tuple(b["band"]): b["perplexity"] for b in long["bands"]}
+        cells = [_cell(bands.get((p // 2, p)), "text"), _cell(bands.get((p, 2 * p)), "text"),
+                 *_passkey_cells(long, lengths), _duration(long["seconds"])]
+        return f"| {label} | " + " | ".join(cells) + " |"
+
+    lines.append(row("unpatched (before any swap)", before))
+    for r in results["results"]:
+        if r["status"] != "ok":
+            lines.append(row(f"{entry_label(r)} ({r['status']})", None))
+            continue
+        trained = bool(r.get("train", {}).get("losses"))
+        label = entry_label(r)
+        lines.append(row(label + ("" if trained or "zero-shot" in label else " (not trained)"), r.get("long_eval")))
+    keys = ", ".join(f"token {h['key_at']}" for h in described["passkey"])
+    lines += ["", f"Perplexity per token by target position over {described['window_tokens']} held-out tokens (the end "
+              f"of the text, never trained on), after each entry's fine-tune ({st['steps']} steps x {st['batch']} x "
+              f"{st['train_len']} tokens) unless marked; passkey: a five-digit key at {keys} of filler text, retrieved "
+              "(✓, every answer token the argmax) or not (✗) by a question ending at that many tokens; time: the "
+              f"long evaluation alone, on {results.get('environment', {}).get('device_name', 'this device')} (torch "
+              f"threads: {(results.get('environment') or {}).get('torch_threads')})."]
+    return lines
 
 
 def _files(out_dir: str | os.PathLike) -> dict[str, str]:

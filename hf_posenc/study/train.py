@@ -56,6 +56,7 @@ from .. import encoding_module, patch_model
 from ..config import PosEncConfig
 from ..machine import cpu_name
 from ..registry import list_encodings
+from ..training import param_groups
 from . import data as D
 from .recipes import StudyEntry, apply_eval_scaling, parse_study_entry
 from .pretrained import (CONVERSION_ENCODINGS, PretrainedTextSource, checkpoint_record, load_pretrained,
@@ -104,6 +105,10 @@ class StudyConfig:
     heads: int | None = None  # default hidden // 16
     batch: int | None = None  # default 16 (text, tasks), 64 (vit)
     lr: float | None = None  # 3e-3 (a conversion study: 1e-4)
+    #: the encoding's own learning rate (hf_posenc.param_groups); default: lr; a conversion study keeps None:
+    #: param_groups' measured defaults per encoding (hf_posenc.training.ENCODING_LR(S)), so that a term started
+    #: inert moves
+    encoding_lr: float | None = None
     seed: int = 0
     seeds: list[int] | None = None  # several seeds: every encoding once per seed (default: [seed])
     jobs: int = 1  # worker processes for independent (encoding, seed) runs
@@ -112,10 +117,15 @@ class StudyConfig:
     out: str | None = "out/study"
     data: str | None = None
     factors: list[float] | None = None  # 1 2 4 8 (a conversion study: 1 2 4)
-    #: a conversion study (``--from``): a checkpoint directory, or "smollm2" (hf_posenc.study.pretrained)
+    #: a conversion study (``--from``): a checkpoint directory, a Hub id, or "smollm2" (hf_posenc.study.pretrained)
     source: str | None = None
     eval_tokens: int | None = None  # 16384 (a conversion study: 1024)
     eval_sequences: int = 128
+    #: a conversion study: also evaluate past the pretrained context P (hf_posenc.study.long): perplexity on
+    #: [P/2, P) and [P, 2P), passkey at passkey_lengths (fractions of P) with the key at passkey_positions
+    long_eval: bool = False
+    passkey_lengths: list[float] | None = None  # default long.DEFAULT_PASSKEY_LENGTHS
+    passkey_positions: list[float] | None = None  # default long.DEFAULT_PASSKEY_POSITIONS
     progress: bool = True
     resume: bool = False  # continue from out/results.json (same settings), skipping the models it holds
 
@@ -125,11 +135,29 @@ class StudyConfig:
         convert = c.source is not None
         if convert:
             if not isinstance(c.source, str) or not c.source:
-                raise TypeError(f"--from must be a checkpoint directory or 'smollm2', got {c.source!r}")
+                raise TypeError(f"--from must be a checkpoint directory, a hub id or 'smollm2', got {c.source!r}")
             if c.family != "llama" and c.family != "gpt2":
                 raise ValueError(f"--from fine-tunes a pretrained causal LM; --family {c.family} does not apply")
             if c.task not in (None, "text"):
                 raise ValueError(f"--from runs the text task (English text, perplexity per token); got --task {c.task}")
+        if not isinstance(c.long_eval, bool):
+            raise TypeError(f"long_eval must be True or False, got {c.long_eval!r}")
+        if c.long_eval:
+            if not convert:
+                raise ValueError("--long-eval evaluates past a pretrained checkpoint's context: it needs --from")
+            from .long import DEFAULT_PASSKEY_LENGTHS, DEFAULT_PASSKEY_POSITIONS
+
+            for name, default, ok in (("passkey_lengths", DEFAULT_PASSKEY_LENGTHS, lambda f: 0 < f <= 2),
+                                      ("passkey_positions", DEFAULT_PASSKEY_POSITIONS, lambda f: 0 <= f < 2)):
+                value = list(default) if getattr(c, name) is None else getattr(c, name)
+                if (not isinstance(value, (list, tuple)) or not value
+                        or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and ok(f) for f in value)):
+                    bounds = "(0, 2]" if name == "passkey_lengths" else "[0, 2)"
+                    raise ValueError(f"--{name.replace('_', '-')} must be fractions of the pretrained context in "
+                                     f"{bounds}, got {value!r}")
+                setattr(c, name, sorted({float(f) for f in value}))
+        elif c.passkey_lengths is not None or c.passkey_positions is not None:
+            raise ValueError("--passkey-lengths and --passkey-positions apply with --long-eval only")
         if c.encodings is None:
             c.encodings = list(CONVERSION_ENCODINGS if convert else DEFAULT_ENCODINGS)
         if c.steps is None:
@@ -163,6 +191,11 @@ class StudyConfig:
             raise ValueError(f"--hidden {c.hidden} must be divisible by --heads {c.heads} into an even head size")
         if not c.lr > 0:
             raise ValueError(f"--lr must be > 0, got {c.lr}")
+        if c.encoding_lr is None and not convert:
+            c.encoding_lr = c.lr
+        if c.encoding_lr is not None and (isinstance(c.encoding_lr, bool) or not isinstance(c.encoding_lr, (int, float))
+                                          or not c.encoding_lr > 0):
+            raise ValueError(f"--encoding-lr must be a number > 0, got {c.encoding_lr!r}")
         if c.seeds is None:
             c.seeds = [c.seed]
         if isinstance(c.seeds, int) or not isinstance(c.seeds, (list, tuple)) or not c.seeds:
@@ -205,11 +238,16 @@ class StudyConfig:
                 expanded += [n for n in list_encodings() if n not in expanded]
             elif e not in expanded:
                 entry = parse_study_entry(e)  # validates the names and parameters
-                misfit = (entry.is_plan and c.layers % len(entry.encoding)) or (
-                    entry.eval_scaling is not None and c.family == "vit")
+                # a conversion study's depth is the checkpoint's (patch_model checks the plan against it)
+                plan_misfit = (entry.is_plan and not entry.fills_depth and not convert
+                               and c.layers % len(entry.encoding))
+                misfit = plan_misfit or (entry.eval_scaling is not None and c.family == "vit")
                 if defaulted and misfit:
                     continue
-                if entry.is_plan and c.layers % len(entry.encoding):
+                if entry.zero_shot and not convert:
+                    raise ValueError(f"--encodings {e!r}: zero_shot evaluates a pretrained model without fine-tuning; "
+                                     "it applies to a conversion study (--from)")
+                if plan_misfit:
                     raise ValueError(
                         f"--encodings {e!r}: a plan of {len(entry.encoding)} layers is repeated over the depth, so "
                         f"its length must divide --layers ({c.layers})"
@@ -431,6 +469,39 @@ def _lr_lambda(steps: int):
     return f
 
 
+def make_optimizer(model: nn.Module, config: StudyConfig) -> tuple[torch.optim.Optimizer, Any]:
+    """The study's optimizer and schedule: AdamW (betas 0.9, 0.95, no weight decay) over
+    ``hf_posenc.param_groups`` (the encoding at ``config.encoding_lr``, None: param_groups' defaults per
+    encoding; the rest at ``config.lr``) of a patched model, linear warm-up over the first 10 % of
+    ``config.steps`` then cosine to 0."""
+    groups = param_groups(model, lr=config.lr, encoding_lr=config.encoding_lr)
+    opt = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(config.steps))
+
+
+def fine_tune(model: nn.Module, batches: Iterator[tuple[dict[str, torch.Tensor], int]], config: StudyConfig,
+              steps: int, device: torch.device, on_step: Any = None) -> list[float]:
+    """Train ``model`` for ``steps`` of ``batches`` (the study's recipe: ``make_optimizer``, gradients clipped to
+    norm 1.0); returns the training losses. ``on_step(loss)`` is called after each step."""
+    opt, sched = make_optimizer(model, config)
+    losses: list[float] = []
+    model.train()
+    for step, (batch, _) in enumerate(batches):
+        if step >= steps:
+            break
+        batch = {k: v.to(device) for k, v in batch.items()}
+        loss = model(**batch).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if on_step is not None:
+            on_step(losses[-1])
+    return losses
+
+
 def _train_and_eval(
     spec: str, index: int, total: int, config: StudyConfig, data: DataSource, device: torch.device
 ) -> dict[str, Any]:
@@ -449,6 +520,9 @@ def _train_and_eval(
     result["seed"] = data.seed
     torch.manual_seed(data.seed)
     model = build_model(c, data.vocab_size)
+    if entry.fills_depth:  # a plan ending in /...: one entry per layer of this model
+        entry = entry.to_depth(model.config.num_hidden_layers)
+        enc = entry.encoding
     patch_model(model, enc)
     model.to(device)
     result["position_encoding"] = copy.deepcopy(model.config.position_encoding)
@@ -462,37 +536,26 @@ def _train_and_eval(
         return {"eval_position_encoding": apply_eval_scaling(model, entry, c.train_len, n)}
 
     # A conversion study evaluates the pretrained model right after the swap too; its eval-time recipes
-    # (rope:eval_scaling=yarn) are baselines that are not trained.
-    train_steps = 0 if (c.source is not None and entry.eval_scaling is not None) else c.steps
+    # (rope:eval_scaling=yarn) and its zero_shot entries are baselines that are not trained.
+    train_steps = 0 if (c.source is not None and (entry.eval_scaling is not None or entry.zero_shot)) else c.steps
     if c.source is not None:
         result["eval_start"] = [{"length": n, **at_length(n), **data.evaluate(model, n, device)} for n in lengths]
         if train_steps == 0:
-            notes.append("a baseline evaluated at each length without training")
+            notes.append("evaluated at each length without training (zero-shot)" if entry.zero_shot else
+                         "a baseline evaluated at each length without training")
 
     from tqdm.auto import tqdm
 
-    opt = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(c.steps))
     seeded = f" seed {data.seed}" if len(c.seeds or ()) > 1 else ""
     bar = tqdm(total=train_steps, desc=f"[{index}/{total}] {spec}{seeded}", unit="step", disable=not c.progress,
                mininterval=0.5, file=sys.stderr, dynamic_ncols=True)
-    losses: list[float] = []
     t0, cpu0 = time.perf_counter(), time.process_time()
-    model.train()
     try:
-        for step, (batch, _) in enumerate(data.train_batches()):
-            if step >= train_steps:
-                break
-            batch = {k: v.to(device) for k, v in batch.items()}
-            loss = model(**batch).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            losses.append(loss.item())
+        def shown(loss: float) -> None:
             bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+
+        losses = fine_tune(model, data.train_batches(), c, train_steps, device, on_step=shown)
         train_s, train_cpu = time.perf_counter() - t0, time.process_time() - cpu0
         if c.out is not None:  # what the model learned, before any evaluation-time re-patching
             result["profile"] = _write_profile(model, data, c, spec)
@@ -516,6 +579,8 @@ def _train_and_eval(
         bar.set_postfix_str(f"{last} | {shown}", refresh=True)
     finally:
         bar.close()
+    if c.long_eval:
+        result["long_eval"] = long_evaluation(model, entry, data, device, f"[{index}/{total}] {spec}")
     k = max(1, len(losses) // 20)
     result.update(
         status="ok",
@@ -532,6 +597,18 @@ def _train_and_eval(
     if c.source is not None:  # a conversion: does the converted model leave hf_posenc (a stock architecture)?
         result["native_export"] = native_export_record(model)
     return result
+
+
+def long_evaluation(model: nn.Module, entry: StudyEntry, data: DataSource, device: torch.device,
+                    label: str = "") -> dict[str, Any]:
+    """An entry's evaluation past the pretrained context P (``hf_posenc.study.long``); an entry with scaling at
+    evaluation (``rope:eval_scaling=yarn``) is re-patched for 2P first (factor 2, ``original_max_position_embeddings``
+    P) and the result records the ``position_encoding`` it ran with."""
+    long = data.long
+    extra = {}
+    if entry.eval_scaling is not None:
+        extra["eval_position_encoding"] = apply_eval_scaling(model, entry, long.context, 2 * long.context)
+    return {**data.evaluate_long(model, device, label), **extra}
 
 
 def _profile_slug(spec: str, seed: int) -> str:
@@ -608,6 +685,9 @@ def _load_previous(config: StudyConfig, device: torch.device) -> dict[str, Any]:
         raise ValueError(f"--resume: {path} is not a results.json of this hf_posenc version (schema {SCHEMA_VERSION})")
     now = {**asdict(config), "device_resolved": str(device)}
     then = prev["settings"]
+    # settings that a results.json written before they existed ran with
+    then = {"long_eval": False, "passkey_lengths": None, "passkey_positions": None, "encoding_lr": then.get("lr"),
+            **then}
     diff = [f"{k} {then.get(k)!r} (now {v!r})" for k, v in now.items()
             if k not in _RESUME_FREE and _jsonish(then.get(k)) != _jsonish(v)]
     if diff:
@@ -643,7 +723,8 @@ def _assemble(c: StudyConfig, device: torch.device, lengths: list[int], env: dic
             "eval_factors": [round((n / c.train_len) ** (2 if vit else 1), 4) for n in lengths],
         },
         "settings": {**asdict(c), "device_resolved": str(device), "optimizer": "AdamW(betas=(0.9, 0.95), "
-                     "weight_decay=0), linear warmup over the first 10% of steps then cosine to 0, grad clip 1.0",
+                     "weight_decay=0) over hf_posenc.param_groups (the encoding at encoding_lr), linear warmup over "
+                     "the first 10% of steps then cosine to 0, grad clip 1.0",
                      "intermediate_size": 4 * c.hidden, "vit_patch_size": VIT_PATCH if vit else None},
         "environment": env,
         "data": data.describe(),
@@ -746,6 +827,8 @@ def run_study(config: StudyConfig) -> dict[str, Any]:
                 before = [{"length": n, **datas[c.seeds[0]].evaluate(base, n, device)} for n in lengths]
                 del base
             conversion = {"checkpoint": record, "before": before}
+            if c.long_eval and (prev or {}).get("before_long_eval") is not None:
+                conversion["before_long_eval"] = prev["before_long_eval"]
         done: dict[tuple[str, int], dict[str, Any]] = {}
         if prev is not None:
             now_data = _jsonish(datas[c.seeds[0]].describe())
@@ -780,6 +863,9 @@ def run_study(config: StudyConfig) -> dict[str, Any]:
                 print(f"[{i + 1}/{len(runs)}] {label(spec, seed)}: kept from results.json (--resume)", file=sys.stderr)
             else:
                 todo.append(i)
+        if c.long_eval:  # the estimate, then the unpatched model past its context (once)
+            _start_long_eval(c, datas[c.seeds[0]], device, conversion, len(todo))
+            snapshot(complete=False)
         try:
             if c.jobs > 1 and len(todo) > 1:
                 _run_parallel(c, runs, todo, lengths, device, finished, snapshot, label)
@@ -799,6 +885,38 @@ def run_study(config: StudyConfig) -> dict[str, Any]:
         report.write_plot(out, c.out)
         report.write_profiles_figure(out, c.out)
     return out
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
+def _start_long_eval(c: StudyConfig, data: DataSource, device: torch.device, conversion: dict[str, Any],
+                     entries: int) -> None:
+    """Print the long evaluation's estimated cost (timed on the unpatched model) and evaluate the unpatched model
+    past its context, unless ``conversion`` holds it already (``--resume``); both recorded in ``conversion``."""
+    from .long import estimate_seconds
+
+    long = data.long
+    base = build_model(c, 0).to(device)
+    est = estimate_seconds(base, long, device)
+    before = conversion.get("before_long_eval") is None
+    todo = entries + before
+    wall = est["per_entry_seconds"] * (before + math.ceil(entries / max(1, c.jobs)))
+    lengths = sorted({n for h in long.haystacks for n in h.lengths})
+    print(
+        f"hf-posenc study: long evaluation (--long-eval) past the pretrained context P = {long.context}: perplexity "
+        f"on [{long.context // 2}, {long.context}) and [{long.context}, {2 * long.context}) of {2 * long.context} "
+        f"held-out tokens, passkey at {', '.join(map(str, lengths))} tokens in them; {est['passes_per_entry']} "
+        f"prefill(s) of {est['pass_tokens']} tokens per entry (chunks of {long.chunk}). Timed on the unpatched model "
+        f"(first chunks {est['chunk_seconds']} s): about {_minutes(est['per_entry_seconds'])} per entry, "
+        f"{_minutes(wall)} for the {todo} to evaluate here ({c.jobs} at a time), plus each entry's fine-tune; "
+        "encodings with a term inside the attention run hf_posenc's tile engine and take longer",
+        file=sys.stderr, flush=True)
+    conversion["long_eval_estimate"] = {**est, "evaluations": todo, "wall_seconds": round(wall, 1)}
+    if conversion.get("before_long_eval") is None:
+        conversion["before_long_eval"] = data.evaluate_long(base, device, "unpatched")
+    del base
 
 
 def _run_parallel(c: StudyConfig, runs: list[tuple[str, int]], todo: list[int], lengths: list[int],

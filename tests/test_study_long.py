@@ -1,0 +1,200 @@
+"""The conversion study's evaluation past the pretrained context (``--long-eval``, hf_posenc/study/long.py; issue
+44) on a tiny checkpoint made here (P = its max_position_embeddings = 256): the chunked prefill equals one forward,
+a passkey answered on top of a cropped cache equals a standalone prompt, no attention call sees more than a chunk
+of queries, and the study runs, reports and resumes it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("matplotlib")
+
+import hf_posenc  # noqa: E402
+from hf_posenc.study import StudyConfig, run_study  # noqa: E402
+from hf_posenc.study.long import _INTRO, estimate_seconds, evaluate_long, make_long_eval  # noqa: E402
+
+P = 256
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("ckpt")
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(alphabet), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=P, rope_theta=10000.0,
+                      initializer_range=0.2)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(checkpoint)
+
+
+def _model(checkpoint, encoding=None, **params):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="sdpa").eval()
+    if encoding is not None:
+        hf_posenc.patch_model(model, encoding, **params)
+    return model
+
+
+def _data(tokenizer, **kw):
+    held_out = torch.randint(0, 200, (3 * P,), generator=torch.Generator().manual_seed(1))
+    return make_long_eval(tokenizer, held_out, P, seed=0, lengths=(0.5, 1.0, 1.5, 2.0), positions=(0.0, 0.75), **kw)
+
+
+@pytest.mark.parametrize("encoding,params", [(None, {}), ("rope+fox", {"init": "identity"}), ("alibi", {}),
+                                              ("rope", {"window": 40, "sink": 2})],
+                         ids=["unpatched", "rope+fox", "alibi", "window+sink"])
+def test_chunked_bands_and_cropped_passkey_equal_plain_forwards(checkpoint, tokenizer, encoding, params):
+    model = _model(checkpoint, encoding, **params)
+    data = _data(tokenizer)
+    assert data.chunk == P // 8 and data.window.numel() == 2 * P
+    out = evaluate_long(model, data, torch.device("cpu"), progress=False)
+    with torch.no_grad():
+        ids = data.window[None]
+        logits = model(input_ids=ids).logits[0].float()
+    nll = torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:], reduction="none").double()
+    for band in out["bands"]:
+        lo, hi = band["band"]
+        assert band["tokens"] == hi - max(lo, 1)
+        assert band["loss"] == pytest.approx(float(nll[max(lo, 1) - 1 : hi - 1].mean()), rel=1e-5, abs=1e-5)
+    assert [b["band"] for b in out["bands"]] == [[0, P // 2], [P // 2, P], [P, 2 * P]]
+    assert len(out["passkey"]) == sum(len(h.lengths) for h in data.haystacks)
+    for h in data.haystacks:
+        q = h.question.numel()
+        for r in [r for r in out["passkey"] if r["key"] == h.key]:
+            prompt = torch.cat([h.ids[: r["length"] - q], h.question])[None]
+            assert prompt.shape[1] == r["length"]
+            with torch.no_grad():
+                scores = model(input_ids=prompt).logits[0, -h.answer - 1 : -1].float().log_softmax(-1)
+            answer = h.question[-h.answer :]
+            assert r["answer_logprob"] == pytest.approx(float(scores.gather(-1, answer[:, None]).sum()), abs=1e-3)
+            assert r["retrieved"] == bool((scores.argmax(-1) == answer).all())
+            assert r["distance"] == r["length"] - h.key_at
+
+
+def test_haystack_holds_the_key_where_it_says(tokenizer):
+    data = _data(tokenizer)
+    held_out = torch.randint(0, 200, (3 * P,), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(data.window, held_out[-2 * P :])
+    for h, f in zip(data.haystacks, (0.0, 0.75)):
+        sentence = tokenizer(f"\nThe pass key is {h.key}. Remember it. {h.key} is the pass key.\n",
+                             add_special_tokens=False)["input_ids"]
+        intro = tokenizer(_INTRO, add_special_tokens=False)["input_ids"]
+        assert h.key_at == max(round(f * P), len(intro)) and h.ids[: len(intro)].tolist() == intro
+        assert h.ids[h.key_at : h.key_at + len(sentence)].tolist() == sentence
+        assert h.ids.numel() == 2 * P
+        assert h.question[-h.answer :].tolist() == tokenizer(f" {h.key}", add_special_tokens=False)["input_ids"]
+        assert all(n - h.question.numel() >= h.key_at + len(sentence) for n in h.lengths) and max(h.lengths) == 2 * P
+    assert data.haystacks[0].key != data.haystacks[1].key
+    with pytest.raises(ValueError, match=f"2P = {2 * P} held-out tokens"):
+        make_long_eval(tokenizer, torch.zeros(2 * P - 1, dtype=torch.long), P, seed=0)
+    with pytest.raises(ValueError, match="fractions of P in \\(0, 2\\]"):
+        make_long_eval(tokenizer, torch.zeros(2 * P, dtype=torch.long), P, seed=0, lengths=(3.0,))
+
+
+@pytest.mark.parametrize("encoding", [None, "rope+fire"], ids=["unpatched-sdpa", "hf_posenc"])
+def test_no_attention_call_sees_more_than_a_chunk_of_queries(checkpoint, tokenizer, encoding, monkeypatch):
+    """Memory: every attention call gets at most ``chunk`` queries, or a passkey question's (so a mask of at most
+    that x 2P), and the
+    patched model's term runs in the tile engine (never the full-matrix reference)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import hf_posenc.attention as A
+
+    model = _model(checkpoint, encoding, init="identity") if encoding else _model(checkpoint)
+    seen, engine = [], []
+    if encoding is None:  # transformers' SDPA attention, looked up by name at each call
+        inner = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+        def spy(module, q, k, v, mask, **kw):
+            seen.append((q.shape[2], k.shape[2], None if mask is None else mask.shape[-2]))
+            return inner(module, q, k, v, mask, **kw)
+
+        monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", spy)
+    else:  # hf_posenc's attention hands the term to the tile engine (None: the full-matrix reference would run)
+        tiled = A._tiled_torch_attention
+
+        def spy_engine(ctx, layer, q, k, v, mask, *args, **kw):
+            seen.append((q.shape[2], k.shape[2], None if mask is None else mask.shape[-2]))
+            out = tiled(ctx, layer, q, k, v, mask, *args, **kw)
+            engine.append(out is not None)
+            return out
+
+        monkeypatch.setattr(A, "_tiled_torch_attention", spy_engine)
+    data = _data(tokenizer)
+    evaluate_long(model, data, torch.device("cpu"), progress=False)
+    most = max(data.chunk, *(h.question.numel() for h in data.haystacks))  # a chunk, or a question and its answer
+    assert seen and max(q for q, _, _ in seen) <= most
+    assert max(k for _, k, _ in seen) == 2 * P  # the whole window was seen ...
+    assert all(m is None or m <= most for _, _, m in seen)  # ... a chunk of queries at a time
+    if encoding:
+        assert engine and all(engine)
+
+
+def test_estimate(checkpoint, tokenizer):
+    data = _data(tokenizer)
+    est = estimate_seconds(_model(checkpoint), data, torch.device("cpu"), chunks=3)
+    assert len(est["chunk_seconds"]) == 3 and est["passes_per_entry"] == 3 and est["pass_tokens"] == 2 * P
+    assert est["per_entry_seconds"] >= 0
+
+
+TINY = dict(steps=1, train_len=16, batch=1, eval_tokens=64, progress=False, long_eval=True)
+
+
+def test_study_long_eval_reports_and_resumes(checkpoint, tmp_path, capsys):
+    cfg = dict(source=str(checkpoint), out=str(tmp_path), **TINY)
+    res = run_study(StudyConfig(encodings=["rope", "rope:eval_scaling=yarn"], **cfg))
+    assert res["errors"] == 0
+    err = capsys.readouterr().err
+    assert f"long evaluation (--long-eval) past the pretrained context P = {P}" in err and "per entry" in err
+    before = res["before_long_eval"]
+    assert [b["band"] for b in before["bands"]][1:] == [[P // 2, P], [P, 2 * P]]
+    runs = {r["encoding"]: r for r in res["results"]}
+    yarn = runs["rope:eval_scaling=yarn"]["long_eval"]
+    scaling = yarn["eval_position_encoding"]["scaling"]
+    assert scaling["factor"] == 2.0 and scaling["original_max_position_embeddings"] == P  # YaRN x2 = 2P / P
+    assert yarn["bands"] != before["bands"]
+    assert runs["rope"]["long_eval"]["passkey"]
+    assert res["data"]["long_eval"]["context"] == P and res["long_eval_estimate"]["evaluations"] == 3
+    assert res["long_eval_estimate"]["passes_per_entry"] == 2
+    table = (tmp_path / "table.md").read_text()
+    assert f"| entry | [{P // 2}, {P}) | [{P}, {2 * P}) |" in table and "rope + YaRN at eval (not trained)" in table
+    # the held-out text excludes the last 2P tokens from training
+    assert res["data"]["val_tokens"] >= 2 * P
+    # --resume keeps every finished run with its long evaluation, and the unpatched model's
+    res2 = run_study(StudyConfig(encodings=["rope", "rope:eval_scaling=yarn", "nope"], resume=True, **cfg))
+    assert res2["before_long_eval"] == json.loads(json.dumps(before))
+    runs2 = {r["encoding"]: r for r in res2["results"]}
+    assert runs2["rope"]["long_eval"] == json.loads(json.dumps(runs["rope"]["long_eval"]))
+    assert runs2["nope"]["long_eval"]["bands"]
+    # the long evaluation is a setting: resuming without it is refused
+    with pytest.raises(ValueError, match="long_eval"):
+        run_study(StudyConfig(encodings=["rope"], resume=True, **{**cfg, "long_eval": False}))
+
+
+def test_long_eval_options_are_validated(checkpoint):
+    with pytest.raises(ValueError, match="needs --from"):
+        StudyConfig(long_eval=True).resolved()
+    with pytest.raises(ValueError, match="--passkey-lengths must be fractions"):
+        StudyConfig(source=str(checkpoint), long_eval=True, passkey_lengths=[2.5]).resolved()
+    with pytest.raises(ValueError, match="with --long-eval only"):
+        StudyConfig(source=str(checkpoint), passkey_positions=[0.5]).resolved()
+    c = StudyConfig(source=str(checkpoint), long_eval=True).resolved()
+    assert c.passkey_lengths == [0.5, 1.0, 1.5, 2.0] and c.passkey_positions == [0.25]

@@ -61,14 +61,6 @@ def load_text(path: str | None) -> str:
     return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
 
 
-def optimizer_groups(model: torch.nn.Module, lr: float, encoding_lr: float) -> list[dict]:
-    """Two AdamW groups: the model's weights at ``lr`` and the encoding's own parameters at ``encoding_lr``."""
-    encoding = {id(p) for p in hf_posenc.encoding_module(model).parameters()}
-    weights = [p for p in model.parameters() if p.requires_grad and id(p) not in encoding]
-    own = [p for p in model.parameters() if p.requires_grad and id(p) in encoding]
-    return [{"params": weights, "lr": lr}, {"params": own, "lr": encoding_lr}]
-
-
 def batches(ids: torch.Tensor, batch: int, seq: int, gen: torch.Generator):
     """Random windows of ``seq`` tokens, ``batch`` at a time, forever."""
     while True:
@@ -98,8 +90,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2, help="sequences per step (default 2)")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
     p.add_argument("--lr", type=float, default=1e-4, help="learning rate of the model's weights (default 1e-4)")
-    p.add_argument("--encoding-lr", type=float, default=1e-2,
-                   help="learning rate of the encoding's own parameters (default 1e-2)")
+    p.add_argument("--encoding-lr", type=float, default=None,
+                   help="learning rate of the encoding's own parameters (default: hf_posenc.param_groups' measured "
+                        "default per encoding)")
     p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no")
     p.add_argument("--prompt", default="In Python, a decorator is", help="the prompt to generate from")
     p.add_argument("--max-new-tokens", type=int, default=24)
@@ -142,7 +135,7 @@ def main() -> None:
     start = {n: p.detach().clone() for n, p in hf_posenc.encoding_module(model).named_parameters()}
 
     # 3. Fine-tune with accelerate; the encoding's parameters in a group of their own.
-    opt = torch.optim.AdamW(optimizer_groups(model, args.lr, args.encoding_lr), betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW(hf_posenc.param_groups(model, lr=args.lr, encoding_lr=args.encoding_lr), betas=(0.9, 0.95), weight_decay=0.0)
     warmup = max(1, args.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))

@@ -3,7 +3,7 @@
 #   make test     the fast tier of the test suite (a few minutes; docs/testing.md)
 #   make test-all  every test CI runs: the fast tier and the `slow` one
 #   make test-soak  the opt-in `soak` tier (tens of minutes to hours: training soak, L = 4096, compile matrices)
-#   make test-real  the real tier: tests/test_real.py on SmolLM2-135M-Instruct (built once into
+#   make test-real  the real tier: tests/test_real.py and test_export.py on SmolLM2-135M-Instruct (built once into
 #                 $HF_POSENC_CACHE or ~/.cache/hf_posenc; skips without network; docs/real-checkpoint.md)
 #   make test-oldest  a subset of the suite against the oldest supported versions (.venv-oldest), and
 #                 checkpoints saved under each end of the version range loaded under the other
@@ -18,14 +18,16 @@
 #   make test-triton36  the kernel tests in the interpreter with Triton 3.6 and numpy < 2.4 (a venv in $(VENV36))
 #
 # Setup: python3 -m venv .venv, then torch, then `pip install -e ".[test,study]"`. Torch comes first so that
-# the dependency on torch in pyproject.toml is already satisfied: on a machine without nvidia-smi that is
-# the CPU build torch==$(TORCH_CPU_VERSION) (a plain `pip install torch` would pull the multi-GB CUDA
-# wheels); with nvidia-smi, the default (CUDA) torch. A torch already importable in .venv is kept.
-# A stamp file in .venv records a finished setup; it is redone when pyproject.toml changes.
+# the dependency on torch in pyproject.toml is already satisfied. Where pip gets it is TORCH_INDEX_URL: on a
+# machine without nvidia-smi, PyTorch's index of CPU wheels (torch==$(TORCH_CPU_VERSION), the CPU build; a plain
+# `pip install torch` on Linux pulls the CUDA build, several GB); with nvidia-smi, pip's default index (the
+# CUDA build). A torch already importable in .venv is kept. A stamp file in .venv records a finished setup; it
+# is redone when pyproject.toml changes.
 #
 # Extra arguments: make demo DEMO_ARGS="--steps 50"   make bench BENCH_ARGS="--lengths 512"
 #                  make test PYTEST_ARGS="-k alibi"  make quickstart QUICKSTART_ARGS="--steps 50"
 #                  make test PYTEST_WORKERS=0 (one process, no pytest-xdist)
+#                  make test TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 (torch from another index)
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -33,9 +35,19 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_CPU_VERSION ?= 2.13.0
-# Extra pip arguments for the torch install. This machine's pip finds the CPU wheel in its local wheel
-# folder; elsewhere, e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu".
+# Where pip installs torch from (`pip install --index-url $(TORCH_INDEX_URL) torch`). Default: without nvidia-smi,
+# PyTorch's index of CPU wheels, and the torch installed is torch==$(TORCH_CPU_VERSION); with nvidia-smi, empty
+# (pip's default index: its CUDA build of the newest torch). Set it for another build, e.g.
+# TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128, or empty (TORCH_INDEX_URL=) for pip's own configuration
+# alone, e.g. a wheel folder named in pip.conf (as on this project's CI machines, .ci/run).
+TORCH_CPU_INDEX_URL := https://download.pytorch.org/whl/cpu
+HAS_NVIDIA_SMI := $(shell command -v nvidia-smi 2>/dev/null)
+TORCH_INDEX_URL ?= $(if $(HAS_NVIDIA_SMI),,$(TORCH_CPU_INDEX_URL))
+# Which torch: the newest on a GPU machine, the version the suite is measured with on a CPU-only one.
+TORCH_SPEC ?= $(if $(HAS_NVIDIA_SMI),torch,torch==$(TORCH_CPU_VERSION))
+# Extra pip arguments for the torch install.
 TORCH_PIP_ARGS ?=
+TORCH_PIP = $(if $(strip $(TORCH_INDEX_URL)),--index-url $(TORCH_INDEX_URL)) $(TORCH_PIP_ARGS)
 # Extras of the package to install. The test extra includes Triton: its interpreter runs the kernel tests on CPU.
 # The study extra (matplotlib, scikit-learn) is what `make demo` (hf-posenc study) needs.
 EXTRAS ?= test,study
@@ -86,7 +98,8 @@ OLDEST_VENV ?= .venv-oldest
 OLDEST_PINS ?= "transformers==5.17.0" "accelerate==1.3.0" "peft==0.15.0"
 OLDEST_PY := $(OLDEST_VENV)/bin/python
 OLDEST_STAMP := $(OLDEST_VENV)/.hf_posenc-oldest
-OLDEST_TESTS ?= tests/test_api.py tests/test_ecosystem.py tests/test_chunked_prefill.py tests/test_common.py tests/test_recipes.py
+OLDEST_TESTS ?= tests/test_api.py tests/test_ecosystem.py tests/test_chunked_prefill.py tests/test_common.py tests/test_recipes.py \
+	tests/test_export.py
 # Mistral with a StaticCache is left out: transformers 5.17's StaticCache keeps only min(window, max_cache_len)
 # of a model whose every layer slides, so the length hf_posenc needs is lost and the patch refuses that cache
 # with a ValueError (a DynamicCache works; transformers 5.2x records the length and works).
@@ -113,12 +126,9 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
 		echo "torch $$($(PY) -c 'import torch; print(torch.__version__)') is already installed in $(VENV)"; \
-	elif command -v nvidia-smi >/dev/null 2>&1; then \
-		echo "nvidia-smi found: installing torch (CUDA build)"; \
-		$(PY) -m pip install $(TORCH_PIP_ARGS) torch; \
 	else \
-		echo "no nvidia-smi: installing the CPU build torch==$(TORCH_CPU_VERSION)"; \
-		$(PY) -m pip install $(TORCH_PIP_ARGS) "torch==$(TORCH_CPU_VERSION)"; \
+		echo "$(if $(HAS_NVIDIA_SMI),nvidia-smi,no nvidia-smi): $(TORCH_SPEC) from $(or $(TORCH_INDEX_URL),pip's index)"; \
+		$(PY) -m pip install $(TORCH_PIP) "$(TORCH_SPEC)"; \
 	fi
 	$(PY) -m pip install -e ".[$(EXTRAS)]"
 	@touch $(STAMP)
@@ -135,14 +145,14 @@ test-soak: $(STAMP)
 # The real tier (marker `real`): about 45 tests on SmolLM2-135M-Instruct, one model loaded and shared. `-m real`
 # comes after any `-m` in pytest's addopts, so it selects the tier even where the default run deselects it.
 test-real: $(STAMP)
-	$(PY) -m pytest -q --durations=10 -m real $(PYTEST_ARGS) tests/test_real.py
+	$(PY) -m pytest -q --durations=10 -m real $(PYTEST_ARGS) tests/test_real.py tests/test_export.py
 
 $(OLDEST_PY):
 	$(PYTHON) -m venv $(OLDEST_VENV)
 
 $(OLDEST_STAMP): pyproject.toml Makefile | $(OLDEST_PY)
 	@if ! $(OLDEST_PY) -c "import torch" >/dev/null 2>&1; then \
-		$(OLDEST_PY) -m pip install $(TORCH_PIP_ARGS) "torch==$(TORCH_CPU_VERSION)"; fi
+		$(OLDEST_PY) -m pip install $(TORCH_PIP) "torch==$(TORCH_CPU_VERSION)"; fi
 	$(OLDEST_PY) -m pip install -e . $(OLDEST_PINS) "pytest>=8" "hypothesis>=6"
 	@touch $(OLDEST_STAMP)
 
@@ -172,9 +182,10 @@ matrix: $(STAMP)
 		t = re.sub(re.escape(s) + ".*?" + re.escape(e), lambda m: s + "\n" + hf_posenc.support_matrix() + "\n" + e, \
 		p.read_text(), count=1, flags=re.S); p.write_text(t); print("README.md support matrix updated")'
 
-# The docs extra (mkdocs, mkdocs-material, mkdocstrings) on top of the setup; mkdocs reads the package's
-# source (griffe), it does not import it. --strict: a broken link or anchor, a page missing from the nav or a
-# docstring mkdocstrings cannot render fails the build. The site goes to site/ (gitignored).
+# The docs extra (mkdocs, mkdocs-material, mkdocstrings) on top of the setup. The API pages read the package's
+# source (griffe); the encoding catalogue (encodings.md) is generated from the registry by a build hook
+# (docs/hooks/catalogue.py), which imports the package. --strict: a broken link or anchor, a page missing from
+# the nav or a docstring mkdocstrings cannot render fails the build. The site goes to site/ (gitignored).
 DOCS_STAMP := $(VENV)/.hf_posenc-setup-docs
 $(DOCS_STAMP): pyproject.toml | $(STAMP)
 	$(PY) -m pip install -e ".[docs]"
@@ -194,7 +205,7 @@ compile-check: $(STAMP)
 
 $(VENV36)/.done: pyproject.toml
 	$(PYTHON) -m venv $(VENV36)
-	$(VENV36)/bin/python -m pip install $(TORCH_PIP_ARGS) "torch==$(TORCH_CPU_VERSION)"
+	$(VENV36)/bin/python -m pip install $(TORCH_PIP) "torch==$(TORCH_CPU_VERSION)"
 	$(VENV36)/bin/python -m pip install "triton==3.6.0" "numpy<2.4"
 	$(VENV36)/bin/python -m pip install -e ".[test]" "triton==3.6.0" "numpy<2.4"
 	@touch $@

@@ -109,7 +109,7 @@ def rss() -> int:
 
 def peak_rss() -> int:
     """This process's peak resident size (VmHWM): per address space, so not inherited from the parent as
-    ``ru_maxrss`` is (Linux keeps ru_maxrss across fork and exec), and reset by :func:`reset_peak`."""
+    ``ru_maxrss`` is (Linux keeps ru_maxrss across fork and exec), and reset by `reset_peak`."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):

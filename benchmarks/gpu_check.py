@@ -158,7 +158,7 @@ def doctor_groups() -> list[list[str]]:
 
 
 def run_doctor_per_family(st: dict, env: dict, deadline: float | None = None) -> dict:
-    """The doctor stage on CUDA: one process per group of cases (:func:`doctor_groups`), run one after the
+    """The doctor stage on CUDA: one process per group of cases (`doctor_groups`), run one after the
     other (so the timings are not shared), their reports merged (``hf_posenc.diagnostics.merge_reports``). A
     kernel that breaks the CUDA context (an illegal memory access) makes every later check of its process fail;
     here it costs only its own group."""
@@ -246,7 +246,7 @@ def _r(a, b):
 
 def summary(result: dict) -> list[str]:
     """The markdown summary: the doctor's report, stage status, the kernels' ratios against their targets,
-    end-to-end tokens/s. ``result``: the doctor's report with ``benchmarks`` (see :func:`main`)."""
+    end-to-end tokens/s. ``result``: the doctor's report with ``benchmarks`` (see `main`)."""
     from hf_posenc.diagnostics import format_report
 
     bench = result["benchmarks"]

@@ -2,16 +2,18 @@
 
     python examples/finetune.py                          # CPU: ~1-2 minutes on 2 cores (pretrains the RoPE model first)
     python examples/finetune.py --base out/finetune/rope --encoding kerple --lora
+    python examples/finetune.py --base HuggingFaceTB/SmolLM2-135M --encoding rope+fire --param init=identity
     python examples/finetune.py --mixed-precision bf16 --gradient-checkpointing
     accelerate launch examples/finetune.py               # one GPU (or whatever `accelerate config` set up)
     accelerate launch --multi_gpu --num_processes 4 examples/finetune.py      # several GPUs: DDP
     torchrun --nproc_per_node 2 examples/finetune.py     # 2 CPU processes (DDP over gloo), e.g. to try it out
 
-The use case: a model trained with RoPE (any Llama checkpoint: ``--base DIR``; without it, a tiny byte-level
-Llama is trained here for ``--pretrain-steps`` steps and saved to ``<out>/rope``) is switched to another
+The use case: a model trained with RoPE (any RoPE causal LM: ``--base`` takes a checkpoint directory or a hub id,
+and the corpus is then read in the checkpoint's tokens when it has a tokenizer; without ``--base``, a tiny
+byte-level Llama is trained here for ``--pretrain-steps`` steps and saved to ``<out>/rope``) is switched to another
 encoding with ``hf_posenc.patch_model`` (default ``alibi``; ``--encoding fire``, ``kerple``, ... bring
-parameters that start untrained), which costs it its loss; fine-tuning runs until the validation loss is back within ``--tolerance`` of the RoPE model's (or
-``--steps`` steps). ``--lora`` trains LoRA adapters plus the encoding's own parameters
+parameters that start untrained), which costs it its loss; fine-tuning runs until the validation loss is back
+within ``--tolerance`` of the RoPE model's (or ``--steps`` steps). ``--lora`` trains LoRA adapters plus the encoding's own parameters
 (``modules_to_save=hf_posenc.trainable_modules(model)``) instead of every weight.
 
 Everything runs through accelerate: ``--mixed-precision bf16``, ``--gradient-checkpointing``, DDP under
@@ -70,10 +72,30 @@ def tiny_llama() -> LlamaForCausalLM:
 
 
 def load_base(path: str) -> torch.nn.Module:
-    """A saved model: patched checkpoints through hf_posenc.from_pretrained, native ones through transformers."""
-    if getattr(AutoConfig.from_pretrained(path), "position_encoding", None) is not None:
+    """A checkpoint: a local directory or a hub id. A local checkpoint saved by a patched model loads through
+    hf_posenc.from_pretrained (which also reads hf_posenc 0.1's format); anything else through transformers'
+    Auto class, which, after ``import hf_posenc``, loads a patched checkpoint patched (from the hub too)."""
+    if Path(path).is_dir() and getattr(AutoConfig.from_pretrained(path), "position_encoding", None) is not None:
         return hf_posenc.from_pretrained(path)
     return AutoModelForCausalLM.from_pretrained(path)
+
+
+def tokenized_corpus(path: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The corpus in the tokens of ``path``'s tokenizer, when the checkpoint has one (a pretrained model); None
+    for a checkpoint without one (the byte-level models this script pretrains read bytes)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):  # no tokenizer files in the checkpoint
+        return None
+    train, val = load_corpus()
+
+    def encode(data: torch.Tensor) -> torch.Tensor:
+        text = bytes(data.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
+        return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+    return encode(train), encode(val)
 
 
 def parse_params(items: list[str]) -> dict:
@@ -157,7 +179,8 @@ def write_curve(path: Path, log: list) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base", help="a saved Llama checkpoint to start from (default: pretrain a tiny RoPE model)")
+    parser.add_argument("--base", help="a checkpoint directory or hub id to start from (default: pretrain a tiny "
+                        "RoPE model)")
     parser.add_argument("--encoding", default="alibi", help="the encoding to switch to (default alibi)")
     parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="an encoding parameter (repeatable)")
     parser.add_argument("--out", default="out/finetune", help="output directory (default out/finetune)")
@@ -201,7 +224,14 @@ def main() -> None:
     # 1. The model trained with RoPE: loaded, or trained here and saved (config.json and all).
     if args.base:
         model, base_dir = load_base(args.base), args.base
-        say(f"base: {args.base} ({type(model).__name__})")
+        tokens = tokenized_corpus(args.base)
+        if tokens is not None:
+            train_data, val_data = tokens
+        elif model.config.vocab_size < 256:
+            raise SystemExit(f"--base {args.base}: no tokenizer, and a vocabulary of {model.config.vocab_size} "
+                             "cannot read bytes")
+        say(f"base: {args.base} ({type(model).__name__}; "
+            f"{'its tokenizer' if tokens is not None else 'bytes'}: {len(train_data)} training tokens)")
     else:
         model, base_dir = tiny_llama(), str(out / "rope")
         model, _ = train(accelerator, model, args, "pretrain", args.pretrain_steps, args.lr, train_data, val_data, log)

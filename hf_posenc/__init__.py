@@ -5,6 +5,7 @@ from . import encodings as _encodings  # noqa: F401  (registers every encoding)
 from .api import describe, encoding_module, from_pretrained, patch_model, support_matrix
 from .config import PosEncConfig
 from .diagnostics import doctor
+from .export import export_native, native_export
 from .profile import position_profile
 from .registry import list_encodings, register_encoding
 from .training import (
@@ -31,9 +32,11 @@ __all__ = [
     "doctor",
     "encoding_module",
     "encoding_parameters",
+    "export_native",
     "from_pretrained",
     "list_encodings",
     "load_adapter",
+    "native_export",
     "param_groups",
     "patch_model",
     "position_profile",

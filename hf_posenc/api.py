@@ -65,7 +65,7 @@ def patch_model(
             head class).
         name: the encoding: a registered name, a dict ``{"name": ..., **params}`` or a ``PosEncConfig``; or a
             plan, a list of those, one per layer, repeated over the depth (its length must divide the number
-            of layers): ``["rope", "rope", "rope", "nope"]`` (see :mod:`hf_posenc.encodings.plan`).
+            of layers): ``["rope", "rope", "rope", "nope"]`` (see `hf_posenc.encodings.plan`).
             With None, ``model.config.position_encoding`` is read: the config key drives the swap.
         **params: the encoding's parameters (see ``hf_posenc.list_encodings()`` and the README); with a plan,
             give them per entry instead. Every encoding also takes ``window`` (a sliding window: each query
@@ -77,7 +77,7 @@ def patch_model(
     embeddings (``sinusoidal``, ``learned``) act once per model and cannot be mixed with others in a plan.
     Patching a patched model again switches it to the new encoding.
     The model's config becomes ``<Config>WithPosEnc`` (``model_type`` ``posenc_<family>``, see
-    :mod:`hf_posenc.auto`), so that ``save_pretrained`` writes a checkpoint that transformers' Auto classes load
+    `hf_posenc.auto`), so that ``save_pretrained`` writes a checkpoint that transformers' Auto classes load
     patched (after ``import hf_posenc`` or with ``trust_remote_code=True``) and never as the unpatched family;
     rope on Llama at the model's own frequencies keeps ``LlamaConfig`` (nothing is added to the model).
     The model gets its own copy of its config, so other models built from the same config are untouched.
@@ -210,7 +210,7 @@ def layer_encodings(model: nn.Module) -> list[tuple[nn.Module, int]]:
     ``encoding`` is the (unwrapped) encoding module that runs in that layer and ``local_layer`` the index
     that this encoding gives the layer (its per-layer parameters are indexed by it). With a single encoding
     that is ``(model's encoding, i)`` for layer ``i``; with a plan (a list of encodings, see
-    :func:`patch_model`) each layer gets its entry's encoding, and the entry counts only its own layers.
+    `patch_model`) each layer gets its entry's encoding, and the entry counts only its own layers.
     """
     base = _patched_base(model)
     enc = unwrap(base.posenc)
@@ -278,7 +278,7 @@ def support_matrix() -> str:
     """The README's support matrix, generated from the registry (markdown): one row per encoding with its
     kind, the families it supports, its parameters and its paper.
 
-    The families column says ``all`` when the encoding supports every family of :data:`FAMILIES` (named in
+    The families column says ``all`` when the encoding supports every family of `FAMILIES` (named in
     the header), else ``all but ...`` naming the ones it does not support, or the list of the ones it does
     when that is shorter. Every supported family also compiles as one graph
     (``torch.compile(model, fullgraph=True)``: no forward path reads a tensor on the host;

@@ -3,22 +3,22 @@
 ``posenc_attention`` follows transformers' attention-function contract: it is called as
 ``fn(module, q, k, v, attention_mask, dropout=, scaling=, **kwargs)`` with q (B, H, Lq, D) and k, v
 (B, Hkv, Lk, D) (grouped-query heads not expanded) and returns ``(out (B, Lq, H, D), weights | None)``.
-The encoding's terms reach it through ``kwargs["posenc_ctx"]`` (a :class:`PosContext`).
+The encoding's terms reach it through ``kwargs["posenc_ctx"]`` (a `PosContext`).
 
-Backends of the attention itself (:func:`attention_backend`; ``HF_POSENC_BACKEND`` in :mod:`hf_posenc.backend`):
+Backends of the attention itself (`attention_backend`; ``HF_POSENC_BACKEND`` in `hf_posenc.backend`):
 
 * ``torch``: for an encoding with a kernel term, the tile-wise PyTorch engine
-  (:func:`hf_posenc.kernels.attention.tiled_attention`: online softmax over key tiles, O(L·block) memory,
+  (`hf_posenc.kernels.attention.tiled_attention`: online softmax over key tiles, O(L·block) memory,
   the term's gradients reduced per tile). The full-matrix references (``scaled_dot_product_attention`` with
   the encoding's score bias, or the encoding's own ``attend``) run only where the engine does not apply:
   attention dropout while training, ``output_attentions``, a mask that is not causal + key padding (packed
   sequences, a custom 4D mask; a model's own sliding window is accepted as a band and handed over as a
   number), ViT's 2D grid (the terms are 1D), and encodings without a kernel term. Under ``torch.compile`` the
-  engine runs as a custom op (:mod:`hf_posenc.kernels.custom_ops`), which checks the mask's form inside (the
+  engine runs as a custom op (`hf_posenc.kernels.custom_ops`), which checks the mask's form inside (the
   compiled graph cannot read it) and runs the reference there for a mask of another form; each fallback under
   compile is logged at debug level with its reason.
   Encodings without a term inside the attention (absolute, rotary) always use SDPA.
-* ``triton``: the fused kernels of :mod:`hf_posenc.kernels.attention` with the encoding's ``kernel_term``.
+* ``triton``: the fused kernels of `hf_posenc.kernels.attention` with the encoding's ``kernel_term``.
   Chosen by default when the tensors are on CUDA, Triton imports and the encoding has a kernel term.
 * ``flex``: torch's FlexAttention with the term as a score_mod (only when forced).
 
@@ -59,8 +59,6 @@ ATTN_IMPLEMENTATION = "hf_posenc"
 _QUERY_BLOCK = 128
 #: query rows per step when a mask is checked for the kernels' form (causal + key padding).
 _MASK_CHECK_ROWS = 1024
-#: why a layer with attention sinks (``sink``) runs the mask path: the engines take a window, not its sinks.
-SINK_REASON = "the engines skip the key tiles left of a window and take no attention sinks (sink=) yet"
 
 
 def attention_backend(encoding: object | None, device: torch.device | str | None = None) -> str:
@@ -70,7 +68,7 @@ def attention_backend(encoding: object | None, device: torch.device | str | None
     their kernels themselves) and under ``HF_POSENC_BACKEND=torch``. Otherwise the forced backend, or, when
     none is forced, ``triton`` if ``device`` is a CUDA device, Triton imports and the encoding has kernel
     terms (``kernel_kinds``). A call may still fall back to ``torch`` for inputs the kernels do not take,
-    unless the backend is forced (see :func:`posenc_attention`).
+    unless the backend is forced (see `posenc_attention`).
 
     Raises:
         ValueError: ``HF_POSENC_BACKEND`` names no backend, or forces ``triton``/``flex`` for an encoding
@@ -109,7 +107,7 @@ def attention_backend(encoding: object | None, device: torch.device | str | None
 
 
 def _backend_of_forward(ctx: PosContext | None, device: torch.device) -> str:
-    """:func:`attention_backend` of ``ctx``'s encoding, decided once per forward and device (kept in ``ctx.memo``;
+    """`attention_backend` of ``ctx``'s encoding, decided once per forward and device (kept in ``ctx.memo``;
     a decoding step asked it in each of its layers). Eager mode only: under ``torch.compile`` at each call."""
     if ctx is None:
         return attention_backend(None, device)
@@ -316,8 +314,6 @@ def _engine_inputs(
         reason = unsupported(query, key, value, term)
     if reason is None and ctx.own_window() is not None and ctx.grid is not None:
         reason = "a sliding window on ViT's grid is per axis; the kernels' window is 1D"
-    if reason is None and ctx.own_sink() is not None:
-        reason = SINK_REASON
     return (None, None, reason) if reason is not None else (term, key_valid, None)
 
 
@@ -346,7 +342,7 @@ def _kernel_attention(
     run = fused_attention if backend == "triton" else flex_attention_term
     extra = {} if backend == "triton" else {"memo": ctx.memo}
     return run(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset, key_valid=key_valid,
-               window=ctx.engine_window(layer), **extra)
+               window=ctx.engine_window(layer), sink=ctx.own_sink(), **extra)
 
 
 def _tiled_torch_attention(
@@ -380,7 +376,7 @@ def _tiled_torch_attention(
     if reason is not None:
         return None
     return tiled_attention(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset,
-                           key_valid=key_valid, window=ctx.engine_window(layer), memo=ctx.memo)
+                           key_valid=key_valid, window=ctx.engine_window(layer), memo=ctx.memo, sink=ctx.own_sink())
 
 
 def _compiled_tiled_attention(
@@ -396,7 +392,7 @@ def _compiled_tiled_attention(
     engine: str = "torch",
 ) -> torch.Tensor | None:
     """Under ``torch.compile``: out (B, H, Lq, D) from the tile-wise engine as a custom op
-    (:func:`hf_posenc.kernels.custom_ops.tiled_attention_op`, one node of the graph, forward and backward), or
+    (`hf_posenc.kernels.custom_ops.tiled_attention_op`, one node of the graph, forward and backward), or
     None where the reference must run (logged at debug level with the reason). The mask's form is checked inside
     the op (reading it here would break the graph); a mask of another form runs the reference there. With
     ``engine="triton"`` (the model's backend on CUDA) the op runs the Triton kernels where they take the inputs
@@ -415,13 +411,12 @@ def _compiled_tiled_attention(
         reason = tiled_unsupported(query, key, value, term)
     if reason is None and ctx.own_window() is not None and ctx.grid is not None:
         reason = "a sliding window on ViT's grid is per axis; the engine's window is 1D"
-    if reason is None and ctx.own_sink() is not None:
-        reason = SINK_REASON
     if reason is not None:
         debug_log(__name__, f"torch.compile: the full-matrix reference runs layer {layer}: {reason}")
         return None
     return tiled_attention_op(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset, mask=mask,
-                              window=ctx.engine_window(layer), band=ctx.native_window(layer), engine=engine)
+                              window=ctx.engine_window(layer), band=ctx.native_window(layer), engine=engine,
+                              sink=ctx.own_sink())
 
 
 def posenc_attention(
@@ -438,7 +433,7 @@ def posenc_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention with the position terms of ``posenc_ctx`` (none when it is None).
 
-    The one place that picks the implementation (see :func:`attention_backend`): the fused Triton kernels
+    The one place that picks the implementation (see `attention_backend`): the fused Triton kernels
     (or FlexAttention, when forced) with the encoding's ``kernel_term``; otherwise SDPA with the score bias
     or the encoding's own ``attend``. Probabilities (``need_weights``) always come from the eager path.
 
@@ -449,10 +444,10 @@ def posenc_attention(
         dropout: attention dropout probability (already 0 in eval).
         scaling: logit scale (default 1/sqrt(D)).
         posenc_ctx: the per-forward context built by the patched model (under a plan, the layer's, from
-            :meth:`PosContext.at`).
+            `PosContext.at`).
         posenc_layer: the layer's index for its encoding (default: ``module.posenc_layer``).
 
-    A sliding ``window`` in the encoding's config is applied as a band on the mask (:func:`window_band`).
+    A sliding ``window`` in the encoding's config is applied as a band on the mask (`window_band`).
 
     Returns:
         out (B, Lq, H, D), and the probabilities (B, H, Lq, Lk) when ``posenc_ctx.need_weights`` else None.

@@ -4,24 +4,24 @@ For every family ``F`` (``hf_posenc.registry.FAMILIES``) there are
 
 - ``<Config>WithPosEnc`` (``LlamaConfigWithPosEnc``): a subclass of the family's config class whose
   ``model_type`` is ``posenc_<F>``
-  (``posenc_llama``, ``posenc_gpt2``, ...), built by :mod:`hf_posenc.auto_config` (below
-  :mod:`hf_posenc.api`, which calls it; re-exported here). It adds nothing to the config's fields;
+  (``posenc_llama``, ``posenc_gpt2``, ...), built by `hf_posenc.auto_config` (below
+  `hf_posenc.api`, which calls it; re-exported here). It adds nothing to the config's fields;
   ``position_encoding`` rides along as before.
 - ``<Head>WithPosEnc``, built here, for every head class that transformers maps to the family in one of its ``AutoModel*``
   classes (``LlamaForCausalLMWithPosEnc``, ``ViTForImageClassificationWithPosEnc``, ...): loaders whose
-  ``from_pretrained`` is :func:`hf_posenc.from_pretrained` with the family's head class, and whose
+  ``from_pretrained`` is `hf_posenc.from_pretrained` with the family's head class, and whose
   ``_from_config`` (``AutoModel*.from_config``) builds the family's head and patches it from
   ``config.position_encoding``. What they return is the family's own class, patched (``type(model)`` is
   ``LlamaForCausalLM``), exactly what ``hf_posenc.patch_model`` gives.
 
-:func:`register` (run by ``import hf_posenc``) registers them with ``AutoConfig.register``,
+`register` (run by ``import hf_posenc``) registers them with ``AutoConfig.register``,
 ``AutoModel*.register``, ``AutoTokenizer.register`` / ``AutoImageProcessor.register`` (the family's own
 tokenizer or image processor) and adds PEFT's default LoRA targets for the new model types (new keys in PEFT's
 tables, the family's entry copied; no existing entry changes).
 
 ``hf_posenc.patch_model`` gives the patched model's own config copy the class ``<Config>WithPosEnc``
-(:func:`mark_config`): ``save_pretrained`` then writes ``model_type: posenc_<F>``, an ``auto_map`` naming the
-loaders, and the small module :mod:`hf_posenc.hf_posenc_loader` beside the weights (transformers' custom-code
+(`mark_config`): ``save_pretrained`` then writes ``model_type: posenc_<F>``, an ``auto_map`` naming the
+loaders, and the small module `hf_posenc.hf_posenc_loader` beside the weights (transformers' custom-code
 mechanism, ``custom_object_save``). A checkpoint saved this way is never read as the unpatched family:
 without ``import hf_posenc`` transformers does not know ``posenc_<F>`` and stops (asking for
 ``trust_remote_code=True``); with ``trust_remote_code=True`` the module imports hf_posenc, or raises

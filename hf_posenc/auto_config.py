@@ -1,16 +1,16 @@
-"""The config half of hf_posenc's own model types (below :mod:`hf_posenc.api`, which calls it).
+"""The config half of hf_posenc's own model types (below `hf_posenc.api`, which calls it).
 
 For every family ``F`` (``hf_posenc.registry.FAMILIES``) this module builds ``<Config>WithPosEnc``
 (``LlamaConfigWithPosEnc``): a subclass of the family's config class whose ``model_type`` is ``posenc_<F>``
 (``posenc_llama``, ``posenc_gpt2``, ...). It adds nothing to the config's fields; ``position_encoding`` rides
-along as before. It also names the loaders: :func:`loader_heads` lists, for every ``AutoModel*`` class that
-transformers maps to the family, the family's head class, and :func:`loader_name` the name of the loader class
-that :mod:`hf_posenc.auto` builds for it (what :func:`mark_config` writes into ``auto_map``).
+along as before. It also names the loaders: `loader_heads` lists, for every ``AutoModel*`` class that
+transformers maps to the family, the family's head class, and `loader_name` the name of the loader class
+that `hf_posenc.auto` builds for it (what `mark_config` writes into ``auto_map``).
 
 ``hf_posenc.patch_model`` gives the patched model's own config copy the class ``<Config>WithPosEnc``
-(:func:`mark_config`); :func:`check_config_class` refuses a config class that cannot be swapped. The loader
+(`mark_config`); `check_config_class` refuses a config class that cannot be swapped. The loader
 classes themselves (which call ``hf_posenc.from_pretrained`` / ``patch_model``) and the registration with the
-Auto classes live in :mod:`hf_posenc.auto`, above :mod:`hf_posenc.api`.
+Auto classes live in `hf_posenc.auto`, above `hf_posenc.api`.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def config_class(family: str) -> type:
 
 def loader_heads(family: str) -> dict[str, type]:
     """``{Auto class name: head class}`` for every ``AutoModel*`` class of transformers that maps ``family``
-    to one of the family's own head classes (the classes :mod:`hf_posenc.auto` builds a loader for)."""
+    to one of the family's own head classes (the classes `hf_posenc.auto` builds a loader for)."""
     if family not in _HEADS:
         import transformers
 
@@ -106,8 +106,8 @@ def loader_name(head: type) -> str:
 
 
 def built_classes() -> dict[str, type]:
-    """The classes built so far for :mod:`hf_posenc.hf_posenc_loader`, by name (one shared table: the configs
-    are added here, the loaders by :mod:`hf_posenc.auto`)."""
+    """The classes built so far for `hf_posenc.hf_posenc_loader`, by name (one shared table: the configs
+    are added here, the loaders by `hf_posenc.auto`)."""
     return _BUILT
 
 

@@ -1,5 +1,5 @@
 """The ``hf-posenc`` command: ``hf-posenc list``, ``hf-posenc matrix``, ``hf-posenc study`` (in ``study/``),
-``hf-posenc show`` (in ``show.py``) and ``hf-posenc doctor`` (in ``diagnostics.py``)."""
+``hf-posenc show`` (in ``show.py``), ``hf-posenc doctor`` (in ``diagnostics.py``) and ``hf-posenc export``."""
 
 from __future__ import annotations
 
@@ -51,6 +51,37 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return diagnostics.run_cli(args)
 
 
+EXPORT_DESCRIPTION = """\
+Write a checkpoint saved from a patched model (hf_posenc's save_pretrained) as a plain transformers checkpoint of
+the stock architecture that computes the same function, with its tokenizer: a plan of rope and nope layers with
+sliding windows as SmolLM3, rope with scaling as the family's own rope_parameters, rope with one window on every
+layer as Mistral, learned on GPT-2 as GPT-2 (the table: docs/export.md). AutoModelForCausalLM loads OUT without
+hf_posenc. Exit status 2, with the part that has no stock equivalent and the nearest recipe that exports, when
+there is none."""
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from .api import from_pretrained
+    from .export import export_native, tokenizer_source
+
+    try:
+        dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
+        model = from_pretrained(args.checkpoint, dtype=dtype)
+        tokenizer = args.tokenizer if args.tokenizer is not None else tokenizer_source(model)
+        target = export_native(model, args.out, tokenizer=tokenizer, check=not args.no_check)
+    except ValueError as e:
+        print(f"hf-posenc export: error: {e}", file=sys.stderr)
+        return 2
+    keys = target.route.keys.replace("`", "")
+    print(f"wrote {Path(args.out)}: {target.architecture} ({keys}); tokenizer "
+          f"{'copied from ' + str(tokenizer) if tokenizer is not None else 'not found: none written'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-posenc", description="Position encodings for Hugging Face models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,6 +114,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     diagnostics.add_arguments(p)
     p.set_defaults(func=_cmd_doctor)
+    p = sub.add_parser(
+        "export", help="write a patched checkpoint as the stock transformers architecture it equals (no hf_posenc)",
+        description=EXPORT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a directory saved from a patched model")
+    p.add_argument("out", metavar="OUT", help="the output directory")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="where the tokenizer is (default: CHECKPOINT, when it holds one)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="load (and write) the weights in this dtype (default: the checkpoint's own); the check before "
+                   "writing runs on float32 models only")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip comparing the exported model's output with the patched model's before writing")
+    p.set_defaults(func=_cmd_export)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -9,7 +9,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .kernels._masks import check_window
+from .kernels._masks import check_sink, check_window
 from .registry import EncodingSpec, get_encoding
 
 __all__ = [
@@ -88,24 +88,8 @@ LENGTH_SCALE_HELP = (
     "None: off"
 )
 #: The options of a layer that every encoding takes beside its own parameters, with their help text. They are
-#: attributes of :class:`PosEncConfig` (not entries of ``params``), stored in ``to_dict`` only when set.
+#: attributes of `PosEncConfig` (not entries of ``params``), stored in ``to_dict`` only when set.
 LAYER_OPTIONS: dict[str, str] = {"window": WINDOW_HELP, "sink": SINK_HELP, "length_scale": LENGTH_SCALE_HELP}
-
-
-def check_sink(sink: object, window: int | None, where: str = "sink") -> int | None:
-    """``sink`` validated: None or an int >= 1 (a numpy integer is taken as the int it holds), and only with a
-    ``window`` (without one every key is visible already)."""
-    if sink is None:
-        return None
-    sink = _plain(sink)
-    if isinstance(sink, bool) or not isinstance(sink, int):
-        raise TypeError(f"{where} must be an int >= 1 (the first keys every query sees) or None, got "
-                        f"{type(sink).__name__} ({sink!r})")
-    if sink < 1:
-        raise ValueError(f"{where} must be >= 1 (the first keys every query sees) or None, got {sink}")
-    if window is None:
-        raise ValueError(f"{where} ({sink}) needs a sliding window: without window= every query sees every key already")
-    return sink
 
 
 def check_length_scale(value: object, where: str = "length_scale") -> str | None:
@@ -122,10 +106,10 @@ class PosEncConfig:
     """A position encoding: its registered ``name`` and its parameters, validated against the registry.
 
     ``params`` always holds every parameter of the encoding, with defaults filled in. A value of ``None``
-    means "resolved from the model when patching"; :func:`hf_posenc.patch_model` writes the resolved
+    means "resolved from the model when patching"; `hf_posenc.patch_model` writes the resolved
     values to ``model.config.position_encoding``.
 
-    The layer options (every encoding takes them; :data:`LAYER_OPTIONS`): ``window`` limits the keys each query
+    The layer options (every encoding takes them; `LAYER_OPTIONS`): ``window`` limits the keys each query
     of the encoding's layers sees, ``sink`` keeps the first keys visible beside the window, ``length_scale``
     scales each query's logits by the number of keys it sees. They may be given among ``params`` too, and are
     stored in ``to_dict`` only when set, so configs without them keep their form.
@@ -185,7 +169,7 @@ class PosEncConfig:
         return get_encoding(self.name)
 
     def layer_options(self) -> dict[str, Any]:
-        """The layer options (:data:`LAYER_OPTIONS`) by name, None where unset."""
+        """The layer options (`LAYER_OPTIONS`) by name, None where unset."""
         return {option: getattr(self, option) for option in LAYER_OPTIONS}
 
     def with_params(self, params: Mapping[str, Any]) -> "PosEncConfig":
@@ -207,7 +191,7 @@ class PosEncConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, unknown: str = "error") -> "PosEncConfig":
-        """Inverse of :meth:`to_dict`; clear errors for a missing name, unknown names and parameters.
+        """Inverse of `to_dict`; clear errors for a missing name, unknown names and parameters.
 
         Args:
             data: ``{"name": ..., **params}``.
@@ -258,13 +242,13 @@ def is_plan(value: Any) -> bool:
 
 
 def coerce_plan(plan: Any, num_layers: int, *, unknown: str = "error") -> list[PosEncConfig]:
-    """One :class:`PosEncConfig` per layer from a plan: a list of entries (a name, a dict
+    """One `PosEncConfig` per layer from a plan: a list of entries (a name, a dict
     ``{"name": ..., **params}`` or a ``PosEncConfig`` each), repeated over the depth.
 
     Args:
         plan: the list; its length must divide ``num_layers``.
         num_layers: the model's number of layers.
-        unknown: for dict entries, as in :meth:`PosEncConfig.from_dict` (``"warn"`` for a stored plan).
+        unknown: for dict entries, as in `PosEncConfig.from_dict` (``"warn"`` for a stored plan).
 
     Raises:
         ValueError: an empty list, or a length that does not divide ``num_layers``; errors of the entries,

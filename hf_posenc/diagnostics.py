@@ -19,12 +19,12 @@ What it does, on the machine it runs on (the installed package; no repository ne
    attention (SBA), CoPE, CAPE, the rotary kernel (block sizes 2 and 8) and windowed launches (alibi, SBA,
    CoPE with a sliding window). Each row gives the relative error of the output and of every gradient
    (||engine − reference|| / ||reference||), pass or fail against the tolerance of its dtype
-   (:data:`TOLERANCE`), and the time of the engine's forward+backward against SDPA's (causal, no bias) on
+   (`TOLERANCE`), and the time of the engine's forward+backward against SDPA's (causal, no bias) on
    the same shape;
 3. says which backend each registered encoding uses by default on this device, and why
-   (:func:`default_backends`).
+   (`default_backends`).
 
-The report (:func:`doctor`'s return value, ``--out PATH``) is one JSON object, schema :data:`SCHEMA`;
+The report (`doctor`'s return value, ``--out PATH``) is one JSON object, schema `SCHEMA`;
 ``make gpu-check`` commits the same object (with a ``benchmarks`` key added) as
 ``benchmarks/results/gpu_check_<gpu>.json``. The exit status of the command is 1 when any row fails or
 errors. See docs/doctor.md.
@@ -75,7 +75,7 @@ from .kernels.sba import sba_reference, sba_tiled
 from .machine import cpu_name
 
 __all__ = ["CASES", "ENGINES", "SCHEMA", "TOLERANCE", "default_backends", "doctor", "environment", "format_report",
-           "merge_reports"]
+           "merge_reports", "REPORT_NAME", "report_path"]
 
 #: the report's schema id (bumped when a field changes meaning or disappears).
 SCHEMA = "hf_posenc.doctor/1"
@@ -148,8 +148,8 @@ def environment(device: torch.device | str) -> dict[str, Any]:
 def default_backends(device: torch.device | str) -> list[dict[str, str | None]]:
     """Which backend each registered encoding uses by default on ``device``, and why.
 
-    The decisions are the package's own (:func:`hf_posenc.attention.attention_backend`, the dispatchers of
-    ``sba``, ``cope`` and the rotary kernel, the table in :mod:`hf_posenc.kernels.defaults`, and
+    The decisions are the package's own (`hf_posenc.attention.attention_backend`, the dispatchers of
+    ``sba``, ``cope`` and the rotary kernel, the table in `hf_posenc.kernels.defaults`, and
     ``HF_POSENC_BACKEND``), asked on this device; this function only explains them. A call may still fall
     back to ``torch`` for inputs an engine does not take (e.g. ``output_attentions``, dropout in training).
 
@@ -758,12 +758,13 @@ def doctor(
         dtypes: input dtypes (``float32``/``fp32``, ``bfloat16``/``bf16``, ``float16``/``fp16``; a list or a
             comma-separated string). Default: float32 and bfloat16 on CUDA (bfloat16 with ``quick``), float32
             on the CPU.
-        engines: a subset of :data:`ENGINES` (default: all).
-        cases: a subset of the names in :data:`CASES` (default: all, or :data:`QUICK_CASES` with ``quick``).
+        engines: a subset of `ENGINES` (default: all).
+        cases: a subset of the names in `CASES` (default: all, or `QUICK_CASES` with ``quick``).
         quick: fewer cases (one per family) and, on CUDA, one dtype.
         timing: time each row's engine against SDPA (rows run in Triton's interpreter are never timed).
-        out: a path; the JSON report is written there after every row (a run cut short leaves the rows done,
-            with ``complete: false``).
+        out: a file, or a directory (the file is then ``hf-posenc-doctor.json`` in it, see `report_path`);
+            the JSON report is written there after every row (a run cut short leaves the rows done, with
+            ``complete: false``).
         progress: show a progress bar (tqdm, on stderr).
         verbose: print the report as a text summary when done (stdout).
         seed: seed of the random inputs.
@@ -776,6 +777,8 @@ def doctor(
         ValueError: an unknown device, dtype, engine or case.
     """
     t0 = time.time()
+    if out is not None:
+        out = report_path(out)  # a bad path fails now, not after the checks
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device} was asked for, but torch.cuda.is_available() is False")
@@ -862,10 +865,34 @@ def _shape_dict(shape) -> dict[str, int]:
     return dict(zip(("B", "H", "Hkv", "L", "D"), shape))
 
 
+#: The report's file name when ``--out`` (``out=``) names a directory.
+REPORT_NAME = "hf-posenc-doctor.json"
+
+
+def report_path(out: str | os.PathLike) -> Path:
+    """Where the report given as ``out`` goes: ``out`` itself for a file, ``out/hf-posenc-doctor.json`` for a
+    directory (one that exists, or a path written with a trailing slash).
+
+    Raises:
+        ValueError: ``out`` is empty, or a parent of the file is an existing file.
+    """
+    text = os.fspath(out)
+    if not text:
+        raise ValueError("--out is empty; give a file (report.json) or a directory")
+    path = Path(text)
+    if path.is_dir() or text.endswith(("/", os.sep)):
+        path = path / REPORT_NAME
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"--out {text}: {parent} is a file, not a directory")
+            break
+    return path
+
+
 def _write(report: dict, out: str | os.PathLike) -> None:
-    path = Path(out)
-    if path.parent != Path(""):
-        path.parent.mkdir(parents=True, exist_ok=True)
+    path = report_path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
     tmp.replace(path)
@@ -941,7 +968,8 @@ The exit status is 1 when a check fails. Attach the --out report to bug reports.
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``hf-posenc doctor`` (also ``python -m hf_posenc doctor``)."""
-    p.add_argument("--out", metavar="PATH", help="write the JSON report here (rewritten after every check)")
+    p.add_argument("--out", metavar="PATH", help="write the JSON report to this file, or into this directory as "
+                   f"{REPORT_NAME} (rewritten after every check)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", dest="dtypes", metavar="DTYPES",
                    help="comma-separated: float32 (fp32), bfloat16 (bf16), float16 (fp16); default fp32,bf16 on "
@@ -991,7 +1019,7 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"hf-posenc doctor: {exc}", file=sys.stderr)
         return 2
     if args.out:
-        print(f"report written to {args.out}")
+        print(f"report written to {report_path(args.out)}")
     return 0 if report["ok"] else 1
 
 

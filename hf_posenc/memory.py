@@ -5,7 +5,7 @@ tensors of shape (B, H, Lq, Lk) -- a few of them, or dozens (cope, cape, fire). 
 does not fit is often not an exception at all: the kernel's OOM killer ends the process, or the machine
 swaps for minutes. So before building them, each such encoding estimates the bytes its reference needs at
 this shape (``PositionEncoding.reference_bytes``, from per-encoding footprints measured at L = 4096 by
-``tests/test_long_inputs.py``) and raises :class:`ReferenceMemoryError`, naming that amount, when it is over
+``tests/test_long_inputs.py``) and raises `ReferenceMemoryError`, naming that amount, when it is over
 the budget:
 
 * ``HF_POSENC_MEMORY_BUDGET`` when set: a size (``24GiB``, ``512MiB``, ``8e9``, ``16G``) or ``none`` / ``off``
@@ -81,7 +81,7 @@ def _fmt(n: int) -> str:
 
 
 def check_reference_memory(name: str, what: str, nbytes: int, device: torch.device) -> None:
-    """Raise :class:`ReferenceMemoryError` if ``nbytes`` (the estimate for ``what``) is over the budget."""
+    """Raise `ReferenceMemoryError` if ``nbytes`` (the estimate for ``what``) is over the budget."""
     if nbytes < _FLOOR:
         return
     budget, source = memory_budget(device)

@@ -3,7 +3,7 @@
 Every number is read from the encoding's own operations -- its ``bias``, ``rotate``/``prepare``, ``embed`` and,
 for the data-dependent encodings, the quantities it computes inside a real forward -- never from a copy of its
 formula, so the profile of a trained model shows what that model computes. One entry per layer (from
-:func:`hf_posenc.api.layer_encodings`, so a plan with a different encoding per layer gets each layer's own),
+`hf_posenc.api.layer_encodings`, so a plan with a different encoding per layer gets each layer's own),
 each with ``"encoding"`` (the layer's encoding name), ``"kind"`` and the fields of its kind:
 
 ``"score_bias"`` (alibi, t5, kerple, sandwich, fire: a term of the logits that depends on positions only)
@@ -93,7 +93,7 @@ def profile_kind(encoding: nn.Module) -> str:
 
 
 def default_sample(length: int, vocab_size: int) -> torch.Tensor:
-    """(1, length) int64: the UTF-8 bytes of :data:`DEFAULT_TEXT` repeated to ``length`` (modulo ``vocab_size``
+    """(1, length) int64: the UTF-8 bytes of `DEFAULT_TEXT` repeated to ``length`` (modulo ``vocab_size``
     for vocabularies under 256), the input of the data-dependent entries when no ``input_ids`` are given."""
     data = torch.tensor(list(DEFAULT_TEXT.encode()), dtype=torch.long)
     ids = data.repeat(length // data.numel() + 1)[:length]
@@ -409,7 +409,7 @@ def position_profile(model: nn.Module, length: int = 64, input_ids: torch.Tensor
         model: a model patched by hf_posenc (any family, one encoding or a plan).
         length: N, the number of positions of the curves and matrices (text; ViT uses its patch grid).
         input_ids: (N',) or (1, N') int64 token ids for the data-dependent layers (text models); None: the
-            :func:`default_sample` of length N.
+            `default_sample` of length N.
 
     Returns:
         ``{"family", "length", "layers": [{"layer", "encoding", "kind", ...}, ...]}``, plus ``"tokens"`` (and

@@ -1,6 +1,6 @@
 """Drawing a position profile (the PNG of ``hf-posenc show``) with matplotlib (Agg canvas), imported lazily.
 
-:func:`draw_profile` draws one profile, one row of panels per layer; :func:`draw_profiles_grid` draws several
+`draw_profile` draws one profile, one row of panels per layer; `draw_profiles_grid` draws several
 (the study's ``profiles.png``), one panel each from a representative layer, in a grid of at most four columns.
 Each kind is drawn the way the papers draw it:
 
@@ -113,7 +113,7 @@ def _panels(entry: dict[str, Any]) -> list[tuple[str, Any]]:
 def _draw_panel(fig: Any, ax: Any, entry: dict[str, Any], what: str, payload: Any, head: str,
                 title_size: float = 9) -> None:
     """Draw one panel of ``entry`` (a layer of a profile) on ``ax``: ``what`` and ``payload`` from
-    :func:`_panels`, ``head`` the panel's title line."""
+    `_panels`, ``head`` the panel's title line."""
     if what == "curves":
         _curves(ax, entry, payload, "bias" if payload == "bias" else "trace(T_i^T T_j) / head_dim",
                 legend_size=6 if title_size < 10 else 9)
@@ -141,7 +141,7 @@ def _draw_panel(fig: Any, ax: Any, entry: dict[str, Any], what: str, payload: An
 
 
 def draw_profile(profile: dict[str, Any], path: str | os.PathLike) -> None:
-    """Draw ``profile`` (from :func:`hf_posenc.position_profile`) into the PNG file ``path``: one row of
+    """Draw ``profile`` (from `hf_posenc.position_profile`) into the PNG file ``path``: one row of
     panels per layer.
 
     Raises ImportError naming ``pip install "hf_posenc[study]"`` when matplotlib is missing."""
@@ -177,36 +177,97 @@ GRID_COLUMNS = 4
 _PANEL_SIZE = (5.4, 4.0)
 
 
+def _drawn_as(entry: dict[str, Any]) -> str:
+    """What a layer's overview panel shows, as a string: two layers (of any profiles) with the same string draw the
+    same picture. Everything but the layer's index and encoding name, numbers to 6 significant digits."""
+    import json
+
+    def rounded(x: Any) -> Any:
+        if isinstance(x, float):
+            return float(f"{x:.6g}") if math.isfinite(x) else str(x)
+        if isinstance(x, list):
+            return [rounded(v) for v in x]
+        if isinstance(x, dict):
+            return {k: rounded(v) for k, v in x.items()}
+        return x
+
+    return json.dumps(rounded({k: v for k, v in entry.items() if k not in ("layer", "encoding")}), sort_keys=True)
+
+
+def _where(members: list[tuple[str, dict[str, Any], int]]) -> str:
+    """Which layer a panel draws: ``layer 3 of 0-3`` (with ``: rope`` where the label is not the encoding's name),
+    and for a panel shared by several entries the layer of each entry whose layer differs from the first's."""
+    label, entry, n_layers = members[0]
+    where = f"layer {entry['layer']} of 0-{n_layers - 1}"
+    if len(members) == 1:
+        return where + (f": {entry['encoding']}" if entry["encoding"] != label else "")
+    others = [f"{lab}: layer {e['layer']} of 0-{n - 1}" for lab, e, n in members[1:]
+              if (e["layer"], n) != (entry["layer"], n_layers)]
+    return "; ".join([where, *others])
+
+
+def _columns(n: int) -> int:
+    """Columns of a grid of ``n`` panels: at most `GRID_COLUMNS`, the fewest empty cells, then the most columns."""
+    if n <= GRID_COLUMNS:
+        return max(1, n)
+    return min(range(3, GRID_COLUMNS + 1), key=lambda c: (-n % c, -c))
+
+
 def draw_profiles_grid(items: list[tuple[str, dict[str, Any]]], path: str | os.PathLike,
-                       title: str | None = None) -> None:
-    """Draw several profiles into one PNG file ``path``: a grid of at most :data:`GRID_COLUMNS` columns, one
-    panel per item, each from its profile's :func:`representative_layer` (the main panel of that layer: the
-    curve or heatmap of its kind; for the data-dependent encodings the attention map), titled with the item's
-    label and the layer drawn. ``items``: (label, profile from :func:`hf_posenc.position_profile`) pairs.
+                       title: str | None = None) -> list[list[str]]:
+    """Draw several profiles into one PNG file ``path``: a grid of at most `GRID_COLUMNS` columns, one panel per
+    distinct picture, each from its profile's `representative_layer` (the main panel of that layer: the curve or
+    heatmap of its kind; for the data-dependent encodings the attention map), titled with the item's label and the
+    layer drawn. ``items``: (label, profile from `hf_posenc.position_profile`) pairs.
+
+    Items whose layers draw the same picture (rope, a rope/nope plan's last rope layer and rope with YaRN at
+    evaluation: an untrained rotation is the same in every model) share one panel, titled with every label that
+    shares it (``rope = rope×3/nope = rope + YaRN at eval``). Items with no position signal (``nope``) get no
+    panel: the figure names them under its title (one panel says so when no item has a signal).
 
     At 100 dpi, the file is at most about 2,200 pixels wide, with 12-pt titles: legible at 100 % on a
-    laptop screen. Raises ImportError naming ``pip install "hf_posenc[study]"`` when matplotlib is missing,
-    ValueError when ``items`` is empty."""
+    laptop screen.
+
+    Returns:
+        the labels of each panel, in the order drawn (one list per panel).
+
+    Raises:
+        ImportError: matplotlib is missing (the message names ``pip install "hf_posenc[study]"``).
+        ValueError: ``items`` is empty.
+    """
     if not items:
         raise ValueError("draw_profiles_grid needs at least one (label, profile) pair")
-    cols = min(GRID_COLUMNS, len(items))
-    rows = math.ceil(len(items) / cols)
-    top = 0.5 if title else 0.0
+    panels: dict[str, list[tuple[str, dict[str, Any], int]]] = {}
+    silent: list[str] = []
+    for label, profile in items:
+        entry = representative_layer(profile)
+        if entry["kind"] == "none":
+            silent.append(label)
+            continue
+        panels.setdefault(_drawn_as(entry), []).append((label, entry, len(profile["layers"])))
+    groups = list(panels.values())
+    cols = _columns(len(groups))
+    rows = math.ceil(max(1, len(groups)) / cols)
+    note = f"no position signal, not drawn: {', '.join(silent)}" if silent and groups else None
+    heading = "\n".join(t for t in (title, note) if t)
+    top = 0.5 * (heading.count("\n") + 1) if heading else 0.0
     fig = _figure((_PANEL_SIZE[0] * cols, _PANEL_SIZE[1] * rows + top))
     axes = fig.subplots(rows, cols, squeeze=False)
-    for i, (label, profile) in enumerate(items):
+    if not groups:
+        _draw_panel(fig, axes[0][0], {"kind": "none"}, "none", None, ", ".join(silent), title_size=12)
+    for i, members in enumerate(groups):
         ax = axes[i // cols][i % cols]
-        entry = representative_layer(profile)
+        entry = members[0][1]
         what, payload = _panels(entry)[0]
-        where = f"layer {entry['layer']} of 0-{len(profile['layers']) - 1}"
-        if entry["encoding"] != label:
-            where += f": {entry['encoding']}"
+        label = " = ".join(m[0] for m in members)
+        where = _where(members)
         # heatmaps add a line of their own under the title
         head = f"{label}  ({where})" if what in ("grid", "matrix", "attention") else f"{label}\n{where}"
-        _draw_panel(fig, ax, entry, what, payload, head, title_size=12)
-    for j in range(len(items), rows * cols):
+        _draw_panel(fig, ax, entry, what, payload, head, title_size=12 if len(head) < 60 else 10)
+    for j in range(len(groups), rows * cols):
         axes[j // cols][j % cols].axis("off")
-    if title:
-        fig.suptitle(title, fontsize=14)
+    if heading:
+        fig.suptitle(heading, fontsize=14)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    return [[m[0] for m in members] for members in groups] or [silent]

@@ -7,6 +7,7 @@ help text and its allowed values in ``metadata``), its kind, and the model famil
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -20,6 +21,7 @@ __all__ = [
     "FAMILY_KINDS",
     "supported_families",
     "set_composer",
+    "did_you_mean",
 ]
 
 #: The model families hf_posenc can patch, by ``config.model_type``, each with the kind of sequence its
@@ -100,9 +102,9 @@ class EncodingSpec:
     kind: str
     summary: str
     paper: str
-    #: every family the encoding supports (derived from its declaration by :func:`supported_families`).
+    #: every family the encoding supports (derived from its declaration by `supported_families`).
     families: tuple[str, ...] = FAMILIES
-    #: compositions only (``"rope+fox"``, see :mod:`hf_posenc.encodings.compose`): the full stored parameters
+    #: compositions only (``"rope+fox"``, see `hf_posenc.encodings.compose`): the full stored parameters
     #: from what the user gave, validated; None for a registered encoding (its ``params`` fields validate it).
     normalise: Callable[[Any], dict] | None = None
 
@@ -115,7 +117,7 @@ class EncodingSpec:
 
 
 _REGISTRY: dict[str, EncodingSpec] = {}
-#: builds the spec of a composition ``"<first>+<term>"``; set by :mod:`hf_posenc.encodings.compose` (the registry
+#: builds the spec of a composition ``"<first>+<term>"``; set by `hf_posenc.encodings.compose` (the registry
 #: sits below the encodings and never imports them).
 _COMPOSER: Callable[[str], EncodingSpec] | None = None
 
@@ -137,7 +139,7 @@ def register_encoding(
 ) -> Callable[[type], type]:
     """Class decorator that registers a ``PositionEncoding`` subclass under ``name``.
 
-    ``params`` must be a dataclass whose fields are built with :func:`param`.
+    ``params`` must be a dataclass whose fields are built with `param`.
     """
     if not dataclasses.is_dataclass(params):
         raise TypeError(f"params for encoding {name!r} must be a dataclass, got {params!r}")
@@ -161,7 +163,37 @@ def get_encoding(name: str) -> EncodingSpec:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown position encoding {name!r}; known encodings: {', '.join(list_encodings())}") from None
+        raise ValueError(
+            f"unknown position encoding {name!r}{did_you_mean(name, list_encodings())}; known encodings: "
+            f"{', '.join(list_encodings())}"
+        ) from None
+
+
+def did_you_mean(name: str, choices: "list[str] | tuple[str, ...]") -> str:
+    """The hint for a misspelt ``name`` among ``choices``: ``" (did you mean 'alibi'?)"``, or ``""`` when nothing is
+    close.
+
+    A match that differs only in case comes first (``"ALiBi"`` -> ``alibi``); otherwise the choices within a small
+    edit distance, closest first (``difflib``'s ratio of at least 0.75, compared in lower case: ``"allibi"`` ->
+    ``alibi``, ``"kerpel"`` -> ``kerple``), then those that begin with a name of three letters or more
+    (``"gemma3"`` -> ``gemma3_text``); at most three.
+
+    Args:
+        name: what the user wrote.
+        choices: the allowed names.
+    """
+    folded = {c.lower(): c for c in choices}
+    word = name.lower()
+    if word in folded:
+        close = [folded[word]]
+    else:
+        close = [folded[c] for c in difflib.get_close_matches(word, list(folded), n=3, cutoff=0.75)]
+        if len(word) >= 3:
+            close += [c for f, c in folded.items() if f.startswith(word) and c not in close]
+        close = close[:3]
+    if not close:
+        return ""
+    return " (did you mean " + " or ".join(repr(c) for c in close) + "?)"
 
 
 def list_encodings() -> list[str]:

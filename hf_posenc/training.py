@@ -462,7 +462,7 @@ def load_adapter(
     Raises:
         ValueError: ``adapter_dir`` holds no adapter, or no ``hf_posenc_adapter.json`` (it was not saved
             from a patched model: load it with ``PeftModel.from_pretrained``), or the checks of
-            :func:`check_adapter` fail.
+            `check_adapter` fail.
     """
     from peft import PeftModel
 

@@ -144,7 +144,7 @@ def test_unsupported_model_type_names_families():
     opt = OPTModel(OPTConfig(vocab_size=30, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, ffn_dim=64,
                              word_embed_proj_dim=32))
     every = ", ".join(FAMILIES)
-    with pytest.raises(ValueError, match=rf"unsupported model type 'opt'; hf_posenc patches these families: {every}$"):
+    with pytest.raises(ValueError, match=rf"unsupported model type 'opt'; hf_posenc patches these families: {every}\. To add a family"):
         hf_posenc.patch_model(opt, "alibi")
 
 

@@ -233,7 +233,9 @@ class OpRecorder:
 
 @pytest.mark.parametrize("family,encoding,op", [
     ("llama", "alibi", TILE_OP), ("gpt2", "fire", TILE_OP), ("llama", "fox_pro", TILE_OP), ("gpt2", "shaw", TILE_OP),
-    ("llama", "cope", ENGINE_OP), ("gpt2", "sba", ENGINE_OP), ("llama", "cape", ENGINE_OP)])
+    ("llama", "cope", ENGINE_OP), ("gpt2", "sba", ENGINE_OP), ("llama", "cape", ENGINE_OP),
+    ("llama", {"name": "alibi", "window": 3, "sink": 2}, TILE_OP),
+    ("llama", {"name": "cope", "window": 3, "sink": 2}, ENGINE_OP)], ids=str)
 def test_compiled_graph_runs_the_tile_engine(family, encoding, op, caplog):
     """The compiled forward of an encoding with a tile engine holds the engine's custom op (the engine eager
     runs), and nothing is logged as falling back to the reference."""
@@ -278,9 +280,9 @@ def test_tile_op_opcheck(kind, engine):
     other[0, 0, 20, 5] = False
     ints = ",".join(f"{n}={int(x)}" for n, x in term.ints.items())
     tensors = [t.clone().requires_grad_() for t in term.tensors.values()]
-    for m in (mask, other, None):
+    for m, window, sink in ((mask, None, None), (other, None, None), (None, None, None), (mask, 6, 2)):
         args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), m, None, None, tensors, kind,
-                ",".join(term.tensors), ints, 0.3, True, 0, 16, 8, None, None, engine)
+                ",".join(term.tensors), ints, 0.3, True, 0, 16, 8, window, sink, None, engine)
         torch.library.opcheck(_tiled_attention, args)
 
 
@@ -399,7 +401,8 @@ def test_engine_op_equals_engine(name):
     if name == "cope":  # opcheck: schema, fake tensor, autograd registration
         from hf_posenc.kernels.custom_ops import _encode
 
-        spec = {"scale": 0.3, "block_m": 32, "block_n": 16, "window": None, "n_slots": 6, "slots": [0, 1, 2, 3, 4]}
+        spec = {"scale": 0.3, "block_m": 32, "block_n": 16, "window": None, "sink": None, "n_slots": 6,
+                "slots": [0, 1, 2, 3, 4]}
         torch.library.opcheck(_engine, ("cope", [q, k, v, table, mask], _encode(spec), 0))
 
 

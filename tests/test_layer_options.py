@@ -284,12 +284,6 @@ def test_engines_take_the_options(encoding, options, monkeypatch):
         return
     from hf_posenc.kernels.attention import FLEX_KINDS
 
-    if "sink" in options:  # the engines take no sink yet: a forced backend says so
-        for backend in ("flex", "triton"):
-            monkeypatch.setenv("HF_POSENC_BACKEND", backend)
-            with pytest.raises(ValueError, match="sink"), torch.no_grad():
-                model(ids)
-        return
     if any(k in FLEX_KINDS for k in kinds):
         monkeypatch.setenv("HF_POSENC_BACKEND", "flex")
         with torch.no_grad():

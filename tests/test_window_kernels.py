@@ -88,15 +88,16 @@ def test_tiled_float64_online_softmax(causal):
     _attention_case(tiled_attention, "alibi", SHAPE_CHUNK, causal, 6, dtype=torch.float64, block_q=8, block_k=8)
 
 
+@pytest.mark.parametrize("sink", [None, 3])
 @pytest.mark.parametrize("causal", [True, False])
-def test_tiled_window_past_the_keys_is_no_window(causal):
+def test_tiled_window_past_the_keys_is_no_window(causal, sink):
     q, k, v, _, valid, g = make_inputs(SHAPE, torch.float32, 2, True, device="cpu")
     term, _ = make_term("fox", SHAPE, 0, g, device="cpu")
     kw = dict(scale=0.2, causal=causal, key_valid=valid, block_q=16, block_k=8)
     with torch.no_grad():
         full = tiled_attention(q, k, v, term, **kw)
-        windowed = tiled_attention(q, k, v, term, window=SHAPE[4], **kw)
-        narrow = tiled_attention(q, k, v, term, window=4, **kw)
+        windowed = tiled_attention(q, k, v, term, window=SHAPE[4], sink=sink, **kw)
+        narrow = tiled_attention(q, k, v, term, window=4, sink=sink, **kw)
     assert torch.equal(full, windowed)
     assert not torch.allclose(full, narrow)
 
@@ -235,22 +236,27 @@ def test_sba_tiled_window(shape, window, tensor_offset, padding, attend_current,
                   f"sba w={window} {attend_current} {remainder}")
 
 
-def test_cope_sba_window_removes_keys_like_a_mask():
-    # the window is the mask that removes the keys qi - j >= window: same result, mask or window
+@pytest.mark.parametrize("sink", [None, 2])
+def test_cope_sba_window_removes_keys_like_a_mask(sink):
+    # the window is the mask that removes the keys qi - j >= window (but the sinks j < sink): same result, mask or
+    # window
     shape = (1, 2, 1, 12, 12, 8)
     q, k, v, _, _, g = _cope_sba_inputs(shape, 7, torch.float64, False)
     table = torch.randn(8, 5, generator=g, dtype=torch.float64)
     i = torch.arange(12)
-    band = ((i[:, None] - i[None, :]) < 4)[None, None]
+    band = (((i[:, None] - i[None, :]) < 4) | (i[None, :] < (sink or 0)))[None, None]
     with torch.no_grad():
-        assert torch.allclose(cope_tiled(q, k, v, table, None, 0.5, window=4), cope_tiled(q, k, v, table, band, 0.5))
-        assert torch.allclose(sba_tiled(q, k, v, None, 0.5, 0, True, "current", window=4),
+        assert torch.allclose(cope_tiled(q, k, v, table, None, 0.5, window=4, sink=sink),
+                              cope_tiled(q, k, v, table, band, 0.5))
+        assert torch.allclose(sba_tiled(q, k, v, None, 0.5, 0, True, "current", window=4, sink=sink),
                               sba_tiled(q, k, v, band, 0.5, 0, True, "current"))
         assert torch.equal(sba_tiled(q, k, v, None, 0.5, window=12), sba_tiled(q, k, v, None, 0.5))
         assert torch.equal(cope_tiled(q, k, v, table, None, 0.5, window=12), cope_tiled(q, k, v, table, None, 0.5))
         # the dispatchers pass the window on (the tile-wise engines on the CPU)
-        assert rel_err(cope(q, k, v, table, None, 0.5, window=4), cope_reference(q, k, v, table, band, 0.5)) < 1e-12
-        assert rel_err(stick_breaking(q, k, v, None, 0.5, window=4), sba_reference(q, k, v, band, 0.5, 0)) < 1e-12
+        assert rel_err(cope(q, k, v, table, None, 0.5, window=4, sink=sink),
+                       cope_reference(q, k, v, table, band, 0.5)) < 1e-12
+        assert rel_err(stick_breaking(q, k, v, None, 0.5, window=4, sink=sink),
+                       sba_reference(q, k, v, band, 0.5, 0)) < 1e-12
 
 
 def test_cope_sba_tiled_skip_the_tiles_left_of_the_window():

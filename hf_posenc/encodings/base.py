@@ -7,7 +7,7 @@ An encoding is an ``nn.Module`` with up to three kinds of contribution, each a m
 * ``score_bias(ctx, q_len, k_len, device)`` -> an additive float32 bias of shape (1, H, Lq, Lk).
 
 Encodings with a term inside the attention may also describe it to the fused attention kernels:
-``kernel_term(ctx, layer, q, k, v, mask)`` -> a :class:`~hf_posenc.kernels.attention.KernelTerm`, or None
+``kernel_term(ctx, layer, q, k, v, mask)`` -> a `KernelTerm`, or None
 where they have none (e.g. on ViT's 2D grid); ``kernel_kinds`` lists the kinds they can return.
 
 The model calls the module itself (``encoding("bias", ...)``), never its methods, so that wrappers such
@@ -161,7 +161,7 @@ class PosContext:
         self, layer: int, query: torch.Tensor, k_len: int, mask: torch.Tensor | None, causal: bool
     ) -> torch.Tensor:
         """``query`` (B, H, Lq, D) times the factor of the encoding's ``length_scale`` (the query's logits scaled by
-        the number of keys it sees: :mod:`hf_posenc.encodings.length_scale`), or ``query`` itself without one.
+        the number of keys it sees: `hf_posenc.encodings.length_scale`), or ``query`` itself without one.
         ``mask``: the attention mask (B|1, 1, Lq, Lk) bool or None (read on bidirectional models)."""
         config = getattr(unwrap(self.encoding), "posenc_config", None)
         if config is None or config.length_scale is None:
@@ -174,7 +174,7 @@ class PosContext:
 
     def engine_window(self, layer: int) -> int | None:
         """The window the tile engines and kernels skip key tiles for on the encoding's layer ``layer``: the
-        narrower of the encoding's own (:meth:`own_window`) and the model's (:meth:`native_window`), or None."""
+        narrower of the encoding's own (`own_window`) and the model's (`native_window`), or None."""
         return narrowest_window(self.own_window(), self.native_window(layer))
 
     def at(self, layer: int) -> "tuple[PosContext, int]":
@@ -291,7 +291,7 @@ class RelativePositions:
 
 
 def relative_positions(ctx: "PosContext", q_len: int, k_len: int, device: torch.device) -> RelativePositions:
-    """The :class:`RelativePositions` of the last ``q_len`` queries against ``k_len`` keys (float32)."""
+    """The `RelativePositions` of the last ``q_len`` queries against ``k_len`` keys (float32)."""
     if ctx.grid is None:
         q_idx = torch.arange(q_len, device=device, dtype=torch.float32) + ctx.q_offset
         k_idx = torch.arange(k_len, device=device, dtype=torch.float32)
@@ -333,7 +333,7 @@ class PositionEncoding(nn.Module):
     #: 2048 (tests/test_long_inputs.py reports it); ``reference_bytes`` turns it into bytes for the pre-check
     #: of hf_posenc.memory, which refuses a shape that would not fit with an error naming the amount.
     reference_footprint: ClassVar[tuple[float, float]] = (0.0, 0.0)
-    #: A term's inert start (``init="identity"`` of a composition, :mod:`hf_posenc.encodings.compose`): the
+    #: A term's inert start (``init="identity"`` of a composition, `hf_posenc.encodings.compose`): the
     #: parameters whose zero makes the term add exactly nothing; empty where none does.
     inert_zero: ClassVar[tuple[str, ...]] = ()
     #: why the encoding has no inert start, in ``start_inert``'s error.
@@ -363,7 +363,7 @@ class PositionEncoding(nn.Module):
 
     def length_scale(self, ctx: "PosContext", layer: int, n: torch.Tensor) -> torch.Tensor:
         """The factor (B|1, H|1, Lq, 1) float32 of ``length_scale`` on the queries of ``layer`` that see ``n``
-        keys (B|1, 1, Lq, 1) (:mod:`hf_posenc.encodings.length_scale`)."""
+        keys (B|1, 1, Lq, 1) (`hf_posenc.encodings.length_scale`)."""
         kind = self.posenc_config.length_scale
         s = self.ssmax_scale[layer] if kind == "ssmax" else None
         return length_scale_factor(kind, n, self.info.max_positions, s)
@@ -451,7 +451,7 @@ class PositionEncoding(nn.Module):
     def attend_uses_reference(self, ctx: PosContext, dropout: float, training: bool) -> bool:
         """Whether ``attend`` runs its O(L^2) PyTorch reference for this call (the memory pre-check applies to
         that reference only). True here; an encoding whose ``attend`` also has kernels or a tile-wise engine
-        (O(L · block) memory) says when it does not (see :class:`EngineAttention`)."""
+        (O(L · block) memory) says when it does not (see `EngineAttention`)."""
         return True
 
     def _check_attend_memory(
@@ -468,7 +468,7 @@ class PositionEncoding(nn.Module):
     ) -> None:
         """Before ``attend``, with its arguments (same names): raise ``ReferenceMemoryError`` before building the
         O(L^2) intermediates of the reference if they would not fit the budget (only where the reference runs:
-        :meth:`attend_uses_reference`)."""
+        `attend_uses_reference`)."""
         if not self.attend_uses_reference(ctx, dropout, training):
             return
         if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)):
@@ -559,16 +559,5 @@ class EngineAttention(PositionEncoding):
     bidirectional model (ViT, BERT). CoPE and stick-breaking attention."""
 
     def attend_uses_reference(self, ctx: PosContext, dropout: float, training: bool) -> bool:
-        """Whether ``attend`` runs the full-matrix reference rather than a kernel or the tile-wise engine (also with
-        attention sinks, which the engines do not take: ``hf_posenc.attention.SINK_REASON``)."""
-        return not self.info.causal or ctx.need_weights or (dropout > 0.0 and training) or ctx.own_sink() is not None
-
-    def engines_take_sink(self, ctx: PosContext) -> bool:
-        """False where the layer has attention sinks (``sink``), which the kernels do not take: ``attend`` then runs
-        its reference; a forced ``HF_POSENC_BACKEND=triton`` raises a ValueError saying so."""
-        if ctx.own_sink() is None:
-            return True
-        if forced_backend() == "triton":
-            raise ValueError(f"HF_POSENC_BACKEND=triton, but {self.name!r}: the kernels take no attention sinks "
-                             "(sink=) yet; unset HF_POSENC_BACKEND or set it to 'torch'")
-        return False
+        """Whether ``attend`` runs the full-matrix reference rather than a kernel or the tile-wise engine."""
+        return not self.info.causal or ctx.need_weights or (dropout > 0.0 and training)

@@ -38,9 +38,9 @@ def state_width(dtype: torch.dtype) -> int:
 
 
 def pack_state(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(..., n) float32 values -> (..., n * w) channels of ``dtype`` (w = :func:`state_width`): the values
+    """(..., n) float32 values -> (..., n * w) channels of ``dtype`` (w = `state_width`): the values
     themselves, or [hi (n), lo (n)] with hi = x.to(dtype), lo = ((x - hi) * s).to(dtype) (s = 2^11 for
-    float16, 1 for bfloat16); read back by :func:`unpack_state` as hi + lo / s."""
+    float16, 1 for bfloat16); read back by `unpack_state` as hi + lo / s."""
     if state_width(dtype) == 1:
         return x.to(dtype)
     scale = _LO_SCALE.get(dtype, 1.0)
@@ -52,7 +52,7 @@ def pack_state(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def unpack_state(t: torch.Tensor, n: int, compute: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`pack_state`: (..., n * w) channels (the first n * w of the last dim) -> (..., n) in
+    """Inverse of `pack_state`: (..., n * w) channels (the first n * w of the last dim) -> (..., n) in
     ``compute`` dtype."""
     if state_width(t.dtype) == 1:
         return t[..., :n].to(compute)

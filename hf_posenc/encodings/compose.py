@@ -18,7 +18,7 @@ or per part as a dict (``patch_model(m, "liere+t5", t5={"per_layer": True})``). 
 ``{"name": "rope+fire", "rope": {...}, "fire": {...}, "init": "default"}`` with every parameter of both parts.
 ``window`` belongs to the layer (the composition), as for a single encoding.
 
-``init="identity"`` starts the term inert (:meth:`PositionEncoding.start_inert`): the patched model then gives
+``init="identity"`` starts the term inert (`PositionEncoding.start_inert`): the patched model then gives
 the unpatched model's logits at step 0 (``rope`` keeps the model's own rotary), and fine-tuning moves it from
 there. "Exact" terms add exactly zero (a zero T5 table, FIRE's last layer, CoPE's position embeddings, Shaw's
 tables, CAPE with ``base="fire"``): the logits then equal the unpatched model's to float32 rounding (the attention

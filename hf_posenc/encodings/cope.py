@@ -38,7 +38,7 @@ peak of about 17 float32 (B, H, L, L) tensors in a forward (27 with the backward
 head_dim 16 and 256, where one (B, H, L, L, head_dim) tensor alone would be 16 to 256 of them.
 ⌊p⌋ and ⌈p⌉ carry no gradient; the weight p − ⌊p⌋ does (so the gates are trained through it).
 The reference math (``cope_attention``, ``cope_positions``, ``interpolate_logits``) takes tensors only and
-lives beside the kernels, in :mod:`hf_posenc.kernels.cope.naive`.
+lives beside the kernels, in `hf_posenc.kernels.cope.naive`.
 
 KV cache: the gates of query i only involve q_i and the keys, which the cache already holds; nothing else
 is stored. Left padding: padded keys are masked, so their gates are 0 before the sum and they are not
@@ -160,20 +160,21 @@ class Cope(EngineAttention):
             only when the probabilities are requested, with attention dropout while training, and for the
             bidirectional ViT variant.
         """
-        # a sliding window (hf_posenc's, the model's own) is in ``mask`` already (a band); the engines also take
-        # it as a number, to skip the key tiles outside it
-        window = ctx.engine_window(layer)
+        # a sliding window (hf_posenc's, the model's own) and its sinks are in ``mask`` already (a band and the
+        # first columns); the engines also take them as numbers, to skip the key tiles outside them
+        window, sink = ctx.engine_window(layer), ctx.own_sink()
 
         backend = cope_backend(
             query, key, value, mask, ctx.q_offset, ctx.need_weights, dropout, training, causal=self.info.causal
         )
-        if backend == "triton" and self.engines_take_sink(ctx):
-            return cope(query, key, value, self.pos_emb[layer], mask, scaling, ctx.q_offset, window=window), None
+        if backend == "triton":
+            return cope(query, key, value, self.pos_emb[layer], mask, scaling, ctx.q_offset, window=window,
+                        sink=sink), None
         if not self.attend_uses_reference(ctx, dropout, training):
             # the tile-wise engine (O(L·block) memory, no probabilities formed), or for a decoding step without
             # gradients the whole row at once (hf_posenc.kernels.cope.FEW_QUERIES)
             return cope_torch(query, key, value, self.pos_emb[layer], mask, scaling, ctx.q_offset,
-                              window=window), None
+                              window=window, sink=sink), None
         b, h, q_len, _ = query.shape
         k_len = key.shape[2]
         groups = h // key.shape[1]

@@ -141,7 +141,7 @@ class Dpb(PositionEncoding):
         return torch.sign(x) * torch.log1p(x.abs()) if self.log_distance else x
 
     def mlp(self, x: torch.Tensor, layer: int = 0) -> torch.Tensor:
-        """The MLP of ``layer`` on inputs x (..., d_in) (already through :meth:`_input`) -> (..., H), in at least
+        """The MLP of ``layer`` on inputs x (..., d_in) (already through `_input`) -> (..., H), in at least
         float32."""
         i = layer if self.bias_per_layer else 0
         dt = torch.promote_types(x.dtype, _up(self.w_in).dtype)

@@ -50,7 +50,7 @@ kernels take the causal form only, so there the reference runs. Pairs involving 
 
 Float64 is exact: the positions, r and every step of the bias are float64 for float64 parameters, and a float64
 model's attention takes the exact bias (the full-matrix reference) rather than the fused term's table of f_theta
-(:meth:`Fire.kernel_term`, which interpolates f_theta and so differs near its kinks by ~1e-5); it logs that at
+(`Fire.kernel_term`, which interpolates f_theta and so differs near its kinks by ~1e-5); it logs that at
 debug level. float32, bfloat16 and half models keep the fused term.
 """
 
@@ -93,7 +93,7 @@ class FireParams:
 
 
 class FireFunction:
-    """One FIRE (the MLP f_theta, c and L) read from row ``idx`` of the stacked parameters of :class:`Fire`,
+    """One FIRE (the MLP f_theta, c and L) read from row ``idx`` of the stacked parameters of `Fire`,
     in at least float32; ``idx=None``: every row at once, with a leading layer dimension that broadcasts
     (c, L (n, 1, 1); every result gains that dimension first)."""
 
@@ -184,7 +184,7 @@ class Fire(PositionEncoding):
 
     def _shares_terms(self, ctx: PosContext) -> bool:
         """Whether this forward builds the fused-attention term of every layer at once, kept in its memo (a
-        decoding step paid the few operations of :meth:`_term` in each of its layers): in eager mode without
+        decoding step paid the few operations of `_term` in each of its layers): in eager mode without
         gradients to the encoding, one FIRE per layer."""
         return self.bias_per_layer and self._frozen_eager()
 
@@ -196,7 +196,7 @@ class Fire(PositionEncoding):
     def skips_engines(self, ctx: PosContext, query: torch.Tensor, key: torch.Tensor) -> bool:
         """True for a decoding step on the CPU: at most ``FEW_QUERIES`` float32 queries of causal text, in eval
         and eager mode, without gradients to FIRE, no backend forced but ``torch``, and every layer's bias within
-        ``EVERY_LAYER_BIAS_ELEMENTS`` (:meth:`_every_layer_bias`). The attention then takes :meth:`score_bias`,
+        ``EVERY_LAYER_BIAS_ELEMENTS`` (`_every_layer_bias`). The attention then takes `score_bias`,
         the exact bias of every layer built at once per forward, as SDPA's float mask; the tile engine would
         evaluate each layer's interpolated term in that layer, about 20 operations each. Half and bfloat16 models
         keep the engine, which adds the term in float32 (that path would round the bias to the model's dtype)."""
@@ -205,7 +205,7 @@ class Fire(PositionEncoding):
                 and self._every_layer_bias(ctx, query.shape[0], query.shape[2], key.shape[2]))
 
     def _every_layer_bias(self, ctx: PosContext, batch: int, q_len: int, k_len: int) -> bool:
-        """Whether :meth:`score_bias` builds the bias of every layer at once (one FIRE per layer, causal text,
+        """Whether `score_bias` builds the bias of every layer at once (one FIRE per layer, causal text,
         eval mode, eager, no gradient to FIRE, a few queries, and its largest tensor, the MLP's hidden activations
         of every layer, within ``EVERY_LAYER_BIAS_ELEMENTS``). Not in train mode: reentrant checkpointing runs a
         layer's first pass without gradients and its recomputation with them, and both must build the same bias."""
@@ -221,7 +221,7 @@ class Fire(PositionEncoding):
     EVERY_LAYER_BIAS_ELEMENTS = 2**24
 
     def _term(self, fn: FireFunction, ctx: PosContext, q_len: int, device: torch.device):
-        """(table (H, N), c, inv_norm (B|1, Lq), x_max) of :meth:`kernel_term` for the FIRE ``fn``; for every
+        """(table (H, N), c, inv_norm (B|1, Lq), x_max) of `kernel_term` for the FIRE ``fn``; for every
         layer's (``FireFunction(self, None)``) each with a leading layer dimension."""
         position = self._query_positions(ctx, q_len, device, fn.c.dtype)  # (B|1, Lq)
         inv_norm = 1.0 / (fn.psi(torch.maximum(fn.threshold, position.to(fn.threshold.dtype))) + FIRE_EPS)
@@ -279,7 +279,7 @@ class Fire(PositionEncoding):
         return ctx.memo[key][layer]
 
     def _every_layer_causal_bias(self, distance: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """:meth:`FireFunction.bias` of every layer at once, (layers, B|1, H, Lq, Lk), from the distances (Lq, Lk)
+        """`FireFunction.bias` of every layer at once, (layers, B|1, H, Lq, Lk), from the distances (Lq, Lk)
         and the query positions (B|1, Lq): the same formula, the layer dimension first (the MLP's second product
         batched over the layers)."""
         fn = FireFunction(self, None)  # c, L (n, 1, 1)

@@ -242,7 +242,7 @@ class Fope(PositionEncoding):
         return angles.cos() * keep, angles.sin() * keep
 
     def combine(self, cos: torch.Tensor, sin: torch.Tensor, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """C and S of ``layer`` from :meth:`basis`: each (B, Hkv, L, head_dim/2), pairs in order (on ViT the
+        """C and S of ``layer`` from `basis`: each (B, Hkv, L, head_dim/2), pairs in order (on ViT the
         row axis's pairs, then the column axis's), in the coefficients' compute dtype (float32, or float64)."""
         idx = layer if self.per_layer else 0
         cos_coef, sin_coef = upcast(self.cos_coef[idx]), upcast(self.sin_coef[idx])  # (A, H, D, P)

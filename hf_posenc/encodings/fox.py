@@ -1,5 +1,5 @@
 """``fox``: forgetting attention, the attention of the Forgetting Transformer (``fox_pro``, FoX with the
-"Pro" block, is in :mod:`hf_posenc.encodings.fox_pro`).
+"Pro" block, is in `hf_posenc.encodings.fox_pro`).
 
 "Forgetting Transformer: Softmax Attention with a Forget Gate", Lin, Nikishin, He and Courville, ICLR 2025,
 https://arxiv.org/abs/2503.02130. "The code" below is the authors' implementation,
@@ -42,7 +42,7 @@ every key and strips it:
 * fox:      k ‖ [log f of the G query heads of this kv head]                      (+ log g on ViT)
 * fox_pro:  k_raw ‖ [α^k, log f (G)],   v_raw ‖ [α^v]                              (+ log g on ViT)
 
-The states are float32 values, stored in the cache's dtype by :mod:`hf_posenc.encodings.cache_state`
+The states are float32 values, stored in the cache's dtype by `hf_posenc.encodings.cache_state`
 (two channels, hi and lo, in a bfloat16 or float16 cache: 16 or 22 significant bits; log-gates are clamped to
 >= −30000 in float16, where exp(−30000) = 0 either way).
 
@@ -274,7 +274,7 @@ class Fox(PositionEncoding):
         return _resolve_theta(config, info)
 
     def start_inert(self) -> str:
-        """``init="identity"``: w = 0 and b = :data:`INERT_GATE_BIAS`, so every forget gate is σ(10) and
+        """``init="identity"``: w = 0 and b = `INERT_GATE_BIAS`, so every forget gate is σ(10) and
         D_ij = −(i − j) · 4.54e-5 (a gate only approaches 1: the logits move by at most 4.54e-5 per token of
         distance, 0.023 at 512 tokens). A finite b keeps the gates trainable (w's gradient is not zero)."""
         with torch.no_grad():
@@ -382,7 +382,7 @@ class Fox(PositionEncoding):
 
     def kernel_term(self, ctx: PosContext, layer: int, query, key, value, mask) -> KernelTerm | None:
         """The fused-attention term: c (B, H, Lk), the cumulative log-gates (padding's gates zeroed, as in
-        :func:`forget_bias`), with the cache's state channels stripped from the keys. None on ViT."""
+        `forget_bias`), with the cache's state channels stripped from the keys. None on ViT."""
         if self.bidirectional or ctx.grid is not None:
             return None
         d = query.shape[-1]

@@ -4,7 +4,7 @@
 https://arxiv.org/abs/2503.02130. "The code" below is the authors' implementation,
 github.com/zhixuan-lin/forgetting-transformer (``ForgettingAttentionLayer``, ``ShiftLinear``, ``GroupRMSNorm``);
 the forgetting attention itself, its gates, padding, cache state and ViT generalisation are ``fox``'s
-(:mod:`hf_posenc.encodings.fox`).
+(`hf_posenc.encodings.fox`).
 
 FoX with the "Pro" block of the paper (the authors' ``configs/experiment/*/forgetting_transformer/pro_*.yaml``:
 ``qk_norm``, ``use_k_shift``, ``use_v_shift``, ``use_output_gate``, ``use_output_norm``, ``use_rope:
@@ -32,7 +32,7 @@ shift are computed in float32 inside the attention (the code rounds k̃ to the m
 norm); q̂ (with γ^k, below) is computed in float32 and rounded to the model dtype, as in the code.
 
 Cache state: k_raw ‖ [α^k, log f (G)] and v_raw ‖ [α^v] (+ log g on ViT), packed by
-:mod:`hf_posenc.encodings.cache_state`: one logsigmoid of one product gives them all, α = exp(log σ(u·x)). FoX Pro
+`hf_posenc.encodings.cache_state`: one logsigmoid of one product gives them all, α = exp(log σ(u·x)). FoX Pro
 stores the raw (unshifted, unnormalised) k and v: the shift of the first new token at a decode step needs the
 previous token's raw k and v, which only the cache holds, so the shift and the key norm are applied in ``attend`` to
 every key (O(L·D) per head, negligible next to the scores). γ^k is applied to the queries instead of the keys: q̂ ·
@@ -175,7 +175,7 @@ class FoxProParams:
 class FoxPro(Fox):
     """FoX with the Pro block; see the module docstring.
 
-    Parameters (per layer, stacked on dim 0): the forget gates of :class:`Fox`, ``key_shift_weight`` and
+    Parameters (per layer, stacked on dim 0): the forget gates of `Fox`, ``key_shift_weight`` and
     ``value_shift_weight`` (num_layers, Hkv, C), ``q_norm_weight`` (num_layers, H, D), ``k_norm_weight``
     (num_layers, Hkv, D), ``out_norm_weight`` (num_layers, H, D) and ``out_gate_weight`` (num_layers, H*D, C).
     """
@@ -213,7 +213,7 @@ class FoxPro(Fox):
     def prepare(
         self, ctx: PosContext, layer: int, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q -> QK-normed q, times γ^k of its key/value head (see :meth:`_query_gain`); k -> raw k ‖ [α^k,
+        """q -> QK-normed q, times γ^k of its key/value head (see `_query_gain`); k -> raw k ‖ [α^k,
         log-gates]; v -> raw v ‖ [α^v] (the shift and the key norm need the previous token's raw k and v, so
         they are applied in ``attend``)."""
         compute = compute_dtype(q.dtype)
@@ -232,9 +232,9 @@ class FoxPro(Fox):
         return (self.q_norm_weight[index] * key_gain).unsqueeze(-2)
 
     def _state_order(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The row order of :meth:`_state_weight` (R,): rows of [u^k (Hkv), u^v (Hkv), gate weights (S·H)] listed as
+        """The row order of `_state_weight` (R,): rows of [u^k (Hkv), u^v (Hkv), gate weights (S·H)] listed as
         the cache holds their outputs: per key/value head g, u^k_g then the gates of its G query heads (set by
-        set, the order of :meth:`_gates_to_kv`); then u^v of every head. With it, (R,) bool: the rows that are
+        set, the order of `_gates_to_kv`); then u^v of every head. With it, (R,) bool: the rows that are
         shift gates (u^k, u^v). Built once per device."""
         orders = self.__dict__.setdefault("_state_orders", {})  # a plain attribute, per device
         if device not in orders:
@@ -249,8 +249,8 @@ class FoxPro(Fox):
         return orders[device]
 
     def _state_weight(self, index: int | slice) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weight (..., R, C) and bias (..., R) whose logsigmoid gives the cached states (:meth:`_token_states`)
-        for the layers ``index`` picks, rows in :meth:`_state_order`; the shift gates have no bias."""
+        """The weight (..., R, C) and bias (..., R) whose logsigmoid gives the cached states (`_token_states`)
+        for the layers ``index`` picks, rows in `_state_order`; the shift gates have no bias."""
         weights = [self.key_shift_weight[index], self.value_shift_weight[index], self.gate_weight[index]]
         biases = [self.gate_bias[index]]
         if self.bidirectional:  # the backward gates too
@@ -265,8 +265,8 @@ class FoxPro(Fox):
         self, ctx: PosContext | None, layer: int, hidden: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached states of the new tokens, [α^k, log-gates (S·G)] (B, Hkv, L, 1 + S·G) and [α^v]
-        (B, Hkv, L, 1) in float32 (float64 for float64 inputs): :meth:`shift_gates` as exp(log σ(u·x)) and
-        :meth:`log_gates` from one product and one logsigmoid, the rows of u^k, u^v and the gate weights stacked in
+        (B, Hkv, L, 1) in float32 (float64 for float64 inputs): `shift_gates` as exp(log σ(u·x)) and
+        `log_gates` from one product and one logsigmoid, the rows of u^k, u^v and the gate weights stacked in
         the cache's order (each output is the dot product of its own linear map; a decoding step pays per
         operation, not per multiply-add)."""
         dtype = compute_dtype(hidden.dtype)
@@ -314,7 +314,7 @@ class FoxPro(Fox):
     def kernel_term(self, ctx: PosContext, layer: int, query, key, value, mask) -> KernelTerm | None:
         """The fused-attention term: c of the forward gates, with the shifted, normalised keys and the shifted
         values (in the query's dtype) replacing the cached ones. None on ViT (two-way gates), and for the
-        decoding steps that :meth:`attend` computes from the cache without those tensors (:meth:`_decodes`)."""
+        decoding steps that `attend` computes from the cache without those tensors (`_decodes`)."""
         if self.bidirectional or ctx.grid is not None or self._decodes(ctx, query):
             return None
         k, v, gates, valid = self._attention_kv(ctx, layer, query, key, value, mask)
@@ -362,11 +362,11 @@ class FoxPro(Fox):
         return a_k, a_v, gates, valid, has_prev, plain
 
     def skips_engines(self, ctx: PosContext, query: torch.Tensor, key: torch.Tensor) -> bool:
-        """True where :meth:`attend` computes the call itself (:meth:`_decodes`): no engine is tried first."""
+        """True where `attend` computes the call itself (`_decodes`): no engine is tried first."""
         return self._decodes(ctx, query)
 
     def _decodes(self, ctx: PosContext, query: torch.Tensor) -> bool:
-        """Whether this call takes :meth:`_few_queries` (``attend``; ``kernel_term`` then gives None): a few
+        """Whether this call takes `_few_queries` (``attend``; ``kernel_term`` then gives None): a few
         queries on the CPU without gradients, in eager mode (a compiled graph keeps the tile engine's op), causal
         text, no probabilities asked for, no backend forced but ``torch`` (a forced Triton or flex backend runs
         its kernels or raises)."""
@@ -377,7 +377,7 @@ class FoxPro(Fox):
     def _few_queries(self, ctx: PosContext, layer: int, query, key, value, mask, scaling: float) -> torch.Tensor:
         """The attention of a few queries (a decoding step): out (B, H, Lq, D).
 
-        The shifted, normalised keys and the shifted values of :meth:`_shifted_kv` (a pad and a lerp
+        The shifted, normalised keys and the shifted values of `_shifted_kv` (a pad and a lerp
         each, the norm as ``F.rms_norm``), the forgetting bias D_ij = c_i − c_j from the log-gates summed in the
         cache's layout, and one fused SDPA call with D as its float mask, the key/value heads as the batch (the G
         query heads of each, and their queries, as its rows): the reference's sums (``forgetting_attention``)

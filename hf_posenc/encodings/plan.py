@@ -3,16 +3,16 @@
 The recipes of recent long-context models mix encodings over the depth: SmolLM3 drops RoPE in every fourth
 layer, Llama 4 and Gemma 3 interleave rotary layers with NoPE layers or with another base, RNoPE-SWA puts a
 sliding window on the rotary layers only (Yang et al. 2025, "Rope to Nope and Back Again"). A plan states such
-a recipe as a list of encodings, repeated over the depth (see :func:`hf_posenc.config.coerce_plan`).
+a recipe as a list of encodings, repeated over the depth (see `hf_posenc.config.coerce_plan`).
 
-:class:`PlanEncoding` holds one encoding module per distinct entry of the plan (``entries``), each built for
+`PlanEncoding` holds one encoding module per distinct entry of the plan (``entries``), each built for
 the layers it runs in only: an entry that runs in layers 0, 4 and 8 is built as a 3-layer encoding (its
 per-layer parameters and per-layer model facts -- Gemma 3's layer bases, the sliding windows -- are those of
 its own layers) and sees them as its layers 0, 1, 2. ``layer_entries`` maps each layer of the model to (entry,
 local layer). An encoding that carries state from layer to layer (TAPE's position states) carries it through
 its own layers, skipping the others.
 
-The model's attention modules ask the per-forward context for their layer (:meth:`PosContext.at`), which
+The model's attention modules ask the per-forward context for their layer (`PosContext.at`), which
 hands back a context of that layer's entry -- its own memo, so that two entries never share a cached bias --
 and the entry's local layer index. The entry is fetched by calling the plan module (``plan("entry", i)``),
 so that under PEFT's ``ModulesToSaveWrapper`` the copy that is trained is the one used.
@@ -52,7 +52,7 @@ def plan_groups(configs: list[PosEncConfig]) -> tuple[list[PosEncConfig], list[t
 
 
 def entry_layers(layer_entries: list[tuple[int, int]], index: int) -> list[int]:
-    """The model layers in which entry ``index`` runs (``layer_entries`` as :func:`plan_groups` gives them)."""
+    """The model layers in which entry ``index`` runs (``layer_entries`` as `plan_groups` gives them)."""
     return [layer for layer, (entry, _) in enumerate(layer_entries) if entry == index]
 
 
@@ -78,7 +78,7 @@ class PlanEncoding(nn.Module):
     Attributes:
         entries: one encoding module per distinct plan entry.
         layer_entries: per model layer, (entry index, the entry's local layer index).
-        configs: per model layer, its resolved :class:`PosEncConfig`.
+        configs: per model layer, its resolved `PosEncConfig`.
     """
 
     name = "plan"

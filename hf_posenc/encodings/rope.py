@@ -153,13 +153,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: 
 
 
 def half_rotation(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The factors (C, S) = ([cos, cos], [−sin, sin]) of :func:`rotate_half_by`, built once for every tensor
+    """The factors (C, S) = ([cos, cos], [−sin, sin]) of `rotate_half_by`, built once for every tensor
     rotated by the same angles (TAPE's queries and keys of the new tokens)."""
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
 def rotate_half_by(x: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """x ⊙ C + roll(x, D/2) ⊙ S with ``factors`` = :func:`half_rotation` (cos, sin): bit for bit
+    """x ⊙ C + roll(x, D/2) ⊙ S with ``factors`` = `half_rotation` (cos, sin): bit for bit
     ``apply_rotary(x, cos, sin, "half")`` ((−x₂) s and x₂ (−s) are the same number), in four operations
     instead of seven."""
     c, s = factors

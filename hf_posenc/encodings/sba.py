@@ -43,7 +43,7 @@ Padding: masked keys are no breakpoints (their softplus terms are 0) and get no 
 row gives the weights of the row alone. KV cache: A_ij involves q_i and the keys only, so the cache holds
 all it needs; nothing else is stored.
 The causal reference (``stick_breaking_attention``) takes tensors only and lives beside the kernels, in
-:mod:`hf_posenc.kernels.sba.naive`.
+`hf_posenc.kernels.sba.naive`.
 
 ViT (bidirectional), a documented generalisation. The paper breaks the stick over the keys in order from
 the query outwards (nearest first) and defines no order for an image; here each query orders its keys by
@@ -54,11 +54,11 @@ their distance to it on the patch grid and breaks the stick nearest first:
                key last; the CLS query (no grid position) orders the patches in raster order
     A_ij = β_ij Π_{k : rank_i(k) < rank_i(j)} (1 − β_ik) = exp( z_ij − Σ_{k : rank_i(k) <= rank_i(j)} softplus(z_ik) )
 
-(:func:`stick_breaking_grid_attention`; same remainder options). On a 1 × n grid without the CLS token this
+(`stick_breaking_grid_attention`; same remainder options). On a 1 × n grid without the CLS token this
 is the text rule run in both directions at once, nearest key first; the ties (keys at equal distance on
 both sides) take raster order, which makes the rule deterministic but not mirror-symmetric.
 
-Bidirectional text (BERT), the same generalisation in one dimension (:func:`sequence_key_ranks`): the query's
+Bidirectional text (BERT), the same generalisation in one dimension (`sequence_key_ranks`): the query's
 own key first, then the keys by |i − j|, the left key before the right one at equal distance; no token is
 special (BERT's [CLS] is an ordinary position 0).
 """
@@ -146,8 +146,8 @@ def stick_breaking_grid_attention(
     Args:
         q: (B, H, Lq, D); k, v: (B, H, Lk, D) (key/value heads already expanded).
         allowed: (B|1, 1, Lq, Lk) bool or None.
-        ranks: (Lq, Lk) long, each query's breaking order (:func:`grid_key_ranks`); rank 0 is the query's own key.
-        Other arguments as for :func:`stick_breaking_attention`.
+        ranks: (Lq, Lk) long, each query's breaking order (`grid_key_ranks`); rank 0 is the query's own key.
+        Other arguments as for `stick_breaking_attention`.
 
     Returns:
         out (B, H, Lq, D) and the weights (B, H, Lq, Lk).
@@ -229,22 +229,23 @@ class StickBreaking(EngineAttention):
         """
         if ctx.grid is not None or not self.info.causal:  # ViT's grid, or bidirectional text (BERT)
             return self._attend_grid(ctx, layer, query, key, value, mask, scaling, dropout, training)
-        # a sliding window (hf_posenc's, the model's own) is in ``mask`` already (a band); the engines also take
-        # it as a number, to skip the key tiles outside it
-        window = ctx.engine_window(layer)
+        # a sliding window (hf_posenc's, the model's own) and its sinks are in ``mask`` already (a band and the
+        # first columns); the engines also take them as numbers, to skip the key tiles outside them
+        window, sink = ctx.engine_window(layer), ctx.own_sink()
 
-        if (sba_backend(query, key, value, mask, ctx.q_offset, ctx.need_weights, dropout, training) == "triton"
-                and self.engines_take_sink(ctx)):
+        if sba_backend(query, key, value, mask, ctx.q_offset, ctx.need_weights, dropout, training) == "triton":
             bias = self.remainder_bias[layer] if self.remainder == "bias" else None
             out = stick_breaking(
-                query, key, value, mask, scaling, ctx.q_offset, self.attend_current, self.remainder, bias, window=window
+                query, key, value, mask, scaling, ctx.q_offset, self.attend_current, self.remainder, bias,
+                window=window, sink=sink,
             )
             return out, None
         if not self.attend_uses_reference(ctx, dropout, training):
             # the tile-wise engine: O(L·block) memory, no weights formed
             bias = self.remainder_bias[layer] if self.remainder == "bias" else None
             out = sba_tiled(
-                query, key, value, mask, scaling, ctx.q_offset, self.attend_current, self.remainder, bias, window=window
+                query, key, value, mask, scaling, ctx.q_offset, self.attend_current, self.remainder, bias,
+                window=window, sink=sink,
             )
             return out, None
         b, h, q_len, _ = query.shape

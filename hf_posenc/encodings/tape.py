@@ -51,8 +51,8 @@ Where the MLP-stage update runs
 As in the code (``LlamaDecoderLayer.forward``: ``hidden_states = self.mlp(...)``, then
 ``position_states = self.pe(hidden_states, position_states)``), x_i is the output of layer l's MLP (before
 the residual addition). hf_posenc reaches it through instance-level forward hooks on each decoder layer's
-``mlp`` (:func:`hf_posenc.patches.base.tap_mlp_outputs`, installed at patch time): the hook hands the MLP
-output to :meth:`Tape.mlp_output`, which computes E^{l+1} and stores it for layer l+1's ``prepare``.
+``mlp`` (`hf_posenc.patches.base.tap_mlp_outputs`, installed at patch time): the hook hands the MLP
+output to `Tape.mlp_output`, which computes E^{l+1} and stores it for layer l+1's ``prepare``.
 
 Attention-stage update without (B, H, L, L) tensors
 ----------------------------------------------------
@@ -61,7 +61,7 @@ over v and over E gives both o_i and the update. As in the code's flash path (``
 position_state0)``), these are separate fused calls (PyTorch's fused CPU kernel needs values as wide as q and k;
 with attention dropout, one call over [v | E] with q and k zero-padded, so that one dropout mask acts on both), with
 is_causal when the mask is causality alone; they read the cache's grouped layout (below) through views, the
-key/value heads as the batch (:func:`_grouped_attention`). The attention probabilities (B, H, Lq, Lk) are built only
+key/value heads as the batch (`_grouped_attention`). The attention probabilities (B, H, Lq, Lk) are built only
 when they are asked for (``output_attentions``).
 
 Where this differs from the code, and why
@@ -84,19 +84,19 @@ states (G·D rotated channels, then G·D·w state channels): transformers' cache
 follow ``crop``, beam-search ``reorder_cache`` and StaticCache (allocated lazily with the first update's shape) for
 free; ``attend`` splits them. A decoding step then rotates no cached key again (rotating every cached key in every
 layer cost tape 1.58x the unpatched model's decoding time on SmolLM2's shape); the cache is G·(D + D·w) channels
-wide instead of D. The attention reads that layout as it is (:func:`_grouped_attention`), without copying the keys
+wide instead of D. The attention reads that layout as it is (`_grouped_attention`), without copying the keys
 and states per query head. The states of the new tokens reach ``attend`` for their queries through
 ``PosContext.memo`` (queries are not cached).
 The rotated keys are stored in the cache's dtype, as a RoPE model caches its keys. In a bfloat16/float16 cache
 each float32 state value is stored as two channels (hi, lo), as FoX stores its gates
-(:mod:`hf_posenc.encodings.cache_state`: 16 or 22 significant bits instead of 8 or 11).
+(`hf_posenc.encodings.cache_state`: 16 or 22 significant bits instead of 8 or 11).
 
 The states of the new tokens pass from layer l's attention (Ê^l, computed in ``attend``) to its MLP hook
-(E^{l+1}, :meth:`Tape.mlp_output`) and on to layer l+1 (``prepare``) through the per-forward context
+(E^{l+1}, `Tape.mlp_output`) and on to layer l+1 (``prepare``) through the per-forward context
 (``PosContext.memo``). With reentrant gradient checkpointing the first forward of each layer runs without
 autograd, so that hand-over would lose the gradient of E^{l+1}; there, layer l+1's recomputation reads
 E^{l+1} as a leaf, whose gradient its backward accumulates, and layer l's recomputation hands that gradient
-to E^{l+1} through an identity node on its MLP output (:class:`_StateTunnel`; layer l+1's backward always
+to E^{l+1} through an identity node on its MLP output (`_StateTunnel`; layer l+1's backward always
 runs before layer l's). Non-reentrant checkpointing and plain training need none of this (the node then
 passes no gradient).
 """
@@ -256,7 +256,7 @@ class Tape(PositionEncoding):
         return (mix @ state.transpose(1, 2)).transpose(1, 2)  # (B, H, L, D)
 
     def attend_uses_reference(self, ctx: PosContext, dropout: float, training: bool) -> bool:
-        """Whether :meth:`attend` builds (B, H, Lq, Lk) tensors (the memory pre-check applies to those calls only):
+        """Whether `attend` builds (B, H, Lq, Lk) tensors (the memory pre-check applies to those calls only):
         when the probabilities are asked for (``output_attentions``), and with attention dropout while training
         (PyTorch's SDPA then takes its math path); otherwise it runs fused SDPA calls."""
         return ctx.need_weights or (dropout > 0.0 and training)
@@ -276,7 +276,7 @@ class Tape(PositionEncoding):
         key/value head, then those heads' states: (B, Hkv, Lq, G·D + G·D·w) = [k rotated for query heads 0 .. G−1
         of the group | their states, packed]; q is returned as it is, its states (and their rotation factors) are
         handed to ``attend`` through ``ctx.memo``.
-        E^0 is rotary; E^layer (layer > 0) was computed by the MLP hook of layer - 1 (:meth:`mlp_output`).
+        E^0 is rotary; E^layer (layer > 0) was computed by the MLP hook of layer - 1 (`mlp_output`).
         ``hidden`` (the attention input) is not used."""
         b, h, n, d = q.shape
         hkv = k.shape[1]
@@ -383,7 +383,7 @@ class Tape(PositionEncoding):
 
 def _allowed(ctx: PosContext, mask: torch.Tensor | None, q_len: int, k_len: int, causal: bool,
              device: torch.device) -> torch.Tensor | None:
-    """:func:`allowed_keys` of this forward's mask, built once per forward and shared by the layers (eager mode:
+    """`allowed_keys` of this forward's mask, built once per forward and shared by the layers (eager mode:
     the memo holds the mask, so its address stays its own; under ``torch.compile``, per layer). None without a
     mask where causality hides no key (each query at or past the last key: a decoding step)."""
     if mask is None and causal and isinstance(ctx.q_offset, int) and ctx.q_offset >= k_len - 1:
@@ -395,7 +395,7 @@ def _allowed(ctx: PosContext, mask: torch.Tensor | None, q_len: int, k_len: int,
 def _weights(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None, is_causal: bool,
              scaling: float) -> torch.Tensor:
     """The attention probabilities (B, H, Lq, Lk) of q, k (per query head); ``allowed`` and ``is_causal`` as for
-    :func:`_attention`. Rows with no allowed key (left padding) are zeros."""
+    `_attention`. Rows with no allowed key (left padding) are zeros."""
     scores = (q @ k.transpose(-1, -2)) * scaling
     if is_causal:
         allowed = allowed_keys(None, q.shape[2], k.shape[2], 0, True, q.device)
@@ -417,7 +417,7 @@ def _grouped_attention(
     """(softmax(q kᵀ · scaling) v, the same weights on the keys' states), read from the cache's grouped layout
     without copying it per query head: q (B, H, Lq, D) rotated; key (B, Hkv, Lk, G·D + G·D·w) as ``prepare``
     stores it; v (B, Hkv, Lk, D); ``with_state``: also the weights on the states (else None); ``allowed``,
-    ``is_causal`` and ``dropout`` as for :func:`_attention`. Rows with no allowed key give zeros.
+    ``is_causal`` and ``dropout`` as for `_attention`. Rows with no allowed key give zeros.
 
     The key/value heads become the batch: (B·Hkv, G, Lk, D) views of the cache's rotated keys and states (head
     stride D, token stride the cache row) and of the values (head stride 0), fused SDPA calls on them (gradients

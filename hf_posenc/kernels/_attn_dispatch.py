@@ -1,7 +1,7 @@
 """Checks shared by the dispatchers of the attention kernels (``sba``, ``cope``).
 
-Each dispatcher asks :func:`common_unsupported` (and its own checks) for a reason the Triton kernel cannot
-run these inputs, then :func:`choose` turns it into a backend: ``HF_POSENC_BACKEND=torch`` (or ``flex``,
+Each dispatcher asks `common_unsupported` (and its own checks) for a reason the Triton kernel cannot
+run these inputs, then `choose` turns it into a backend: ``HF_POSENC_BACKEND=torch`` (or ``flex``,
 which has no form of these attentions) -> the reference; ``triton`` -> the kernel or a ``ValueError`` naming
 the reason; unset -> the kernel on CUDA when it supports the inputs, the reference otherwise.
 """
@@ -89,10 +89,10 @@ def choose(reason: Callable[[], str | None], on_cuda: bool, kind: str, static: s
     """``"triton"`` or ``"torch"`` from ``HF_POSENC_BACKEND`` and ``reason()`` (None: the kernel can run).
 
     Unforced on CUDA, the default of ``kind`` (``"sba"``, ``"cope"``) in
-    :data:`hf_posenc.kernels.defaults.CUDA_DEFAULT_BACKEND` decides whether the kernel is tried at all.
+    `hf_posenc.kernels.defaults.CUDA_DEFAULT_BACKEND` decides whether the kernel is tried at all.
 
     Under ``torch.compile``: ``"torch"``, the tile engine's custom op (``hf_posenc::engine``), which runs the kernel
-    inside where :func:`kernel_preferred` and the inputs allow (checked in the op, where the tensors are real;
+    inside where `kernel_preferred` and the inputs allow (checked in the op, where the tensors are real;
     neither the kernel's launch nor Triton's mode can be traced). ``static`` is the part of ``reason`` that only
     Python flags decide (a bidirectional CoPE, output_attentions, attention dropout): those calls never reach the
     op, so with ``HF_POSENC_BACKEND=triton`` it raises while tracing, as eager mode does, instead of running the

@@ -39,7 +39,7 @@ def triton_import_error(module: str) -> str | None:
     Safe under ``torch.compile``: dynamo cannot trace an import (``importlib.import_module`` is marked as
     skipped, and a compiled model's dispatch asks this in its first traced forward: seen on an H100 with torch
     2.11, ``tests/test_compile.py::test_static_decoding_never_syncs``). While compiling, the answer comes from
-    :func:`_constant_import_error`, which dynamo runs eagerly and folds in as a constant."""
+    `_constant_import_error`, which dynamo runs eagerly and folds in as a constant."""
     if torch.compiler.is_compiling():
         return _constant_import_error(module)
     if module not in _IMPORT_ERRORS:

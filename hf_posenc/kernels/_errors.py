@@ -1,7 +1,7 @@
 """Errors of the Triton kernels that a user can act on.
 
 A kernel that fails to compile or to launch (a Triton compile error, shared memory over the GPU's per-block
-limit, too many registers, a driver error at launch) raises :class:`KernelError`: a ``RuntimeError`` whose
+limit, too many registers, a driver error at launch) raises `KernelError`: a ``RuntimeError`` whose
 message names the kernel, the shapes and dtype of its inputs and its launch configuration, and says how to
 run the op on another backend (``HF_POSENC_BACKEND=torch``, or ``flex`` for the attention terms that have
 a FlexAttention form). The Triton exception is chained as its ``__cause__``. Nothing falls back silently.
@@ -73,6 +73,6 @@ class _Guarded:
 
 
 def guarded(kernel: Any, family: str, shapes: dict[str, Any], dtype: torch.dtype) -> _Guarded:
-    """``kernel`` whose ``[grid](...)`` launch raises :class:`KernelError` (naming ``family``, ``shapes``
+    """``kernel`` whose ``[grid](...)`` launch raises `KernelError` (naming ``family``, ``shapes``
     e.g. ``{"q": q.shape, "k": k.shape}`` and ``dtype``) instead of a bare Triton error."""
     return _Guarded(kernel, family, shapes, dtype)

@@ -10,7 +10,7 @@ kernel that calls them only runs in the interpreter when ``TRITON_INTERPRET=1`` 
 The kernels of ``sba`` and ``cope`` therefore use only builtins of ``triton.language`` (``tl.reduce`` and
 ``tl.associative_scan`` with their own combine functions instead of ``tl.sum`` / ``tl.cumsum``), and every
 function they call -- the combine functions, the shared tile helpers and the kernels themselves -- is
-written undecorated and jitted here, on first use, in the mode then in force. :func:`bind` installs the
+written undecorated and jitted here, on first use, in the mode then in force. `bind` installs the
 jitted functions into the kernel module's globals under their own names (a kernel finds its helpers by
 global name when it is traced or interpreted), so the module works whether or not the variable was set
 before triton's import, and a CPU process may run the interpreter after importing the module.

@@ -10,7 +10,7 @@ import numbers
 
 import torch
 
-__all__ = ["allowed_keys", "band_allowed", "check_window", "memo_per_mask", "windowed_allowed"]
+__all__ = ["allowed_keys", "band_allowed", "check_sink", "check_window", "memo_per_mask", "windowed_allowed"]
 
 
 def check_window(window: object, where: str = "window") -> int | None:
@@ -43,6 +43,29 @@ def check_window(window: object, where: str = "window") -> int | None:
     if window < 1:
         raise ValueError(f"{where} must be >= 1 (keys each query sees, itself included), got {window}")
     return window
+
+
+def check_sink(sink: object, window: int | None, where: str = "sink") -> int | None:
+    """``sink`` validated: None (no attention sinks) or an int >= 1, the first keys every query sees beside its
+    sliding ``window`` (a numpy integer is taken as the int it holds), and only with a window (without one every key
+    is visible already).
+
+    Raises:
+        TypeError: not None and not an int (a bool included).
+        ValueError: an int below 1, or a sink without a window.
+    """
+    if sink is None:
+        return None
+    if type(sink) not in (bool, int) and isinstance(sink, numbers.Integral):  # a numpy integer: the int it holds
+        sink = int(sink)
+    if isinstance(sink, bool) or not isinstance(sink, int):
+        raise TypeError(f"{where} must be an int >= 1 (the first keys every query sees) or None, got "
+                        f"{type(sink).__name__} ({sink!r})")
+    if sink < 1:
+        raise ValueError(f"{where} must be >= 1 (the first keys every query sees) or None, got {sink}")
+    if window is None:
+        raise ValueError(f"{where} ({sink}) needs a sliding window: without window= every query sees every key already")
+    return sink
 
 
 def band_allowed(
@@ -88,7 +111,7 @@ def allowed_keys(
 def windowed_allowed(
     allowed: torch.Tensor, lq: int, lk: int, q_offset: int | torch.Tensor, window: int | None, sink: int | None = None
 ) -> torch.Tensor:
-    """(B|1, 1, Lq, Lk) bool: ``allowed`` (causal, from :func:`allowed_keys`) and, with a ``window``, the band
+    """(B|1, 1, Lq, Lk) bool: ``allowed`` (causal, from `allowed_keys`) and, with a ``window``, the band
     j > qi − window (query i is key ``q_offset + i``), with the ``sink`` first keys besides it. The encodings'
     references treat a key the mask removes as absent: no weight, no CoPE gate, no stick-breaking break; so does
     the window. TypeError / ValueError for a window that is neither None nor an int >= 1."""

@@ -20,6 +20,11 @@ at the reversed index of its first query's window edge: the key tiles left of th
 (their keys contribute nothing: no weight, and neither a CoPE gate nor a stick-breaking break, exactly as a
 mask that removes them), and only the last tiles of the walk need the band mask. With a tensor offset every
 tile takes the band mask.
+
+Attention sinks (``sink``, with a window: the keys j < sink are seen besides the band) are walked last, after the
+window's tiles: their own tiles when a gap separates them from the block's window (the tiles in the gap are never
+visited; the carries pass over it unchanged, its keys being absent), else the walk goes on from the window's edge
+down to key 0, the band mask sparing the sink keys.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._masks import check_window
+from ._masks import check_sink, check_window
 
 __all__ = [
     "Geometry", "Tile", "blocked_mask_rows", "call_options", "fill_blocked", "from_groups", "key_tiles", "tile_blocked",
@@ -66,12 +71,13 @@ class Tile:
 
 
 def key_tiles(
-    m0: int, m1: int, lk: int, q_offset: int | torch.Tensor, block_n: int, strict: bool, window: int | None = None
+    m0: int, m1: int, lk: int, q_offset: int | torch.Tensor, block_n: int, strict: bool, window: int | None = None,
+    sink: int | None = None,
 ) -> list[Tile]:
     """The tiles (reversed key ranges, right to left in key order) walked by the query block [m0, m1).
 
     Query i is key ``q_offset + i``; it sees keys j <= q_offset + i (j < with ``strict``), and with a
-    ``window`` only keys j > q_offset + i − window.
+    ``window`` only keys j > q_offset + i − window, or with ``sink`` keys j < sink (see the module docstring).
     """
     if isinstance(q_offset, torch.Tensor):
         return [Tile(r0, min(r0 + block_n, lk), True, window is not None) for r0 in range(0, lk, block_n)]
@@ -82,13 +88,20 @@ def key_tiles(
     # rows before the last one see fewer keys: their first (m1 - 1 - m0) reversed indices are masked
     ragged = start + (m1 - 1 - m0)
     stop, edge = lk, lk
+    sinks: list[Tile] = []
     if window is not None:
         # the first query sees keys from q_offset + m0 − window + 1: reversed, up to lk − q_offset − m0 + window − 2
         stop = max(start, min(lk, lk - q_offset - m0 + window - 1))
         # the last query's first key, reversed: tiles reaching past it need the band mask
         edge = lk - 1 - (q_offset + m1 - window)
+        if sink is not None:
+            first = lk - min(sink, lk)  # the last sink key, reversed
+            if stop >= first:  # the window's walk reaches the sinks: it goes on down to key 0
+                stop = lk
+            else:  # their own tiles after a gap; every query of the block is past them (no causal or band mask)
+                sinks = [Tile(r0, min(r0 + block_n, lk), False) for r0 in range(first, lk, block_n)]
     return [Tile(r0, min(r0 + block_n, stop), r0 < ragged, min(r0 + block_n, stop) - 1 > edge)
-            for r0 in range(start, stop, block_n)]
+            for r0 in range(start, stop, block_n)] + sinks
 
 
 def tile_blocked(
@@ -101,12 +114,14 @@ def tile_blocked(
     blocked_rows: torch.Tensor | None,
     device: torch.device,
     window: int | None = None,
+    sink: int | None = None,
 ) -> torch.Tensor | None:
     """(B|1, 1, 1, BM, BN) bool: True where a query of [m0, m1) may NOT use a key of ``tile``; None when
     every query may use every key of it.
 
     ``blocked_rows``: the block's rows of the inverted mask with reversed keys, (B|1, 1, BM, Lk) (see
-    :func:`blocked_mask_rows`). ``window``: the band (keys j <= qi − window blocked) in tiles marked ``band``.
+    `blocked_mask_rows`). ``window``: the band (keys j <= qi − window blocked, but the ``sink`` first keys)
+    in tiles marked ``band``.
     """
     blocked = None
     if tile.causal or tile.band:
@@ -117,6 +132,8 @@ def tile_blocked(
         blocked = (key[None, :] >= qidx[:, None]) if strict else (key[None, :] > qidx[:, None])
     if tile.band:
         out = key[None, :] <= qidx[:, None] - window
+        if sink is not None:
+            out = out & (key >= sink)[None, :]
         blocked = out if blocked is None else (blocked | out)
     if blocked_rows is not None:
         m = blocked_rows[..., tile.r0:tile.r1]
@@ -170,13 +187,14 @@ def fill_blocked(x: torch.Tensor, blocked: torch.Tensor | None, value: float) ->
 
 def call_options(
     block_m: int | None, block_n: int | None, default_m: int, default_n: int | None, q_offset: int | torch.Tensor,
-    window: object = None,
+    window: object = None, sink: object = None,
 ) -> tuple[int, int | None, int | torch.Tensor]:
     """The (block_m, block_n, q_offset) an engine's autograd Function is applied with: the module defaults where
     None is given (``block_n`` None: sized to memory), checked positive, and a tensor offset snapshotted (a
     StaticCache mutates its length in place before backward). Raises ``ValueError`` for a non-positive size, and
-    ``TypeError`` / ``ValueError`` for a ``window`` that is neither None nor an int >= 1."""
-    check_window(window)
+    ``TypeError`` / ``ValueError`` for a ``window`` that is neither None nor an int >= 1, or a ``sink`` that is
+    neither None nor an int >= 1 with a window."""
+    check_sink(sink, check_window(window))
     block_m = default_m if block_m is None else block_m
     block_n = default_n if block_n is None else block_n
     if block_m < 1 or (block_n is not None and block_n < 1):

@@ -4,7 +4,7 @@ A probability exp(x) with x < ln(1.18e-38) ≈ −87.3 is a subnormal float32 nu
 subnormal numbers many times slower (measured: CAPE's CPU training step ran 8.2x SDPA's with them, 5.8x with
 flush-to-zero set for the whole process). GPUs flush them to zero; here the engines do it themselves: such a
 weight is below float32's resolution of a softmax row (whose largest weight is 1). The same clamp keeps the
-masked entries' −inf away from the exponential, which is as slow on it (see :func:`exp_flushed`).
+masked entries' −inf away from the exponential, which is as slow on it (see `exp_flushed`).
 """
 
 from __future__ import annotations

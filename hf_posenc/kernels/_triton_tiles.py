@@ -2,10 +2,12 @@
 (``sba/triton_sba.py``) share: the device helpers of their key-tile walks and the host side of their launchers.
 
 Both kernels walk the key tiles of a query block from the diagonal backwards, carrying a per-query sum (CoPE's
-gate count, SBA's broken stick) across tiles; their backward runs a query-major kernel that stores that carry
+gate count, SBA's broken stick) across tiles (with a window, down to its first query's window edge, then, with
+attention sinks, the sink keys' tiles: `_sink_walk`);
+their backward runs a query-major kernel that stores that carry
 every ``CSTRIDE``-th tile ("checkpoints") and a key-major kernel that restarts from the nearest checkpoint.
 The device functions here are written undecorated, like every function those kernels call: each kernel module
-lists the ones it uses among the helpers of its :class:`~hf_posenc.kernels._jit.LazyJit`, which jits them in
+lists the ones it uses among the helpers of its `LazyJit`, which jits them in
 the mode in force and binds them into that module's globals (where its kernels find them by name). None of
 them calls another helper, so each works from any module's namespace.
 
@@ -85,7 +87,7 @@ def _batch_kv_head(pair, HKV):
 
 def _store_rows(ptr, rows, stride, offs_d, row_ok, d_ok, value):
     """Store ``value`` (len(rows), BD) into rows ``rows`` of a (L, D) slice with row stride ``stride``
-    (:func:`_load_rows`'s counterpart)."""
+    (`_load_rows`'s counterpart)."""
     tl.store(ptr + rows[:, None].to(tl.int64) * stride + offs_d[None, :], value, mask=row_ok[:, None] & d_ok[None, :])
 
 
@@ -99,12 +101,16 @@ def _key_tile(k_base, v_base, t, sk_n, sv_n, offs_d, d_ok, LK, BN: tl.constexpr)
     return keys, k_ok, k, v
 
 
-def _window_and_mask(ok, rows, keys, qidx, mptr, sm_m, sm_n, WINDOW, HAS_MASK: tl.constexpr,
-                     HAS_WINDOW: tl.constexpr):
-    """(BM, BN) bool: ``ok`` (causal by index, rows and keys in range) and the window's band and the mask: keys
-    outside the window are absent (no weight, no gate, no break), as are the keys the mask removes."""
+def _window_and_mask(ok, rows, keys, qidx, mptr, sm_m, sm_n, WINDOW, SINK, HAS_MASK: tl.constexpr,
+                     HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr):
+    """(BM, BN) bool: ``ok`` (causal by index, rows and keys in range) and the window's band (with its sink keys
+    j < SINK) and the mask: keys outside the window are absent (no weight, no gate, no break), as are the keys the
+    mask removes."""
     if HAS_WINDOW:
-        ok = ok & (keys[None, :] > qidx[:, None] - WINDOW)
+        band = keys[None, :] > qidx[:, None] - WINDOW
+        if HAS_SINK:
+            band = band | (keys < SINK)[None, :]
+        ok = ok & band
     if HAS_MASK:
         mv = tl.load(mptr + rows[:, None].to(tl.int64) * sm_m + keys[None, :].to(tl.int64) * sm_n, mask=ok, other=0)
         ok = ok & (mv != 0)
@@ -120,9 +126,11 @@ def _store_checkpoint(c_base, s_base, t, CSTRIDE, LQ, rows, row_ok, carry, other
         tl.store(s_base + slot * LQ + rows, other, mask=row_ok)
 
 
-def _query_blocks(n_start, LQ, Q_OFF, WINDOW, BM: tl.constexpr, BN: tl.constexpr, HAS_WINDOW: tl.constexpr):
+def _query_blocks(n_start, LQ, Q_OFF, WINDOW, SINK, BM: tl.constexpr, BN: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  HAS_SINK: tl.constexpr):
     """In the key-major backward: the query blocks [m_lo, m_hi) that may see a key of the tile starting at key
-    ``n_start`` (causal: the first query at or right of it; with a window, the last whose window reaches it)."""
+    ``n_start`` (causal: the first query at or right of it; with a window, the last whose window reaches it, or
+    every later one when the tile holds sink keys)."""
     first_row = tl.maximum(n_start - Q_OFF, 0)
     m_lo = first_row // BM
     n_mblocks = (LQ + BM - 1) // BM
@@ -130,7 +138,38 @@ def _query_blocks(n_start, LQ, Q_OFF, WINDOW, BM: tl.constexpr, BN: tl.constexpr
     if HAS_WINDOW:  # query blocks whose first query's window starts right of this tile see none of its keys
         reach = n_start + BN + WINDOW - 2 - Q_OFF  # the last query row whose window reaches the tile
         m_hi = tl.where(reach < 0, 0, tl.minimum(n_mblocks, tl.maximum(reach, 0) // BM + 1))
+        if HAS_SINK:
+            m_hi = tl.where(n_start < SINK, n_mblocks, m_hi)
     return m_lo, m_hi
+
+
+def _sink_walk(n_tiles, t_lo, SINK, BN: tl.constexpr, HAS_SINK: tl.constexpr):
+    """(steps, window steps, sink tiles) of a query block's walk: the window's tiles n_tiles − 1 down to t_lo, then,
+    with sinks, the n_sink tiles holding sink keys left of t_lo (n_sink − 1 down to 0; `_walk_tile`). The
+    tiles between them are never visited: their keys are absent, the carries pass them unchanged."""
+    n_window = n_tiles - t_lo
+    n_sink = 0
+    if HAS_SINK:
+        n_window = tl.maximum(n_window, 0)
+        n_sink = tl.minimum((SINK + BN - 1) // BN, t_lo)
+    return n_window + n_sink, n_window, n_sink
+
+
+def _walk_tile(it, n_tiles, n_window, n_sink, HAS_SINK: tl.constexpr):
+    """The key tile of step ``it`` of the walk (`_sink_walk`)."""
+    t = n_tiles - 1 - it
+    if HAS_SINK:
+        t = tl.where(it < n_window, t, n_sink - 1 - (it - n_window))
+    return t
+
+
+def _store_gap_checkpoints(c_base, s_base, n_sink, t_lo, CSTRIDE, LQ, rows, row_ok, carry, other):
+    """In the query-major backward, with sinks, before the walk's first sink tile: the checkpoints of the tiles
+    between the sinks and the window (n_sink .. t_lo − 1, never walked): their keys are absent, so the carries at
+    their right edges are the ones the window's walk ended with (the key-major kernel may start from them)."""
+    for slot in range(n_sink // CSTRIDE, t_lo // CSTRIDE):
+        tl.store(c_base + slot * LQ + rows, carry, mask=row_ok)
+        tl.store(s_base + slot * LQ + rows, other, mask=row_ok)
 
 
 def _load_checkpoint(c_base, s_base, ckpt, m, rows, row_ok, qidx, sees, LQ, Q_OFF, CSTRIDE,
@@ -155,7 +194,8 @@ def _load_checkpoint(c_base, s_base, ckpt, m, rows, row_ok, qidx, sees, LQ, Q_OF
 #: every device helper above, for the kernel modules' LazyJit (each binds them into its own globals).
 DEVICE_HELPERS = [
     _add, _min, _max, _mm, _first_tile, _load_rows, _query_rows, _batch_kv_head, _store_rows, _key_tile,
-    _window_and_mask, _store_checkpoint, _query_blocks, _load_checkpoint,
+    _window_and_mask, _store_checkpoint, _query_blocks, _load_checkpoint, _sink_walk, _walk_tile,
+    _store_gap_checkpoints,
 ]
 #: the combine functions among them, and the equivalents of ``triton.language.standard`` the interpreter binds.
 INTERPRETER_COMBINES = {"_add": "_sum_combine", "_min": "_elementwise_min", "_max": "_elementwise_max"}

@@ -4,19 +4,19 @@ Where the tile-wise engine has several exact paths for one case (a *site*: e.g. 
 fused CPU attention kernel split at the diagonal, or through batched-matmul tiles), which one is fastest depends
 on the CPU: the fused kernel's backward, called per tile, was the fastest path on an AMD EPYC VM and the slowest
 on an Intel Xeon with AVX-512/AMX (910 ms against 32 ms per layer for SDPA's own backward, DESIGN.md). So the
-engine asks :func:`choose`, which times every path on the first call for that case and keeps the fastest:
+engine asks `choose`, which times every path on the first call for that case and keeps the fastest:
 
 * per CPU model, torch version and thread count (the cache file's key), and per site, shape class (each size
   rounded up to a power of two) and dtype (the entry's key);
 * in-process, and in ``<cache>/autotune-<cpu>-torch<version>.json`` where ``<cache>`` is ``$HF_POSENC_CACHE``,
   else ``$XDG_CACHE_HOME/hf_posenc``, else ``~/.cache/hf_posenc``;
-* another path replaces the site's default only when it measures :data:`SWITCH_MARGIN` (15 %) faster;
+* another path replaces the site's default only when it measures `SWITCH_MARGIN` (15 %) faster;
 * the paths give the same numbers to rounding (each site's tests check it), so a choice changes only speed.
 
 ``HF_POSENC_TUNE=off`` takes each site's fixed default (no timing, no file). ``HF_POSENC_TUNE_FORCE=site=path``
 (comma-separated for several sites) forces a path. Under ``torch.compile``, and on devices other than the CPU,
 nothing is timed: the default (or a cached or forced choice) is used. Timing costs at most
-:data:`TUNE_BUDGET_S` per case and prints one line to stderr saying so. :func:`clear_cache` forgets every choice.
+`TUNE_BUDGET_S` per case and prints one line to stderr saying so. `clear_cache` forgets every choice.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def clear_cache() -> None:
 
 def choose(site: str, case: str, run: Callable[[str], object], *, device: torch.device | str = "cpu",
            dtype: torch.dtype | None = None) -> str:
-    """The path of ``site`` to take for ``case`` (a :func:`shape_class` string, or any stable text).
+    """The path of ``site`` to take for ``case`` (a `shape_class` string, or any stable text).
 
     ``run(path)`` runs the work once along ``path`` (on inputs of the case's shape; its result is discarded).
     It is called only when the choice is not known yet, tuning is on, the device is the CPU and nothing is being
@@ -203,7 +203,7 @@ def choose(site: str, case: str, run: Callable[[str], object], *, device: torch.
 
 
 def _measure(site: Site, run: Callable[[str], object]) -> str:
-    """The fastest path by the median of interleaved rounds (A B A B ...), within :data:`TUNE_BUDGET_S`."""
+    """The fastest path by the median of interleaved rounds (A B A B ...), within `TUNE_BUDGET_S`."""
     times: dict[str, list[float]] = {p: [] for p in site.paths}
     start = time.perf_counter()
     rounds = 0

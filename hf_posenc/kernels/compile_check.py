@@ -37,7 +37,7 @@ SMEM_LIMIT = {90: 232448, 80: 166912}
 
 #: constexpr arguments named in a record (tiles and dims).
 _CONFIG_KEYS = ("TERM", "HEAD_D", "D", "BLOCK_D", "BD", "BLOCK_M", "BM", "BLOCK_N", "BN", "BLOCK_L", "S", "NP",
-                "RP", "NHP", "PREC", "TPREC", "HAS_MASK", "HAS_VALID", "CAUSAL", "HAS_WINDOW")
+                "RP", "NHP", "PREC", "TPREC", "HAS_MASK", "HAS_VALID", "CAUSAL", "HAS_WINDOW", "HAS_SINK")
 
 
 @dataclass
@@ -198,7 +198,8 @@ def _rand(shape, dtype, grad):
     return torch.randn(*shape).to(dtype).requires_grad_(grad)
 
 
-def _attention(kind: str, dtype, d: int, causal=True, padded=True, hkv=HKV, lq=L, train=True, window=None):
+def _attention(kind: str, dtype, d: int, causal=True, padded=True, hkv=HKV, lq=L, train=True, window=None,
+               sink=None):
     import torch
 
     from .attention.terms import example_term
@@ -213,15 +214,20 @@ def _attention(kind: str, dtype, d: int, causal=True, padded=True, hkv=HKV, lq=L
         k, v = _rand((B, hkv, L, d), dtype, train), _rand((B, hkv, L, d), dtype, train)
         valid = torch.ones(B, L, dtype=torch.bool) if padded else None
         out = fused_attention(q, k, v, term, scale=d**-0.5, causal=causal, q_offset=L - lq, key_valid=valid,
-                              window=window)
+                              window=window, sink=sink)
         if train:
             out.float().sum().backward()
 
     label = f"attention {kind} {dtype} D{d}{'' if causal else ' bidir'}{' padded' if padded else ''} G{H // hkv}"
-    return label + f" Lq{lq}{'' if train else ' fwd'}{f' window{window}' if window else ''}", fn
+    return label + f" Lq{lq}{'' if train else ' fwd'}{f' window{window}' if window else ''}{_sink(sink)}", fn
 
 
-def _sba(dtype, d: int, attend_current=False, remainder="discard", mask=True, train=True, lq=L, window=None):
+def _sink(sink) -> str:
+    return f" sink{sink}" if sink else ""
+
+
+def _sba(dtype, d: int, attend_current=False, remainder="discard", mask=True, train=True, lq=L, window=None,
+         sink=None):
     import torch
 
     from .sba.triton_sba import sba_triton
@@ -231,15 +237,15 @@ def _sba(dtype, d: int, attend_current=False, remainder="discard", mask=True, tr
         k, v = _rand((B, HKV, L, d), dtype, train), _rand((B, HKV, L, d), dtype, train)
         m = torch.ones(B, 1, L, L, dtype=torch.bool).tril()[:, :, L - lq:] if mask else None
         bias = _rand((H, d), dtype, train) if remainder == "bias" else None
-        out = sba_triton(q, k, v, m, d**-0.5, L - lq, attend_current, remainder, bias, window=window)
+        out = sba_triton(q, k, v, m, d**-0.5, L - lq, attend_current, remainder, bias, window=window, sink=sink)
         if train:
             out.float().sum().backward()
 
     label = f"sba {dtype} D{d} ac={int(attend_current)} {remainder}{' mask' if mask else ''} Lq{lq}"
-    return label + (f" window{window}" if window else ""), fn
+    return label + (f" window{window}" if window else "") + _sink(sink), fn
 
 
-def _cope(dtype, d: int, npos=64, mask=True, train=True, lq=L, tf32=False, window=None):
+def _cope(dtype, d: int, npos=64, mask=True, train=True, lq=L, tf32=False, window=None, sink=None):
     import torch
 
     from .cope.triton_cope import cope_triton
@@ -252,14 +258,14 @@ def _cope(dtype, d: int, npos=64, mask=True, train=True, lq=L, tf32=False, windo
         old = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = tf32
         try:
-            out = cope_triton(q, k, v, table, m, d**-0.5, L - lq, window=window)
+            out = cope_triton(q, k, v, table, m, d**-0.5, L - lq, window=window, sink=sink)
             if train:
                 out.float().sum().backward()
         finally:
             torch.backends.cuda.matmul.allow_tf32 = old
 
     label = f"cope {dtype} D{d} npos{npos}{' mask' if mask else ''} Lq{lq}{' tf32' if tf32 else ''}"
-    return label + (f" window{window}" if window else ""), fn
+    return label + (f" window{window}" if window else "") + _sink(sink), fn
 
 
 def _rotary(dtype, d: int, s: int, learned: bool, single=False):
@@ -292,7 +298,8 @@ def cases(matrix: str = "representative") -> list[tuple[str, Callable[[], None]]
     * ``gate-backward``: the backward kernels of the same launches (several minutes of CPU).
     * ``representative``: every kernel and term kind at D = 128 forward and backward, each dtype at least
       once (float32 where it costs the most), head dim 40 (padded) once per family, decode (one query) once,
-      and each family once with a sliding window (``HAS_WINDOW``; the size is a runtime argument).
+      and each family once with a sliding window (``HAS_WINDOW``; the size is a runtime argument) and once with a
+      window and attention sinks (``HAS_SINK``; a runtime argument too).
     * ``full``: every term kind x dtype x head dim (40, 64, 128) with and without padding / masks, MHA and
       decode, and the options of sba and cope.
     """
@@ -325,6 +332,9 @@ def cases(matrix: str = "representative") -> list[tuple[str, Callable[[], None]]
         out += [_rotary(bf16, 128, 8, True), _rotary(f32, 128, 2, False), _rotary(f16, 40, 4, True, single=True)]
         out += [_attention("fox", bf16, 128, window=64), _attention("t5", bf16, 128, causal=False, window=64),
                 _sba(bf16, 128, window=64), _cope(bf16, 128, window=64)]
+        out += [_attention("alibi", bf16, 128, window=64, sink=4),
+                _attention("shaw", f32, 128, causal=False, window=64, sink=4),
+                _sba(bf16, 128, window=64, sink=4), _cope(f32, 128, window=64, sink=4)]
         return out
     for kind in triton_terms:
         for dt in (f32, bf16, f16):
@@ -335,16 +345,19 @@ def cases(matrix: str = "representative") -> list[tuple[str, Callable[[], None]]
             out.append(_attention(kind, dt, 128, lq=1, train=False))
             out.append(_attention(kind, dt, 128, window=64))
             out.append(_attention(kind, dt, 128, causal=False, window=64))
+            out.append(_attention(kind, dt, 128, window=64, sink=4))
     for dt in (f32, bf16, f16):
         for d in (40, 64, 128):
             for ac, rem, mask in ((False, "discard", True), (True, "current", False), (False, "bias", True)):
                 out.append(_sba(dt, d, ac, rem, mask))
             out.append(_sba(dt, d, lq=1, train=False))
             out.append(_sba(dt, d, window=64))
+            out.append(_sba(dt, d, window=64, sink=4))
             for npos, mask in ((64, True), (256, False), (16, True)):
                 out.append(_cope(dt, d, npos, mask))
             out.append(_cope(dt, d, lq=1, train=False))
             out.append(_cope(dt, d, window=64))
+            out.append(_cope(dt, d, window=64, sink=4))
             if dt == f32:
                 out.append(_cope(dt, d, tf32=True))
             for s in (2, 4, 8):

@@ -1,11 +1,11 @@
 """The tile-wise attention engine as PyTorch custom ops, so that ``torch.compile`` keeps it.
 
-Dynamo cannot trace :class:`hf_posenc.kernels.attention.tiled.TiledAttentionFunction` (an autograd Function that
+Dynamo cannot trace `hf_posenc.kernels.attention.tiled.TiledAttentionFunction` (an autograd Function that
 carries a plan object and loops over tiles in Python). Registered as ``torch.library.custom_op`` s, the engine
 is one opaque node in the compiled graph, forward and backward:
 
 * ``hf_posenc::tiled_attention`` (q, k, v, mask?, key_valid?, q_offset?, term tensors, the term's kind and
-  integer parameters, scale, causal, int offset, block sizes, window, band) -> (out, lse) in the compute dtype
+  integer parameters, scale, causal, int offset, block sizes, window, sink, band) -> (out, lse) in the compute dtype
   (float32; float64 for float64 queries). ``register_fake`` gives the shapes from the inputs' (symbolic)
   shapes, so a compiled model that sees several lengths does not recompile per length (with ``dynamic=True``
   or ``mark_dynamic``); the loops over tiles run inside the op, not in the graph.
@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from ..backend import forced_backend
-from ._masks import mask_key_validity
+from ._masks import check_sink, mask_key_validity
 from .attention import fused_attention, kernel_unsupported
 from .attention.naive import band_allowed, term_bias
 from .attention.terms import KernelTerm
@@ -72,10 +72,10 @@ class _Saved(SimpleNamespace):
 
 
 def _plan(kind: str, names: str, ints: str, scale: float, causal: bool,
-          q_offset: int | None, block_q: int, block_k: int, window: int | None) -> _Plan:
+          q_offset: int | None, block_q: int, block_k: int, window: int | None, sink: int | None = None) -> _Plan:
     keys = tuple(n for n in names.split(",") if n)
     params = {n: int(v) for n, v in (item.split("=") for item in ints.split(",") if item)}
-    return _Plan(kind, keys, params, float(scale), bool(causal), q_offset, int(block_q), int(block_k), window)
+    return _Plan(kind, keys, params, float(scale), bool(causal), q_offset, int(block_q), int(block_k), window, sink)
 
 
 def _resolve_mask(mask: Tensor | None, key_valid: Tensor | None, causal: bool, q_len: int, k_len: int,
@@ -91,9 +91,10 @@ def _resolve_mask(mask: Tensor | None, key_valid: Tensor | None, causal: bool, q
 
 
 def _masked_reference(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, term: KernelTerm, scale: float,
-                      causal: bool, q_offset: int | Tensor, window: int | None) -> Tensor:
-    """softmax(scale · q kᵀ + B) v (+ shaw's value term) under an arbitrary bool ``mask`` (B|1, 1, Lq, Lk), in
-    the compute dtype; rows with no visible key are 0. Differentiable in every input."""
+                      causal: bool, q_offset: int | Tensor, window: int | None, sink: int | None = None) -> Tensor:
+    """softmax(scale · q kᵀ + B) v (+ shaw's value term) under an arbitrary bool ``mask`` (B|1, 1, Lq, Lk) and the
+    ``window`` with its ``sink`` keys, in the compute dtype; rows with no visible key are 0. Differentiable in every
+    input."""
     dtype = _compute_dtype(query.dtype)
     b, h, q_len, _ = query.shape
     k_len = key.shape[2]
@@ -111,7 +112,8 @@ def _masked_reference(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, t
     allowed = mask.to(torch.bool)
     q_idx = torch.arange(q_len, device=q.device) + offset
     if causal or window is not None:
-        allowed = allowed & band_allowed(q_idx, torch.arange(k_len, device=q.device), causal, window)[None, None]
+        allowed = allowed & band_allowed(q_idx, torch.arange(k_len, device=q.device), causal, window,
+                                         sink)[None, None]
     probs = torch.nan_to_num(torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1), nan=0.0)
     out = probs @ v
     if term.kind == "shaw":
@@ -131,22 +133,23 @@ _EXACT = (torch.Tag.needs_exact_strides,)
 def _tiled_attention(
     query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, key_valid: Tensor | None,
     q_offset_tensor: Tensor | None, term: list[Tensor], kind: str, names: str, ints: str, scale: float, causal: bool, q_offset: int, block_q: int, block_k: int,
-    window: int | None, band: int | None, engine: str,
+    window: int | None, sink: int | None, band: int | None, engine: str,
 ) -> tuple[Tensor, Tensor]:
     """(out (B, H, Lq, D), lse (B, H, Lq)) in the compute dtype; see the module docstring."""
     offset = q_offset_tensor if q_offset_tensor is not None else q_offset
     valid, reason = _resolve_mask(mask, key_valid, causal, query.shape[2], key.shape[2], offset, band)
     plan = _plan(kind, names, ints, scale, causal, None if q_offset_tensor is not None else q_offset,
-                 block_q, block_k, window)
+                 block_q, block_k, window, sink)
     if reason is not None:
         logger.debug("hf_posenc::tiled_attention runs the full-matrix reference: %s", reason)
         with torch.no_grad():
-            out = _masked_reference(query, key, value, mask, plan.term(tuple(term)), scale, causal, offset, window)
+            out = _masked_reference(query, key, value, mask, plan.term(tuple(term)), scale, causal, offset, window,
+                                    sink)
         return out, out.new_zeros(out.shape[:-1])
     if _runs_triton(engine, query, key, value, plan.term(tuple(term))):
         with torch.no_grad():
             out = fused_attention(query, key, value, plan.term(tuple(term)), scale=scale, causal=causal,
-                                  q_offset=offset, key_valid=valid, window=window)
+                                  q_offset=offset, key_valid=valid, window=window, sink=sink)
         # the kernels' backward recomputes what it needs (the op's backward runs them again): no lse is kept
         dtype = _compute_dtype(query.dtype)
         return out.to(dtype).contiguous(), out.new_zeros(out.shape[:-1], dtype=dtype)
@@ -160,7 +163,7 @@ def _tiled_attention(
 
 @_tiled_attention.register_fake
 def _(query, key, value, mask, key_valid, q_offset_tensor, term, kind, names, ints, scale, causal,
-      q_offset, block_q, block_k, window, band, engine):
+      q_offset, block_q, block_k, window, sink, band, engine):
     dtype = _compute_dtype(query.dtype)
     return query.new_empty(query.shape, dtype=dtype), query.new_empty(query.shape[:-1], dtype=dtype)
 
@@ -170,26 +173,26 @@ def _tiled_attention_backward(
     grad_out: Tensor, out: Tensor, lse: Tensor, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
     key_valid: Tensor | None, q_offset_tensor: Tensor | None, term: list[Tensor], need: list[bool], kind: str,
     names: str, ints: str, scale: float, causal: bool, q_offset: int, block_q: int,
-    block_k: int, window: int | None, band: int | None, engine: str,
+    block_k: int, window: int | None, sink: int | None, band: int | None, engine: str,
 ) -> list[Tensor]:
     """[dq, dk, dv, *d(term)] (zeros for a term tensor that needs no gradient), in the inputs' dtypes."""
     offset = q_offset_tensor if q_offset_tensor is not None else q_offset
     valid, reason = _resolve_mask(mask, key_valid, causal, query.shape[2], key.shape[2], offset, band)
     plan = _plan(kind, names, ints, scale, causal, None if q_offset_tensor is not None else q_offset,
-                 block_q, block_k, window)
+                 block_q, block_k, window, sink)
     leaves = [t.detach().requires_grad_(t.is_floating_point() and wanted)
               for t, wanted in zip((query, key, value, *term), (True, True, True, *need))]
     if reason is not None:
         grads = _recomputed_grads(lambda q, k, v, *tt: _masked_reference(
-            q, k, v, mask, plan.term(tt), scale, causal, offset, window), leaves, grad_out)
+            q, k, v, mask, plan.term(tt), scale, causal, offset, window, sink), leaves, grad_out)
     elif _runs_triton(engine, *leaves[:3], plan.term(tuple(leaves[3:]))):  # the kernels' forward, then backward
         grads = _recomputed_grads(lambda q, k, v, *tt: fused_attention(
-            q, k, v, plan.term(tt), scale=scale, causal=causal, q_offset=offset, key_valid=valid, window=window),
-            leaves, grad_out)
+            q, k, v, plan.term(tt), scale=scale, causal=causal, q_offset=offset, key_valid=valid, window=window,
+            sink=sink), leaves, grad_out)
     else:
         if engine == "triton":  # the forward ran the kernels: the engine's backward needs its own out and lse
             out, lse = _tiled_attention(query, key, value, mask, key_valid, q_offset_tensor, term, kind, names, ints,
-                                        scale, causal, q_offset, block_q, block_k, window, band, "torch")
+                                        scale, causal, q_offset, block_q, block_k, window, sink, band, "torch")
         q_off_t = None if q_offset_tensor is None else q_offset_tensor.to(device=query.device,
                                                                            dtype=torch.long).reshape(())
         saved = _Saved(plan=plan, needs_input_grad=(True, True, True, False, False, False, *need))
@@ -245,12 +248,12 @@ def _aliases(t: Tensor, inputs: tuple[Tensor, ...]) -> bool:
 
 @_tiled_attention_backward.register_fake
 def _(grad_out, out, lse, query, key, value, mask, key_valid, q_offset_tensor, term, need, kind, names, ints,
-      scale, causal, q_offset, block_q, block_k, window, band, engine):
+      scale, causal, q_offset, block_q, block_k, window, sink, band, engine):
     return [torch.empty_like(t) for t in (query, key, value, *term)]
 
 
 _SCALARS = ("kind", "names", "ints", "scale", "causal", "q_offset", "block_q", "block_k", "window",
-            "band", "engine")
+            "sink", "band", "engine")
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -288,15 +291,16 @@ def tiled_attention_op(
     window: int | None = None,
     band: int | None = None,
     engine: str = "torch",
+    sink: int | None = None,
 ) -> Tensor:
-    """:func:`hf_posenc.kernels.attention.tiled_attention` through the custom op (traceable by ``torch.compile``),
-    or with ``engine="triton"`` the Triton kernels (:func:`~hf_posenc.kernels.attention.fused_attention`) where
+    """`hf_posenc.kernels.attention.tiled_attention` through the custom op (traceable by ``torch.compile``),
+    or with ``engine="triton"`` the Triton kernels (`fused_attention`) where
     they take the inputs.
 
     Args:
         query: (B, H, Lq, D); key, value: (B, Hkv, Lk, D) (``term.key`` / ``term.value`` replace them when set).
         term: the position term (a kind in ``TILED_KINDS``).
-        scale, causal, window: as for ``tiled_attention``.
+        scale, causal, window, sink: as for ``tiled_attention``.
         q_offset: key index of the first query: an int or a 0-d integer tensor.
         mask: None, or a bool mask (B|1, 1, Lq, Lk) (True = attend), checked inside the op (module docstring).
         key_valid: (B|1, Lk) bool or None (False on padding keys), when the caller has already checked its mask.
@@ -317,12 +321,13 @@ def tiled_attention_op(
         raise ValueError(reason)
     off_tensor = isinstance(q_offset, Tensor)
     term.check(query, key, q_offset)
+    sink = check_sink(sink, window)
     block_q = BLOCK_Q if window is None else max(64, min(BLOCK_Q, window // 2))
     names = tuple(term.tensors)
     out, _ = _tiled_attention(
         query, key, value, mask, key_valid, q_offset if off_tensor else None, list(term.tensors.values()), term.kind,
         ",".join(names), ",".join(f"{n}={int(v)}" for n, v in term.ints.items()), float(scale), bool(causal),
-        0 if off_tensor else q_offset, block_q, BLOCK_K, window, band, engine,
+        0 if off_tensor else q_offset, block_q, BLOCK_K, window, sink, band, engine,
     )
     return out.to(query.dtype)
 

@@ -1,13 +1,14 @@
 """One patch per model family, looked up by ``config.model_type``.
 
 Adding a family: one file here (for a decoder shaped like Llama's, two subclasses and a
-:class:`~.decoder.DecoderPatch` naming them), its entry in ``_PATCHES`` below and in
-``hf_posenc.registry.FAMILY_KINDS``, and its tiny config in ``tests/conftest.py``.
+``decoder.DecoderPatch`` naming them), its entry in ``_PATCHES`` below and in
+``hf_posenc.registry.FAMILY_KINDS``, and its tiny config in ``tests/conftest.py`` (docs/families.md, "Adding a
+family").
 """
 
 from __future__ import annotations
 
-from ..registry import FAMILIES
+from ..registry import FAMILIES, did_you_mean
 from .base import FamilyPatch
 from .bert import BertPatch
 from .gemma3 import Gemma3Patch
@@ -20,7 +21,14 @@ from .qwen2 import Qwen2Patch
 from .qwen3 import Qwen3Patch
 from .vit import ViTPatch
 
-__all__ = ["get_family", "FamilyPatch"]
+__all__ = ["ADDING_A_FAMILY", "get_family", "FamilyPatch"]
+
+#: Where the error for an unsupported model type points: how a family is added.
+ADDING_A_FAMILY = (
+    "To add a family: a patch file in hf_posenc/patches/ (for a decoder shaped like Llama's, two subclasses and a "
+    "DecoderPatch, as in patches/mistral.py), its entry in _PATCHES there and in hf_posenc.registry.FAMILY_KINDS; "
+    "see 'Adding a family' in docs/families.md"
+)
 
 _PATCHES: dict[str, FamilyPatch] = {
     p.family: p
@@ -41,6 +49,8 @@ def get_family(model_type: str | None) -> FamilyPatch:
     try:
         return _PATCHES[model_type]
     except KeyError:
+        hint = did_you_mean(model_type, FAMILIES) if isinstance(model_type, str) else ""
         raise ValueError(
-            f"unsupported model type {model_type!r}; hf_posenc patches these families: {', '.join(FAMILIES)}"
+            f"unsupported model type {model_type!r}{hint}; hf_posenc patches these families: {', '.join(FAMILIES)}. "
+            f"{ADDING_A_FAMILY}"
         ) from None

@@ -73,7 +73,7 @@ def check_token_ids(input_ids: Any, embedding: nn.Module, two_d: bool) -> None:
     """``input_ids``: an integer tensor ((batch, length) when ``two_d``) of ids inside the embedding table.
 
     Type and shape are checked always (they are Python facts, free under ``torch.compile``). The id range reads
-    tensor values, so it is checked only in eager mode on CPU tensors (see :func:`eager_value_checks`): elsewhere
+    tensor values, so it is checked only in eager mode on CPU tensors (see `eager_value_checks`): elsewhere
     reading the ids would synchronise the device in every forward, and under ``torch.compile`` it would break
     the graph. Out-of-range ids then surface as torch's own index error from the embedding.
     """
@@ -170,7 +170,7 @@ def add_embeddings(ctx: PosContext, embeds: torch.Tensor) -> torch.Tensor:
 
 class _MlpTap:
     """Instance-level hooks of one decoder layer: a forward pre-hook on its patched attention module notes the
-    forward's :class:`PosContext` (every patched attention receives it as ``posenc_ctx``), and a forward hook
+    forward's `PosContext` (every patched attention receives it as ``posenc_ctx``), and a forward hook
     on the layer's MLP hands the MLP output to the encoding (``encoding("mlp_output", ctx, layer, out)``),
     whose return value replaces it. Outside a patched forward (no context noted) the MLP runs untouched."""
 
@@ -210,7 +210,7 @@ def tap_mlp_outputs(base: nn.Module, layers: list[tuple[int, str]]) -> None:
 
     ``layers`` are (model layer index, patched attention module name relative to ``base``) of the layers whose
     encoding reads it (every layer with one encoding; under a plan, the layers of such entries); the MLP is found
-    by :func:`_layer_mlp` (e.g. Llama's ``LlamaDecoderLayer.mlp``, GPT-2's ``GPT2Block.mlp``, ViT's
+    by `_layer_mlp` (e.g. Llama's ``LlamaDecoderLayer.mlp``, GPT-2's ``GPT2Block.mlp``, ViT's
     ``ViTLayer.mlp``, BERT's ``BertLayer.output.dense``). Hooks installed by an earlier patch are removed first.
     """
     for handle in getattr(base, "_hf_posenc_mlp_taps", ()):

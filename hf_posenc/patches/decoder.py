@@ -3,7 +3,7 @@
 Llama, Mistral, Qwen2, Qwen3, Gemma 3 (text), Phi-3 and GPT-NeoX differ, as far as positions go, in a
 few facts only, and a family file states just those:
 
-* how q, k and v come out of the hidden states (:class:`AttentionLayout`): three projections
+* how q, k and v come out of the hidden states (`AttentionLayout`): three projections
   (``q_proj``/``k_proj``/``v_proj``), Phi-3's fused ``qkv_proj`` ([q | k | v] along the features), or
   GPT-NeoX's fused ``query_key_value`` ([q | k | v] inside each head);
 * QK-norm (Qwen3, Gemma 3): an RMSNorm over each head's q and k, before the rotation;
@@ -11,12 +11,12 @@ few facts only, and a family file states just those:
 * what the config says about the native rotary (partial rotary: GPT-NeoX ``rotary_pct`` and Phi-3
   ``partial_rotary_factor``; Gemma 3's per-layer bases), query scaling (Gemma 3's
   ``query_pre_attn_scalar``, already the attention module's ``scaling``) and sliding windows, all read by
-  :meth:`DecoderPatch.info`.
+  `DecoderPatch.info`.
 
 The patch swaps (per instance) the base model and each attention module for subclasses: the native rotary
 embedding is removed (``rotary_emb`` returns nothing), absolute terms are added to the token embeddings
 (after Gemma 3's embedding scale), q/k transforms run after QK-norm and before the KV-cache update, and
-attention goes through :func:`hf_posenc.attention.posenc_attention`. Everything else -- the decoder layers,
+attention goes through `hf_posenc.attention.posenc_attention`. Everything else -- the decoder layers,
 their norms, GPT-NeoX's parallel residual, Phi-3's residual dropout -- stays the native code.
 
 Sliding windows (Mistral, Qwen2 with ``use_sliding_window``, Gemma 3's local layers, Phi-3 with
@@ -149,7 +149,7 @@ def key_padding(attention_mask: Any) -> torch.Tensor | bool | None:
 
 def window_masks_for_full_cache(masks: dict, window: int, q_len: int, cache: Any, device: torch.device) -> dict:
     """``generate`` builds the masks of a static cache before the first forward, with the sizes of its sliding
-    layers; once they are full layers (see :func:`full_cache_layers`, which runs on an empty cache, so the
+    layers; once they are full layers (see `full_cache_layers`, which runs on an empty cache, so the
     queries are keys 0 .. Lq-1) the sliding-window mask is rebuilt over the full keys: the full-attention
     mask (causal + padding, (B, 1, Lq, Lk) bool; causal over the cache's length when there is none)
     restricted to the window, as transformers' ``sliding_window_overlay`` (key j > query i - window)."""

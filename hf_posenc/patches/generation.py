@@ -9,7 +9,7 @@ transformers allocates it eagerly instead (``GenerationMixin._prepare_static_cac
 ``GenerationMixin._get_static_cache_init_shape`` reads from the config: without the state channels, and
 with one width for keys and values. The first ``index_copy_`` of a wider key then raises.
 
-:func:`install_static_cache_shape` gives a patched model instance (never the class, never transformers'
+`install_static_cache_shape` gives a patched model instance (never the class, never transformers'
 globals) its own ``_get_static_cache_init_shape``: for an encoding that widens the cached k or v it
 returns ``None``, transformers' documented "cannot be early initialized" answer, and the cache is
 allocated from the first chunk's keys and values; for every other encoding it returns what the class

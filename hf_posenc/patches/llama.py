@@ -1,4 +1,4 @@
-"""Llama: ``LlamaModel`` and every head built on it (the shared decoder mechanism, :mod:`.decoder`)."""
+"""Llama: ``LlamaModel`` and every head built on it (the shared decoder mechanism, `decoder`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Mistral: ``MistralModel`` and every head built on it. Llama's layout plus a sliding window on every layer
-(``config.sliding_window``), which the attention mask carries (see :mod:`.decoder`)."""
+(``config.sliding_window``), which the attention mask carries (see `decoder`)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Trains one small model per encoding (same initial weights, same batches) and eva
 and 8x the training length; prints a markdown table and writes ``results.json``, ``table.md`` and
 ``study.png``. Modules: ``data`` (corpus, synthetic tasks, digits), ``sources`` (one data source per task:
 training batches and evaluation), ``recipes`` (plans and evaluation-time scaling), ``train`` (models,
-training, :func:`run_study`), ``report`` (table, JSON, plots).
+training, `run_study`), ``report`` (table, JSON, plots).
 
 From Python::
 
@@ -119,7 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> StudyConfig:
-    """A :class:`StudyConfig` from parsed ``hf-posenc study`` arguments."""
+    """A `StudyConfig` from parsed ``hf-posenc study`` arguments."""
     return StudyConfig(
         encodings=args.encodings, family=args.family, task=args.task, train_len=args.train_len, steps=args.steps,
         layers=args.layers, hidden=args.hidden, heads=args.heads, batch=args.batch, lr=args.lr,

@@ -3,15 +3,15 @@
 Everything here is deterministic: the corpus is read from sorted paths with a fixed train/validation
 selection, and every random draw comes from a generator seeded by the caller.
 
-* :func:`load_corpus` -- real text that needs no download: the Python standard library's own source
+* `load_corpus` -- real text that needs no download: the Python standard library's own source
   files (or a user's file or folder), read as bytes (vocabulary 256), split into train and validation by
   file.
-* :class:`Passkey` -- passkey retrieval (Mohtashami and Jaggi, 2023), at token level.
-* :class:`FlipFlop`, :class:`SelectiveCopy`, :class:`Counting` -- the three synthetic tasks of
+* `Passkey` -- passkey retrieval (Mohtashami and Jaggi, 2023), at token level.
+* `FlipFlop`, `SelectiveCopy`, `Counting` -- the three synthetic tasks of
   "Contextual Position Encoding: Learning to Count What's Important" (Golovneva et al., 2024,
   https://arxiv.org/abs/2405.18719). Each docstring states the exact generator. The generators follow the
   papers' task descriptions; they are this project's own code, not the papers' data files.
-* :func:`load_digits_images` -- scikit-learn's bundled 8x8 digits (ships inside the PyPI package),
+* `load_digits_images` -- scikit-learn's bundled 8x8 digits (ships inside the PyPI package),
   upscaled bilinearly to any side, for the ViT study.
 """
 
@@ -156,7 +156,7 @@ def load_corpus(path: str | os.PathLike | None = None) -> Corpus:
     newline) is validation.
 
     Returns:
-        a :class:`Corpus` (train and val as 1-D int64 tensors of bytes).
+        a `Corpus` (train and val as 1-D int64 tensors of bytes).
     """
     if path is None:
         root, files = stdlib_files()
@@ -308,7 +308,7 @@ class FlipFlop(Task):
     from the same distribution, so the distance from a read back to its write has the same distribution at
     every length: only the absolute and relative positions seen are new.
 
-    Splits (:meth:`splits`): ``sparse`` FFL(0.98) and ``dense`` FFL(0.1), Liu et al.'s out-of-distribution
+    Splits (`splits`): ``sparse`` FFL(0.98) and ``dense`` FFL(0.1), Liu et al.'s out-of-distribution
     test sets ("Exposing Attention Glitches with Flip-Flop Language Modeling", NeurIPS 2023: FFL(p) writes and
     reads with probability (1 - p) / 2 each and ignores with probability p; trained on FFL(0.8), tested on the
     sparse tail FFL(0.98) and the dense FFL(0.1)).
@@ -390,7 +390,7 @@ class SelectiveCopy(Task):
 
     ``blank_scale`` (default 1) scales the blanks: a sequence of nominal length ``L`` has
     ``B = L - 1 - 2 * num_copy`` blanks in distribution and ``round(blank_scale * B)`` here, so its true length
-    is :meth:`sequence_length`. Splits (:meth:`splits`), the CoPE paper's (§5.2: trained on 128 blanks
+    is `sequence_length`. Splits (`splits`), the CoPE paper's (§5.2: trained on 128 blanks
     among 128 symbols, tested on a dense split of 64 blanks and a sparse split of 256): ``dense``
     (``blank_scale`` 0.5) and ``sparse`` (``blank_scale`` 2), relative to the training blanks at every length.
     """
@@ -461,8 +461,8 @@ class Counting(Task):
     count range, so the bodies are longer and sparser: the increments to count lie further from the query.
 
     ``stretch`` (default 1) multiplies every episode's length (a sequence of nominal length ``L`` has
-    ``stretch * L`` tokens, :meth:`sequence_length`): the same episodes and counts among ``stretch`` times the
-    no-ops. Split ``ood`` (:meth:`splits`, ``stretch`` 4): the CoPE paper's out-of-distribution test of
+    ``stretch * L`` tokens, `sequence_length`): the same episodes and counts among ``stretch`` times the
+    no-ops. Split ``ood`` (`splits`, ``stretch`` 4): the CoPE paper's out-of-distribution test of
     counting (§5.3) as this project reads it, the same counts with the increments spread over a longer
     context than in training.
     """
@@ -540,7 +540,7 @@ class Passkey(Task):
       the key at the start, depth 1 right before the question.
 
     Answers: the ``n`` digits after ``?``. A sequence counts as retrieved when all of them are the argmax
-    (teacher-forced, which is the same as greedy decoding). Splits (:meth:`splits`): in distribution, and one
+    (teacher-forced, which is the same as greedy decoding). Splits (`splits`): in distribution, and one
     per depth in ``DEPTHS``: accuracy per length and per depth, the paper's depth x length picture.
     """
 
@@ -654,7 +654,7 @@ class Digits:
 
 
 def load_digits_images() -> Digits:
-    """Load :class:`Digits` from scikit-learn (``pip install scikit-learn``, in the ``study`` extra)."""
+    """Load `Digits` from scikit-learn (``pip install scikit-learn``, in the ``study`` extra)."""
     try:
         from sklearn.datasets import load_digits
     except ImportError as e:  # pragma: no cover - depends on the environment

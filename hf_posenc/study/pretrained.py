@@ -11,7 +11,7 @@ way) and ``rope:eval_scaling=yarn`` (the unpatched model with YaRN at evaluation
 The text: ``--data`` if given, else the English documentation that ships with Python (``pydoc_data.topics``: the
 language reference's topics, about 110 thousand SmolLM2 tokens), tokenised with the checkpoint's tokenizer; the
 first 90 % trains, the last 10 % evaluates. No download beyond the checkpoint itself: ``--from smollm2`` builds
-the cached SmolLM2-135M-Instruct checkpoint (:func:`hf_posenc.testing.smollm2`).
+the cached SmolLM2-135M-Instruct checkpoint (`hf_posenc.testing.smollm2`).
 
 The run records the checkpoint's name and SHA-256 hashes of its config.json and its weight files.
 """
@@ -35,8 +35,8 @@ from .sources import TextSource, subseed
 if TYPE_CHECKING:
     from .train import StudyConfig
 
-__all__ = ["CONVERSION_ENCODINGS", "PretrainedTextSource", "checkpoint_record", "load_pretrained", "resolve_source",
-           "term_effect"]
+__all__ = ["CONVERSION_ENCODINGS", "PretrainedTextSource", "checkpoint_record", "load_pretrained",
+           "native_export_record", "resolve_source", "term_effect"]
 
 #: The default entries of a conversion study: the baselines, plain swaps, and compositions that start inert.
 CONVERSION_ENCODINGS: tuple[str, ...] = (
@@ -173,7 +173,7 @@ def _english_text() -> tuple[str, str]:
 
 class PretrainedTextSource(TextSource):
     """Next-token prediction with the checkpoint's tokenizer on English text (see the module docstring);
-    metric: perplexity per token. Batches and evaluation windows as :class:`TextSource` builds them."""
+    metric: perplexity per token. Batches and evaluation windows as `TextSource` builds them."""
 
     def __init__(self, config: StudyConfig, lengths: list[int], seed: int | None = None) -> None:
         from transformers import AutoTokenizer
@@ -280,3 +280,15 @@ def term_effect(model: nn.Module, windows: torch.Tensor) -> dict[str, float]:
 
 def perplexity(loss: float) -> float | None:
     return math.exp(loss) if loss < 700 else None
+
+
+def native_export_record(model: nn.Module) -> dict[str, Any]:
+    """Whether a converted model exports to a stock transformers architecture (`hf_posenc.export_native`), as
+    the study records it: ``{"exports": True, "architecture": "SmolLM3ForCausalLM"}``, or ``{"exports": False,
+    "reason": ...}`` with the export's message (the part with no stock equivalent, the nearest recipe)."""
+    from ..export import native_export
+
+    try:
+        return {"exports": True, "architecture": native_export(model).architecture}
+    except ValueError as e:
+        return {"exports": False, "reason": str(e)}

@@ -1,6 +1,6 @@
 """Study entries beyond one encoding: plans, windows, partial rotary, scaled rope, and scaling at evaluation only.
 
-An ``--encodings`` spec (see :func:`hf_posenc.study.train.split_encodings`) is one of:
+An ``--encodings`` spec (see `hf_posenc.study.train.split_encodings`) is one of:
 
 * ``name`` or ``name:key=value,...``: one encoding; every encoding takes ``window=N``, rope takes
   ``partial_rotary_factor=F`` and ``scaling={'rope_type':'yarn','factor':2.0}`` (a Python literal; no commas
@@ -19,7 +19,7 @@ An ``--encodings`` spec (see :func:`hf_posenc.study.train.split_encodings`) is o
   retrained; at L <= T it is the plain model. The weights of the other entries of a plan are carried over to the
   re-patched model (rope has none; the plan's structure is unchanged).
 
-Each entry gets a readable label for the table and the plot (:func:`entry_label`): ``rope×3/nope``,
+Each entry gets a readable label for the table and the plot (`entry_label`): ``rope×3/nope``,
 ``rope(window=16)×3/nope``, ``rope + YaRN at eval``.
 """
 
@@ -147,7 +147,7 @@ def entry_label(encoding: PosEncConfig | list[PosEncConfig], eval_scaling: str |
 
 
 def parse_study_entry(spec: str) -> StudyEntry:
-    """A ``--encodings`` spec (see the module docstring) -> :class:`StudyEntry`; ``ValueError``/``TypeError``
+    """A ``--encodings`` spec (see the module docstring) -> `StudyEntry`; ``ValueError``/``TypeError``
     naming the spec for a bad one."""
     if "/" not in spec and "*" not in spec.partition(":")[0]:
         config, eval_scaling, zero_shot = _parse_one(spec, spec)

@@ -1,7 +1,7 @@
 """Outputs of ``hf-posenc study``: a markdown table, ``results.json`` and a PNG plot.
 
-:func:`write_results` writes ``results.json`` and ``table.md`` (the study calls it after every model, so
-an interrupted study keeps what it finished), :func:`write_plot` then ``study.png``; into the output folder:
+`write_results` writes ``results.json`` and ``table.md`` (the study calls it after every model, so
+an interrupted study keeps what it finished), `write_plot` then ``study.png``; into the output folder:
 
 * ``results.json``: every number (per-step training losses, every metric at every length) and the exact
   settings, versions, machine, seed and device;
@@ -21,8 +21,8 @@ from typing import Any
 
 __all__ = [
     "column_labels", "group_runs", "long_table", "markdown_table", "plot", "split_evals", "split_names", "spread",
-    "write_json",
-    "write_outputs", "write_plot", "write_profiles_figure", "write_results",
+    "write_json", "write_outputs", "write_plot", "write_profiles_figure", "write_results", "replot", "entry_style",
+    "log_ticks", "same_lines", "joined_label", "checkpoint_title", "plot_conversion",
 ]
 
 LEARNED_MARK = "†"
@@ -65,7 +65,7 @@ def split_evals(run: dict[str, Any], split: str) -> list[dict[str, Any]]:
 
 def entry_label(run: dict[str, Any]) -> str:
     """The label of a run's entry in the table and the plot: its readable ``label`` (plans, windows, scaling
-    at evaluation: see :mod:`hf_posenc.study.recipes`), else the spec as given."""
+    at evaluation: see `hf_posenc.study.recipes`), else the spec as given."""
     return run.get("label") or run["encoding"]
 
 
@@ -205,17 +205,103 @@ def write_json(results: dict[str, Any], path: str | os.PathLike) -> None:
         f.write("\n")
 
 
+#: Marker shapes of the plots' entries. With 20 colours (tab20: the ten dark ones, then the ten light ones) and 12
+#: markers, entry i gets colour i mod 20 and marker i mod 12: no two of the first 60 entries share the pair.
+_MARKERS = "os^vDP*Xph<>"
+
+
+def entry_style(i: int) -> dict[str, Any]:
+    """The colour and marker of the ``i``-th entry of a plot (the same entry, the same style in every panel)."""
+    import matplotlib
+
+    k = i % 20
+    color = matplotlib.colormaps["tab20"](2 * k if k < 10 else 2 * (k - 10) + 1)
+    return {"color": color, "marker": _MARKERS[i % len(_MARKERS)]}
+
+
+def log_ticks(lo: float, hi: float, most: int = 9) -> list[float]:
+    """Labelled ticks for a logarithmic axis over [lo, hi] (positive): round values (1, 1.5, 2, 3, 5, 7 times a
+    power of ten, fewer when the range spans several decades), at most ``most``, always including a tick at or
+    below ``lo`` and one at or above ``hi`` so that every point lies between labelled ticks."""
+    if not (lo > 0 and hi >= lo and math.isfinite(hi)):
+        raise ValueError(f"log_ticks needs 0 < lo <= hi < inf, got {lo}, {hi}")
+    for mantissas in ((1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8), (1, 1.5, 2, 3, 5, 7), (1, 2, 5), (1, 3), (1,)):
+        ticks = []
+        for e in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1):
+            ticks += [m * 10.0 ** e for m in mantissas]
+        below = max(t for t in ticks if t <= lo * (1 + 1e-9))
+        above = min(t for t in ticks if t >= hi * (1 - 1e-9))
+        chosen = [t for t in ticks if below <= t <= above]
+        if len(chosen) <= most:
+            return [float(f"{t:.6g}") for t in chosen]
+    first, last = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+    step = math.ceil((last - first) / (most - 1))  # powers of ten, every step-th decade, the last at or above hi
+    return [10.0 ** e for e in range(first, last + step, step) if e - step < last]
+
+
+def _log_axis(ax: Any, values: list[float], axis: str = "y") -> None:
+    """A logarithmic axis labelled at `log_ticks` of the finite values (plain numbers, no minor labels)."""
+    import matplotlib.ticker
+
+    finite = [v for v in values if v is not None and math.isfinite(v) and v > 0]
+    getattr(ax, f"set_{axis}scale")("log")
+    if not finite:
+        return
+    ticks = log_ticks(min(finite), max(finite))
+    target = ax.yaxis if axis == "y" else ax.xaxis
+    target.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
+    target.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    target.set_minor_locator(matplotlib.ticker.NullLocator())
+    # the bounding ticks where they are near the data, else a margin (and the ticks beyond it are not shown)
+    lo, hi = min(finite), max(finite)
+    getattr(ax, f"set_{axis}lim")(ticks[0] if ticks[0] >= lo / 1.3 else lo / 1.08,
+                                  ticks[-1] if ticks[-1] <= hi * 1.3 else hi * 1.08)
+
+
+def same_lines(series: list[tuple[int, str, list[float]]], rtol: float = 0.01,
+               exact: float = 5e-4) -> list[tuple[int, list[str], list[float]]]:
+    """Entries whose lines would be drawn on top of each other, drawn once: ``series`` is (style index, label,
+    values); the result is one (style index of the first, labels, values of the first) per line drawn, in order.
+    A line joins the first line whose every value is within ``rtol`` of its own (relative; NaN with NaN: 1 % is
+    less than a marker's height on these plots). Its label is written ``= label`` when every value is also
+    within ``exact`` (the same to about four digits), ``≈ label`` otherwise; `joined_label` joins them."""
+    def close(a: list[float], b: list[float], tol: float) -> bool:
+        return len(a) == len(b) and all(
+            (math.isnan(x) and math.isnan(y)) or abs(x - y) <= tol * max(abs(x), abs(y)) for x, y in zip(a, b))
+
+    groups: list[tuple[int, list[str], list[float]]] = []
+    for i, label, values in series:
+        for _, labels, first in groups:
+            if close(first, values, rtol):
+                labels.append(("= " if close(first, values, exact) else "≈ ") + label)
+                break
+        else:
+            groups.append((i, [label], values))
+    return groups
+
+
+def joined_label(labels: list[str]) -> str:
+    """The legend entry of a line that stands for several entries (`same_lines`): ``rope = rope+fox ≈ fire``."""
+    return " ".join(labels)
+
+
+def _legend(ax: Any, **kw: Any) -> None:
+    """A legend whose handles are long enough to show a dashed line beside its marker."""
+    ax.legend(fontsize=8, handlelength=3.5, **kw)
+
+
 def plot(results: dict[str, Any], path: str | os.PathLike) -> None:
     """Metric against evaluation length, one line per encoding (log-2 x axis; log y for perplexity); a PNG.
 
-    One panel per evaluation split (tasks with out-of-distribution splits). With several seeds each line is
-    the mean over the seeds, with a band over their range (min to max). Passkey adds one heatmap per
-    encoding: retrieval accuracy by depth (rows) and length (columns), mean over the seeds."""
+    Every entry has a colour-and-marker pair of its own (`entry_style`); lines that coincide are drawn once and
+    labelled with every entry they stand for (`same_lines`). One panel per evaluation split (tasks with
+    out-of-distribution splits). With several seeds each line is the mean over the seeds, with a band over
+    their range (min to max). Passkey adds one heatmap per encoding: retrieval accuracy by depth (rows) and
+    length (columns), mean over the seeds. On text, ``learned`` is dashed: past the training length it runs on
+    rows of its table that were never trained."""
     if results.get("before") is not None:
         return plot_conversion(results, path)
     # The object-oriented API with the Agg canvas: no pyplot, so no global backend switch for the caller.
-    import matplotlib
-    import matplotlib.ticker
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -229,44 +315,45 @@ def plot(results: dict[str, Any], path: str | os.PathLike) -> None:
     n_heat = len(groups) if depth_splits else 0
     heat_cols = min(4, n_heat) if n_heat else 0
     heat_rows = math.ceil(n_heat / heat_cols) if n_heat else 0
-    width = max(8.0, 5.0 * len(line_splits) + 1.5)
+    width = max(8.0, 5.0 * len(line_splits) + 2.5)
     fig = Figure(figsize=(width, 5 + 3.2 * heat_rows), dpi=120)
     FigureCanvasAgg(fig)
     grid = fig.add_gridspec(1 + heat_rows, max(len(line_splits), heat_cols or 1),
                             height_ratios=[5] + [3.2] * heat_rows)
-    colors = matplotlib.colormaps["tab10"]
     x = s["eval_lengths"]
-    markers = "os^vDP*Xph"
     settings = results["settings"]
     seeds = settings.get("seeds") or [settings["seed"]]
     span = max(len(line_splits), heat_cols)
+    scale = 1 if text else 100
     for k, split in enumerate(line_splits):
         ax = fig.add_subplot(grid[0, k] if len(line_splits) > 1 else grid[0, :span])
+        series, bands, dashed = [], {}, set()
         for i, (enc, runs) in enumerate(groups):
             evals = [split_evals(r, split) for r in runs]
             if not all(evals):
                 continue
             stats = [spread([e[j]["metric"] for e in evals]) for j in range(len(x))]
-            scale = 1 if text else 100
-            ys = [m * scale if m is not None else float("nan") for m, _, _ in stats]
-            # Ten colours, then the same colours dashed; markers cycle independently. Text `learned` is dashed:
-            # past the training length it runs on untrained rows.
-            dashed = (runs[0]["name"] == "learned" and s["length_unit"] == "tokens") or i >= 10
-            ax.plot(x, ys, "--" if dashed else "-", marker=markers[i % len(markers)], label=entry_label(runs[0]),
-                    color=colors(i % 10), linewidth=1.6, markersize=5)
+            label = entry_label(runs[0])
+            if runs[0]["name"] == "learned" and s["length_unit"] == "tokens":
+                label += " (dashed: untrained rows past 1x)"
+                dashed.add(i)
+            series.append((i, label, [m * scale if m is not None else float("nan") for m, _, _ in stats]))
             if len(runs) > 1:
-                lo = [v * scale if v is not None else float("nan") for _, v, _ in stats]
-                hi = [v * scale if v is not None else float("nan") for _, _, v in stats]
-                ax.fill_between(x, lo, hi, color=colors(i % 10), alpha=0.15, linewidth=0)
+                bands[i] = ([v * scale if v is not None else float("nan") for _, v, _ in stats],
+                            [v * scale if v is not None else float("nan") for _, _, v in stats])
+        for i, labels, ys in same_lines(series):
+            style = entry_style(i)
+            ax.plot(x, ys, "--" if i in dashed else "-", label=joined_label(labels), linewidth=1.6, markersize=6,
+                    **style)
+            if i in bands:
+                ax.fill_between(x, *bands[i], color=style["color"], alpha=0.15, linewidth=0)
         ax.set_xscale("log", base=2)
         ax.set_xticks(x)
         ax.set_xticklabels(column_labels(results), fontsize=8)
+        ax.minorticks_off()
         ax.axvline(s["train_length"], color="grey", linestyle=":", linewidth=1)
         if text:
-            ax.set_yscale("log")
-            ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-            ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
-            ax.tick_params(axis="y", which="minor", labelsize=7)
+            _log_axis(ax, [v for _, _, ys in series for v in ys])
             ax.set_ylabel("validation perplexity per byte (lower is better)")
         elif k == 0:
             ax.set_ylabel(("retrieval" if passkey else "accuracy") + ", % (higher is better)")
@@ -274,9 +361,9 @@ def plot(results: dict[str, Any], path: str | os.PathLike) -> None:
         ax.set_xlabel(f"{unit}; dotted: training length", fontsize=8)
         if len(line_splits) > 1:
             ax.set_title(split, fontsize=10)
-        ax.grid(True, which="both", alpha=0.3)
+        ax.grid(True, which="major", alpha=0.3)
         if k == len(line_splits) - 1:
-            ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+            _legend(ax, loc="center left", bbox_to_anchor=(1.01, 0.5))
     for i, (enc, runs) in enumerate(groups[:n_heat]):
         ax = fig.add_subplot(grid[1 + i // heat_cols, i % heat_cols])
         cells = [[100 * (spread([split_evals(r, sp)[j]["metric"] for r in runs])[0] or 0.0) for j in range(len(x))]
@@ -302,54 +389,84 @@ def plot(results: dict[str, Any], path: str | os.PathLike) -> None:
     fig.savefig(path)
 
 
+def checkpoint_title(results: dict[str, Any]) -> str:
+    """How a conversion study names its checkpoint: the ``--from`` argument as given when it is a hub id or
+    ``smollm2``, the directory's name when it is a path (never the name a converted file carries inside)."""
+    source = str((results.get("settings") or {}).get("source") or results["checkpoint"]["path"])
+    path = Path(source)
+    if source == "smollm2":
+        return f"smollm2 ({Path(results['checkpoint']['path']).name})"
+    if path.is_absolute() or source.startswith((".", "~")) or path.is_dir() or source.count("/") != 1:
+        return path.name or source
+    return source  # owner/name: a hub id
+
+
 def plot_conversion(results: dict[str, Any], path: str | os.PathLike) -> None:
-    """A conversion study (``--from``): perplexity against fine-tuning step, one line per entry, from the
-    per-step training losses (a running mean over 5 steps; the marker at step 0 is the evaluation right after the
-    swap at the training length); and perplexity against evaluation length before the swap (black), right after
-    it (dashed) and after fine-tuning (solid)."""
-    import matplotlib
-    import matplotlib.ticker
+    """A conversion study (``--from``), three panels, each with one kind of point: perplexity against fine-tuning
+    step from the per-step training losses (a running mean over 5 steps); perplexity against evaluation length
+    right after the swap (step 0), beside the unpatched model (black); and the same after fine-tuning. Each entry
+    keeps its colour and marker in every panel; lines that coincide (an inert composition and the rope baseline)
+    are drawn once, labelled with every entry they stand for. Titled from the checkpoint's directory or id
+    (`checkpoint_title`)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     s = results["study"]
-    fig = Figure(figsize=(13, 5), dpi=120)
+    fig = Figure(figsize=(18, 7.5), dpi=100)
     FigureCanvasAgg(fig)
-    steps_ax, len_ax = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    colors = matplotlib.colormaps["tab10"]
+    steps_ax, start_ax, tuned_ax = (fig.add_subplot(1, 3, k) for k in (1, 2, 3))
     x = s["eval_lengths"]
     runs = [r for _, rs in group_runs(results) for r in rs[:1] if r["status"] == "ok"]
+    nan = float("nan")
+
+    def metrics(evals: list[dict[str, Any]] | None) -> list[float]:
+        return [e["metric"] if e.get("metric") is not None else nan for e in (evals or [])]
+
+    curves, starts, tuned, untrained = [], [], [], []
     for i, r in enumerate(runs):
-        color = colors(i % 10)
-        label = entry_label(r)
-        start = r.get("eval_start") or []
-        losses = r["train"]["losses"]
+        label, losses = entry_label(r), r["train"]["losses"]
         if losses:
             smooth = [sum(losses[max(0, j - 4): j + 1]) / len(losses[max(0, j - 4): j + 1]) for j in range(len(losses))]
-            steps_ax.plot(range(1, len(losses) + 1), [math.exp(v) for v in smooth], color=color, label=label)
-        if start and start[0]["metric"] is not None:
-            steps_ax.plot([0], [start[0]["metric"]], marker="o", color=color, **({} if losses else {"label": label}))
-        len_ax.plot(x, [e["metric"] if e["metric"] is not None else float("nan") for e in r["eval"]], "-o",
-                    color=color, label=label, markersize=4)
-        if start:
-            len_ax.plot(x, [e["metric"] if e["metric"] is not None else float("nan") for e in start], "--",
-                        color=color, linewidth=1, alpha=0.7)
-    len_ax.plot(x, [e["metric"] for e in results["before"]], "-s", color="black", label="before the swap",
-                markersize=4)
-    for ax in (steps_ax, len_ax):
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.grid(True, which="both", alpha=0.3)
+            curves.append((i, label, [math.exp(v) for v in smooth]))
+            tuned.append((i, label, metrics(r["eval"])))
+        else:
+            untrained.append(label)
+        if r.get("eval_start"):
+            starts.append((i, label, metrics(r["eval_start"])))
+    before = metrics(results["before"])
+    black = {"color": "black", "marker": "s"}
+    for i, labels, ys in same_lines(curves):
+        steps_ax.plot(range(1, len(ys) + 1), ys, label=joined_label(labels), markevery=(i % 5, 5), markersize=5,
+                      linewidth=1.5, **entry_style(i))
+    for ax, series in ((start_ax, starts), (tuned_ax, tuned)):
+        reference = "before the swap (the unpatched model)"
+        lines = same_lines([(-1, reference, before)] + series)
+        for i, labels, ys in lines:
+            style = black if i == -1 else entry_style(i)
+            ax.plot(x, ys, "-" if i != -1 or ax is start_ax else "--", label=joined_label(labels), markersize=6,
+                    linewidth=1.8 if i == -1 else 1.5, **style)
+    for ax in (steps_ax, start_ax, tuned_ax):
+        ax.grid(True, which="major", alpha=0.3)
         ax.set_ylabel("perplexity per token (lower is better)")
-    steps_ax.set_xlabel(f"fine-tuning step (training loss at {s['train_length']} tokens; step 0: evaluated)")
-    len_ax.set_xscale("log", base=2)
-    len_ax.set_xticks(x)
-    len_ax.set_xticklabels([str(n) for n in x])
-    len_ax.set_xlabel("evaluation length, tokens (dashed: right after the swap; solid: fine-tuned)")
-    len_ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    name = results["checkpoint"]["name"]
-    fig.suptitle(f"hf-posenc study --from {name}: {results['settings']['steps']} fine-tuning steps at "
-                 f"{s['train_length']} tokens", fontsize=10)
+    _log_axis(steps_ax, [v for _, _, ys in curves for v in ys])
+    length_values = before + [v for _, _, ys in starts + tuned for v in ys]
+    for ax in (start_ax, tuned_ax):
+        _log_axis(ax, length_values)  # the same scale in both: comparable at a glance
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(x)
+        ax.set_xticklabels([str(n) for n in x])
+        ax.minorticks_off()
+        ax.set_xlabel("evaluation length, tokens")
+    for ax in (steps_ax, start_ax, tuned_ax):  # below each panel: the labels are long and the lines fill the panels
+        _legend(ax, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1, frameon=False)
+    steps_ax.set_xlabel(f"fine-tuning step (training loss at {s['train_length']} tokens, running mean of 5)")
+    steps_ax.set_title("fine-tuning", fontsize=10)
+    start_ax.set_title("right after the swap (step 0), evaluated", fontsize=10)
+    after = "after fine-tuning, evaluated"
+    tuned_ax.set_title(after + (f" (not trained: {', '.join(untrained)})" if untrained else ""), fontsize=10)
+    st = results["settings"]
+    fig.suptitle(f"hf-posenc study --from {checkpoint_title(results)}: {st['steps']} fine-tuning steps of "
+                 f"{st['batch']} x {s['train_length']} tokens at lr {st['lr']:g}", fontsize=11)
     fig.tight_layout()
     fig.savefig(path)
 
@@ -484,7 +601,7 @@ def write_plot(results: dict[str, Any], out_dir: str | os.PathLike) -> bool:
 
 
 def write_outputs(results: dict[str, Any], out_dir: str | os.PathLike) -> dict[str, str]:
-    """Write ``results.json`` and ``table.md``, then ``study.png`` (see :func:`write_plot`) into ``out_dir``."""
+    """Write ``results.json`` and ``table.md``, then ``study.png`` (see `write_plot`) into ``out_dir``."""
     files = write_results(results, out_dir)
     write_plot(results, out_dir)
     return files
@@ -492,10 +609,10 @@ def write_outputs(results: dict[str, Any], out_dir: str | os.PathLike) -> dict[s
 
 def write_profiles_figure(results: dict[str, Any], out_dir: str | os.PathLike) -> str | None:
     """What each model learned: every run's profile (``profiles/*.json``, written after its training, see
-    :func:`hf_posenc.position_profile`) drawn, every layer, to ``profiles/<run>.png`` by
-    :func:`hf_posenc.profile_plot.draw_profile`; and ``profiles.png``, an overview grid of at most four columns
+    `hf_posenc.position_profile`) drawn, every layer, to ``profiles/<run>.png`` by
+    `hf_posenc.profile_plot.draw_profile`; and ``profiles.png``, an overview grid of at most four columns
     with one panel per entry (its first seed), drawn from one representative layer
-    (:func:`hf_posenc.profile_plot.draw_profiles_grid`). Returns its path, or None when no run has a profile.
+    (`hf_posenc.profile_plot.draw_profiles_grid`). Returns its path, or None when no run has a profile.
     A failure is printed and recorded as ``results["profiles_error"]`` (the numbers are on disk already)."""
     import json
     import sys
@@ -522,3 +639,28 @@ def write_profiles_figure(results: dict[str, Any], out_dir: str | os.PathLike) -
         print(f"hf-posenc study: the profile figure failed ({results['profiles_error']})", file=sys.stderr)
         write_results(results, out_dir)
         return None
+
+
+def replot(out_dir: str | os.PathLike) -> list[str]:
+    """Redraw a finished study's pictures from what it wrote: ``study.png`` from ``results.json`` (a file, or a
+    folder holding one; the picture goes beside it) and, where the folder has the runs' ``profiles/*.json``,
+    every profile picture and ``profiles.png``. Returns the paths written. ``python -m hf_posenc.study.report
+    DIR`` runs it (the documentation's pictures are redrawn so after a change to the plots)."""
+    path = Path(out_dir)
+    folder = path if path.is_dir() else path.parent
+    results = json.loads((path / "results.json" if path.is_dir() else path).read_text())
+    written = [str(folder / "study.png")]
+    plot(results, written[0])
+    if any(r.get("profile") and (folder / r["profile"]).is_file() for r in results.get("results", [])):
+        figure = write_profiles_figure(results, folder)
+        if figure:
+            written.append(figure)
+    return written
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m hf_posenc.study.report STUDY_DIR_OR_RESULTS_JSON")
+    print("\n".join(replot(sys.argv[1])))

@@ -1,16 +1,16 @@
 """What a study trains and evaluates on: one data source per task.
 
-:func:`make_source` picks the source of a study's task:
+`make_source` picks the source of a study's task:
 
-* :class:`TextSource` (``--task text``): next-byte prediction on a byte corpus (:func:`data.load_corpus`);
+* `TextSource` (``--task text``): next-byte prediction on a byte corpus (`data.load_corpus`);
   metric: validation perplexity per byte over the same validation bytes at every length.
-* :class:`TaskSource` (``flip-flop``, ``selective-copy``, ``counting``, ``passkey``): a synthetic task of
-  :mod:`hf_posenc.study.data` with its out-of-distribution splits; metric: answer accuracy (passkey:
+* `TaskSource` (``flip-flop``, ``selective-copy``, ``counting``, ``passkey``): a synthetic task of
+  `hf_posenc.study.data` with its out-of-distribution splits; metric: answer accuracy (passkey:
   retrieval, the share of sequences whose every key digit is right).
-* :class:`DigitsSource` (``digits``, ViT): scikit-learn's 8x8 digits upscaled; metric: test accuracy.
+* `DigitsSource` (``digits``, ViT): scikit-learn's 8x8 digits upscaled; metric: test accuracy.
 
 Each source is built once per seed and shared by every encoding of a study; every random draw comes from a
-generator seeded by :func:`subseed` from the seed and a purpose, so the training batches and evaluation
+generator seeded by `subseed` from the seed and a purpose, so the training batches and evaluation
 sets are the same for every encoding, and the same in worker processes (``--jobs``).
 """
 
@@ -50,11 +50,11 @@ class DataSource:
     """The data of one study and one seed: training batches, evaluation at each length, a description.
 
     Attributes:
-        config: the resolved :class:`~hf_posenc.study.train.StudyConfig`.
+        config: the resolved `StudyConfig`.
         lengths: the evaluation lengths (tokens; ViT: image sides in pixels).
         seed: the seed of this source's batches and evaluation sets.
         vocab_size: the model's vocabulary (0 on ViT).
-        splits: the evaluation splits, :data:`data.IN_DISTRIBUTION` first (only tasks have others).
+        splits: the evaluation splits, `data.IN_DISTRIBUTION` first (only tasks have others).
     """
 
     vocab_size: int
@@ -89,7 +89,7 @@ class TextSource(DataSource):
 
     Training: ``steps`` batches of ``batch`` windows of ``train_len`` bytes at random offsets of the training
     split. Evaluation at length n: the same ``eval_tokens`` validation bytes cut into windows of n
-    (:func:`data.eval_windows`); every byte but each window's first is predicted from the bytes before it.
+    (`data.eval_windows`); every byte but each window's first is predicted from the bytes before it.
     """
 
     vocab_size = 256
@@ -157,7 +157,7 @@ class TextSource(DataSource):
 
 
 class TaskSource(DataSource):
-    """A synthetic task (:func:`data.get_task`): training batches drawn fresh from its generator, and
+    """A synthetic task (`data.get_task`): training batches drawn fresh from its generator, and
     ``eval_sequences`` fixed evaluation sequences per length and split (trained and scored on the answer
     tokens only)."""
 
@@ -226,7 +226,7 @@ class TaskSource(DataSource):
 
 
 class DigitsSource(DataSource):
-    """scikit-learn's 8x8 digits (:func:`data.load_digits_images`) for the ViT study: training images upscaled
+    """scikit-learn's 8x8 digits (`data.load_digits_images`) for the ViT study: training images upscaled
     to ``train_len`` pixels a side, test images to each evaluation side."""
 
     vocab_size = 0

@@ -1,6 +1,6 @@
 """Train one small model per encoding and evaluate it at several lengths: the engine of ``hf-posenc study``.
 
-:func:`run_study` takes a :class:`StudyConfig` and returns a JSON-ready dict (see ``report.py`` for the
+`run_study` takes a `StudyConfig` and returns a JSON-ready dict (see ``report.py`` for the
 table, the JSON file and the plot). For each encoding it seeds torch with the study seed, builds the same
 model (same initial weights for everything but the encoding), patches it, trains it on the same batches
 in the same order, and evaluates it on the same evaluation data at every length. A model's numbers
@@ -59,7 +59,8 @@ from ..registry import list_encodings
 from ..training import param_groups
 from . import data as D
 from .recipes import StudyEntry, apply_eval_scaling, parse_study_entry
-from .pretrained import CONVERSION_ENCODINGS, PretrainedTextSource, checkpoint_record, load_pretrained, resolve_source
+from .pretrained import (CONVERSION_ENCODINGS, PretrainedTextSource, checkpoint_record, load_pretrained,
+                         native_export_record, resolve_source)
 from .sources import VIT_PATCH, DataSource, make_source
 
 __all__ = [
@@ -89,7 +90,7 @@ CONVERSION_BATCH = 2
 class StudyConfig:
     """Every setting of a study run (all recorded in ``results.json``).
 
-    ``None`` fields take a per-family default in :meth:`resolved`.
+    ``None`` fields take a per-family default in `resolved`.
     """
 
     encodings: list[str] | None = None  # default: DEFAULT_ENCODINGS (a conversion study: CONVERSION_ENCODINGS)
@@ -290,7 +291,7 @@ def split_encodings(items: list[str]) -> list[str]:
 
 def parse_encoding(spec: str) -> PosEncConfig:
     """``"name"`` or ``"name:key=value,key=value"`` -> a validated ``PosEncConfig`` (one encoding; plans and
-    ``eval_scaling``: :func:`hf_posenc.study.recipes.parse_study_entry`).
+    ``eval_scaling``: `hf_posenc.study.recipes.parse_study_entry`).
 
     Values are read as Python literals when they parse (``true``/``false`` too), else as strings:
     ``kerple:variant=power``, ``rope:theta=500000``, ``fire:per_layer=true``.
@@ -593,6 +594,8 @@ def _train_and_eval(
     )
     if other_splits:
         result["splits"] = other_splits
+    if c.source is not None:  # a conversion: does the converted model leave hf_posenc (a stock architecture)?
+        result["native_export"] = native_export_record(model)
     return result
 
 
@@ -616,7 +619,7 @@ def _profile_slug(spec: str, seed: int) -> str:
 
 
 def _write_profile(model: nn.Module, data: DataSource, c: StudyConfig, spec: str) -> str:
-    """Write the trained model's position profile (:func:`hf_posenc.position_profile`) to
+    """Write the trained model's position profile (`hf_posenc.position_profile`) to
     ``<out>/profiles/<spec>_seed<k>.json``; returns that path relative to ``out``."""
     import json
     from pathlib import Path
@@ -647,7 +650,7 @@ _OPTIONAL = {"matplotlib": ("matplotlib", "the plot study.png"), "sklearn": ("sc
 
 
 def check_dependencies(config: StudyConfig) -> None:
-    """Raise :class:`MissingDependencyError` before any training if an optional dependency that this study
+    """Raise `MissingDependencyError` before any training if an optional dependency that this study
     needs is missing: matplotlib when it writes files (``out``), scikit-learn for ``--family vit``."""
     import importlib.util
 
@@ -786,7 +789,7 @@ def run_study(config: StudyConfig) -> dict[str, Any]:
     in worker processes (``spawn``; each with ``config.threads`` torch threads).
 
     Optional dependencies (matplotlib for the plot, scikit-learn for ViT) are checked before the first
-    step (:class:`MissingDependencyError`). With ``config.resume`` the runs that ``out/results.json``
+    step (`MissingDependencyError`). With ``config.resume`` the runs that ``out/results.json``
     holds (status ok or n/a, same settings, same data) are kept and not trained again; failed ones are.
 
     An encoding that raises while training or evaluating is recorded with ``status: "error"`` and its

@@ -1,19 +1,21 @@
 """Attention kernel family: FlashAttention-style attention with a position term chosen at compile time.
 
-* ``terms.py``: the term registry (:data:`~.terms.TERMS`: each term's tensors, form and value, stated once; every
-  engine derives from it) and :class:`KernelTerm`, what an encoding hands over (``kernel_term`` on the encoding);
-* ``naive.py``: :func:`attention_reference`, the PyTorch reference of every term (float32, O(L²));
-* ``triton_attention.py``: :func:`fused_attention`, the Triton kernels (forward and backward, O(L) memory);
-* ``flex.py``: :func:`flex_attention_term`, torch's FlexAttention with the same terms as a score_mod;
-* ``tiled.py``: :func:`tiled_attention`, the tile-wise PyTorch engine (any device, O(L·block) memory): the
+* ``terms.py``: the term registry (`TERMS`: each term's tensors, form and value, stated once; every
+  engine derives from it) and `KernelTerm`, what an encoding hands over (``kernel_term`` on the encoding);
+* ``naive.py``: `attention_reference`, the PyTorch reference of every term (float32, O(L²));
+* ``triton_attention.py``: `fused_attention`, the Triton kernels (forward and backward, O(L) memory);
+* ``flex.py``: `flex_attention_term`, torch's FlexAttention with the same terms as a score_mod;
+* ``tiled.py``: `tiled_attention`, the tile-wise PyTorch engine (any device, O(L·block) memory): the
   default of the ``torch`` backend for every encoding with a kernel term (its paths in ``_tiles.py``,
   ``_tiled_fused.py`` and ``_tiled_function.py``).
 
 Every entry point takes ``window`` (None, or an int >= 1: a sliding window, causal qi − window < j <= qi,
 bidirectional |qi − j| < window): the reference applies it as a band mask, the tile-wise engine and the Triton
-kernels never build or load the key tiles outside it, FlexAttention folds it into its block mask.
+kernels never build or load the key tiles outside it, FlexAttention folds it into its block mask. And ``sink``
+(None, or an int >= 1 with a window: attention sinks, the keys j < sink seen besides the band): the engines visit
+the sink keys' tiles and still skip those between them and the window.
 
-The one dispatch point is :func:`hf_posenc.attention.posenc_attention`: the kernel when the tensors are on
+The one dispatch point is `hf_posenc.attention.posenc_attention`: the kernel when the tensors are on
 CUDA, Triton imports and the encoding has a kernel term; the reference otherwise; ``HF_POSENC_BACKEND``
 forces one (``triton`` on the CPU runs the kernels in Triton's interpreter when ``TRITON_INTERPRET=1`` was
 set before triton was first imported; otherwise it raises a ``ValueError`` that says why).
@@ -131,14 +133,14 @@ def flex_unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 def fused_attention(query, key, value, term, **kwargs):
-    """The Triton kernels; see :func:`hf_posenc.kernels.attention.triton_attention.fused_attention`."""
+    """The Triton kernels; see `hf_posenc.kernels.attention.triton_attention.fused_attention`."""
     from .triton_attention import fused_attention as run
 
     return run(query, key, value, term, **kwargs)
 
 
 def flex_attention_term(query, key, value, term, **kwargs):
-    """FlexAttention with the term as a score_mod; see :func:`hf_posenc.kernels.attention.flex.flex_attention_term`."""
+    """FlexAttention with the term as a score_mod; see `hf_posenc.kernels.attention.flex.flex_attention_term`."""
     from .flex import flex_attention_term as run
 
     return run(query, key, value, term, **kwargs)

@@ -121,12 +121,10 @@ def _online_forward(plan: _Plan, tile: _Tile, q, k, v, valid, q_off, b, h, hkv, 
         qb = _rows(q[:, :, q0:q1], rev)
         qg = _group(qb, hkv)
         qa = qb @ tile.a_key.T if plan.kind == "shaw" else None  # scale · q · a^K (B, H, n, 2K + 1)
-        k_start, k_stop = plan.key_start(q0, k_len), plan.key_stop(q1, k_len)
         row_max = q.new_full((b, h, n, 1), float("-inf"))
         row_sum = q.new_zeros(b, h, n, 1)
         acc = q.new_zeros(b, h, n, d)
-        for k0 in range(k_start, k_stop, plan.block_k):
-            k1 = min(k0 + plan.block_k, k_stop)
+        for t, (k0, k1) in enumerate(_key_tiles(plan, q0, q1, k_len)):
             s = _ungroup(qg @ k[:, :, k0:k1].transpose(-1, -2), h)  # (B, H, n, m)
             bias = tile.bias(qi, q0, q1, k0, k1, qa)
             if bias is not None:
@@ -135,7 +133,7 @@ def _online_forward(plan: _Plan, tile: _Tile, q, k, v, valid, q_off, b, h, hkv, 
             new_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
             safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
             p = exp_flushed(s.sub_(safe))  # no subnormal weights, no exp of -inf (kernels._subnormal)
-            if k0 > k_start:
+            if t > 0:
                 alpha = torch.exp(row_max - safe)
                 row_sum.mul_(alpha)
                 acc.mul_(alpha)
@@ -149,6 +147,14 @@ def _online_forward(plan: _Plan, tile: _Tile, q, k, v, valid, q_off, b, h, hkv, 
         safe_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
         lse_rows = torch.where(empty, torch.full_like(row_sum, float("inf")), safe_max + row_sum.log())[..., 0]
         lse[:, :, q0:q1] = _rows(lse_rows, rev, -1)
+
+
+def _key_tiles(plan: _Plan, q0: int, q1: int, k_len: int):
+    """(k0, k1) of each key tile of ``block_k`` keys the query block q0 .. q1 − 1 walks: its key ranges
+    (``_Plan.key_ranges``: the sinks apart from the window's keys) cut into tiles."""
+    for lo, hi in plan.key_ranges(q0, q1, k_len):
+        for k0 in range(lo, hi, plan.block_k):
+            yield k0, min(k0 + plan.block_k, hi)
 
 
 def _online_backward(plan: _Plan, tile: _Tile, q, k, v, lse, do, delta, valid, q_off, b, h, hkv, d, dq, dk, dv,
@@ -172,9 +178,7 @@ def _online_backward(plan: _Plan, tile: _Tile, q, k, v, lse, do, delta, valid, q
         dv_table = dob @ tile.a_value.T if plan.kind == "shaw" else None  # dO · a^V (B, H, n, 2K + 1)
         dqa = torch.zeros_like(qa) if plan.kind == "shaw" else None
         dq_b = q.new_zeros(b, hkv, qg.shape[2], d)
-        k_stop = plan.key_stop(q1, k_len)
-        for k0 in range(plan.key_start(q0, k_len), k_stop, plan.block_k):
-            k1 = min(k0 + plan.block_k, k_stop)
+        for k0, k1 in _key_tiles(plan, q0, q1, k_len):
             kb, vb = k[:, :, k0:k1], v[:, :, k0:k1]
             s = _logits(qg, kb, tile.bias(qi, q0, q1, k0, k1, qa), h, plan.kind == "fire")
             s = _apply_mask(s, plan, qi, q0, k0, k1, valid)

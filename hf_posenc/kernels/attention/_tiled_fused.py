@@ -16,7 +16,6 @@ from ._tiles import (
     _expand_heads,
     _Plan,
     _query_blocks,
-    _query_index,
     _rows,
     _Tile,
 )
@@ -25,8 +24,8 @@ from ._tiles import (
 # EXP_FLOOR (hf_posenc.kernels._subnormal): a probability exp(s − lse) below e^EXP_FLOOR is subnormal. The fused
 # CPU backward recomputes such probabilities wherever a bias decays far (ALiBi: the backward of a 2048-key
 # causal step took 115 ms with them, 47 ms without, measured with flush-to-zero set before torch's threads
-# started; see :func:`_subnormal_free`).
-#: the largest shift (nats) by which :func:`_subnormal_free` scales the probabilities and every gradient of a
+# started; see `_subnormal_free`).
+#: the largest shift (nats) by which `_subnormal_free` scales the probabilities and every gradient of a
 #: block: e^40 ≈ 2e17 keeps the kernel's sums far from float32's overflow (3e38).
 MAX_SHIFT = 40.0
 #: the shift above 2β + 1 (nats): the gradient of the logits, P (dP − Δ), stays normal for |dP − Δ| down to
@@ -101,8 +100,8 @@ class _ShawBand:
         """(key index (n, K) clamped into range, visible (B|1, n, K) bool) of each row's band."""
         j = qi[:, None] + self.offsets[None, :]
         ok = (j >= 0) & (j < k_len)
-        if self.plan.window is not None:
-            ok = ok & (j > qi[:, None] - self.plan.window)
+        if self.plan.window is not None:  # the band, and the sinks beside it
+            ok = ok & ((j > qi[:, None] - self.plan.window) | (j < (self.plan.sink or 0)))
         jc = j.clamp(0, max(k_len - 1, 0))
         ok = ok[None]
         if valid is not None:
@@ -121,8 +120,8 @@ class _ShawBand:
         return min(max(k_start, self.plan.q_offset + q0 - self.kmax + 1), k_stop)
 
     def parts(self, qi, q0, q1, k_start, k_stop, valid, b, h, qa, jc, ok) -> list[_Part]:
-        """The block's keys k_start .. k_stop − 1 as fused-kernel parts (:func:`_flash_parts_fwd`): the keys before
-        the band strip unmasked (see :meth:`split`), then the strip with its mask."""
+        """The block's keys k_start .. k_stop − 1 as fused-kernel parts (`_flash_parts_fwd`): the keys before
+        the band strip unmasked (see `split`), then the strip with its mask."""
         split = self.split(q0, k_start, k_stop, valid)
         strip = _Part(split - k_start, k_stop - k_start, self.mask(qi, q0, q1, split, k_stop, valid, b, h, qa, jc, ok))
         return ([_Part(0, split - k_start)] if split > k_start else []) + [strip]
@@ -150,17 +149,16 @@ def _shaw_fused_forward(plan, tile, q, kx, vx, valid, q_off, b, h, d, out, lse) 
     """Fill ``out`` and ``lse`` (Shaw's frame, see ``_ShawBand``) block by block through the fused kernel."""
     q_len, k_len = q.shape[2], kx.shape[2]
     band = _ShawBand(tile, plan, q.device)
-    for q0, q1, qi, k_start, k_stop in _query_blocks(plan, q_len, k_len, q_off, q.device):
-        if k_stop <= k_start:
+    for q0, q1, qi, ranges in _query_blocks(plan, q_len, k_len, q_off, q.device):
+        if not ranges:
             out[:, :, q0:q1] = 0.0
             lse[:, :, q0:q1] = float("inf")
             continue
         qb = q[:, :, q0:q1]
         qa = qb @ band.d_key.T  # (B, H, n, K): q_i · (a^K_r − a^K_−K), q already scaled
         jc, ok = band.columns(qi, k_len, valid)
-        parts = band.parts(qi, q0, q1, k_start, k_stop, valid, b, h, qa, jc, ok)
-        o, lb = _flash_parts_fwd(qb, kx[:, :, k_start:k_stop], vx[:, :, k_start:k_stop], parts)
-        empty = _empty_rows(plan, qi, valid, k_start, k_stop)
+        o, lb, empty = _merged_ranges(plan, qi, valid, ranges, lambda k0, k1: _flash_parts_fwd(
+            qb, kx[:, :, k0:k1], vx[:, :, k0:k1], band.parts(qi, q0, q1, k0, k1, valid, b, h, qa, jc, ok)))
         if empty is not None:
             o = o.masked_fill(empty, 0.0)
             lb = lb.masked_fill(empty[..., 0], float("inf"))
@@ -178,21 +176,22 @@ def _shaw_fused_backward(plan, tile, q, k, v, out, lse, do, valid, q_off, b, h, 
     dq = torch.zeros_like(q)
     dkx, dvx = torch.zeros_like(kx), torch.zeros_like(vx)
     d_key, d_value = torch.zeros_like(tile.a_key), torch.zeros_like(tile.a_value)
-    for q0, q1, qi, k_start, k_stop in _query_blocks(plan, q_len, k_len, q_off, q.device):
-        if k_stop <= k_start:
+    for q0, q1, qi, ranges in _query_blocks(plan, q_len, k_len, q_off, q.device):
+        if not ranges:
             continue
         n = q1 - q0
         qb, dob, ob, lb = q[:, :, q0:q1], do[:, :, q0:q1], out[:, :, q0:q1], lse[:, :, q0:q1]
         qa = qb @ band.d_key.T
         jc, ok = band.columns(qi, k_len, valid)
-        parts = band.parts(qi, q0, q1, k_start, k_stop, valid, b, h, qa, jc, ok)
         has = torch.isfinite(lb)[..., None]
         o_frame = ob - has * band.base_value
-        gq, gk, gv = _flash_parts_bwd(dob, qb, kx[:, :, k_start:k_stop], vx[:, :, k_start:k_stop], o_frame, lb,
-                                      parts)
-        dq[:, :, q0:q1] = gq
-        dkx[:, :, k_start:k_stop] += gk
-        dvx[:, :, k_start:k_stop] += gv
+        for k_start, k_stop in ranges:
+            parts = band.parts(qi, q0, q1, k_start, k_stop, valid, b, h, qa, jc, ok)
+            gq, gk, gv = _flash_parts_bwd(dob, qb, kx[:, :, k_start:k_stop], vx[:, :, k_start:k_stop], o_frame, lb,
+                                          parts)
+            dq[:, :, q0:q1] += gq
+            dkx[:, :, k_start:k_stop] += gk
+            dvx[:, :, k_start:k_stop] += gv
         # the band's share
         p, kb = band.probabilities(qb, kx, jc, ok, qa, lb)  # (B, H, n, K), (B, H, n, K, D)
         vb = vx[:, :, jc]
@@ -233,7 +232,7 @@ def _flash_mask(tile: "_Tile", plan: _Plan, qi: torch.Tensor, q0: int, q1: int, 
 
 def _channel_keys(kx: torch.Tensor, channel: torch.Tensor) -> torch.Tensor:
     """Keys (B, H, m, D) with the term's per-key channel (B|1, H, m) as one more channel (B, H, m, D + 1); the
-    queries carry a 1 there (:func:`_with_one`), so the fused kernel adds the term to q · k itself."""
+    queries carry a 1 there (`_with_one`), so the fused kernel adds the term to q · k itself."""
     return torch.cat([kx, channel[..., None].expand(kx.shape[0], *channel.shape[1:], 1)], dim=-1)
 
 
@@ -248,7 +247,7 @@ def _with_zero(x: torch.Tensor) -> torch.Tensor:
 
 
 def _alibi_channel(plan: _Plan, valid: torch.Tensor | None) -> bool:
-    """Whether ALiBi runs as a key channel (:meth:`_Tile.key_channel`): causal with an int offset, where its
+    """Whether ALiBi runs as a key channel (`_Tile.key_channel`): causal with an int offset, where its
     bias −slope (qi − j) is FoX's c[qi] − c[j] with c[j] = −slope · j (a constant log forget gate), and with padding
     or a window (the blocks do not split at their diagonal). Measured at L = 2048, H = 8, D = 32 (AMD EPYC, 2
     threads, forward + backward against SDPA's): unsplit (B = 2, left padding, L = 1024) the channel took 124 ms
@@ -259,7 +258,7 @@ def _alibi_channel(plan: _Plan, valid: torch.Tensor | None) -> bool:
 
 
 def _splits_at_diagonal(plan: _Plan, valid: torch.Tensor | None) -> bool:
-    """Whether the query blocks split at their diagonal square (:func:`_diagonal_start`): causal with an int
+    """Whether the query blocks split at their diagonal square (`_diagonal_start`): causal with an int
     offset, no padding and no window."""
     return valid is None and plan.window is None and plan.causal and plan.q_offset is not None
 
@@ -269,7 +268,7 @@ def _block_parts(tile: "_Tile", plan: _Plan, qi: torch.Tensor, q0: int, q1: int,
     """The fused-kernel parts of one query block (queries at key indices ``qi``, in order) over its keys
     k_start .. k_stop − 1, with the term's float masks (none where the term rides in a key channel).
 
-    Split at the diagonal square (:func:`_diagonal_start`): the keys before it carry the term alone, the square the
+    Split at the diagonal square (`_diagonal_start`): the keys before it carry the term alone, the square the
     term and the kernel's own causal mask; nothing is filled with −inf. A Toeplitz term's far part is a strided
     view of its per-distance values (rows reversed: no copy; the kernel reads masks by their strides) and its
     square one mask per size for the whole call (δ = i − j on every block's square). Otherwise (padding, a
@@ -317,7 +316,7 @@ class _Part(NamedTuple):
 def _causal_parts(m: int, far: int, far_mask: torch.Tensor | None = None, square_mask: torch.Tensor | None = None,
                   far_rev: bool = False) -> list[_Part]:
     """The parts of m keys whose first ``far`` every row sees and whose last m − far form the diagonal square
-    (:func:`_diagonal_start`), with the term's masks of each (None: no term)."""
+    (`_diagonal_start`), with the term's masks of each (None: no term)."""
     return ([_Part(0, far, far_mask, False, far_rev)] if far > 0 else []) + [_Part(far, m, square_mask, True)]
 
 
@@ -330,17 +329,38 @@ def _flash_parts_fwd(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, parts
         o, l = _flash_fwd(_rows(qb, part.rev), kb[:, :, part.lo : part.hi], vb[:, :, part.lo : part.hi], 0.0,
                           part.causal, attn_mask=part.mask, scale=1.0)
         o, l = _rows(o, part.rev), _rows(l, part.rev, -1)
-        if out is None:
-            out, lse = o, l
-            continue
-        merged = torch.logaddexp(lse, l)
-        out = out * torch.exp(lse - merged)[..., None] + o * torch.exp(l - merged)[..., None]
-        lse = merged
+        out, lse = (o, l) if out is None else _merge(out, lse, o, l)
     return out, lse
 
 
+def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two softmax attentions of the same rows over disjoint keys, (out (B, H, n, E), lse (B, H, n)) each, as one
+    over all of their keys (a row with lse −inf on one side takes the other's)."""
+    merged = torch.logaddexp(lse, l)
+    return out * torch.exp(lse - merged)[..., None] + o * torch.exp(l - merged)[..., None], merged
+
+
+def _merged_ranges(plan: _Plan, qi: torch.Tensor, valid: torch.Tensor | None, ranges: list[tuple[int, int]], run
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(out, lse, empty) of one query block over its key ranges (``_Plan.key_ranges``: the sinks apart from the
+    window's keys): ``run(k_start, k_stop)`` gives a range's (out, lse) from the fused kernel, merged by
+    log-sum-exp. The kernel returns lse 0 (and out 0) for a row that sees none of a range's keys, so with several
+    ranges such a row enters the merge with lse −inf. ``empty``: (B|1, 1, n, 1) the rows that see no key at all
+    (their out and lse are the caller's to set), or None."""
+    out = lse = empty = None
+    for i, (k_start, k_stop) in enumerate(ranges):
+        o, l = run(k_start, k_stop)
+        e = _empty_rows(plan, qi, valid, k_start, k_stop)
+        if len(ranges) > 1 and e is not None:
+            l = l.masked_fill(e[..., 0], float("-inf"))
+        empty = e if i == 0 else (None if e is None or empty is None else empty & e)
+        out, lse = (o, l) if out is None else _merge(out, lse, o, l)
+    return out, lse, empty
+
+
 def _flash_parts_bwd(dob, qb, kb, vb, ob, lb, parts: list[_Part]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of :func:`_flash_parts_fwd` from the merged output ``ob`` and log-sum-exp ``lb``: each part's
+    """(dq, dk, dv) of `_flash_parts_fwd` from the merged output ``ob`` and log-sum-exp ``lb``: each part's
     fused backward gives the exact gradients of its keys (Δ_i = dO_i · o_i is the whole row's)."""
     dq, dks, dvs = None, [], []
     for part in parts:
@@ -388,12 +408,12 @@ def _head_runs(starts: list[int], k_stop: int):
 
 def _channel_fused_backward(plan: _Plan, tile: "_Tile", q, k, v, out, lse, do, valid, q_off, b, h, hkv, d,
                             want_c: bool):
-    """The backward of the key-channel path (FoX, causal ALiBi: see :meth:`_Tile.key_channel`) through the fused
+    """The backward of the key-channel path (FoX, causal ALiBi: see `_Tile.key_channel`) through the fused
     CPU kernel, per query block and run of heads that share a first key, with c's gradient read from the channel
     that carries it: dc[j] = −Σ_i dS_ij (the per-row constant's gradient Σ_j dS_ij is 0: a softmax row's dS sums
-    to 0). Subnormal probabilities are avoided as in :func:`_subnormal_free`: per head, the keys no logit can lift
-    are left out (:func:`_flush_start`), and one shift per head lifts the rest. Where the forward split the
-    block's keys (:func:`_diagonal_start`), so does the backward: no mask; else the block's causal/padding mask,
+    to 0). Subnormal probabilities are avoided as in `_subnormal_free`: per head, the keys no logit can lift
+    are left out (`_flush_start`), and one shift per head lifts the rest. Where the forward split the
+    block's keys (`_diagonal_start`), so does the backward: no mask; else the block's causal/padding mask,
     in which each row's own flush rides too. Returns dq (of the scaled q), dk, dv and dc (B, H, Lk) or None."""
     q_len, k_len = q.shape[2], k.shape[2]
     kx, vx = _expand_heads(k, h), _expand_heads(v, h)
@@ -402,38 +422,38 @@ def _channel_fused_backward(plan: _Plan, tile: "_Tile", q, k, v, out, lse, do, v
     dq = torch.zeros_like(q)
     dkx, dvx = torch.zeros_like(kx), torch.zeros_like(vx)
     dc = q.new_zeros(b, h, k_len) if want_c else None
-    for q0, q1, qi, k_start, k_stop in _query_blocks(plan, q_len, k_len, q_off, q.device):
-        if k_stop <= k_start:
-            continue
-        channel, ref = tile.key_channel(qi, k_start, k_stop)
-        keys = _channel_keys(kx[:, :, k_start:k_stop], channel)  # (B, H, m, D + 1)
-        lse_b = lse[:, :, q0:q1]
-        beta = q[:, :, q0:q1].norm(dim=-1) * knorm[:, :, k_start:k_stop].amax(-1, keepdim=True)  # (B, H, n)
-        starts = _flush_start(tile.c, ref, lse_b, beta, k_start, k_stop)
-        shift = (2 * beta.amax(-1, keepdim=True) + 1 + SHIFT_MARGIN).clamp_(max=MAX_SHIFT)  # (B, H, 1)
-        unscale = torch.exp(-shift)[..., None]
-        diag = _diagonal_start(plan, q0, q1, k_start, k_stop, valid)
-        mask = None if diag is not None else _flash_mask(tile, plan, qi, q0, q1, k_start, k_stop, valid, b, 1,
-                                                          term=False)
-        for h0, h1, s0 in _head_runs(starts, k_stop):
-            hs, m = slice(h0, h1), k_stop - s0
-            kb = keys[:, hs, s0 - k_start :]
-            if diag is not None:
-                parts = _causal_parts(m, diag - s0)
-            else:  # the rows' own flush (keys after the run's start that a row's logits still cannot lift)
-                floor = torch.where(torch.isfinite(lse_b[:, hs]), lse_b[:, hs] - beta[:, hs] + EXP_FLOOR,
-                                    torch.full_like(beta[:, hs], float("-inf")))  # (B, h1 − h0, n)
-                flushed = kb[..., d][:, :, None, :] < floor[..., None]  # (B, h1 − h0, n, m)
-                mask_h = mask[..., s0 - k_start :].expand(b, h1 - h0, q1 - q0, m).masked_fill(flushed, float("-inf"))
-                parts = [_Part(0, m, mask_h)]
-            gq, gk, gv = _flash_parts_bwd(doa[:, hs, q0:q1], qa[:, hs, q0:q1], kb, va[:, hs, s0:k_stop],
-                                          oa[:, hs, q0:q1], lse_b[:, hs] - shift[:, hs], parts)
-            u = unscale[:, hs]
-            dq[:, hs, q0:q1] += gq[..., :d].mul_(u)
-            dkx[:, hs, s0:k_stop] += gk[..., :d].mul_(u)
-            dvx[:, hs, s0:k_stop] += gv[..., :d].mul_(u)
-            if dc is not None:
-                dc[:, hs, s0:k_stop] -= gk[..., d].mul_(u[..., 0])
+    for q0, q1, qi, ranges in _query_blocks(plan, q_len, k_len, q_off, q.device):
+        for k_start, k_stop in ranges:  # one body per key range (the sinks apart from the window)
+            channel, ref = tile.key_channel(qi, k_start, k_stop)
+            keys = _channel_keys(kx[:, :, k_start:k_stop], channel)  # (B, H, m, D + 1)
+            lse_b = lse[:, :, q0:q1]
+            beta = q[:, :, q0:q1].norm(dim=-1) * knorm[:, :, k_start:k_stop].amax(-1, keepdim=True)  # (B, H, n)
+            starts = _flush_start(tile.c, ref, lse_b, beta, k_start, k_stop)
+            shift = (2 * beta.amax(-1, keepdim=True) + 1 + SHIFT_MARGIN).clamp_(max=MAX_SHIFT)  # (B, H, 1)
+            unscale = torch.exp(-shift)[..., None]
+            diag = _diagonal_start(plan, q0, q1, k_start, k_stop, valid)
+            mask = None if diag is not None else _flash_mask(tile, plan, qi, q0, q1, k_start, k_stop, valid, b, 1,
+                                                              term=False)
+            for h0, h1, s0 in _head_runs(starts, k_stop):
+                hs, m = slice(h0, h1), k_stop - s0
+                kb = keys[:, hs, s0 - k_start :]
+                if diag is not None:
+                    parts = _causal_parts(m, diag - s0)
+                else:  # the rows' own flush (keys after the run's start that a row's logits still cannot lift)
+                    floor = torch.where(torch.isfinite(lse_b[:, hs]), lse_b[:, hs] - beta[:, hs] + EXP_FLOOR,
+                                        torch.full_like(beta[:, hs], float("-inf")))  # (B, h1 − h0, n)
+                    flushed = kb[..., d][:, :, None, :] < floor[..., None]  # (B, h1 − h0, n, m)
+                    mask_h = mask[..., s0 - k_start :].expand(b, h1 - h0, q1 - q0, m).masked_fill(flushed,
+                                                                                                  float("-inf"))
+                    parts = [_Part(0, m, mask_h)]
+                gq, gk, gv = _flash_parts_bwd(doa[:, hs, q0:q1], qa[:, hs, q0:q1], kb, va[:, hs, s0:k_stop],
+                                              oa[:, hs, q0:q1], lse_b[:, hs] - shift[:, hs], parts)
+                u = unscale[:, hs]
+                dq[:, hs, q0:q1] += gq[..., :d].mul_(u)
+                dkx[:, hs, s0:k_stop] += gk[..., :d].mul_(u)
+                dvx[:, hs, s0:k_stop] += gv[..., :d].mul_(u)
+                if dc is not None:
+                    dc[:, hs, s0:k_stop] -= gk[..., d].mul_(u[..., 0])
     if h != hkv:
         dk = dkx.view(b, hkv, h // hkv, k_len, d).sum(2)
         dv = dvx.view(b, hkv, h // hkv, k_len, d).sum(2)
@@ -455,21 +475,21 @@ def fused_forward(plan: _Plan, tile: _Tile, q, k, v, valid, q_off, b, h, d, out,
     kx, vx = _expand_heads(k, h), _expand_heads(v, h)
     qf = _with_one(q) if channel else q
     vf = _with_zero(vx) if channel else vx
-    for q0 in range(0, q_len, plan.block_q):
-        q1 = min(q0 + plan.block_q, q_len)
-        qi = _query_index(q_off, q0, q1, q.device)
-        k_start, k_stop = plan.key_start(q0, k_len), plan.key_stop(q1, k_len)
-        if k_stop <= k_start:
+    for q0, q1, qi, ranges in _query_blocks(plan, q_len, k_len, q_off, q.device):
+        if not ranges:
             out[:, :, q0:q1] = 0.0
             lse[:, :, q0:q1] = float("inf")
             continue
-        kb = kx[:, :, k_start:k_stop]
-        if channel:
-            kb = _channel_keys(kb, tile.key_channel(qi, k_start, k_stop)[0])
-        parts = _block_parts(tile, plan, qi, q0, q1, k_start, k_stop, valid, b, h, channel)
-        o, l = _flash_parts_fwd(qf[:, :, q0:q1], kb, vf[:, :, k_start:k_stop], parts)
+
+        def run(k_start: int, k_stop: int, q0: int = q0, q1: int = q1, qi: torch.Tensor = qi):
+            kb = kx[:, :, k_start:k_stop]
+            if channel:
+                kb = _channel_keys(kb, tile.key_channel(qi, k_start, k_stop)[0])
+            parts = _block_parts(tile, plan, qi, q0, q1, k_start, k_stop, valid, b, h, channel)
+            return _flash_parts_fwd(qf[:, :, q0:q1], kb, vf[:, :, k_start:k_stop], parts)
+
+        o, l, empty = _merged_ranges(plan, qi, valid, ranges, run)
         o = o[..., :d]
-        empty = _empty_rows(plan, qi, valid, k_start, k_stop)
         if empty is not None:
             o = o.masked_fill(empty, 0.0)
             l = l.masked_fill(empty[..., 0], float("inf"))
@@ -479,7 +499,7 @@ def fused_forward(plan: _Plan, tile: _Tile, q, k, v, valid, q_off, b, h, d, out,
 
 def uses_key_channel(plan: _Plan, valid: torch.Tensor | None) -> bool:
     """Whether the term rides in one more key channel on the fused path: a gate (FoX), or causal ALiBi with padding
-    or a window (:func:`_alibi_channel`)."""
+    or a window (`_alibi_channel`)."""
     return plan.form == "gate" or _alibi_channel(plan, valid)
 
 
@@ -494,29 +514,25 @@ def fused_backward_plain(plan: _Plan, tile: _Tile, q, k, v, out, lse, do, valid,
     kx, vx = _expand_heads(k, h), _expand_heads(v, h)
     dkx = torch.zeros_like(kx) if h != hkv else dk
     dvx = torch.zeros_like(vx) if h != hkv else dv
-    for q0 in range(0, q_len, plan.block_q):
-        q1 = min(q0 + plan.block_q, q_len)
-        k_start, k_stop = plan.key_start(q0, k_len), plan.key_stop(q1, k_len)
-        if k_stop <= k_start:
-            continue
-        if not underflow or _splits_at_diagonal(plan, valid):  # the forward's parts
-            parts = _block_parts(tile, plan, _query_index(q_off, q0, q1, q.device), q0, q1, k_start,
-                                 k_stop, valid, b, h, False)
-            gq, gk, gv = _flash_parts_bwd(do[:, :, q0:q1], q[:, :, q0:q1], kx[:, :, k_start:k_stop],
-                                          vx[:, :, k_start:k_stop], out[:, :, q0:q1], lse[:, :, q0:q1], parts)
-            dq[:, :, q0:q1] = gq
-            dkx[:, :, k_start:k_stop] += gk
-            dvx[:, :, k_start:k_stop] += gv
-            continue
-        qi = _rows(_query_index(q_off, q0, q1, q.device), rev, 0)
-        mask = _flash_mask(tile, plan, qi, q0, q1, k_start, k_stop, valid, b, h)
-        qb, kb, vb = _rows(q[:, :, q0:q1], rev), kx[:, :, k_start:k_stop], vx[:, :, k_start:k_stop]
-        mask, lse_b, unscale = _subnormal_free(mask, qb, kb, _rows(lse[:, :, q0:q1], rev, -1), b)
-        gq, gk, gv = _flash_bwd(_rows(do[:, :, q0:q1], rev), qb, kb, vb, _rows(out[:, :, q0:q1], rev), lse_b,
-                                0.0, False, attn_mask=mask, scale=1.0)
-        dq[:, :, q0:q1] = _rows(gq.mul_(unscale), rev)
-        dkx[:, :, k_start:k_stop] += gk.mul_(unscale)
-        dvx[:, :, k_start:k_stop] += gv.mul_(unscale)
+    for q0, q1, qi_in_order, ranges in _query_blocks(plan, q_len, k_len, q_off, q.device):
+        for k_start, k_stop in ranges:  # the sinks apart from the window's keys
+            if not underflow or _splits_at_diagonal(plan, valid):  # the forward's parts
+                parts = _block_parts(tile, plan, qi_in_order, q0, q1, k_start, k_stop, valid, b, h, False)
+                gq, gk, gv = _flash_parts_bwd(do[:, :, q0:q1], q[:, :, q0:q1], kx[:, :, k_start:k_stop],
+                                              vx[:, :, k_start:k_stop], out[:, :, q0:q1], lse[:, :, q0:q1], parts)
+                dq[:, :, q0:q1] += gq
+                dkx[:, :, k_start:k_stop] += gk
+                dvx[:, :, k_start:k_stop] += gv
+                continue
+            qi = _rows(qi_in_order, rev, 0)
+            mask = _flash_mask(tile, plan, qi, q0, q1, k_start, k_stop, valid, b, h)
+            qb, kb, vb = _rows(q[:, :, q0:q1], rev), kx[:, :, k_start:k_stop], vx[:, :, k_start:k_stop]
+            mask, lse_b, unscale = _subnormal_free(mask, qb, kb, _rows(lse[:, :, q0:q1], rev, -1), b)
+            gq, gk, gv = _flash_bwd(_rows(do[:, :, q0:q1], rev), qb, kb, vb, _rows(out[:, :, q0:q1], rev), lse_b,
+                                    0.0, False, attn_mask=mask, scale=1.0)
+            dq[:, :, q0:q1] += _rows(gq.mul_(unscale), rev)
+            dkx[:, :, k_start:k_stop] += gk.mul_(unscale)
+            dvx[:, :, k_start:k_stop] += gv.mul_(unscale)
     if h != hkv:
         dk = dkx.view(b, hkv, h // hkv, k_len, d).sum(2)
         dv = dvx.view(b, hkv, h // hkv, k_len, d).sum(2)

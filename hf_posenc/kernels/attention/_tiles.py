@@ -112,7 +112,7 @@ class _FireTiles:
 
 def _skew_buffer(like: torch.Tensor, m: int) -> torch.Tensor:
     """An uninitialised (..., n, m + n) buffer for a tile (..., n, m) whose anti-diagonals
-    :func:`_antidiagonal_sums` will sum: the tile is written into its first m columns, the n others are zero."""
+    `_antidiagonal_sums` will sum: the tile is written into its first m columns, the n others are zero."""
     n = like.shape[-2]
     buf = like.new_empty(*like.shape[:-1], m + n)
     buf[..., m:].zero_()
@@ -120,7 +120,7 @@ def _skew_buffer(like: torch.Tensor, m: int) -> torch.Tensor:
 
 
 def _antidiagonal_sums(buf: torch.Tensor, m: int) -> torch.Tensor:
-    """buf (B, H, n, m + n) from :func:`_skew_buffer`, the tile ds in its first m columns -> (H, n + m − 1):
+    """buf (B, H, n, m + n) from `_skew_buffer`, the tile ds in its first m columns -> (H, n + m − 1):
     entry c = Σ_{b, i + j = c} ds[b, :, i, j].
 
     The Toeplitz tiles run with their query rows reversed (row i' is query q1 − 1 − i'), so the diagonals
@@ -145,12 +145,16 @@ class _Plan:
         block_q: int,
         block_k: int,
         window: int | None = None,
+        sink: int | None = None,
     ) -> None:
         self.kind, self.names, self.ints = kind, names, ints
         self.form = term_spec(kind).form
         self.scale, self.causal, self.q_offset = scale, causal, q_offset
         self.block_q, self.block_k = block_q, block_k
         self.window = window
+        #: attention sinks (with a window): the keys j < sink are seen besides the band (causal: by the queries at
+        #: or after them). Their key tiles are visited, the tiles between them and the window are not.
+        self.sink = sink if window is not None else None
         #: the autotuner's choice between the two exact CPU paths (hf_posenc.kernels.autotune, site
         #: ``tiled.engine``): True for torch's fused kernel per block, False for the online passes, None where
         #: the fused kernel does not apply (``_flash_available`` decides). Forward and backward read the same one.
@@ -161,21 +165,36 @@ class _Plan:
 
     def key_stop(self, q1: int, k_len: int) -> int:
         """End of the keys the queries before ``q1`` may see: all of them unless causal or windowed with an int
-        offset (the last query q1 − 1 sees keys up to its own index, or up to index + window − 1 bidirectionally)."""
+        offset (the last query q1 − 1 sees keys up to its own index, or up to index + window − 1 bidirectionally;
+        bidirectional with sinks, at least up to the last sink key)."""
         if self.q_offset is None:
             return k_len
         if self.causal:
             return max(0, min(k_len, self.q_offset + q1))
         if self.window is not None:
-            return max(0, min(k_len, self.q_offset + q1 - 1 + self.window))
+            return max(0, min(k_len, max(self.q_offset + q1 - 1 + self.window, self.sink or 0)))
         return k_len
 
     def key_start(self, q0: int, k_len: int) -> int:
-        """First key the queries from ``q0`` on may see: 0 unless windowed with an int offset (the first query
-        q0 sees keys from its index − window + 1); the key tiles before it are never built."""
+        """First key of the window's range for the queries from ``q0`` on: 0 unless windowed with an int offset (the
+        first query q0 sees keys from its index − window + 1; 0 where that edge is at or before the end of the
+        sinks, which then join the range); the key tiles before it are never built (but the sinks', see
+        `key_ranges`)."""
         if self.window is None or self.q_offset is None:
             return 0
-        return max(0, min(k_len, self.q_offset + q0 - self.window + 1))
+        start = max(0, min(k_len, self.q_offset + q0 - self.window + 1))
+        return 0 if self.sink is not None and start <= self.sink else start
+
+    def key_ranges(self, q0: int, q1: int, k_len: int) -> list[tuple[int, int]]:
+        """The keys the queries q0 .. q1 − 1 may see, as disjoint ranges [lo, hi) in key order (none empty): the
+        sink keys [0, sink) when a gap separates them from the window's range, then [key_start, key_stop). Every
+        query of the block sees every sink key of such a separate range by position (causal: each query is past
+        its window's first key, which is past the sinks)."""
+        start, stop = self.key_start(q0, k_len), self.key_stop(q1, k_len)
+        ranges = [(0, min(self.sink, k_len))] if self.sink is not None and start > 0 else []
+        if stop > start:
+            ranges.append((start, stop))
+        return ranges
 
 
 def _rows(x: torch.Tensor, reverse: bool, dim: int = -2) -> torch.Tensor:
@@ -189,10 +208,11 @@ def _query_index(q_off: int | torch.Tensor, q0: int, q1: int, device: torch.devi
 
 
 def _query_blocks(plan: "_Plan", q_len: int, k_len: int, q_off, device: torch.device):
-    """(q0, q1, key index of the queries q0 .. q1 − 1, first and end key they may see) per query block."""
+    """(q0, q1, key index of the queries q0 .. q1 − 1, the key ranges they may see (``_Plan.key_ranges``)) per
+    query block."""
     for q0 in range(0, q_len, plan.block_q):
         q1 = min(q0 + plan.block_q, q_len)
-        yield q0, q1, _query_index(q_off, q0, q1, device), plan.key_start(q0, k_len), plan.key_stop(q1, k_len)
+        yield q0, q1, _query_index(q_off, q0, q1, device), plan.key_ranges(q0, q1, k_len)
 
 
 def _apply_mask(
@@ -200,21 +220,26 @@ def _apply_mask(
 ) -> torch.Tensor:
     """Fill the masked logits of a tile s (B|1, H, n, m) (keys k0 .. k1 − 1, queries at key indices ``qi``,
     in any row order) with −inf, in place (made B wide first when the padding differs per batch).
-    With an int offset only the columns right of the block's first query are compared (the causal window)."""
+    With an int offset only the columns right of the block's first query are compared (the causal window).
+    The sink keys (``plan.sink``) are exempt from the window's edges (not from causality)."""
     if valid is not None and valid.shape[0] > s.shape[0]:
         s = s.expand(valid.shape[0], *s.shape[1:]).contiguous()
     w = plan.window
+    sink = plan.sink or 0
     if plan.causal or w is not None:  # upper edge: j <= qi (causal), j < qi + window (bidirectional window)
         reach = 1 if plan.causal else w
         c0 = k0 if plan.q_offset is None else max(k0, plan.q_offset + q0 + reach)
+        if not plan.causal:  # every query sees the sinks
+            c0 = max(c0, sink)
         if c0 < k1:
             cols = torch.arange(c0, k1, device=s.device)
             s[..., c0 - k0 :].masked_fill_(cols[None, :] >= qi[:, None] + reach, float("-inf"))
     if w is not None:  # lower edge of the window: j > qi − window; only columns left of the last query's edge
         c1 = k1 if plan.q_offset is None else min(k1, plan.q_offset + q0 + qi.shape[0] - w)
-        if c1 > k0:
-            cols = torch.arange(k0, c1, device=s.device)
-            s[..., : c1 - k0].masked_fill_(cols[None, :] <= qi[:, None] - w, float("-inf"))
+        lo = max(k0, sink)  # right of the sinks
+        if c1 > lo:
+            cols = torch.arange(lo, c1, device=s.device)
+            s[..., lo - k0 : c1 - k0].masked_fill_(cols[None, :] <= qi[:, None] - w, float("-inf"))
     if valid is not None:
         s.masked_fill_(~valid[:, None, None, k0:k1], float("-inf"))
     return s
@@ -338,18 +363,26 @@ def _ungroup(x: torch.Tensor, h: int) -> torch.Tensor:
 
 def _empty_rows(plan: _Plan, qi: torch.Tensor, valid: torch.Tensor | None, k_start: int,
                 k_stop: int) -> torch.Tensor | None:
-    """(B|1, 1, n, 1) bool: query rows that see no key (left padding, a window past the keys), or None when
-    every row sees one (keys k_start .. k_stop − 1 are the block's; the others are outside every row's view)."""
+    """(B|1, 1, n, 1) bool: query rows that see no key among the keys k_start .. k_stop − 1 (left padding, a window
+    past the keys), or None when every row sees one (with one range per block, those are the block's keys: the
+    others are outside every row's view)."""
     if plan.window is not None:
         w = plan.window
         lo = (qi - w + 1).clamp(k_start, k_stop)  # each row's visible key range [lo, hi) by position
         hi = (qi + (1 if plan.causal else w)).clamp(k_start, k_stop)
         hi = torch.maximum(hi, lo)
+        if plan.sink is not None:  # and its sink keys [k_start, sk) (causal: up to its own), overlapping [lo, both)
+            sk = (torch.clamp(qi + 1, max=plan.sink) if plan.causal else torch.full_like(qi, plan.sink))
+            sk = sk.clamp(k_start, k_stop)
+            both = torch.maximum(torch.minimum(hi, sk), lo)
         if valid is None:
-            return (hi == lo)[None, None, :, None]
+            seen = hi - lo if plan.sink is None else hi - lo + (sk - k_start) - (both - lo)
+            return (seen == 0)[None, None, :, None]
         count = torch.cat([valid.new_zeros(valid.shape[0], 1, dtype=torch.long),
                            valid[:, k_start:k_stop].long().cumsum(-1)], dim=-1)  # [b, t]: valid keys < k_start + t
-        seen = count.index_select(-1, hi - k_start) - count.index_select(-1, lo - k_start)
+        at = lambda x: count.index_select(-1, x - k_start)  # noqa: E731
+        # the band's keys, plus the sinks' (count[k_start] = 0) less those in both: at(both) − at(lo)
+        seen = at(hi) - at(lo) if plan.sink is None else at(hi) + at(sk) - at(both)
         return (seen == 0)[:, None, :, None]
     if valid is None:
         return None

@@ -1,8 +1,9 @@
 """The position terms as FlexAttention ``score_mod`` functions (``torch.nn.attention.flex_attention``).
 
-Same contract as ``naive.attention_reference`` for every kind in :data:`~.terms.FLEX_KINDS` (shaw's value
-term has no score_mod form). Masks (causal with the query offset, a sliding window, per-batch key validity)
-become a block mask (FlexAttention skips the blocks it marks empty: those outside the window), built once per forward when the caller passes a ``memo`` dict. On CUDA the call goes through
+Same contract as ``naive.attention_reference`` for every kind in `FLEX_KINDS` (shaw's value
+term has no score_mod form). Masks (causal with the query offset, a sliding window and its attention sinks,
+per-batch key validity) become a block mask (FlexAttention skips the blocks it marks empty: those outside the
+window and its sinks), built once per forward when the caller passes a ``memo`` dict. On CUDA the call goes through
 ``torch.compile`` (FlexAttention's fused kernels; gradients of the captured term tensors included); on
 the CPU it runs eagerly, which materialises the scores and has no backward in torch 2.13.
 """
@@ -15,6 +16,7 @@ import warnings
 import torch
 
 from .naive import check_window
+from .._masks import check_sink
 from .terms import FLEX_KINDS, KernelTerm, enter
 
 __all__ = ["flex_attention_term", "score_mod_for"]
@@ -29,7 +31,7 @@ def _compiled_flex():
 
 def score_mod_for(term: KernelTerm, q_offset: int):
     """The score_mod ``(score, b, h, q_idx, kv_idx) -> score + B_h(i, j)`` of ``term`` (None for ``none``): its
-    registry entry's value (:meth:`~.terms.TermSpec.value`) on FlexAttention's indices."""
+    registry entry's value (`value`) on FlexAttention's indices."""
     spec = term.spec
     if not spec.flex:
         raise ValueError(f"the {term.kind} term has no FlexAttention form; allowed: {', '.join(FLEX_KINDS)}")
@@ -44,10 +46,10 @@ def score_mod_for(term: KernelTerm, q_offset: int):
 
 
 def _block_mask(causal: bool, q_offset: int, key_valid: torch.Tensor | None, batch: int, q_len: int, k_len: int,
-                device: torch.device, memo: dict | None, window: int | None = None):
+                device: torch.device, memo: dict | None, window: int | None = None, sink: int | None = None):
     if not causal and key_valid is None and window is None:
         return None
-    key = ("flex_block_mask", causal, q_offset, q_len, k_len, batch, window,
+    key = ("flex_block_mask", causal, q_offset, q_len, k_len, batch, window, sink,
            None if key_valid is None else (key_valid.data_ptr(), tuple(key_valid.shape)))
     if memo is not None and key in memo:
         return memo[key]
@@ -59,10 +61,11 @@ def _block_mask(causal: bool, q_offset: int, key_valid: torch.Tensor | None, bat
         ok = kv_idx < k_len
         if causal:
             ok = ok & (kv_idx <= q_idx + q_offset)
-        if window is not None:  # the band: qi − window < j (and j < qi + window bidirectionally)
-            ok = ok & (kv_idx > q_idx + q_offset - window)
+        if window is not None:  # the band: qi − window < j (and j < qi + window bidirectionally), or a sink j < sink
+            band = kv_idx > q_idx + q_offset - window
             if not causal:
-                ok = ok & (kv_idx < q_idx + q_offset + window)
+                band = band & (kv_idx < q_idx + q_offset + window)
+            ok = ok & (band | (kv_idx < sink)) if sink is not None else ok & band
         if valid is not None:
             ok = ok & valid[b, kv_idx]
         return ok
@@ -85,19 +88,22 @@ def flex_attention_term(
     key_valid: torch.Tensor | None = None,
     memo: dict | None = None,
     window: int | None = None,
+    sink: int | None = None,
 ) -> torch.Tensor:
     """softmax(scale · q kᵀ + B) v with FlexAttention; q (B, H, Lq, D), k, v (B, Hkv, Lk, D) -> (B, H, Lq, D).
 
     ``memo`` (e.g. the per-forward ``PosContext.memo``) keeps the block mask across layers. ``window``: None or
     an int >= 1, a sliding window folded into the block mask (causal: qi − window < j <= qi; bidirectional:
-    |qi − j| < window), so the key blocks outside it are skipped; TypeError / ValueError otherwise."""
+    |qi − j| < window), so the key blocks outside it are skipped; TypeError / ValueError otherwise. ``sink``:
+    None or an int >= 1 with a window, the keys j < sink seen besides the band (their blocks are kept)."""
     key, value, window = enter(query, key, value, term, q_offset, window, check_window)
+    sink = check_sink(sink, window)
     from torch.nn.attention.flex_attention import flex_attention
 
     b, h, q_len, _ = query.shape
     k_len = key.shape[2]
     score_mod = score_mod_for(term, int(q_offset))
-    block_mask = _block_mask(causal, int(q_offset), key_valid, b, q_len, k_len, query.device, memo, window)
+    block_mask = _block_mask(causal, int(q_offset), key_valid, b, q_len, k_len, query.device, memo, window, sink)
     gqa = key.shape[1] != h
     if query.device.type == "cuda":
         fn = _compiled_flex()

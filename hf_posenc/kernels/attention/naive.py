@@ -2,10 +2,11 @@
 
 Same interface as the kernel (``fused_attention`` in ``triton_attention.py``): q (B, H, Lq, D), k and v
 (B, Hkv, Lk, D) with H a multiple of Hkv (query head h reads key/value head h // (H / Hkv)), a
-:class:`~hf_posenc.kernels.attention.terms.KernelTerm`, the logit scale, causal or bidirectional, the key
+`KernelTerm`, the logit scale, causal or bidirectional, the key
 index of the first query (``q_offset``: query i is key q_offset + i) and an optional per-batch key-valid
 vector, and an optional sliding ``window`` (a band mask: causal, key j visible iff qi − window < j <= qi;
-bidirectional, iff |qi − j| < window). Gradients come from autograd, for q, k, v and every term tensor that
+bidirectional, iff |qi − j| < window), with optional attention sinks (``sink``: the keys j < sink are visible
+besides the band, causally). Gradients come from autograd, for q, k, v and every term tensor that
 requires them.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ...ops import expand_kv
-from .._masks import band_allowed, check_window
+from .._masks import band_allowed, check_sink, check_window
 from .terms import KernelTerm, enter
 
 __all__ = ["attention_reference", "band_allowed", "check_window", "term_bias"]
@@ -29,10 +30,10 @@ def term_bias(
     memo: dict | None = None,
 ) -> torch.Tensor | None:
     """The additive logit term (B|1, H, Lq, Lk) float32 of ``term`` (None for ``none``): its registry entry's
-    value (:class:`~.terms.TermSpec`) evaluated on broadcast index tensors (b, h, i, j).
+    value (`TermSpec`) evaluated on broadcast index tensors (b, h, i, j).
 
     ``query`` (B, H, Lq, D) is needed by terms with a ``prepare`` step only (shaw: its key term is scale-free
-    here: the caller scales q . a^K with the logits; see :func:`attention_reference`). ``memo`` (a per-forward
+    here: the caller scales q . a^K with the logits; see `attention_reference`). ``memo`` (a per-forward
     dict, e.g. ``PosContext.memo``): the index tensors are built once for every layer of a forward that asks
     with the same sizes and offset (a decoding step's 30 layers built 4 aranges each)."""
     spec = term.spec
@@ -73,6 +74,7 @@ def attention_reference(
     q_offset: int = 0,
     key_valid: torch.Tensor | None = None,
     window: int | None = None,
+    sink: int | None = None,
 ) -> torch.Tensor:
     """softmax(scale · q kᵀ + B) v (+ shaw's value term), in float32, cast back to the query's dtype.
 
@@ -86,14 +88,17 @@ def attention_reference(
         window: None, or an int >= 1: causal, query i sees keys qi − window < j <= qi (its last ``window``
             keys, itself included); bidirectional, keys |qi − j| < window. Applied as a band mask (the oracle of
             the tile-wise engine and the kernels, which skip the tiles outside it).
+        sink: None, or an int >= 1 with a ``window``: attention sinks, the keys j < sink visible besides the band
+            (causal: to the queries at or after them; bidirectional: to every query).
 
     Returns:
         (B, H, Lq, D) in the query's dtype; rows without any visible key are 0.
 
     Raises:
-        TypeError, ValueError: ``window`` is not None or an int >= 1.
+        TypeError, ValueError: ``window`` or ``sink`` is not None or an int >= 1, or a sink without a window.
     """
     key, value, window = enter(query, key, value, term, q_offset, window, check_window)
+    sink = check_sink(sink, window)
     b, h, q_len, _ = query.shape
     k_len = key.shape[2]
     groups = h // key.shape[1]
@@ -109,7 +114,7 @@ def attention_reference(
         if bias is not None:
             scores = scores + bias
     q_idx = torch.arange(q_len, device=q.device) + q_offset
-    allowed = band_allowed(q_idx, torch.arange(k_len, device=q.device), causal, window)[None, None]
+    allowed = band_allowed(q_idx, torch.arange(k_len, device=q.device), causal, window, sink)[None, None]
     if key_valid is not None:
         allowed = allowed & key_valid[:, None, None, :].to(torch.bool)
     scores = scores.masked_fill(~allowed, float("-inf"))

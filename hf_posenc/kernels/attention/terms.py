@@ -1,17 +1,17 @@
 """Position terms of the fused attention kernel family: the term registry, and what an encoding hands over.
 
-Each term is stated ONCE, as a :class:`TermSpec` in :data:`TERMS`: its tensors (names, shapes, which may carry
+Each term is stated ONCE, as a `TermSpec` in `TERMS`: its tensors (names, shapes, which may carry
 a gradient), its *form* and its value. Every engine derives from that entry:
 
-* the reference bias (:func:`~.naive.term_bias`, the oracle) evaluates the value on broadcast index tensors
+* the reference bias (`term_bias`, the oracle) evaluates the value on broadcast index tensors
   (B, H, Lq, Lk);
-* the FlexAttention ``score_mod`` (:func:`~.flex.score_mod_for`) evaluates the same function on FlexAttention's
+* the FlexAttention ``score_mod`` (`score_mod_for`) evaluates the same function on FlexAttention's
   0-d indices, ``score + value(b, h, q_idx, kv_idx)``;
 * the tile engine (``tiled.py``) takes a Toeplitz term's per-distance values F (H, N) from ``distance`` (one
   call per forward, each tile a strided view of them), a gate's per-token ``c`` from its tensor, FIRE's cells
-  from :func:`fire_psi` / :func:`fire_cell`;
-* the Triton kernel (``triton_attention.py``, one compile-time branch per entry of :data:`KERNEL_KINDS`) takes
-  its term id from :func:`triton_id`; an entry without its own branch names an existing one (``triton``) and
+  from `fire_psi` / `fire_cell`;
+* the Triton kernel (``triton_attention.py``, one compile-time branch per entry of `KERNEL_KINDS`) takes
+  its term id from `triton_id`; an entry without its own branch names an existing one (``triton``) and
   how to express itself there (``lower``), or none.
 
 The logit of query i (key index ``qi = q_offset + i``) and key j is ``scale * q_i . k_j + B_h(i, j)`` with,
@@ -43,7 +43,7 @@ Tensors marked ``grad=False`` (``alibi``'s slopes, ``sandwich``'s table, the t5 
 take no gradient in the Triton kernel (it refuses them when they require one); every other tensor may (learned parameters, or functions of them built in PyTorch: the engines
 return the gradient of each term tensor, and autograd carries it on to the encoding's parameters).
 
-Adding a term: one :func:`register_term` call below (its tensors, form, value and example), then its encoding
+Adding a term: one `register_term` call below (its tensors, form, value and example), then its encoding
 returns ``KernelTerm.build(kind, ...)``. The reference and FlexAttention need nothing more; nor does the tile
 engine for a Toeplitz or gate term (a pair term needs its tile path in ``_tiles.py``, which refuses it until
 then); the Triton kernel needs a branch, or an existing one through ``lower``.
@@ -109,7 +109,7 @@ class TermSpec:
 
     Attributes:
         kind: the term's name (``KernelTerm.kind``).
-        form: one of :data:`FORMS`.
+        form: one of `FORMS`.
         formula: B_h(i, j) in words (docs, messages).
         tensors: the term's tensors, in the order engines pass them around.
         distance: toeplitz form: the value at (head, δ), evaluated on broadcast index tensors.
@@ -160,7 +160,7 @@ class TermSpec:
         return self.value_term is None
 
     def value(self, t: dict, ints: dict, b, h, i, qi, j) -> torch.Tensor:
-        """B_h(i, j) on index tensors (broadcast, or FlexAttention's 0-d ones); see :data:`PairFn`."""
+        """B_h(i, j) on index tensors (broadcast, or FlexAttention's 0-d ones); see `PairFn`."""
         if self.form == "toeplitz":
             return self.distance(t, h, qi - j)
         return self.pair(t, ints, b, h, i, qi, j)
@@ -171,8 +171,8 @@ TERMS: dict[str, TermSpec] = {}
 
 
 def register_term(spec: TermSpec) -> TermSpec:
-    """Add ``spec`` to :data:`TERMS` (a kind is registered once). The terms are registered in this module: the kind
-    tuples below (:data:`TERM_KINDS`, :data:`KERNEL_KINDS`, ...) are computed once, after the last entry."""
+    """Add ``spec`` to `TERMS` (a kind is registered once). The terms are registered in this module: the kind
+    tuples below (`TERM_KINDS`, `KERNEL_KINDS`, ...) are computed once, after the last entry."""
     if spec.kind in TERMS:
         raise ValueError(f"kernel term {spec.kind!r} is already registered")
     if spec.triton is not None and spec.triton != spec.kind and (spec.triton not in TERMS or spec.lower is None):
@@ -183,7 +183,7 @@ def register_term(spec: TermSpec) -> TermSpec:
 
 
 def term_spec(kind: str) -> TermSpec:
-    """The :class:`TermSpec` of ``kind``; ValueError naming the known kinds otherwise."""
+    """The `TermSpec` of ``kind``; ValueError naming the known kinds otherwise."""
     try:
         return TERMS[kind]
     except KeyError:
@@ -191,7 +191,7 @@ def term_spec(kind: str) -> TermSpec:
 
 
 def triton_id(kind: str) -> int:
-    """The Triton kernel's compile-time id of ``kind``'s branch (its index in :data:`KERNEL_KINDS`)."""
+    """The Triton kernel's compile-time id of ``kind``'s branch (its index in `KERNEL_KINDS`)."""
     branch = term_spec(kind).triton
     if branch is None:
         raise ValueError(f"the {kind} term has no Triton branch")
@@ -201,7 +201,7 @@ def triton_id(kind: str) -> int:
 def example_term(kind: str, shape: tuple, q_offset: int, g: torch.Generator, device="cpu",
                  realistic: bool = False) -> tuple["KernelTerm", list]:
     """A random ``kind`` term for ``shape`` (B, H, Hkv, Lq, Lk, D) and the leaves whose gradients tests compare
-    (``realistic``: tables of the sizes models use, see :class:`TermSpec`)."""
+    (``realistic``: tables of the sizes models use, see `TermSpec`)."""
     return term_spec(kind).example(shape, q_offset, g, device, realistic)
 
 
@@ -517,10 +517,10 @@ TOEPLITZ_KINDS = tuple(kind for kind, spec in TERMS.items() if spec.form == "toe
 
 @dataclass(frozen=True)
 class KernelTerm:
-    """One position term for the fused attention; build it with :meth:`build` or the class methods.
+    """One position term for the fused attention; build it with `build` or the class methods.
 
     Attributes:
-        kind: one of :data:`TERM_KINDS`.
+        kind: one of `TERM_KINDS`.
         tensors: the term's tensors by name (see the module docstring).
         ints: the term's integer constants (``max_relative_position`` of shaw).
         key: replacement keys for the attention, (B, Hkv, Lk, D) (fox: the cache's state channels stripped),
@@ -562,7 +562,7 @@ class KernelTerm:
     @classmethod
     def build(cls, kind: str, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
               ints: dict[str, int] | None = None, **tensors: torch.Tensor) -> "KernelTerm":
-        """A ``kind`` term from its tensors by name, checked against its :class:`TermSpec` (ValueError)."""
+        """A ``kind`` term from its tensors by name, checked against its `TermSpec` (ValueError)."""
         spec = term_spec(kind)
         names = [ts.name for ts in spec.tensors]
         if sorted(tensors) != sorted(names):

@@ -1,6 +1,6 @@
 """Tile-wise PyTorch attention with a position term: the engine wherever the Triton kernels do not run.
 
-Modules, along the engine's paths: this one (the entry, :func:`tiled_attention`); ``_tiles.py`` (the call's plan,
+Modules, along the engine's paths: this one (the entry, `tiled_attention`); ``_tiles.py`` (the call's plan,
 each form's tiles: a Toeplitz term's strided views of its per-distance values from the term registry, a gate's
 vector, FIRE's table cells, Shaw's buckets; the masks); ``_tiled_fused.py`` (the fused-CPU path: float masks split
 at the diagonal, the key channel, Shaw's band, the subnormal flush); ``_tiled_function.py`` (the autograd
@@ -17,17 +17,20 @@ in plain PyTorch, on any device (CPU, MPS, CUDA without Triton). Query i is key 
 Tiling. The queries are split into blocks of ``block_q`` rows; each block runs against the keys it can
 see (causal with an int ``q_offset``: keys up to its last query; the tiles right of the diagonal are never
 built; with a sliding ``window`` and an int offset the keys from its first query's window edge on: the key
-tiles left of the band are never built either, so the cost is O(Lq · (window + block_q)) per head). On the CPU in float32 (every term; Shaw when causal) each block is one call of torch's fused CPU attention
-kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp) with the
-block's term as an additive float mask (B, H, block_q, keys seen), built from the term's small tensors:
-few large products win on the CPU. Causal with an int offset and no padding or window, a block's keys split
-at its diagonal square (``_block_parts``): the keys before it carry the term alone, the square the term and the
-kernel's own causal mask, two calls merged by their log-sum-exp; no mask is filled with −inf (the kernel reads
-a mask by its strides, so a view serves). Elsewhere (other devices, float64, shaw) the block loops over key tiles
-of ``block_k`` with an online softmax (running max and sum). Every tile is computed in float32 (float64
-inputs stay float64), whatever the input dtype; the output is cast back. Memory: O(block_q · Lk) per head
-for the tile, plus O(L · D) for q, k, v (k, v expanded to the query heads on the fused-kernel path, which
-takes no GQA), the output and the log-sum-exp; never (B, H, Lq, Lk).
+tiles left of the band are never built either, so the cost is O(Lq · (window + block_q)) per head; with
+attention sinks, ``sink``, a block also visits the sink keys [0, sink), as a key range of its own when a gap
+separates them from its window (``_Plan.key_ranges``; on the fused path the ranges' results merge by their
+log-sum-exp), never the tiles between). On the CPU in float32 (every term; Shaw when causal) each block is one
+call of torch's fused CPU attention kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``, which returns
+the log-sum-exp) with the block's term as an additive float mask (B, H, block_q, keys seen), built from the
+term's small tensors: few large products win on the CPU. Causal with an int offset and no padding or window, a
+block's keys split at its diagonal square (``_block_parts``): the keys before it carry the term alone, the square
+the term and the kernel's own causal mask, two calls merged by their log-sum-exp; no mask is filled with −inf
+(the kernel reads a mask by its strides, so a view serves). Elsewhere (other devices, float64, shaw) the block
+loops over key tiles of ``block_k`` with an online softmax (running max and sum). Every tile is computed in
+float32 (float64 inputs stay float64), whatever the input dtype; the output is cast back. Memory:
+O(block_q · Lk) per head for the tile, plus O(L · D) for q, k, v (k, v expanded to the query heads on the
+fused-kernel path, which takes no GQA), the output and the log-sum-exp; never (B, H, Lq, Lk).
 
 Toeplitz tiles run with their query rows reversed (row i' is query q1 − 1 − i'): the tile is then a plain
 strided view of the reversed per-distance vector (``unfold``), and the lines of constant distance are its
@@ -94,7 +97,7 @@ from .. import autotune
 from ._tiled_fused import fused_applies
 from ._tiled_function import TiledAttentionFunction
 from ._tiles import PAIR_TILES, _Plan
-from .._masks import band_allowed
+from .._masks import band_allowed, check_sink
 from .naive import check_window, term_bias
 from .terms import TILED_KINDS, KernelTerm, enter
 
@@ -107,7 +110,7 @@ BLOCK_K = 512
 
 
 def tiled_unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, term: KernelTerm) -> str | None:
-    """None when :func:`tiled_attention` takes these inputs, else the reason (a sentence)."""
+    """None when `tiled_attention` takes these inputs, else the reason (a sentence)."""
     key = term.key if term.key is not None else key
     value = term.value if term.value is not None else value
     if term.kind not in TILED_KINDS or (term.spec.form == "pair" and term.kind not in PAIR_TILES):
@@ -140,6 +143,7 @@ def tiled_attention(
     block_k: int = BLOCK_K,
     window: int | None = None,
     memo: dict | None = None,
+    sink: int | None = None,
 ) -> torch.Tensor:
     """Attention with ``term``, tile by tile; same contract as ``naive.attention_reference``.
 
@@ -159,22 +163,28 @@ def tiled_attention(
             key its first query sees (and, bidirectional, stops after the last one its last query sees): the
             tiles outside the band are never built, the band is masked inside the partly covered ones. With a
             tensor offset the band is masked per tile from the tensor (no tile skipped).
+        sink: None, or an int >= 1 with a ``window`` (attention sinks, StreamingLLM): the keys j < sink are seen
+            besides the band (causal: by the queries at or after them). With an int offset a query block visits
+            the sink keys' tiles, then its window's (one range where they touch); the tiles between are never
+            built.
         memo: a per-forward dict (``PosContext.memo``): a decoding step's mask and index tensors are built once
-            for all the layers that share them (:data:`FEW_QUERIES`).
+            for all the layers that share them (`FEW_QUERIES`).
 
     Returns:
         (B, H, Lq, D) in the query's dtype; rows without any visible key are 0.
 
     Raises:
-        ValueError: the term does not fit the inputs (see :func:`tiled_unsupported`), bad block sizes, or a
-            window below 1.
-        TypeError: ``window`` is not an int (or None), or ``q_offset`` is neither an int nor a tensor.
+        ValueError: the term does not fit the inputs (see `tiled_unsupported`), bad block sizes, a
+            window or sink below 1, or a sink without a window.
+        TypeError: ``window`` or ``sink`` is not an int (or None), or ``q_offset`` is neither an int nor a
+            tensor.
     """
     reason = tiled_unsupported(query, key, value, term)
     if reason is not None:
         raise ValueError(reason)
     off_tensor = isinstance(q_offset, torch.Tensor)
     key, value, window = enter(query, key, value, term, 0 if off_tensor else q_offset, window, check_window)
+    sink = check_sink(sink, window)
     if block_q is None:
         block_q = BLOCK_Q if window is None else max(64, min(BLOCK_Q, window // 2))
     if not (isinstance(block_q, int) and isinstance(block_k, int) and block_q >= 1 and block_k >= 1):
@@ -182,10 +192,11 @@ def tiled_attention(
     if not off_tensor and not isinstance(q_offset, int):
         raise TypeError(f"q_offset must be an int or a 0-d tensor, got {type(q_offset).__name__}")
     if _few_queries_apply(query, key, value, term, q_offset):
-        return _few_queries(query, key, value, term, float(scale), bool(causal), q_offset, key_valid, window, memo)
+        return _few_queries(query, key, value, term, float(scale), bool(causal), q_offset, key_valid, window, memo,
+                            sink)
     names = tuple(term.tensors)
     plan = _Plan(term.kind, names, dict(term.ints), float(scale), bool(causal),
-                 None if off_tensor else q_offset, block_q, block_k, window)
+                 None if off_tensor else q_offset, block_q, block_k, window, sink)
     valid = None if key_valid is None else key_valid.to(device=query.device, dtype=torch.bool)
     q_off_t = q_offset.to(device=query.device, dtype=torch.long).reshape(()) if off_tensor else None
     tensors = tuple(term.tensors.values())
@@ -216,17 +227,18 @@ def _sees_every_key(q_len: int, k_len: int, q_offset: int, causal: bool, window:
     return window is None or window > max(q_offset + q_len - 1, k_len - 1 - q_offset)
 
 
-def _few_queries(query, key, value, term, scale, causal, q_offset, key_valid, window, memo=None) -> torch.Tensor:
+def _few_queries(query, key, value, term, scale, causal, q_offset, key_valid, window, memo=None,
+                 sink=None) -> torch.Tensor:
     """A few queries without gradients: softmax(scale · q kᵀ + B) v by one SDPA call (grouped heads not expanded),
-    B the term's values for these rows (its registry entry, :func:`naive.term_bias`) plus 0 / −inf where a key
+    B the term's values for these rows (its registry entry, `naive.term_bias`) plus 0 / −inf where a key
     is visible / masked; rows that see no key are 0, as the tiles give them. Computed in float32 (float64 stays
     float64). With ``memo`` (per forward) the 0 / −inf mask and the index tensors are built once for the layers
-    that share sizes, offset, window and key padding (the same ``key_valid`` tensor)."""
+    that share sizes, offset, window, sinks and key padding (the same ``key_valid`` tensor)."""
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     b, h, q_len, _ = query.shape
     k_len = key.shape[2]
     bias = _layer_shared_bias(term, query, q_len, k_len, q_offset, memo)
-    mkey = ("few_queries_mask", q_len, k_len, q_offset, causal, window, compute, query.device)
+    mkey = ("few_queries_mask", q_len, k_len, q_offset, causal, window, sink, compute, query.device)
     entry = None if memo is None else memo.get(mkey)
     if entry is not None and entry[0] is key_valid:
         neg, empty = entry[1], entry[2]
@@ -236,7 +248,7 @@ def _few_queries(query, key, value, term, scale, causal, q_offset, key_valid, wi
             memo[mkey] = (key_valid, neg, empty)
     else:
         q_idx = torch.arange(q_len, device=query.device) + q_offset
-        allowed = band_allowed(q_idx, torch.arange(k_len, device=query.device), causal, window)[None, None]
+        allowed = band_allowed(q_idx, torch.arange(k_len, device=query.device), causal, window, sink)[None, None]
         if key_valid is not None:
             allowed = allowed & key_valid.to(device=query.device, dtype=torch.bool)[:, None, None, :]
         empty = ~allowed.any(-1, keepdim=True)  # (B|1, 1, Lq, 1)
@@ -255,7 +267,7 @@ def _few_queries(query, key, value, term, scale, causal, q_offset, key_valid, wi
 
 
 def _layer_shared_bias(term, query, q_len, k_len, q_offset, memo) -> torch.Tensor | None:
-    """:func:`term_bias` of ``term``, reused from the previous layer of this forward when that layer's term held the
+    """`term_bias` of ``term``, reused from the previous layer of this forward when that layer's term held the
     very same tensors (storage, shape, strides and version: a bias shared by the layers, e.g. ALiBi's slopes, a shared
     KERPLE kernel or T5 table, Sandwich's table); a decoding step otherwise evaluates the same term in every layer.
     ``memo`` (per forward) keeps the last such bias only, with the tensors it was built from (so no other tensor can
@@ -282,12 +294,13 @@ autotune.register_site("tiled.engine", ("fused", "online"), default="fused",
 
 
 def _choose_path(query, key, value, valid, q_off_t, plan, tensors) -> str:
-    """``fused`` or ``online`` for this call: :func:`hf_posenc.kernels.autotune.choose`, timing a forward (and,
+    """``fused`` or ``online`` for this call: `hf_posenc.kernels.autotune.choose`, timing a forward (and,
     when gradients flow, a backward) of each path on detached copies of these very inputs."""
     train = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, *tensors))
     b, h, q_len, d = query.shape
     case = (f"{plan.kind}-{'causal' if plan.causal else 'bidir'}-{'masked' if valid is not None else 'dense'}-"
-            f"{'window' if plan.window is not None else 'full'}-{'train' if train else 'infer'}-"
+            f"{'full' if plan.window is None else 'window' if plan.sink is None else 'sink'}-"
+            f"{'train' if train else 'infer'}-"
             + autotune.shape_class(B=b, H=h, Hkv=key.shape[1], Lq=q_len, Lk=key.shape[2], D=d))
 
     def run(path: str) -> None:

@@ -40,7 +40,10 @@ Gradients of the term tensors, all reduced along tiles first (no atomics), in th
 
 Masks: causal (j <= q_offset + i), a sliding window (HAS_WINDOW, a compile-time switch; the size WINDOW is a
 runtime int: causal qi − WINDOW < j, bidirectional |qi − j| < WINDOW; the loops start and stop at the tiles that
-meet the band, so the tiles outside it are never loaded), a per-batch key-valid vector (padding; a row with no valid key gives
+meet the band, so the tiles outside it are never loaded), its attention sinks (HAS_SINK, a compile-time switch; SINK
+a runtime int: the keys j < SINK are seen besides the band; the query-major loops walk the sink keys' tiles first,
+then the window's, never the tiles between; the dK/dV program of a tile holding sink keys walks every query tile
+that may see them), a per-batch key-valid vector (padding; a row with no valid key gives
 0), bounds. Offsets inside one (b, h) slice are 32-bit (the slice base is 64-bit): (L − 1) · stride + D
 must stay below 2^31 (``fused_attention`` checks). Only Triton features present in 3.6 are used.
 
@@ -64,6 +67,7 @@ import triton
 import triton.language as tl
 
 from .._errors import guarded
+from .._masks import check_sink
 from .naive import check_window
 from .terms import KERNEL_KINDS, KernelTerm, enter, triton_id
 
@@ -205,19 +209,22 @@ def _term_bias(
 @triton.jit
 def _logits(
     q, k, offs_m, offs_n, b, h, H, Lq, Lk, q_offset, scale, VALID, svalb,
-    TP0, TP1, TP2, TP3, tp_sb, TI0, TI1, WINDOW,
+    TP0, TP1, TP2, TP3, tp_sb, TI0, TI1, WINDOW, SINK,
     TERM: tl.constexpr, CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr, F32: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     """(s (BLOCK_M, BLOCK_N) float32 logits with −inf where masked, the bool mask ok, delta = qi − j)."""
     qpos = q_offset + offs_m
     ok = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
     if CAUSAL:
         ok = ok & (offs_n[None, :] <= qpos[:, None])
-    if HAS_WINDOW:  # the band: qi − window < j (and j < qi + window bidirectionally)
-        ok = ok & (offs_n[None, :] > qpos[:, None] - WINDOW)
+    if HAS_WINDOW:  # the band: qi − window < j (and j < qi + window bidirectionally), or a sink key j < SINK
+        band = offs_n[None, :] > qpos[:, None] - WINDOW
         if not CAUSAL:
-            ok = ok & (offs_n[None, :] < qpos[:, None] + WINDOW)
+            band = band & (offs_n[None, :] < qpos[:, None] + WINDOW)
+        if HAS_SINK:
+            band = band | (offs_n[None, :] < SINK)
+        ok = ok & band
     if HAS_VALID:
         kv = tl.load(VALID + b.to(tl.int64) * svalb + offs_n, mask=offs_n < Lk, other=0)
         ok = ok & (kv != 0)[None, :]
@@ -231,11 +238,13 @@ def _logits(
 
 
 @triton.jit
-def _key_range(pid_m, q_offset, Lk, WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """[n_lo, n_hi): the keys the query tile pid_m may see; n_lo a multiple of BLOCK_N. Causal: up to its last
-    query; a window: from its first query's qi − window + 1 (and, bidirectional, up to its last query's
-    qi + window − 1). The key tiles outside are never loaded."""
+def _key_range(pid_m, q_offset, Lk, WINDOW, SINK, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr):
+    """(n_first, n_lo, n_hi): [n_lo, n_hi) are the keys of the window the query tile pid_m may see; n_lo a multiple
+    of BLOCK_N. Causal: up to its last query; a window: from its first query's qi − window + 1 (and, bidirectional,
+    up to its last query's qi + window − 1). The key tiles outside are never loaded. The loops walk the positions
+    n_first, n_first + BLOCK_N, ... < n_hi, each at the key tile `_tile_start` gives: n_first = n_lo, but with
+    sinks n_lo less the sink keys' tiles left of n_lo (walked first; bidirectional, n_hi reaches the last sink)."""
     if CAUSAL:
         n_hi = tl.minimum(Lk, q_offset + (pid_m + 1) * BLOCK_M)
     elif HAS_WINDOW:
@@ -246,7 +255,23 @@ def _key_range(pid_m, q_offset, Lk, WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
         n_lo = (tl.maximum(q_offset + pid_m * BLOCK_M - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
     else:
         n_lo = 0
-    return n_lo, n_hi
+    n_first = n_lo
+    if HAS_SINK:
+        if not CAUSAL:
+            n_hi = tl.maximum(n_hi, tl.minimum(SINK, Lk))
+        n_hi = tl.maximum(n_hi, n_lo)
+        n_first = n_lo - tl.minimum((SINK + BLOCK_N - 1) // BLOCK_N * BLOCK_N, n_lo)
+    return n_first, n_lo, n_hi
+
+
+@triton.jit
+def _tile_start(walk, n_first, n_lo, HAS_SINK: tl.constexpr):
+    """The first key of the tile at walk position ``walk`` (`_key_range`): the window's tile ``walk`` from
+    n_lo on; before it (sinks only) the sink keys' tiles 0, BLOCK_N, ... in order."""
+    start_n = walk
+    if HAS_SINK:
+        start_n = tl.where(walk < n_lo, walk - n_first, walk)
+    return start_n
 
 
 @triton.jit
@@ -280,10 +305,10 @@ def _table_hist(acc, cells, cid, v0, v1, ok, TWO: tl.constexpr):
 def _fwd_kernel(
     Q, K, V, O, LSE, W, VALID, TP0, TP1, TP2, TP3,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som, svalb, tp_sb,
-    H, G, Lq, Lk, QOFF, scale, TI0, TI1, WINDOW,
+    H, G, Lq, Lk, QOFF, scale, TI0, TI1, WINDOW, SINK,
     TERM: tl.constexpr, CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    RP: tl.constexpr, F32: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    RP: tl.constexpr, F32: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     q_offset = tl.load(QOFF)  # a device tensor: the host never reads the offset (no sync, CUDA-graph safe)
     pid_m = tl.program_id(0)
@@ -304,14 +329,15 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     w_acc = tl.zeros([BLOCK_M, RP], tl.float32)  # shaw's value-term histogram (unused otherwise)
     r_cols = tl.arange(0, RP)
-    n_lo, n_hi = _key_range(pid_m, q_offset, Lk, WINDOW, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
-    for start_n in range(n_lo, n_hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_first, n_lo, n_hi = _key_range(pid_m, q_offset, Lk, WINDOW, SINK, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW,
+                                     HAS_SINK)
+    for walk in range(n_first, n_hi, BLOCK_N):
+        offs_n = _tile_start(walk, n_first, n_lo, HAS_SINK) + tl.arange(0, BLOCK_N)
         kv_mask = (offs_n[:, None] < Lk) & dmask[None, :]
         k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
         s, ok, delta = _logits(q, k, offs_m, offs_n, b, h, H, Lq, Lk, q_offset, scale, VALID, svalb,
-                               TP0, TP1, TP2, TP3, tp_sb, TI0, TI1, WINDOW, TERM, CAUSAL, HAS_VALID, F32,
-                               HAS_WINDOW)
+                               TP0, TP1, TP2, TP3, tp_sb, TI0, TI1, WINDOW, SINK, TERM, CAUSAL, HAS_VALID, F32,
+                               HAS_WINDOW, HAS_SINK)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2((s - m_safe[:, None]) * _LOG2E)
@@ -363,10 +389,10 @@ def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, VALID, TP0, TP1, TP2, TP3, DCK,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
     svalb, tp_sb,
-    H, HKV, G, Lq, Lk, QOFF, scale, TI0, TI1, WINDOW,
+    H, HKV, G, Lq, Lk, QOFF, scale, TI0, TI1, WINDOW, SINK,
     TERM: tl.constexpr, CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    F32: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    F32: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     q_offset = tl.load(QOFF)
     pid_n = tl.program_id(0)
@@ -393,6 +419,11 @@ def _bwd_dkdv_kernel(
         m_hi = tl.minimum(Lq, (pid_n + 1) * BLOCK_N - 1 + WINDOW - q_offset)
     else:
         m_hi = Lq
+    if HAS_SINK:  # a tile that holds sink keys is seen by every query (causal: those at or after its first key)
+        holds_sink = pid_n * BLOCK_N < SINK
+        m_hi = tl.where(holds_sink, Lq, m_hi)
+        if not CAUSAL:
+            m_lo = tl.where(holds_sink, 0, m_lo)
     for hh in range(0, G):
         h = hk * G + hh
         q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
@@ -407,8 +438,8 @@ def _bwd_dkdv_kernel(
             lse = tl.load(LSE + row_base + offs_m, mask=offs_m < Lq, other=float("inf"))
             dlt = tl.load(DELTA + row_base + offs_m, mask=offs_m < Lq, other=0.0)
             s, ok, delta = _logits(q, k, offs_m, offs_n, b, h, H, Lq, Lk, q_offset, scale, VALID, svalb,
-                                   TP0, TP1, TP2, TP3, tp_sb, TI0, TI1, WINDOW, TERM, CAUSAL, HAS_VALID, F32,
-                               HAS_WINDOW)
+                                   TP0, TP1, TP2, TP3, tp_sb, TI0, TI1, WINDOW, SINK, TERM, CAUSAL, HAS_VALID, F32,
+                                   HAS_WINDOW, HAS_SINK)
             p = tl.exp2((s - lse[:, None]) * _LOG2E)
             dv += _dot(tl.trans(p.to(do.dtype)), do, F32)
             dp = _dot(do, tl.trans(v), F32)
@@ -433,11 +464,11 @@ def _bwd_dkdv_kernel(
 def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, VALID, TP0, TP1, TP2, TP3, ROWG0, ROWG1, HIST, DQA,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, sdqb, sdqh, sdqm, svalb, tp_sb,
-    H, G, Lq, Lk, QOFF, scale, TI0, TI1, N_MBLOCKS, WINDOW,
+    H, G, Lq, Lk, QOFF, scale, TI0, TI1, N_MBLOCKS, WINDOW, SINK,
     TERM: tl.constexpr, CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     RP: tl.constexpr, NHP: tl.constexpr, ROWG_N: tl.constexpr, HAS_HIST: tl.constexpr, F32: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     q_offset = tl.load(QOFF)
     pid_m = tl.program_id(0)
@@ -467,15 +498,16 @@ def _bwd_dq_kernel(
     cells = tl.arange(0, NHP)
     dqa = tl.zeros([BLOCK_M, RP], tl.float32)  # shaw: per-row histogram of dS
     r_cols = tl.arange(0, RP)
-    n_lo, n_hi = _key_range(pid_m, q_offset, Lk, WINDOW, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
-    for start_n in range(n_lo, n_hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_first, n_lo, n_hi = _key_range(pid_m, q_offset, Lk, WINDOW, SINK, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW,
+                                     HAS_SINK)
+    for walk in range(n_first, n_hi, BLOCK_N):
+        offs_n = _tile_start(walk, n_first, n_lo, HAS_SINK) + tl.arange(0, BLOCK_N)
         kv_mask = (offs_n[:, None] < Lk) & dmask[None, :]
         k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
         s, ok, delta = _logits(q, k, offs_m, offs_n, b, h, H, Lq, Lk, q_offset, scale, VALID, svalb,
-                               TP0, TP1, TP2, TP3, tp_sb, TI0, TI1, WINDOW, TERM, CAUSAL, HAS_VALID, F32,
-                               HAS_WINDOW)
+                               TP0, TP1, TP2, TP3, tp_sb, TI0, TI1, WINDOW, SINK, TERM, CAUSAL, HAS_VALID, F32,
+                               HAS_WINDOW, HAS_SINK)
         p = tl.exp2((s - lse[:, None]) * _LOG2E)
         dp = _dot(do, tl.trans(v), F32)
         if TERM == _SHAW:
@@ -566,11 +598,14 @@ class _Launch:
     """The static description of one call: term id, constants, tile sizes, strides of the term tensors."""
 
     def __init__(self, term: KernelTerm, q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool,
-                 q_offset: int | torch.Tensor, has_valid: bool, window: int | None = None) -> None:
+                 q_offset: int | torch.Tensor, has_valid: bool, window: int | None = None,
+                 sink: int | None = None) -> None:
         self.kind = term.kind
         # a runtime int (one compilation for every window size) and a compile-time switch (no band code without)
         self.window = 0 if window is None else int(window)
         self.has_window = window is not None
+        self.sink = 0 if sink is None else int(sink)  # the same for the sinks
+        self.has_sink = sink is not None
         self.term_id = _TERM_ID[term.kind]
         self.scale = float(scale)
         self.causal = bool(causal)
@@ -620,7 +655,8 @@ class _Launch:
 
     def consts(self) -> dict:
         return dict(TERM=self.term_id, CAUSAL=self.causal, HAS_VALID=self.has_valid,
-                    HEAD_D=self.d, BLOCK_D=self.block_d, F32=self.f32, HAS_WINDOW=self.has_window)
+                    HEAD_D=self.d, BLOCK_D=self.block_d, F32=self.f32, HAS_WINDOW=self.has_window,
+                    HAS_SINK=self.has_sink)
 
 
 def _kernel_tensors(term: KernelTerm, q: torch.Tensor) -> list[torch.Tensor]:
@@ -679,7 +715,7 @@ class FusedAttentionFunction(torch.autograd.Function):
             q, k, v, o, lse, w, valid_t, *tp,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), svalb, tp_sb,
-            L.h, L.g, L.lq, L.lk, L.q_offset, L.scale, L.ti0, L.ti1, L.window,
+            L.h, L.g, L.lq, L.lk, L.q_offset, L.scale, L.ti0, L.ti1, L.window, L.sink,
             BLOCK_M=L.fwd_m, BLOCK_N=L.fwd_n, RP=L.rp, num_warps=L.fwd_warps, num_stages=NUM_STAGES,
             **L.consts(),
         )
@@ -728,7 +764,7 @@ class FusedAttentionFunction(torch.autograd.Function):
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             ctx.svalb, L.tp_sb,
-            L.h, L.hkv, L.g, L.lq, L.lk, L.q_offset, L.scale, L.ti0, L.ti1, L.window,
+            L.h, L.hkv, L.g, L.lq, L.lk, L.q_offset, L.scale, L.ti0, L.ti1, L.window, L.sink,
             BLOCK_M=L.dkdv_m, BLOCK_N=L.dkdv_n, num_warps=L.dkdv_warps, num_stages=NUM_STAGES, **L.consts(),
         )
         n_mblocks = triton.cdiv(L.lq, L.dq_m)
@@ -743,7 +779,7 @@ class FusedAttentionFunction(torch.autograd.Function):
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
             dq.stride(0), dq.stride(1), dq.stride(2), ctx.svalb, L.tp_sb,
-            L.h, L.g, L.lq, L.lk, L.q_offset, L.scale, L.ti0, L.ti1, n_mblocks, L.window,
+            L.h, L.g, L.lq, L.lk, L.q_offset, L.scale, L.ti0, L.ti1, n_mblocks, L.window, L.sink,
             BLOCK_M=L.dq_m, BLOCK_N=L.dq_n, RP=L.rp, NHP=L.nhp, ROWG_N=n_rows,
             HAS_HIST=L.kind in ("t5", "fire"), num_warps=L.dq_warps, num_stages=NUM_STAGES, **L.consts(),
         )
@@ -797,6 +833,7 @@ def fused_attention(
     q_offset: int | torch.Tensor = 0,
     key_valid: torch.Tensor | None = None,
     window: int | None = None,
+    sink: int | None = None,
 ) -> torch.Tensor:
     """Attention with ``term`` in the Triton kernels; same contract as ``naive.attention_reference``.
 
@@ -813,14 +850,19 @@ def fused_attention(
             bidirectional, |qi − j| < window. Every kernel (forward, dK/dV, dQ) loops only over the tiles that
             meet the band (bounds computed on the device from the offset, tensor offsets included) and masks
             the band inside them.
+        sink: None, or an int >= 1 with a ``window``: attention sinks, the keys j < sink seen besides the band.
+            The query-major kernels (forward, dQ) walk the sink keys' tiles, then the window's; the dK/dV program
+            of a tile holding sink keys walks every query tile that may see them. A runtime int behind the
+            compile-time switch HAS_SINK.
 
     Returns:
         (B, H, Lq, D) in the query's dtype: a transposed view of a contiguous (B, Lq, H, D) tensor.
 
     Raises:
-        TypeError, ValueError: ``window`` is not None or an int >= 1.
+        TypeError, ValueError: ``window`` or ``sink`` is not None or an int >= 1, or a sink without a window.
     """
     key, value, window = enter(query, key, value, term, q_offset, window, check_window)
+    sink = check_sink(sink, window)
     term = lower(term)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
     valid = None
@@ -828,7 +870,7 @@ def fused_attention(
         valid = key_valid.to(torch.uint8)
         if valid.stride(-1) != 1:
             valid = valid.contiguous()
-    launch = _Launch(term, q, k, scale, causal, q_offset, valid is not None, window)
+    launch = _Launch(term, q, k, scale, causal, q_offset, valid is not None, window, sink)
     tensors = _kernel_tensors(term, q)
     o, w = FusedAttentionFunction.apply(q, k, v, valid, launch, *tensors)
     if term.kind == "shaw":

@@ -39,7 +39,7 @@ def base_bias_tile(
     """The bias tile, heads first: (B|1, H, n, nk), or (1, H, n, nk) for one ``batch_row``.
 
     Args:
-        kind: one of :data:`BASE_KINDS`.
+        kind: one of `BASE_KINDS`.
         tensors: the kind's tensors (module docstring).
         q_index: (n,) key index of each query of the tile (q_offset + i), in the compute dtype.
         k_index: (nk,) key indices of the tile.

@@ -1,8 +1,8 @@
-"""The full-matrix CAPE attention: the reference (and test oracle) of :mod:`hf_posenc.kernels.cape.tiled`.
+"""The full-matrix CAPE attention: the reference (and test oracle) of `hf_posenc.kernels.cape.tiled`.
 
 Pre-softmax scores A = L + B + f(L, B) with L = Q K^T * scaling (B, H, Lq, Lk), B the base bias
 (B|1, H, Lq, Lk) and f the two-layer MLP with a LeakyReLU (slope 0.01) over the 2H values [L_1..H, B_1..H]
-at each (i, j) (see :mod:`hf_posenc.encodings.cape`). It builds (B, Lq, Lk, 2H) and (B, Lq, Lk, hidden)
+at each (i, j) (see `hf_posenc.encodings.cape`). It builds (B, Lq, Lk, 2H) and (B, Lq, Lk, hidden)
 tensors: O(L^2) memory.
 """
 

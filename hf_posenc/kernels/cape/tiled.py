@@ -1,7 +1,7 @@
 """Tile-wise CAPE attention in plain PyTorch: O(L · block) memory, any device.
 
 Per batch row, query block × key block it computes every head's scaled logits L for the tile, the base bias
-tile B from its small tensors (:mod:`.bias_tile`), the MLP f across the heads at each (i, j) (heads first, as
+tile B from its small tensors (`bias_tile`), the MLP f across the heads at each (i, j) (heads first, as
 (hidden, 2H + 1) x (2H + 1, n * nk) matrix products on reused buffers, see ``_Workspace``), the scores
 A = L + B + f(L, B), the mask (skipped on fully visible tiles), and an online softmax over the key blocks
 (running max and sum per row and head). One batch row at a time keeps every product 2D on its reused buffers
@@ -135,7 +135,7 @@ def _row(t: torch.Tensor | None, r: int) -> torch.Tensor | None:
 
 def _bias_into(slot, kind, bias_tensors, q_index, k_index, rows, r, rank_one: bool) -> None:
     """Write the tile's base bias into its slot of ``feat``: |δ| (1, n, nk) in ALiBi's rank-one form, else the bias
-    (H, n, nk) (:func:`.bias_tile.base_bias_tile`)."""
+    (H, n, nk) (`bias_tile.base_bias_tile`)."""
     if rank_one:
         torch.sub(q_index[:, None], k_index[None, :], out=slot[0]).abs_()
     else:
@@ -294,7 +294,7 @@ def cape_attention_tiled(
             are not expanded).
         w1: (hidden, 2H), b1: (hidden,), w2: (H, hidden), b2: (H,): the MLP f (any float dtype; computed in
             float32, float64 stays float64; gradients reach them through the cast).
-        kind, bias_tensors: the base bias (see :mod:`.bias_tile`).
+        kind, bias_tensors: the base bias (see `bias_tile`).
         mask: (B|1, 1, Lq, Lk) bool (True = attend), or None (every query sees every key).
         scaling: logit scale.
         q_offset: key index of the first query (an int, or a 0-d tensor: then no tile is skipped).

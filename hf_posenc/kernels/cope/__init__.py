@@ -26,7 +26,7 @@ import torch
 
 from ...ops import eager_value_checks
 from .._attn_dispatch import choose, common_unsupported, flag_unsupported
-from .._masks import check_window
+from .._masks import check_sink, check_window
 from .naive import cope_reference
 from .tiled import cope_tiled
 
@@ -65,7 +65,7 @@ FLOAT32_ON_CUDA = (
 
 def triton_unsupported(q, k, v, mask, q_offset, need_weights=False, dropout=0.0, training=False) -> str | None:
     """The reason the causal CoPE Triton kernel cannot run these inputs (a sentence), or None: the checks every
-    attention kernel shares, then float32 on CUDA (:data:`FLOAT32_ON_CUDA`)."""
+    attention kernel shares, then float32 on CUDA (`FLOAT32_ON_CUDA`)."""
     why = common_unsupported("cope", "cope.triton_cope", q, k, v, mask, q_offset, need_weights, dropout, training)
     if why is None and q.device.type == "cuda" and q.dtype == torch.float32:
         return FLOAT32_ON_CUDA
@@ -110,6 +110,7 @@ def cope(
     scale: float,
     q_offset: int | torch.Tensor = 0,
     window: int | None = None,
+    sink: int | None = None,
 ) -> torch.Tensor:
     """Causal CoPE attention (see ``hf_posenc/encodings/cope.py`` for the formula): fused on CUDA, tile-wise
     PyTorch elsewhere.
@@ -123,29 +124,34 @@ def cope(
         q_offset: query i is key ``q_offset + i``.
         window: None, or an int >= 1: a sliding window, query i sees only keys qi − window < j <= qi; the keys
             outside are absent as if masked (no weight, no gate). Both engines skip the key tiles outside it.
+        sink: None, or an int >= 1 with a ``window``: attention sinks, the keys j < sink kept besides the band (a
+            weight and a gate as any visible key); both engines visit their key tiles, not those between them and
+            the window.
 
     Returns:
         (B, H, Lq, D) in q's dtype (computed in float32).
 
     Raises:
-        ValueError, TypeError: bad shapes, or a ``window`` that is not None or an int >= 1.
+        ValueError, TypeError: bad shapes, a ``window`` or ``sink`` that is not None or an int >= 1, or a sink
+            without a window.
     """
     _check(q, k, v, table, mask, q_offset)
     window = check_window(window)
+    sink = check_sink(sink, window)
     if cope_backend(q, k, v, mask, q_offset) == "triton":
         from .triton_cope import cope_triton
 
         last = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)]
-        return cope_triton(*last, table, mask, scale, q_offset, window=window)
-    return cope_torch(q, k, v, table, mask, scale, q_offset, window=window)
+        return cope_triton(*last, table, mask, scale, q_offset, window=window, sink=sink)
+    return cope_torch(q, k, v, table, mask, scale, q_offset, window=window, sink=sink)
 
 
-def cope_torch(q, k, v, table, mask, scale, q_offset=0, window=None) -> torch.Tensor:
-    """Causal CoPE off Triton (same arguments as :func:`cope`, already checked): the tile-wise engine, or for a
-    few queries without gradients (:data:`FEW_QUERIES`) the whole row at once."""
+def cope_torch(q, k, v, table, mask, scale, q_offset=0, window=None, sink=None) -> torch.Tensor:
+    """Causal CoPE off Triton (same arguments as `cope`, already checked): the tile-wise engine, or for a
+    few queries without gradients (`FEW_QUERIES`) the whole row at once."""
     if _few_queries(q, k, v, table, q_offset):
-        return cope_reference(q, k, v, table, mask, scale, q_offset, window=window)
-    return cope_tiled(q, k, v, table, mask, scale, q_offset, window=window)
+        return cope_reference(q, k, v, table, mask, scale, q_offset, window=window, sink=sink)
+    return cope_tiled(q, k, v, table, mask, scale, q_offset, window=window, sink=sink)
 
 
 #: At most this many queries (a decoding step) and no gradient wanted: CoPE's row is built whole, O(Lq · Lk)

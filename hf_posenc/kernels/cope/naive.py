@@ -1,8 +1,8 @@
 """CoPE's reference math in plain PyTorch (Golovneva et al. 2024, "Contextual Position Encoding",
 https://arxiv.org/abs/2405.18719; the formula is in ``hf_posenc/encodings/cope.py``), and the reference of the
-CoPE kernels behind their interface (:func:`cope_reference`, the test oracle).
+CoPE kernels behind their interface (`cope_reference`, the test oracle).
 
-The encoding (``hf_posenc.encodings.cope``) calls :func:`cope_attention` for what no kernel covers (the
+The encoding (``hf_posenc.encodings.cope``) calls `cope_attention` for what no kernel covers (the
 probabilities, attention dropout, the bidirectional variants); it takes tensors only.
 """
 
@@ -13,7 +13,7 @@ from torch.nn import functional as F
 
 from ...ops import expand_kv
 from .._common import compute_dtype
-from .._masks import allowed_keys, windowed_allowed
+from .._masks import allowed_keys, check_sink, check_window, windowed_allowed
 
 __all__ = ["cope_attention", "cope_positions", "cope_reference", "interpolate_logits"]
 
@@ -118,8 +118,9 @@ def cope_reference(
     scale: float,
     q_offset: int | torch.Tensor = 0,
     window: int | None = None,
+    sink: int | None = None,
 ) -> torch.Tensor:
-    """Causal CoPE attention as :func:`cope_attention` computes it, behind the kernels' interface.
+    """Causal CoPE attention as `cope_attention` computes it, behind the kernels' interface.
 
     Args:
         q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D), H a multiple of Hkv (expanded here).
@@ -129,7 +130,9 @@ def cope_reference(
         scale: logit scale (gates σ(s q·k), logits s q·k + q·e[p]).
         window: None, or an int >= 1: a sliding window, applied as the band mask qi − window < j (with the
             causal mask: each query sees its last ``window`` keys, itself included); the keys it removes are
-            removed as the mask removes keys (see :func:`windowed_allowed`).
+            removed as the mask removes keys (see `windowed_allowed`).
+        sink: None, or an int >= 1 with a ``window``: attention sinks, the keys j < sink kept besides the band
+            (they count as any visible key does).
 
     Returns:
         (B, H, Lq, D) in q's dtype, computed in float32 (float64 for float64 inputs).
@@ -138,7 +141,8 @@ def cope_reference(
     b, h, lq, _ = q.shape
     lk = k.shape[2]
     groups = h // k.shape[1]
-    allowed = windowed_allowed(allowed_keys(mask, lq, lk, q_offset, True, q.device), lq, lk, q_offset, window)
+    allowed = windowed_allowed(allowed_keys(mask, lq, lk, q_offset, True, q.device), lq, lk, q_offset, window,
+                               check_sink(sink, check_window(window)))
     out, _ = cope_attention(
         q.to(dtype), expand_kv(k, groups).to(dtype), expand_kv(v, groups).to(dtype), allowed, scale, table.to(dtype)
     )

@@ -17,7 +17,7 @@ are walked right to left (``hf_posenc.kernels._reverse_tiles``: keys reversed on
 are one ``cumsum``), carrying per query the gate mass of the keys already walked, with an online softmax
 (running max and sum, rescaled accumulator). Tiles above the diagonal are never visited (int offsets), nor,
 with a sliding ``window``, the tiles left of the block's first window edge (their keys are absent: no
-weight, no gate).
+weight, no gate), but the tiles of its attention sinks (``sink``: the keys j < sink, walked last, gates counted).
 pos is computed as z[⌊p⌋] + (p - ⌊p⌋) Δz[⌊p⌋] with Δz[t] = z[t + 1] - z[t] (0 at npos - 1): the same value
 as the interpolation between ⌊p⌋ and ⌈p⌉, with one gather (z and Δz stored as adjacent pairs). Extra memory:
 O(L·H·(npos + D)) rows and per-tile temporaries, never O(L²).
@@ -81,7 +81,7 @@ BLOCK_N: int | None = 256
 def _row_tables(qb: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """(B, Hkv, R, npos, 2): z = q e and its forward differences Δz[t] = z[t + 1] - z[t] (0 at t = npos - 1,
     where p is clamped and its weight p - ⌊p⌋ is 0), so that pos = z[⌊p⌋] + (p - ⌊p⌋) Δz[⌊p⌋]. The
-    pairs are adjacent in memory: for float32, one gather of a float64 view fetches both (see :func:`_gather2`)."""
+    pairs are adjacent in memory: for float32, one gather of a float64 view fetches both (see `_gather2`)."""
     z = qb @ table
     pairs = torch.zeros(z.shape + (2,), dtype=z.dtype, device=z.device)
     pairs[..., 0] = z
@@ -134,7 +134,7 @@ def _tile(qs, kt, pairs, carry, blocked, top, with_slope):
     return w, slope, p, idx, frac, dz, s, carry
 
 
-def _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, with_rows, window=None):
+def _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, with_rows, window=None, sink=None):
     geo = Geometry.of(q, k)
     block_m, block_n = tile_sizes(geo, block_m, block_n)
     dtype = compute_dtype(q.dtype)
@@ -165,8 +165,8 @@ def _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, with_rows,
             u_acc = torch.zeros_like(acc)
             c_acc = torch.zeros_like(carry)
         rows = blocked_mask_rows(mask, m0, m1)
-        for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, False, window):
-            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, False, rows, dev, window)
+        for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, False, window, sink):
+            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, False, rows, dev, window, sink)
             vt = vr[:, :, tile.r0:tile.r1]
             _, _, _, _, frac, dz, s, carry = _tile(qs, kr[:, :, tile.r0:tile.r1], pairs, carry, blocked, top, False)
             m_new = torch.maximum(m_i, s.amax(-1))
@@ -205,7 +205,8 @@ def _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, with_rows,
     return out, lse, u_rows, c_rows
 
 
-def _backward(q, k, v, table, mask, scale, q_offset, block_m, block_n, out, lse, u_rows, c_rows, do, window=None):
+def _backward(q, k, v, table, mask, scale, q_offset, block_m, block_n, out, lse, u_rows, c_rows, do, window=None,
+              sink=None):
     geo = Geometry.of(q, k)
     block_m, block_n = tile_sizes(geo, block_m, block_n)
     dtype = compute_dtype(q.dtype)
@@ -240,8 +241,8 @@ def _backward(q, k, v, table, mask, scale, q_offset, block_m, block_n, out, lse,
         dz_frac = torch.zeros_like(dz_at)  # Σ dS (p - ⌊p⌋) at ⌊p⌋
         rows = blocked_mask_rows(mask, m0, m1)
         ds_walked = torch.zeros_like(carry)  # Σ dS over the keys walked (a row's dS sums to 0 over all its keys)
-        for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, False, window):
-            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, False, rows, dev, window)
+        for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, False, window, sink):
+            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, False, rows, dev, window, sink)
             kt, vt = kr[:, :, tile.r0:tile.r1], vr[:, :, tile.r0:tile.r1]
             # rows whose positions are all clamped from here on (carry >= npos - 1): Σ_{j' <= j} dp is exactly 0
             left = torch.where(carry >= top, 0.0, left)
@@ -281,7 +282,7 @@ def _backward(q, k, v, table, mask, scale, q_offset, block_m, block_n, out, lse,
 
 
 def _plain_tail_allowed(q: torch.Tensor, dtype: torch.dtype, window, q_offset) -> bool:
-    """Whether the walk may hand its saturated keys to the fused CPU kernel (:func:`_saturated_tail`)."""
+    """Whether the walk may hand its saturated keys to the fused CPU kernel (`_saturated_tail`)."""
     return (dtype == torch.float32 and window is None and isinstance(q_offset, int) and _flash_fwd is not None
             and eager_value_checks(q))
 
@@ -291,23 +292,24 @@ class CopeTiledFunction(torch.autograd.Function):
 
     @staticmethod
     @without_autocast
-    def forward(ctx, q, k, v, table, mask, scale, q_offset, block_m, block_n, window=None):
+    def forward(ctx, q, k, v, table, mask, scale, q_offset, block_m, block_n, window=None, sink=None):
         needs = any(ctx.needs_input_grad[:4])
-        out, lse, u_rows, c_rows = _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, needs, window)
+        out, lse, u_rows, c_rows = _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, needs, window,
+                                            sink)
         if needs:
             ctx.save_for_backward(q, k, v, table, mask, out, lse, u_rows, c_rows)
-        ctx.args = (scale, q_offset, block_m, block_n, window)
+        ctx.args = (scale, q_offset, block_m, block_n, window, sink)
         return out.to(q.dtype)
 
     @staticmethod
     @without_autocast
     def backward(ctx, do):
         q, k, v, table, mask, out, lse, u_rows, c_rows = ctx.saved_tensors
-        scale, q_offset, block_m, block_n, window = ctx.args
+        scale, q_offset, block_m, block_n, window, sink = ctx.args
         dq, dk, dv, de = _backward(q, k, v, table, mask, scale, q_offset, block_m, block_n, out, lse, u_rows,
-                                   c_rows, do, window)
+                                   c_rows, do, window, sink)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
-                de.to(table.dtype) if ctx.needs_input_grad[3] else None, None, None, None, None, None, None)
+                de.to(table.dtype) if ctx.needs_input_grad[3] else None, None, None, None, None, None, None, None)
 
 
 def cope_tiled(
@@ -321,6 +323,7 @@ def cope_tiled(
     block_m: int | None = None,
     block_n: int | None = None,
     window: int | None = None,
+    sink: int | None = None,
 ) -> torch.Tensor:
     """Causal CoPE attention computed tile by tile (any device), recomputed in backward.
 
@@ -339,20 +342,23 @@ def cope_tiled(
             outside it are removed as a mask removes them: no weight and no gate (the contextual positions count
             the window's keys only). The walk of an int-offset query block stops at its first query's window
             edge: the key tiles left of it are never visited.
+        sink: None, or an int >= 1 with a ``window``: attention sinks, the keys j < sink kept besides the band (a
+            gate and a weight as any visible key); the walk visits their tiles after the window's.
 
     Returns:
         (B, H, Lq, D) in q's dtype.
 
     Raises:
-        TypeError, ValueError: ``window`` is not None or an int >= 1; a non-positive block size.
+        TypeError, ValueError: ``window`` or ``sink`` is not None or an int >= 1 (a sink needs a window); a
+            non-positive block size.
     """
-    block_m, block_n, q_offset = call_options(block_m, block_n, BLOCK_M, BLOCK_N, q_offset, window)
+    block_m, block_n, q_offset = call_options(block_m, block_n, BLOCK_M, BLOCK_N, q_offset, window, sink)
     if torch.compiler.is_compiling():  # one custom op in the compiled graph (hf_posenc.kernels.custom_ops)
 
         return engine_op("cope", [q, k, v, table, mask, q_offset if isinstance(q_offset, torch.Tensor) else None],
-                         {"scale": float(scale), "block_m": block_m, "block_n": block_n, "window": window,
+                         {"scale": float(scale), "block_m": block_m, "block_n": block_n, "window": window, "sink": sink,
                           "triton": kernel_preferred("cope", "cope.triton_cope", q.device)}, q_offset)
-    return CopeTiledFunction.apply(q, k, v, table, mask, float(scale), q_offset, block_m, block_n, window)
+    return CopeTiledFunction.apply(q, k, v, table, mask, float(scale), q_offset, block_m, block_n, window, sink)
 
 
 def _kernel(t: list, s: dict, o: int) -> tuple[type, tuple]:
@@ -361,7 +367,8 @@ def _kernel(t: list, s: dict, o: int) -> tuple[type, tuple]:
     from .triton_cope import CopeFunction
 
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in t[:3])
-    return CopeFunction, (q, k, v, t[3], t[4], s["scale"], device_offset(offset_arg(t[5], o), q.device), s["window"])
+    return CopeFunction, (q, k, v, t[3], t[4], s["scale"], device_offset(offset_arg(t[5], o), q.device), s["window"],
+                          s["sink"])
 
 
 def _kernel_unsupported(t: list, s: dict, o: int) -> str | None:
@@ -373,7 +380,7 @@ def _kernel_unsupported(t: list, s: dict, o: int) -> str | None:
 register_engine("cope", EngineSpec(  # tensors [q, k, v, table, mask?, q_offset?]
     CopeTiledFunction,
     lambda t, s, o: (t[0], t[1], t[2], t[3], t[4], s["scale"], offset_arg(t[5], o), s["block_m"], s["block_n"],
-                     s["window"]),
+                     s["window"], s["sink"]),
     lambda t: [0, 1, 2, 3, 4, 6],
     lambda t, s: ((*t[0].shape[:3], t[2].shape[3]), t[0].dtype),
     _kernel,

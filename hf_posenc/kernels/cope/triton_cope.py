@@ -58,7 +58,7 @@ import triton.language as tl
 
 from .._errors import guarded
 from .._jit import LazyJit, interpreting
-from .._masks import check_window
+from .._masks import check_sink, check_window
 from .._triton_tiles import (
     BIG as _BIG,
     DEVICE_HELPERS,
@@ -113,17 +113,18 @@ CARRY_BUDGET_BYTES = 256 * 1024 * 1024
 # globals by _JIT)
 
 
-def _allowed(rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, WINDOW, HAS_MASK: tl.constexpr,
-             HAS_WINDOW: tl.constexpr):
+def _allowed(rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, WINDOW, SINK, HAS_MASK: tl.constexpr,
+             HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr):
     """(BM, BN) bool: causal by index, the window's band and the mask (a key outside either adds no gate)."""
     ok = (keys[None, :] <= qidx[:, None]) & row_ok[:, None] & (keys < LK)[None, :]
-    return _window_and_mask(ok, rows, keys, qidx, mptr, sm_m, sm_n, WINDOW, HAS_MASK, HAS_WINDOW)
+    return _window_and_mask(ok, rows, keys, qidx, mptr, sm_m, sm_n, WINDOW, SINK, HAS_MASK, HAS_WINDOW, HAS_SINK)
 
 
-def _logits_gates(q, k, rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, scale, WINDOW,
-                  HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_WINDOW: tl.constexpr):
+def _logits_gates(q, k, rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, scale, WINDOW, SINK,
+                  HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  HAS_SINK: tl.constexpr):
     w = _mm(q, tl.trans(k), PREC, UPCAST) * scale
-    ok = _allowed(rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, WINDOW, HAS_MASK, HAS_WINDOW)
+    ok = _allowed(rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, WINDOW, SINK, HAS_MASK, HAS_WINDOW, HAS_SINK)
     gate = tl.where(ok, 1.0 / (1.0 + tl.exp(-w)), 0.0)
     return w, ok, gate
 
@@ -176,10 +177,10 @@ def _bins(wa, wb, fi, BM: tl.constexpr, BN: tl.constexpr, NP: tl.constexpr, LOG2
 def _cope_fwd(
     Q, K, V, E, O, LSE, M,
     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_m, se_d, se_t, sm_b, sm_m, sm_n,
-    H, G, LQ, LK, Q_OFF_PTR, scale, NPOS, WINDOW,
+    H, G, LQ, LK, Q_OFF_PTR, scale, NPOS, WINDOW, SINK,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NP: tl.constexpr,
     HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, MONO: tl.constexpr, TPREC: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     Q_OFF = tl.load(Q_OFF_PTR)  # the query offset, a device tensor: never read on the host
     pid_m = tl.program_id(0)
@@ -202,15 +203,16 @@ def _cope_fwd(
     hi = tl.minimum(pid_m * BM + BM, LQ) - 1 + Q_OFF
     t_lo = _first_tile(pid_m, Q_OFF, WINDOW, BM, BN, HAS_WINDOW)  # tiles left of the window: never visited
     n_tiles = (hi + BN) // BN
+    n_walk, n_window, n_sink = _sink_walk(n_tiles, t_lo, SINK, BN, HAS_SINK)  # then the sinks' tiles
     carry = tl.where(row_ok, 0.0, _BIG)
     m_i = tl.full((BM,), _NEG_INF, tl.float32)
     l_i = tl.full((BM,), 0.0, tl.float32)
     acc = tl.full((BM, BD), 0.0, tl.float32)
-    for it in range(0, n_tiles - t_lo):
-        t = n_tiles - 1 - it
+    for it in range(0, n_walk):
+        t = _walk_tile(it, n_tiles, n_window, n_sink, HAS_SINK)
         keys, k_ok, k, v = _key_tile(k_base, v_base, t, sk_n, sv_n, offs_d, d_ok, LK, BN)
         w, ok, gate = _logits_gates(q, k, rows, keys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
-                                    WINDOW, HAS_MASK, PREC, UPCAST, HAS_WINDOW)
+                                    WINDOW, SINK, HAS_MASK, PREC, UPCAST, HAS_WINDOW, HAS_SINK)
         if tl.reduce(carry, 0, _min) >= npm1:  # every position clamped: z[npos - 1]
             pos = zlast[:, None] + tl.full((BM, BN), 0.0, tl.float32)
         else:
@@ -242,10 +244,10 @@ def _cope_bwd_q(
     Q, K, V, E, O, DO, LSE, DQ, DZQ, ZQB, ZL, DELTA, DTOT, GK, SK, M,
     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_m, sd_b, sd_h, sd_m,
     sdq_b, sdq_h, sdq_m, se_d, se_t, sm_b, sm_m, sm_n,
-    H, G, HKV, PAIR0, LQ, LK, Q_OFF_PTR, scale, NPOS, CSTRIDE, NSLOT, WINDOW,
+    H, G, HKV, PAIR0, LQ, LK, Q_OFF_PTR, scale, NPOS, CSTRIDE, NSLOT, WINDOW, SINK,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NP: tl.constexpr,
     LOG2_BN: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, MONO: tl.constexpr,
-    TPREC: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    TPREC: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     Q_OFF = tl.load(Q_OFF_PTR)  # the query offset, a device tensor: never read on the host
     mb = tl.program_id(0)
@@ -281,16 +283,17 @@ def _cope_bwd_q(
     hi = tl.minimum(mb * BM + BM, LQ) - 1 + Q_OFF
     n_tiles = (hi + BN) // BN
     t_lo = _first_tile(mb, Q_OFF, WINDOW, BM, BN, HAS_WINDOW)  # checkpoints left of it are never read
+    n_walk, n_window, n_sink = _sink_walk(n_tiles, t_lo, SINK, BN, HAS_SINK)  # then the sinks' tiles
 
     # first walk, over the window tiles: the row totals Dp = Σ_j dp_ij
     carry = tl.where(row_ok, 0.0, _BIG)
     dtot = tl.full((BM,), 0.0, tl.float32)
-    for it in range(0, n_tiles - t_lo):
-        t = n_tiles - 1 - it
+    for it in range(0, n_walk):
+        t = _walk_tile(it, n_tiles, n_window, n_sink, HAS_SINK)
         if tl.reduce(carry, 0, _min) < npm1:
             keys, k_ok, k, v = _key_tile(k_base, v_base, t, sk_n, sv_n, offs_d, d_ok, LK, BN)
             w, ok, gate = _logits_gates(q, k, rows, keys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
-                                        WINDOW, HAS_MASK, PREC, UPCAST, HAS_WINDOW)
+                                        WINDOW, SINK, HAS_MASK, PREC, UPCAST, HAS_WINDOW, HAS_SINK)
             p, fi, frac, zf, zc = _positions(gate, carry, zq, npm1, MONO)
             prob = tl.exp(tl.where(ok, w + frac * zc + (1.0 - frac) * zf, _NEG_INF) - lse[:, None])
             ds = prob * (_mm(do, tl.trans(v), PREC, UPCAST) - delta[:, None])
@@ -304,12 +307,15 @@ def _cope_bwd_q(
     s_dp = tl.full((BM,), 0.0, tl.float32)
     dq = tl.full((BM, BD), 0.0, tl.float32)
     dzq = tl.full((BM, NP), 0.0, tl.float32)
-    for it in range(0, n_tiles - t_lo):
-        t = n_tiles - 1 - it
+    for it in range(0, n_walk):
+        t = _walk_tile(it, n_tiles, n_window, n_sink, HAS_SINK)
+        if HAS_SINK:
+            if it == n_window:
+                _store_gap_checkpoints(gk_base, sk_base, n_sink, t_lo, CSTRIDE, LQ, rows, row_ok, carry, s_dp)
         _store_checkpoint(gk_base, sk_base, t, CSTRIDE, LQ, rows, row_ok, carry, s_dp)
         keys, k_ok, k, v = _key_tile(k_base, v_base, t, sk_n, sv_n, offs_d, d_ok, LK, BN)
         w, ok, gate = _logits_gates(q, k, rows, keys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
-                                    WINDOW, HAS_MASK, PREC, UPCAST, HAS_WINDOW)
+                                    WINDOW, SINK, HAS_MASK, PREC, UPCAST, HAS_WINDOW, HAS_SINK)
         dprob = _mm(do, tl.trans(v), PREC, UPCAST) - delta[:, None]
         if tl.reduce(carry, 0, _min) >= npm1:
             ds = tl.exp(tl.where(ok, w + zlast[:, None], _NEG_INF) - lse[:, None]) * dprob
@@ -343,10 +349,10 @@ def _cope_bwd_kv(
     Q, K, V, DO, DK, DV, LSE, ZQB, ZL, DELTA, DTOT, GK, SK, M,
     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sd_b, sd_h, sd_m,
     sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n, sm_b, sm_m, sm_n,
-    H, G, HKV, PAIR0, LQ, LK, Q_OFF_PTR, scale, NPOS, CSTRIDE, NSLOT, WINDOW,
+    H, G, HKV, PAIR0, LQ, LK, Q_OFF_PTR, scale, NPOS, CSTRIDE, NSLOT, WINDOW, SINK,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NP: tl.constexpr,
     HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, MONO: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     Q_OFF = tl.load(Q_OFF_PTR)  # the query offset, a device tensor: never read on the host
     pid_n = tl.program_id(0)
@@ -365,7 +371,7 @@ def _cope_bwd_kv(
     dk = tl.full((BN, BD), 0.0, tl.float32)
     dv = tl.full((BN, BD), 0.0, tl.float32)
 
-    m_lo, m_hi = _query_blocks(n_start, LQ, Q_OFF, WINDOW, BM, BN, HAS_WINDOW)
+    m_lo, m_hi = _query_blocks(n_start, LQ, Q_OFF, WINDOW, SINK, BM, BN, HAS_WINDOW, HAS_SINK)
     ckpt = pid_n + (CSTRIDE - 1) - pid_n % CSTRIDE
     for hh in range(0, G):
         h = g * G + hh
@@ -396,7 +402,7 @@ def _cope_bwd_kv(
                 if tl.reduce(carry, 0, _min) < npm1:
                     wkeys, wk_ok, wk, wv = _key_tile(k_base, v_base, t, sk_n, sv_n, offs_d, d_ok, LK, BN)
                     ww, wok, wgate = _logits_gates(q, wk, rows, wkeys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
-                                                   WINDOW, HAS_MASK, PREC, UPCAST, HAS_WINDOW)
+                                                   WINDOW, SINK, HAS_MASK, PREC, UPCAST, HAS_WINDOW, HAS_SINK)
                     wp, wfi, wfrac, wzf, wzc = _positions(wgate, carry, zq, npm1, MONO)
                     wprob = tl.exp(tl.where(wok, ww + wfrac * wzc + (1.0 - wfrac) * wzf, _NEG_INF) - lse[:, None])
                     wds = wprob * (_mm(do, tl.trans(wv), PREC, UPCAST) - delta[:, None])
@@ -404,7 +410,7 @@ def _cope_bwd_kv(
                     s_dp = s_dp + tl.reduce(wdp, 1, _add)
                     carry = carry + tl.reduce(wgate, 1, _add)
             w, ok, gate = _logits_gates(q, k, rows, keys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
-                                        WINDOW, HAS_MASK, PREC, UPCAST, HAS_WINDOW)
+                                        WINDOW, SINK, HAS_MASK, PREC, UPCAST, HAS_WINDOW, HAS_SINK)
             dprob = _mm(do, tl.trans(v), PREC, UPCAST) - delta[:, None]
             if tl.reduce(carry, 0, _min) >= npm1:
                 prob = tl.exp(tl.where(ok, w + zlast[:, None], _NEG_INF) - lse[:, None])
@@ -470,7 +476,7 @@ def _np(npos: int) -> int:
     return max(16, triton.next_power_of_2(npos))
 
 
-def _forward(q, k, v, table, mask, scale, q_offset, window=None):
+def _forward(q, k, v, table, mask, scale, q_offset, window=None, sink=None):
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     npos = table.shape[1]
@@ -485,15 +491,15 @@ def _forward(q, k, v, table, mask, scale, q_offset, window=None):
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         table.stride(0), table.stride(1), sm_b, sm_m, sm_n,
-        h, h // hkv, lq, lk, q_offset, scale, npos, 0 if window is None else window,
+        h, h // hkv, lq, lk, q_offset, scale, npos, 0 if window is None else window, 0 if sink is None else sink,
         D=d, BD=max(16, triton.next_power_of_2(d)), BM=bm, BN=bn, NP=_np(npos), HAS_MASK=mask is not None,
         PREC=dot_precision(q.dtype), UPCAST=interpreting(), MONO=not interpreting(), TPREC=_table_precision(q.dtype),
-        HAS_WINDOW=window is not None, num_warps=warps, num_stages=stages,
+        HAS_WINDOW=window is not None, HAS_SINK=sink is not None, num_warps=warps, num_stages=stages,
     )
     return o, lse
 
 
-def _backward(q, k, v, table, o, lse, do, mask, scale, q_offset, window=None):
+def _backward(q, k, v, table, o, lse, do, mask, scale, q_offset, window=None, sink=None):
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     groups = h // hkv
@@ -534,9 +540,10 @@ def _backward(q, k, v, table, o, lse, do, mask, scale, q_offset, window=None):
             do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
             table.stride(0), table.stride(1), sm_b, sm_m, sm_n,
             h, groups, hkv, pair0, lq, lk, q_offset, scale, npos, cstride, nslot, 0 if window is None else window,
+            0 if sink is None else sink,
             D=d, BD=bd, BM=bm1, BN=bn, NP=np_, LOG2_BN=bn.bit_length() - 1, HAS_MASK=mask is not None,
             PREC=prec, UPCAST=upcast, MONO=not upcast, TPREC=_table_precision(q.dtype),
-            HAS_WINDOW=window is not None, num_warps=warps1,
+            HAS_WINDOW=window is not None, HAS_SINK=sink is not None, num_warps=warps1,
             num_stages=stages1,
         )
         # de = Σ over the chunk's queries of q ⊗ dz: one float32 GEMM, (D, rows) @ (rows, npos)
@@ -549,8 +556,10 @@ def _backward(q, k, v, table, o, lse, do, mask, scale, q_offset, window=None):
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), sm_b, sm_m, sm_n,
             h, groups, hkv, pair0, lq, lk, q_offset, scale, npos, cstride, nslot, 0 if window is None else window,
+            0 if sink is None else sink,
             D=d, BD=bd, BM=bm2, BN=bn, NP=np_, HAS_MASK=mask is not None, PREC=prec, UPCAST=upcast,
-            MONO=not upcast, HAS_WINDOW=window is not None, num_warps=warps2, num_stages=stages2,
+            MONO=not upcast, HAS_WINDOW=window is not None, HAS_SINK=sink is not None, num_warps=warps2,
+            num_stages=stages2,
         )
     return dq, dk, dv, dtable
 
@@ -559,19 +568,20 @@ class CopeFunction(torch.autograd.Function):
     """Causal CoPE attention with gradients for q, k, v and the position table."""
 
     @staticmethod
-    def forward(ctx, q, k, v, table, mask, scale, q_offset, window=None):
-        o, lse = _forward(q, k, v, table, mask, scale, q_offset, window)
+    def forward(ctx, q, k, v, table, mask, scale, q_offset, window=None, sink=None):
+        o, lse = _forward(q, k, v, table, mask, scale, q_offset, window, sink)
         if any(ctx.needs_input_grad[:4]):
             ctx.save_for_backward(q, k, v, table, o, lse, mask)
-        ctx.args = (scale, q_offset, window)
+        ctx.args = (scale, q_offset, window, sink)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, table, o, lse, mask = ctx.saved_tensors
-        scale, q_offset, window = ctx.args
-        dq, dk, dv, dtable = _backward(q, k, v, table, o, lse, do, mask, scale, q_offset, window)
-        return dq, dk, dv, (dtable.to(table.dtype) if ctx.needs_input_grad[3] else None), None, None, None, None
+        scale, q_offset, window, sink = ctx.args
+        dq, dk, dv, dtable = _backward(q, k, v, table, o, lse, do, mask, scale, q_offset, window, sink)
+        return (dq, dk, dv, (dtable.to(table.dtype) if ctx.needs_input_grad[3] else None), None, None, None, None,
+                None)
 
 
 def cope_triton(
@@ -583,6 +593,7 @@ def cope_triton(
     scale: float,
     q_offset: int | torch.Tensor,
     window: int | None = None,
+    sink: int | None = None,
 ) -> torch.Tensor:
     """Causal CoPE attention with the Triton kernels (inputs validated by the dispatcher).
 
@@ -596,13 +607,18 @@ def cope_triton(
             (no weight, no gate: the positions count the window's keys). The query-major kernels start their walk
             at the tile of the first query's window edge; the key-major kernel stops at the last query block
             whose window reaches its keys. A runtime int behind the compile-time switch HAS_WINDOW.
+        sink: None, or an int >= 1 with a ``window``: attention sinks, the keys j < sink kept besides the band (a
+            gate and a weight as any visible key). The query-major kernels walk the sink keys' tiles after the
+            window's (never the tiles between); the key-major program of a tile holding sink keys serves every
+            later query block. A runtime int behind the compile-time switch HAS_SINK.
 
     Returns:
         (B, H, Lq, D) in q's dtype (a transposed view of a (B, Lq, H, D) tensor).
 
     Raises:
-        TypeError, ValueError: ``window`` is not None or an int >= 1.
+        TypeError, ValueError: ``window`` or ``sink`` is not None or an int >= 1, or a sink without a window.
     """
     window = check_window(window)
+    sink = check_sink(sink, window)
     offset = device_offset(q_offset, q.device)  # loaded by the kernels, never read on the host
-    return CopeFunction.apply(q, k, v, table, mask, float(scale), offset, window)
+    return CopeFunction.apply(q, k, v, table, mask, float(scale), offset, window, sink)

@@ -13,7 +13,7 @@
 
 Where the rotations are exponentials exp(c S) of skew-symmetric blocks with a scalar c per token (``comrope``;
 ``liere`` on text with per-layer generators), the encodings skip the rotation tensor wherever the dispatch
-above picks ``"torch"``: they rotate through :func:`.spectral.spectral_qk_rotation` (the eigenbasis of each S;
+above picks ``"torch"``: they rotate through `spectral.spectral_qk_rotation` (the eigenbasis of each S;
 no (L, D/s, s, s) tensor).
 """
 
@@ -104,7 +104,7 @@ def rotation_backend(q: torch.Tensor | None, k: torch.Tensor, rot: torch.Tensor 
     """``"triton"`` or ``"torch"``: which implementation ``apply_qk_rotation`` uses for these inputs (``rot``: the
     rotations, or their block size).
 
-    Under ``torch.compile``: ``"triton"`` where the kernel is preferred (:func:`.custom_op.kernel_preferred`; it
+    Under ``torch.compile``: ``"triton"`` where the kernel is preferred (`custom_op.kernel_preferred`; it
     then runs inside the custom op ``hf_posenc::rotary``, which checks the inputs), else ``"torch"``.
 
     Raises:

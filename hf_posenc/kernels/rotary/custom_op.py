@@ -2,7 +2,7 @@
 
 Dynamo cannot trace the Triton kernel's dispatch (Triton's interpreter switch is a C++ call it skips, and the
 launch goes through a wrapper object), so under ``torch.compile`` a model whose rotations would run the Triton
-kernel in eager mode (:func:`kernel_preferred`: ``HF_POSENC_BACKEND=triton``, or CUDA's default) calls this op
+kernel in eager mode (`kernel_preferred`: ``HF_POSENC_BACKEND=triton``, or CUDA's default) calls this op
 instead: one opaque node of the graph, whose fake gives the shapes. Inside, where the tensors are real, the kernel
 runs when it takes the inputs (``_kernel_unsupported``), else the PyTorch reference (logged at debug level), or,
 under ``HF_POSENC_BACKEND=triton``, a ValueError says why, as in eager mode. Where the kernel is not preferred
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 def kernel_preferred(device: torch.device) -> bool:
     """Whether rotations on ``device`` prefer the Triton kernel, before the inputs are checked (no tensor read):
-    the shared rule of :func:`hf_posenc.kernels._attn_dispatch.kernel_preferred` for the ``rotary`` kind."""
+    the shared rule of `hf_posenc.kernels._attn_dispatch.kernel_preferred` for the ``rotary`` kind."""
     return _kernel_preferred("rotary", "rotary.triton_rotary", device)
 
 

@@ -15,7 +15,7 @@ unstable at close eigenvalues). With G = dL/dR(c):
 * dL/dS = sum_c c Re(V (conj(Phi_c) o (V^H G V)) V^H), the adjoint of the Fréchet derivative of exp at the
   normal matrix c S (Daleckii-Krein), with the divided differences of exp at the eigenvalues -i c w:
   c conj(Phi_c)_kl = (exp(i c w_k) - exp(i c w_l)) / (i (w_k - w_l)) (= c exp(i c w_k) at w_k = w_l). The sum
-  over positions is taken before the change of basis (:func:`_skew_grad`): one product over the positions
+  over positions is taken before the change of basis (`_skew_grad`): one product over the positions
   per block, no b x b product per position; close eigenvalues take the divided difference's Taylor series.
 
 The eigendecomposition runs in complex128 whatever the input dtype (b x b blocks: negligible cost).
@@ -42,7 +42,7 @@ def _spectral(skew: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 #: pairs of eigenvalues with |c|max · |w_k − w_l| below this take the Taylor series of the divided difference
-#: (:func:`_skew_grad`); the others its closed form, whose cancellation then costs at most eps / 0.1.
+#: (`_skew_grad`); the others its closed form, whose cancellation then costs at most eps / 0.1.
 TAYLOR_BELOW = 0.1
 #: terms of that series: the first one left out is below 0.1^9 / 10! ≈ 3e-16 of the sum.
 TAYLOR_TERMS = 9
@@ -95,7 +95,7 @@ def _skew_grad(skew: torch.Tensor, coeff: torch.Tensor, w: torch.Tensor, V: torc
 
 
 def taylor_terms(w: torch.Tensor, cmax: torch.Tensor, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
-    """How many terms of the divided difference's Taylor series :func:`divided_difference_grad` needs, and the rows
+    """How many terms of the divided difference's Taylor series `divided_difference_grad` needs, and the rows
     k (int64) that need more than the first: 1 and none when only the diagonal (Δ = 0) takes the series, else
     enough terms for x^n / (n + 1)! to fall below the dtype's resolution at x = max |c|max |Δ| over the close
     pairs (< TAYLOR_BELOW), for the rows with a close pair in some block."""

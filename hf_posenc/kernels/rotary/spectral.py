@@ -3,14 +3,14 @@ rotations (``comrope``; ``liere`` on text with per-layer generators) wherever th
 run.
 
 Block j of token t's rotation for key/value head h is exp(c[t, j] S[h, j]) with S (b x b) skew-symmetric and c a
-scalar per token and block. With i S = V diag(w) V^H (:func:`.skew_exp._spectral`, one eigendecomposition per
+scalar per token and block. With i S = V diag(w) V^H (`skew_exp._spectral`, one eigendecomposition per
 block and call)::
 
     exp(c S) x = V (exp(-i c w) o (V^H x))
 
 so the rotation of every token costs two b x b changes of basis, done for all tokens at once as products with
 a block-diagonal (D x 2D) and (2D x D) real matrix per head, and a phase per eigenvalue: no (L, D/b, b, b)
-rotation tensor is built (:func:`.skew_exp.skew_exp` builds one per distinct position, and its gradient is
+rotation tensor is built (`skew_exp.skew_exp` builds one per distinct position, and its gradient is
 that big too). Phases are taken in float64, then the work runs in float32 (float64 for float64 inputs).
 
 Backward (the custom op ``hf_posenc::spectral_rotation``'s registered backward), with a = V^H dout, ae = exp(i c w) o a, y = V^H x, z = exp(-i c w) o y
@@ -19,9 +19,9 @@ Backward (the custom op ``hf_posenc::spectral_rotation``'s registered backward),
 * dx = exp(c S)^T dout = V ae (real);
 * dc[t, j] = Σ dout · (S out) over the rows of token t (the heads; the batch when c is shared by it);
 * dS[h, j] = Re(V M V^H), M = Σ_rows c conj(Phi_c) o (a y^H), the Daleckii-Krein adjoint of
-  :func:`.skew_exp.skew_exp`'s backward with G = Σ dout x^T, which is rank one per row: the sums over rows
+  `skew_exp.skew_exp`'s backward with G = Σ dout x^T, which is rank one per row: the sums over rows
   are (b x R) (R x b) products, M[k, l] = (Σ ae[k] conj(y[l]) − Σ a[k] conj(z[l])) / (i (w_k − w_l)), or the
-  divided difference's Taylor series where eigenvalues are close (:data:`.skew_exp.TAYLOR_BELOW`).
+  divided difference's Taylor series where eigenvalues are close (`skew_exp.TAYLOR_BELOW`).
 
 The backward keeps the rotated output (the tensor the attention after it keeps anyway), not the input: with V
 unitary, V^H out = z and y = exp(+i c w) o z, which its sums need (at issue 14's setting a ComRoPE training
@@ -86,7 +86,7 @@ def _to_eig(x: torch.Tensor, basis: _Basis, cos: torch.Tensor, sin: torch.Tensor
 
 
 def _rotate(x: torch.Tensor, basis: _Basis, cos: torch.Tensor, sin: torch.Tensor, conj: bool):
-    """(out = Re(V z) (B, Hr, G, L, D), y, z) for x (B, Hr, G, L, D) (see :func:`_to_eig`)."""
+    """(out = Re(V z) (B, Hr, G, L, D), y, z) for x (B, Hr, G, L, D) (see `_to_eig`)."""
     y, z = _to_eig(x, basis, cos, sin, conj)
     return z @ basis.from_eig[None, :, None], y, z
 
@@ -117,7 +117,7 @@ SUM_CHUNK = 512
 
 def _row_sums(out, a, ae, c, basis, cos, sin, terms, close_rows, dt) -> list[torch.Tensor]:
     """The sums over the rows (batch, heads of the group, positions) of one chunk of positions, per (Hr, m) block:
-    [Y, X, Z_0, Z_1[K], ...] (:func:`divided_difference_grad`) for the rotated rows out = V z (B, Hr, G, n, D) and
+    [Y, X, Z_0, Z_1[K], ...] (`divided_difference_grad`) for the rotated rows out = V z (B, Hr, G, n, D) and
     a = V^H dout, ae = exp(i c w) o a ([Re | Im], (B, Hr, G, n, 2D)), c (Bc, n, m) float64.
 
     The input's images y = V^H x and z = exp(−i c w) o y come from the output: V is unitary, so V^H out = z and

@@ -26,7 +26,7 @@ import torch
 
 from ...ops import eager_value_checks
 from .._attn_dispatch import choose, common_unsupported, flag_unsupported
-from .._masks import check_window
+from .._masks import check_sink, check_window
 from .naive import sba_reference
 from .tiled import sba_tiled
 
@@ -94,6 +94,7 @@ def stick_breaking(
     remainder: str = "discard",
     bias: torch.Tensor | None = None,
     window: int | None = None,
+    sink: int | None = None,
 ) -> torch.Tensor:
     """Stick-breaking attention (see ``hf_posenc/encodings/sba.py`` for the formula): fused on CUDA, tile-wise
     PyTorch elsewhere.
@@ -109,18 +110,23 @@ def stick_breaking(
         bias: (H, D) per-head remainder vector (``remainder="bias"``); gets a gradient.
         window: None, or an int >= 1: a sliding window, query i sees only keys qi − window < j <= qi; the keys
             outside are absent as if masked (no weight, no break). Both engines skip the key tiles outside it.
+        sink: None, or an int >= 1 with a ``window``: attention sinks, the keys j < sink kept besides the band
+            (breakpoints and weights as any visible key); both engines visit their key tiles, not those between
+            them and the window.
 
     Returns:
         (B, H, Lq, D) in q's dtype (computed in float32).
 
     Raises:
-        ValueError, TypeError: bad shapes or options, or a ``window`` that is not None or an int >= 1.
+        ValueError, TypeError: bad shapes or options, a ``window`` or ``sink`` that is not None or an int >= 1, or
+            a sink without a window.
     """
     _check(q, k, v, mask, q_offset, remainder, bias)
     window = check_window(window)
+    sink = check_sink(sink, window)
     if sba_backend(q, k, v, mask, q_offset) == "triton":
         from .triton_sba import sba_triton
 
         last = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)]
-        return sba_triton(*last, mask, scale, q_offset, attend_current, remainder, bias, window=window)
-    return sba_tiled(q, k, v, mask, scale, q_offset, attend_current, remainder, bias, window=window)
+        return sba_triton(*last, mask, scale, q_offset, attend_current, remainder, bias, window=window, sink=sink)
+    return sba_tiled(q, k, v, mask, scale, q_offset, attend_current, remainder, bias, window=window, sink=sink)

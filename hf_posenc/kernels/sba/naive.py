@@ -1,9 +1,9 @@
 """Stick-breaking attention's reference math in plain PyTorch (Tan et al. 2024, "Scaling Stick-Breaking
 Attention: An Efficient Implementation and In-depth Study", https://arxiv.org/abs/2410.17980; the formula is in
 ``hf_posenc/encodings/sba.py``), and the reference of the stick-breaking kernels behind their interface
-(:func:`sba_reference`, the test oracle).
+(`sba_reference`, the test oracle).
 
-The encoding (``hf_posenc.encodings.sba``) calls :func:`stick_breaking_attention` for what no kernel covers
+The encoding (``hf_posenc.encodings.sba``) calls `stick_breaking_attention` for what no kernel covers
 (the weights, attention dropout); it takes tensors only.
 """
 
@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 from ...ops import expand_kv
 from .._common import compute_dtype
-from .._masks import allowed_keys, windowed_allowed
+from .._masks import allowed_keys, check_sink, check_window, windowed_allowed
 
 __all__ = ["SOFTPLUS_THRESHOLD", "sba_reference", "stick_breaking_attention"]
 
@@ -84,8 +84,9 @@ def sba_reference(
     remainder: str = "discard",
     bias: torch.Tensor | None = None,
     window: int | None = None,
+    sink: int | None = None,
 ) -> torch.Tensor:
-    """Stick-breaking attention as :func:`stick_breaking_attention` computes it, behind the kernels' interface.
+    """Stick-breaking attention as `stick_breaking_attention` computes it, behind the kernels' interface.
 
     Args:
         q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D), H a multiple of Hkv (expanded here).
@@ -95,7 +96,9 @@ def sba_reference(
         attend_current, remainder: see the encoding; bias: (H, D) for ``remainder="bias"``.
         window: None, or an int >= 1: a sliding window, applied as the band mask qi − window < j (with the
             causal mask: each query sees its last ``window`` keys, itself included); the keys it removes are
-            removed as the mask removes keys (see :func:`windowed_allowed`).
+            removed as the mask removes keys (see `windowed_allowed`).
+        sink: None, or an int >= 1 with a ``window``: attention sinks, the keys j < sink kept besides the band
+            (they count as any visible key does).
 
     Returns:
         (B, H, Lq, D) in q's dtype, computed in float32 (float64 for float64 inputs).
@@ -104,7 +107,8 @@ def sba_reference(
     b, h, lq, _ = q.shape
     lk = k.shape[2]
     groups = h // k.shape[1]
-    allowed = windowed_allowed(allowed_keys(mask, lq, lk, q_offset, True, q.device), lq, lk, q_offset, window)
+    allowed = windowed_allowed(allowed_keys(mask, lq, lk, q_offset, True, q.device), lq, lk, q_offset, window,
+                               check_sink(sink, check_window(window)))
     offset = q_offset.to(q.device) if isinstance(q_offset, torch.Tensor) else q_offset
     q_index = torch.arange(lq, device=q.device) + offset
     out, _ = stick_breaking_attention(

@@ -16,8 +16,9 @@ the keys are reversed once, so the in-tile suffix sums are one ``cumsum``), carr
 broken so far, c_i = Σ sp over the keys already walked. In a tile: z, sp (0 off the breakpoints), its
 cumulative sum, log A = z - cumsum - c, A v accumulated, c += Σ_tile sp. Tiles above the diagonal are never
 visited (int offsets), nor, with a sliding ``window``, the tiles left of the block's first window edge (their
-keys are absent: no weight, no break). Weights below e^-87 are 0 (see ``_LOG_FLOOR``). Extra memory: the float32 output and
-per-tile temporaries, O(L·D + B·H·block_m·block_n).
+keys are absent: no weight, no break), but the tiles of its attention sinks (``sink``: the keys j < sink, walked
+last, breakpoints as any visible key). Weights below e^-87 are 0 (see ``_LOG_FLOOR``). Extra memory: the float32
+output and per-tile temporaries, O(L·D + B·H·block_m·block_n).
 
 Exhausted sticks. Once every row of a query block has broken more than 110 of stick (c > 110, float32), every
 tile further left adds exactly nothing: its weights are below e^-c and zeroed (the floor above), its P is set to
@@ -80,7 +81,7 @@ def _exhausted(c: torch.Tensor, stop_early: bool) -> bool:
 
 
 def _stop_early(q: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether the walks may stop once every stick is exhausted (:func:`_exhausted`)."""
+    """Whether the walks may stop once every stick is exhausted (`_exhausted`)."""
     return dtype == torch.float32 and eager_value_checks(q)
 
 
@@ -105,7 +106,8 @@ def _own_values(v: torch.Tensor, geo: Geometry, m0: int, m1: int, q_offset, dtyp
     return own[:, :, None].expand(geo.b, geo.hkv, geo.groups, m1 - m0, geo.d).reshape(geo.b, geo.hkv, -1, geo.d)
 
 
-def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n, window=None):
+def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n, window=None,
+             sink=None):
     geo = Geometry.of(q, k)
     block_m, block_n = tile_sizes(geo, block_m, block_n)
     dtype = compute_dtype(q.dtype)
@@ -121,8 +123,8 @@ def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, bl
         c = torch.zeros(geo.b, geo.hkv, geo.groups * bm, dtype=dtype, device=q.device)
         acc = torch.zeros(geo.b, geo.hkv, geo.groups * bm, geo.d, dtype=dtype, device=q.device)
         rows = blocked_mask_rows(mask, m0, m1)
-        for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, strict, window):
-            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, strict, rows, q.device, window)
+        for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, strict, window, sink):
+            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, strict, rows, q.device, window, sink)
             _, _, cs, a = _tile(qs, kr[:, :, tile.r0:tile.r1], c, blocked)
             acc.add_(a @ vr[:, :, tile.r0:tile.r1])
             c = cs[..., -1].clone()
@@ -140,7 +142,7 @@ def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, bl
 
 
 def _backward(q, k, v, o, do, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n,
-              window=None):
+              window=None, sink=None):
     geo = Geometry.of(q, k)
     block_m, block_n = tile_sizes(geo, block_m, block_n)
     dtype = compute_dtype(q.dtype)
@@ -162,8 +164,8 @@ def _backward(q, k, v, o, do, mask, bias, scale, q_offset, attend_current, remai
         c = torch.zeros(geo.b, geo.hkv, geo.groups * bm, dtype=dtype, device=q.device)
         dqb = torch.zeros(geo.b, geo.hkv, geo.groups * bm, geo.d, dtype=dtype, device=q.device)
         rows = blocked_mask_rows(mask, m0, m1)
-        for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, strict, window):
-            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, strict, rows, q.device, window)
+        for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, strict, window, sink):
+            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, strict, rows, q.device, window, sink)
             kt, vt = kr[:, :, tile.r0:tile.r1], vr[:, :, tile.r0:tile.r1]
             z, sp, cs, a = _tile(qs, kt, c, blocked)
             g = a * (dob @ vt.transpose(-1, -2))
@@ -204,25 +206,27 @@ class SbaTiledFunction(torch.autograd.Function):
 
     @staticmethod
     @without_autocast
-    def forward(ctx, q, k, v, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n, window=None):
-        out = _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n, window)
+    def forward(ctx, q, k, v, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n, window=None,
+                sink=None):
+        out = _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n, window,
+                       sink)
         if any(ctx.needs_input_grad[i] for i in (0, 1, 2, 4)):
             ctx.save_for_backward(q, k, v, out, mask, bias)
-        ctx.args = (scale, q_offset, attend_current, remainder, block_m, block_n, window)
+        ctx.args = (scale, q_offset, attend_current, remainder, block_m, block_n, window, sink)
         return out.to(q.dtype)
 
     @staticmethod
     @without_autocast
     def backward(ctx, do):
         q, k, v, out, mask, bias = ctx.saved_tensors
-        scale, q_offset, attend_current, remainder, block_m, block_n, window = ctx.args
+        scale, q_offset, attend_current, remainder, block_m, block_n, window, sink = ctx.args
         dq, dk, dv, dbias = _backward(
-            q, k, v, out, do, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n, window
+            q, k, v, out, do, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n, window, sink
         )
         return (
             dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None,
             None if dbias is None or not ctx.needs_input_grad[4] else dbias.to(bias.dtype),
-            None, None, None, None, None, None, None,
+            None, None, None, None, None, None, None, None,
         )
 
 
@@ -239,6 +243,7 @@ def sba_tiled(
     block_m: int | None = None,
     block_n: int | None = None,
     window: int | None = None,
+    sink: int | None = None,
 ) -> torch.Tensor:
     """Stick-breaking attention computed tile by tile (any device), recomputed in backward.
 
@@ -258,22 +263,25 @@ def sba_tiled(
             outside it are removed as a mask removes them: no weight and no break (the stick is broken over the
             window's keys only). The walk of an int-offset query block stops at its first query's window edge:
             the key tiles left of it are never visited.
+        sink: None, or an int >= 1 with a ``window``: attention sinks, the keys j < sink kept besides the band
+            (breakpoints and weights as any visible key); the walk visits their tiles after the window's.
 
     Returns:
         (B, H, Lq, D) in q's dtype.
 
     Raises:
-        TypeError, ValueError: ``window`` is not None or an int >= 1; a non-positive block size.
+        TypeError, ValueError: ``window`` or ``sink`` is not None or an int >= 1 (a sink needs a window); a
+            non-positive block size.
     """
-    block_m, block_n, q_offset = call_options(block_m, block_n, BLOCK_M, BLOCK_N, q_offset, window)
+    block_m, block_n, q_offset = call_options(block_m, block_n, BLOCK_M, BLOCK_N, q_offset, window, sink)
     if torch.compiler.is_compiling():  # one custom op in the compiled graph (hf_posenc.kernels.custom_ops)
 
         return engine_op("sba", [q, k, v, mask, bias, q_offset if isinstance(q_offset, torch.Tensor) else None],
                          {"scale": float(scale), "attend_current": bool(attend_current), "remainder": remainder,
-                          "block_m": block_m, "block_n": block_n, "window": window,
+                          "block_m": block_m, "block_n": block_n, "window": window, "sink": sink,
                           "triton": kernel_preferred("sba", "sba.triton_sba", q.device)}, q_offset)
     return SbaTiledFunction.apply(
-        q, k, v, mask, bias, float(scale), q_offset, bool(attend_current), remainder, block_m, block_n, window
+        q, k, v, mask, bias, float(scale), q_offset, bool(attend_current), remainder, block_m, block_n, window, sink
     )
 
 
@@ -284,7 +292,7 @@ def _kernel(t: list, s: dict, o: int) -> tuple[type, tuple]:
 
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in t[:3])
     return SbaFunction, (q, k, v, t[3], t[4], s["scale"], device_offset(offset_arg(t[5], o), q.device),
-                         s["attend_current"], s["remainder"], s["window"])
+                         s["attend_current"], s["remainder"], s["window"], s["sink"])
 
 
 def _kernel_unsupported(t: list, s: dict, o: int) -> str | None:
@@ -297,7 +305,7 @@ def _kernel_unsupported(t: list, s: dict, o: int) -> str | None:
 register_engine("sba", EngineSpec(  # tensors [q, k, v, mask?, bias?, q_offset?]
     SbaTiledFunction,
     lambda t, s, o: (t[0], t[1], t[2], t[3], t[4], s["scale"], offset_arg(t[5], o), s["attend_current"],
-                     s["remainder"], s["block_m"], s["block_n"], s["window"]),
+                     s["remainder"], s["block_m"], s["block_n"], s["window"], s["sink"]),
     lambda t: [0, 1, 2, 3, 4, 6],
     lambda t, s: ((*t[0].shape[:3], t[2].shape[3]), t[0].dtype),
     _kernel,

@@ -51,7 +51,7 @@ whose buffers fit in ``CARRY_BUDGET_BYTES``; each chunk runs both backward kerne
 
 Only builtins of ``triton.language`` and Triton >= 3.3 features (``tl.associative_scan(reverse=)``,
 ``tl.reduce``, ``input_precision``) are used; the functions below are jitted lazily per mode by
-:class:`hf_posenc.kernels._jit.LazyJit` (see there why). Dots on bfloat16/float16 use the tensor cores with
+`hf_posenc.kernels._jit.LazyJit` (see there why). Dots on bfloat16/float16 use the tensor cores with
 float32 accumulation; float32 inputs use 3xTF32 dots (tensor cores, about float32 accuracy) unless
 ``torch.backends.cuda.matmul.allow_tf32`` is set (then TF32). In the interpreter every dot is done in
 float32 (its bfloat16 dot is wrong).
@@ -65,7 +65,7 @@ import triton.language as tl
 
 from .._errors import guarded
 from .._jit import LazyJit, interpreting
-from .._masks import check_window
+from .._masks import check_sink, check_window
 from .._triton_tiles import (
     BIG as _BIG,
     DEVICE_HELPERS,
@@ -129,23 +129,24 @@ def _dsoftplus(z):
     return tl.where(z > 15.0, 1.0, 1.0 / (1.0 + tl.exp(-z)))
 
 
-def _breakpoints(rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, WINDOW, ATTEND_CURRENT: tl.constexpr,
-                 HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr):
+def _breakpoints(rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, WINDOW, SINK, ATTEND_CURRENT: tl.constexpr,
+                 HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr):
     """(BM, BN) bool: key j is a breakpoint of query i (causal by index, the window's band, and the mask)."""
     if ATTEND_CURRENT:
         ok = keys[None, :] <= qidx[:, None]
     else:
         ok = keys[None, :] < qidx[:, None]
     ok = ok & row_ok[:, None] & (keys < LK)[None, :]
-    return _window_and_mask(ok, rows, keys, qidx, mptr, sm_m, sm_n, WINDOW, HAS_MASK, HAS_WINDOW)
+    return _window_and_mask(ok, rows, keys, qidx, mptr, sm_m, sm_n, WINDOW, SINK, HAS_MASK, HAS_WINDOW, HAS_SINK)
 
 
-def _stick(q, k, c, rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, scale, WINDOW,
+def _stick(q, k, c, rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, scale, WINDOW, SINK,
            ATTEND_CURRENT: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-           HAS_WINDOW: tl.constexpr):
+           HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr):
     """One tile: logits z, breakpoints, masked softplus, its in-tile suffix sums and the weights A."""
     z = _mm(q, tl.trans(k), PREC, UPCAST) * scale
-    brk = _breakpoints(rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, WINDOW, ATTEND_CURRENT, HAS_MASK, HAS_WINDOW)
+    brk = _breakpoints(rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, WINDOW, SINK, ATTEND_CURRENT, HAS_MASK,
+                       HAS_WINDOW, HAS_SINK)
     sp = tl.where(brk, _softplus(z), 0.0)
     suffix = tl.associative_scan(sp, 1, _add, reverse=True)
     a = tl.where(brk, tl.exp(z - suffix - c[:, None]), 0.0)
@@ -160,10 +161,10 @@ def _sba_fwd(
     Q, K, V, O, R, BIAS, M,
     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_m, sr_b, sr_h, sr_m,
     sm_b, sm_m, sm_n,
-    H, G, LQ, LK, Q_OFF_PTR, scale, WINDOW,
+    H, G, LQ, LK, Q_OFF_PTR, scale, WINDOW, SINK,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     ATTEND_CURRENT: tl.constexpr, REMAINDER: tl.constexpr, HAS_MASK: tl.constexpr, SAVE_RES: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     Q_OFF = tl.load(Q_OFF_PTR)  # the query offset, a device tensor: never read on the host
     pid_m = tl.program_id(0)
@@ -185,15 +186,16 @@ def _sba_fwd(
         hi = hi - 1
     n_tiles = (hi + BN) // BN
     t_lo = _first_tile(pid_m, Q_OFF, WINDOW, BM, BN, HAS_WINDOW)
+    n_walk, n_window, n_sink = _sink_walk(n_tiles, t_lo, SINK, BN, HAS_SINK)  # then the sinks' tiles
 
     c = tl.where(row_ok, 0.0, _BIG)
     acc = tl.full((BM, BD), 0.0, tl.float32)
-    for it in range(0, n_tiles - t_lo):
-        t = n_tiles - 1 - it
+    for it in range(0, n_walk):
+        t = _walk_tile(it, n_tiles, n_window, n_sink, HAS_SINK)
         if tl.reduce(c, 0, _min) <= EXHAUSTED:
             keys, k_ok, k, v = _key_tile(k_base, v_base, t, sk_n, sv_n, offs_d, d_ok, LK, BN)
             z, brk, sp, suffix, a = _stick(q, k, c, rows, keys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
-                                           WINDOW, ATTEND_CURRENT, HAS_MASK, PREC, UPCAST, HAS_WINDOW)
+                                           WINDOW, SINK, ATTEND_CURRENT, HAS_MASK, PREC, UPCAST, HAS_WINDOW, HAS_SINK)
             acc += _mm(a.to(v.dtype), v, PREC, UPCAST)
             c = c + tl.reduce(sp, 1, _add)
 
@@ -222,10 +224,10 @@ def _sba_bwd_q(
     Q, K, V, O, R, DO, DQ, TT, REST, CK, SK, M,
     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_m, sr_b, sr_h, sr_m,
     sd_b, sd_h, sd_m, sdq_b, sdq_h, sdq_m, sm_b, sm_m, sm_n,
-    H, G, HKV, PAIR0, LQ, LK, Q_OFF_PTR, scale, CSTRIDE, NSLOT, WINDOW,
+    H, G, HKV, PAIR0, LQ, LK, Q_OFF_PTR, scale, CSTRIDE, NSLOT, WINDOW, SINK,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     ATTEND_CURRENT: tl.constexpr, REMAINDER: tl.constexpr, HAS_MASK: tl.constexpr, HAS_RES: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     Q_OFF = tl.load(Q_OFF_PTR)  # the query offset, a device tensor: never read on the host
     pid_m = tl.program_id(0)
@@ -253,17 +255,21 @@ def _sba_bwd_q(
         hi = hi - 1
     n_tiles = (hi + BN) // BN
     t_lo = _first_tile(pid_m, Q_OFF, WINDOW, BM, BN, HAS_WINDOW)  # checkpoints left of it are never read
+    n_walk, n_window, n_sink = _sink_walk(n_tiles, t_lo, SINK, BN, HAS_SINK)  # then the sinks' tiles
 
     c = tl.where(row_ok, 0.0, _BIG)  # Σ sp over the keys right of the tile
     s_g = tl.full((BM,), 0.0, tl.float32)  # Σ g over the keys right of the tile
     dq = tl.full((BM, BD), 0.0, tl.float32)
-    for it in range(0, n_tiles - t_lo):
-        t = n_tiles - 1 - it
+    for it in range(0, n_walk):
+        t = _walk_tile(it, n_tiles, n_window, n_sink, HAS_SINK)
+        if HAS_SINK:
+            if it == n_window:
+                _store_gap_checkpoints(ck_base, sk_base, n_sink, t_lo, CSTRIDE, LQ, rows, row_ok, c, s_g)
         _store_checkpoint(ck_base, sk_base, t, CSTRIDE, LQ, rows, row_ok, c, s_g)
         if tl.reduce(c, 0, _min) <= EXHAUSTED:
             keys, k_ok, k, v = _key_tile(k_base, v_base, t, sk_n, sv_n, offs_d, d_ok, LK, BN)
             z, brk, sp, suffix, a = _stick(q, k, c, rows, keys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
-                                           WINDOW, ATTEND_CURRENT, HAS_MASK, PREC, UPCAST, HAS_WINDOW)
+                                           WINDOW, SINK, ATTEND_CURRENT, HAS_MASK, PREC, UPCAST, HAS_WINDOW, HAS_SINK)
             gg = a.to(v.dtype).to(tl.float32) * _mm(do, tl.trans(v), PREC, UPCAST)
             g_after = s_g[:, None] + (tl.associative_scan(gg, 1, _add, reverse=True) - gg)
             live = brk & (c[:, None] + (suffix - sp) <= EXHAUSTED)
@@ -290,10 +296,10 @@ def _sba_bwd_kv(
     Q, K, V, DO, DK, DV, TT, CK, SK, M,
     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sd_b, sd_h, sd_m,
     sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n, sm_b, sm_m, sm_n,
-    H, G, HKV, PAIR0, LQ, LK, Q_OFF_PTR, scale, CSTRIDE, NSLOT, WINDOW,
+    H, G, HKV, PAIR0, LQ, LK, Q_OFF_PTR, scale, CSTRIDE, NSLOT, WINDOW, SINK,
     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     ATTEND_CURRENT: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     Q_OFF = tl.load(Q_OFF_PTR)  # the query offset, a device tensor: never read on the host
     pid_n = tl.program_id(0)
@@ -311,7 +317,7 @@ def _sba_bwd_kv(
     dv = tl.full((BN, BD), 0.0, tl.float32)
 
     # the query blocks that can see a key of this tile, and the checkpoint at or right of the tile
-    m_lo, m_hi = _query_blocks(n_start, LQ, Q_OFF, WINDOW, BM, BN, HAS_WINDOW)
+    m_lo, m_hi = _query_blocks(n_start, LQ, Q_OFF, WINDOW, SINK, BM, BN, HAS_WINDOW, HAS_SINK)
     ckpt = pid_n + (CSTRIDE - 1) - pid_n % CSTRIDE
     for hh in range(0, G):
         h = g * G + hh
@@ -335,14 +341,15 @@ def _sba_bwd_kv(
                 if tl.reduce(c, 0, _min) <= EXHAUSTED:
                     wkeys, wk_ok, wk, wv = _key_tile(k_base, v_base, t, sk_n, sv_n, offs_d, d_ok, LK, BN)
                     wz, wbrk, wsp, wsuffix, wa = _stick(q, wk, c, rows, wkeys, qidx, row_ok, LK, m_base, sm_m, sm_n,
-                                                        scale, WINDOW, ATTEND_CURRENT, HAS_MASK, PREC, UPCAST,
-                                                        HAS_WINDOW)
+                                                        scale, WINDOW, SINK, ATTEND_CURRENT, HAS_MASK, PREC, UPCAST,
+                                                        HAS_WINDOW, HAS_SINK)
                     wg = wa.to(wv.dtype).to(tl.float32) * _mm(do, tl.trans(wv), PREC, UPCAST)
                     c = c + tl.reduce(wsp, 1, _add)
                     s_g = s_g + tl.reduce(wg, 1, _add)
             if tl.reduce(c, 0, _min) <= EXHAUSTED:
                 z, brk, sp, suffix, a = _stick(q, k, c, rows, keys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
-                                               WINDOW, ATTEND_CURRENT, HAS_MASK, PREC, UPCAST, HAS_WINDOW)
+                                               WINDOW, SINK, ATTEND_CURRENT, HAS_MASK, PREC, UPCAST, HAS_WINDOW,
+                                               HAS_SINK)
                 gg = a.to(v.dtype).to(tl.float32) * _mm(do, tl.trans(v), PREC, UPCAST)
                 g_after = s_g[:, None] + (tl.associative_scan(gg, 1, _add, reverse=True) - gg)
                 live = brk & (c[:, None] + (suffix - sp) <= EXHAUSTED)
@@ -379,7 +386,7 @@ def _blocks(kind: str, dtype: torch.dtype) -> tuple[int, int, int, int]:
     return pick_blocks(kind, dtype, INTERPRETER_BLOCKS, gpu_half, GPU_FP32, NUM_STAGES)
 
 
-def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, save_residual, window=None):
+def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, save_residual, window=None, sink=None):
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     bm, bn, warps, stages = _blocks("fwd", q.dtype)
@@ -394,16 +401,17 @@ def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, sa
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         res.stride(0), res.stride(1), res.stride(2), sm_b, sm_m, sm_n,
-        h, h // hkv, lq, lk, q_offset, scale, 0 if window is None else window,
+        h, h // hkv, lq, lk, q_offset, scale, 0 if window is None else window, 0 if sink is None else sink,
         D=d, BD=max(16, triton.next_power_of_2(d)), BM=bm, BN=bn,
         ATTEND_CURRENT=attend_current, REMAINDER=REMAINDERS[remainder], HAS_MASK=mask is not None,
         SAVE_RES=save_residual, PREC=dot_precision(q.dtype), UPCAST=interpreting(), HAS_WINDOW=window is not None,
+        HAS_SINK=sink is not None,
         num_warps=warps, num_stages=stages,
     )
     return o, (res if save_residual else None)
 
 
-def _backward(q, k, v, o, res, do, mask, scale, q_offset, attend_current, remainder, window=None):
+def _backward(q, k, v, o, res, do, mask, scale, q_offset, attend_current, remainder, window=None, sink=None):
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     groups = h // hkv
@@ -434,9 +442,10 @@ def _backward(q, k, v, o, res, do, mask, scale, q_offset, attend_current, remain
             resid.stride(0), resid.stride(1), resid.stride(2), do.stride(0), do.stride(1), do.stride(2),
             dq.stride(0), dq.stride(1), dq.stride(2), sm_b, sm_m, sm_n,
             h, groups, hkv, pair0, lq, lk, q_offset, scale, cstride, nslot, 0 if window is None else window,
+            0 if sink is None else sink,
             D=d, BD=bd, BM=bm1, BN=bn, ATTEND_CURRENT=attend_current, REMAINDER=REMAINDERS[remainder],
             HAS_MASK=mask is not None, HAS_RES=res is not None, PREC=prec, UPCAST=upcast,
-            HAS_WINDOW=window is not None, num_warps=warps1,
+            HAS_WINDOW=window is not None, HAS_SINK=sink is not None, num_warps=warps1,
             num_stages=stages1,
         )
         guarded(_sba_bwd_kv, "sba", {"q": q.shape, "k/v": k.shape}, q.dtype)[(triton.cdiv(lk, bn), n_pairs)](
@@ -445,8 +454,10 @@ def _backward(q, k, v, o, res, do, mask, scale, q_offset, attend_current, remain
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), sm_b, sm_m, sm_n,
             h, groups, hkv, pair0, lq, lk, q_offset, scale, cstride, nslot, 0 if window is None else window,
+            0 if sink is None else sink,
             D=d, BD=bd, BM=bm2, BN=bn, ATTEND_CURRENT=attend_current, HAS_MASK=mask is not None,
-            PREC=prec, UPCAST=upcast, HAS_WINDOW=window is not None, num_warps=warps2, num_stages=stages2,
+            PREC=prec, UPCAST=upcast, HAS_WINDOW=window is not None, HAS_SINK=sink is not None, num_warps=warps2,
+            num_stages=stages2,
         )
     return dq, dk, dv, (rest if remainder != "discard" else None)
 
@@ -455,20 +466,22 @@ class SbaFunction(torch.autograd.Function):
     """Stick-breaking attention with gradients for q, k, v and the remainder bias."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, bias, scale, q_offset, attend_current, remainder, window=None):
+    def forward(ctx, q, k, v, mask, bias, scale, q_offset, attend_current, remainder, window=None, sink=None):
         needs_grad = any(ctx.needs_input_grad[i] for i in (0, 1, 2, 4))
         save_residual = needs_grad and q.dtype != torch.float32
-        o, res = _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, save_residual, window)
+        o, res = _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, save_residual, window,
+                          sink)
         if needs_grad:
             ctx.save_for_backward(q, k, v, o, res, mask, bias)
-        ctx.args = (scale, q_offset, attend_current, remainder, window)
+        ctx.args = (scale, q_offset, attend_current, remainder, window, sink)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, res, mask, bias = ctx.saved_tensors
-        scale, q_offset, attend_current, remainder, window = ctx.args
-        dq, dk, dv, rest = _backward(q, k, v, o, res, do, mask, scale, q_offset, attend_current, remainder, window)
+        scale, q_offset, attend_current, remainder, window, sink = ctx.args
+        dq, dk, dv, rest = _backward(q, k, v, o, res, do, mask, scale, q_offset, attend_current, remainder, window,
+                                     sink)
         dbias = None
         if remainder != "discard":
             b, h, lq, d = q.shape
@@ -481,7 +494,7 @@ class SbaFunction(torch.autograd.Function):
                 dv = dv.to(v.dtype)
             elif ctx.needs_input_grad[4]:
                 dbias = weighted.sum(dim=(0, 2)).to(bias.dtype)
-        return dq, dk, dv, None, dbias, None, None, None, None, None
+        return dq, dk, dv, None, dbias, None, None, None, None, None, None
 
 
 def sba_triton(
@@ -495,6 +508,7 @@ def sba_triton(
     remainder: str = "discard",
     bias: torch.Tensor | None = None,
     window: int | None = None,
+    sink: int | None = None,
 ) -> torch.Tensor:
     """Stick-breaking attention with the Triton kernels (inputs validated by the dispatcher).
 
@@ -508,13 +522,19 @@ def sba_triton(
             (no weight, no break). The query-major kernels start their walk at the tile of the first query's
             window edge; the key-major kernel stops at the last query block whose window reaches its keys.
             A runtime int (one compilation for every size) behind the compile-time switch HAS_WINDOW.
+        sink: None, or an int >= 1 with a ``window``: attention sinks, the keys j < sink kept besides the band
+            (breakpoints and weights as any visible key). The query-major kernels walk the sink keys' tiles after
+            the window's (never the tiles between); the key-major program of a tile holding sink keys serves every
+            later query block. A runtime int behind the compile-time switch HAS_SINK.
 
     Returns:
         (B, H, Lq, D) in q's dtype (a transposed view of a (B, Lq, H, D) tensor).
 
     Raises:
-        TypeError, ValueError: ``window`` is not None or an int >= 1.
+        TypeError, ValueError: ``window`` or ``sink`` is not None or an int >= 1, or a sink without a window.
     """
     window = check_window(window)
+    sink = check_sink(sink, window)
     offset = device_offset(q_offset, q.device)  # loaded by the kernels, never read on the host
-    return SbaFunction.apply(q, k, v, mask, bias, float(scale), offset, bool(attend_current), remainder, window)
+    return SbaFunction.apply(q, k, v, mask, bias, float(scale), offset, bool(attend_current), remainder, window,
+                             sink)

@@ -14,8 +14,9 @@ The workflow of moving a pretrained model to a new position encoding (docs/compo
    step 0. The script measures that: the largest logit difference to the unpatched model.
 3. Fine-tune with accelerate (AdamW, warm-up then cosine; ``--mixed-precision bf16`` on a GPU), on the English
    documentation that ships with Python (``pydoc_data.topics``; ``--data FILE`` for another text) tokenised with
-   the checkpoint's tokenizer. The encoding's own parameters train in an optimizer group of their own at
-   ``--encoding-lr``: started inert, FIRE's bias barely moves at a fine-tuning learning rate.
+   the checkpoint's tokenizer. The encoding's own parameters train in an optimizer group of their own
+   (``hf_posenc.param_groups``) at ``--encoding-lr``: started inert, FIRE's bias barely moves at a fine-tuning
+   learning rate.
 4. Save with ``accelerator.unwrap_model(model).save_pretrained(out)`` (``accelerator.save_model`` writes no
    config.json, so the encoding would be lost) and the tokenizer beside it.
 5. Reload through the Auto class, ``AutoModelForCausalLM.from_pretrained(out)`` (``import hf_posenc`` registers the
@@ -92,7 +93,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-4, help="learning rate of the model's weights (default 1e-4)")
     p.add_argument("--encoding-lr", type=float, default=None,
                    help="learning rate of the encoding's own parameters (default: hf_posenc.param_groups' measured "
-                        "default per encoding)")
+                   "default for the encoding, 1e-2 for fire, 3e-2 for fox)")
     p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no")
     p.add_argument("--prompt", default="In Python, a decorator is", help="the prompt to generate from")
     p.add_argument("--max-new-tokens", type=int, default=24)
@@ -135,7 +136,8 @@ def main() -> None:
     start = {n: p.detach().clone() for n, p in hf_posenc.encoding_module(model).named_parameters()}
 
     # 3. Fine-tune with accelerate; the encoding's parameters in a group of their own.
-    opt = torch.optim.AdamW(hf_posenc.param_groups(model, lr=args.lr, encoding_lr=args.encoding_lr), betas=(0.9, 0.95), weight_decay=0.0)
+    groups = hf_posenc.param_groups(model, lr=args.lr, encoding_lr=args.encoding_lr)
+    opt = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0)
     warmup = max(1, args.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
@@ -179,7 +181,8 @@ def main() -> None:
     text = tokenizer.decode(reloaded_ids[0][prompt["input_ids"].shape[1]:], skip_special_tokens=True)
     summary = {
         "from": args.source, "encoding": reloaded.config.position_encoding, "steps": args.steps,
-        "batch": args.batch, "seq": args.seq, "lr": args.lr, "encoding_lr": args.encoding_lr,
+        "batch": args.batch, "seq": args.seq, "lr": args.lr,
+        "encoding_lr": [g["lr"] for g in groups if g["name"] != "model"],
         "device": str(accelerator.device), "mixed_precision": args.mixed_precision,
         "step0_max_logit_change": step0, "val_loss": {"pretrained": loss_pretrained, "finetuned": loss_tuned},
         "train_losses": losses, "encoding_parameters_moved": moved,

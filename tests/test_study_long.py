@@ -198,3 +198,19 @@ def test_long_eval_options_are_validated(checkpoint):
         StudyConfig(source=str(checkpoint), passkey_positions=[0.5]).resolved()
     c = StudyConfig(source=str(checkpoint), long_eval=True).resolved()
     assert c.passkey_lengths == [0.5, 1.0, 1.5, 2.0] and c.passkey_positions == [0.25]
+
+
+def test_cli_options(checkpoint):
+    import argparse
+
+    from hf_posenc.study import add_arguments, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--from", str(checkpoint), "--long-eval", "--passkey-lengths", "1", "2",
+                         "--passkey-positions", "0.5", "--encoding-lr", "0.02"])
+    c = config_from_args(args).resolved()
+    assert c.long_eval and c.passkey_lengths == [1.0, 2.0] and c.passkey_positions == [0.5] and c.encoding_lr == 0.02
+    c = config_from_args(p.parse_args(["--from", str(checkpoint)])).resolved()
+    assert not c.long_eval and c.encoding_lr is None  # a conversion study: param_groups' defaults
+    assert config_from_args(p.parse_args([])).resolved().encoding_lr == 3e-3  # from scratch: --lr

@@ -124,13 +124,13 @@ $(STAMP): pyproject.toml | $(PY)
 	@touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(call xdist,$(PYTEST_WORKERS)) --durations=10 $(PYTEST_ARGS) tests/
+	$(PY) -m pytest -q -rs $(call xdist,$(PYTEST_WORKERS)) --durations=10 $(PYTEST_ARGS) tests/
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q $(call xdist,$(PYTEST_WORKERS)) -m "$(TEST_ALL_MARKERS)" --durations=25 $(PYTEST_ARGS) tests/
+	$(PY) -m pytest -q -rs $(call xdist,$(PYTEST_WORKERS)) -m "$(TEST_ALL_MARKERS)" --durations=25 $(PYTEST_ARGS) tests/
 
 test-soak: $(STAMP)
-	$(PY) -m pytest -q $(call xdist,$(SOAK_WORKERS)) -m soak --durations=25 $(PYTEST_ARGS) tests/
+	$(PY) -m pytest -q -rs $(call xdist,$(SOAK_WORKERS)) -m soak --durations=25 $(PYTEST_ARGS) tests/
 
 # The real tier (marker `real`): about 45 tests on SmolLM2-135M-Instruct, one model loaded and shared. `-m real`
 # comes after any `-m` in pytest's addopts, so it selects the tier even where the default run deselects it.
@@ -200,4 +200,4 @@ $(VENV36)/.done: pyproject.toml
 	@touch $@
 
 test-triton36: $(VENV36)/.done
-	$(VENV36)/bin/python -m pytest -q -p no:cacheprovider -m "$(TEST_ALL_MARKERS)" $(PYTEST_ARGS) $(KERNEL_TESTS)
+	$(VENV36)/bin/python -m pytest -q -rs -p no:cacheprovider -m "$(TEST_ALL_MARKERS)" $(PYTEST_ARGS) $(KERNEL_TESTS)

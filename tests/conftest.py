@@ -480,3 +480,25 @@ def masked_tiles(monkeypatch):
     for module in (_tiles, _tiled_fused, _tiled_function):
         monkeypatch.setattr(module, "_apply_mask", spy)
     return seen
+
+
+# -- Triton-only modules --------------------------------------------------------------------------------
+
+
+def import_kernel_modules(*names: str) -> tuple[tuple[Any, ...], str | None]:
+    """Import the hf_posenc modules ``names`` that need Triton: ``(modules, None)``, or ``(Nones, reason)`` when
+    Triton itself is not installed, for the kernel tests to skip with that reason.
+
+    Only an ``ImportError`` whose ``name`` is ``triton`` (or a submodule of it) means "no Triton". Any other one --
+    raised inside hf_posenc's kernel modules, or by a dependency Triton needs -- propagates, so that a broken kernel
+    module fails the test file at collection instead of silencing it as skips.
+    """
+    import importlib
+
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        if exc.name is None or exc.name.split(".")[0] != "triton":
+            raise
+        return (None,) * len(names), f"triton is not installed ({exc})"
+    return tuple(importlib.import_module(name) for name in names), None

@@ -23,17 +23,10 @@ from hf_posenc.encodings.fire import Fire
 from hf_posenc.kernels.attention import FLEX_KINDS, KERNEL_KINDS, KernelTerm, attention_reference, term_bias
 from hf_posenc.kernels.attention.terms import example_term
 
-from conftest import left_pad, make_ids, make_model, tiered
+from conftest import import_kernel_modules, left_pad, make_ids, make_model, tiered
 
-try:
-    import triton  # noqa: F401
-
-    from hf_posenc.kernels.attention import triton_attention
-
-    _TRITON_MISSING = None
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    triton_attention = None
-    _TRITON_MISSING = f"triton is not importable ({exc}); the attention kernel tests need it"
+# Skips only without Triton itself: an ImportError inside hf_posenc's kernel module fails the file (conftest).
+(triton_attention,), _TRITON_MISSING = import_kernel_modules("hf_posenc.kernels.attention.triton_attention")
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

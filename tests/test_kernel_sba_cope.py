@@ -30,18 +30,12 @@ from hf_posenc.kernels import sba as sba_pkg
 from hf_posenc.kernels.cope import cope, cope_backend, cope_reference
 from hf_posenc.kernels.sba import sba_backend, sba_reference, stick_breaking
 
-try:
-    import triton  # noqa: F401
+from conftest import import_kernel_modules, make_ids, make_model, tiered
 
-    from hf_posenc.kernels.cope import triton_cope
-    from hf_posenc.kernels.sba import triton_sba
-
-    _TRITON_MISSING = None
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    triton_sba = triton_cope = None
-    _TRITON_MISSING = f"triton is not importable ({exc}); the sba/cope kernel tests need it"
-
-from conftest import make_ids, make_model, tiered
+# Skips only without Triton itself: an ImportError inside hf_posenc's kernel modules fails the file (conftest).
+(triton_cope, triton_sba), _TRITON_MISSING = import_kernel_modules(
+    "hf_posenc.kernels.cope.triton_cope", "hf_posenc.kernels.sba.triton_sba"
+)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

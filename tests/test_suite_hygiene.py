@@ -69,3 +69,19 @@ def test_the_checks_find_what_they_look_for():
     )
     assert empty_tests(src) == ["test_a", "test_b", "test_c", "test_e"]
     assert redefined_tests(src) == ["test_d", "test_e"]
+
+
+def test_kernel_modules_skip_only_without_triton(monkeypatch, tmp_path):
+    """``conftest.import_kernel_modules``: an ImportError raised inside a kernel module propagates (the kernel test
+    file fails at collection); only Triton itself missing gives a skip reason."""
+    import sys
+
+    from conftest import import_kernel_modules
+
+    (tmp_path / "hf_posenc_broken_kernel.py").write_text("from hf_posenc.kernels import _no_such_helper\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ImportError, match="_no_such_helper"):
+        import_kernel_modules("hf_posenc_broken_kernel")
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError(name="triton")
+    modules, reason = import_kernel_modules("hf_posenc_broken_kernel")
+    assert modules == (None,) and reason.startswith("triton is not installed")

@@ -174,7 +174,8 @@ def test_gate_verdicts(tmp_path):
     def silent():
         return False, "ERROR: no index"
 
-    assert gate.verdict(_junit(tmp_path / "a.xml", "pass", "skip"), never) == (0, "real tier: ran (1 passed, 1 skipped)")
+    ran = gate.verdict(_junit(tmp_path / "a.xml", "pass", "skip"), never)
+    assert ran == (0, "real tier: ran (1 passed, 1 skipped)")
     assert gate.verdict(_junit(tmp_path / "b.xml", "pass", "fail"), never)[0] == 1
     assert gate.verdict(_junit(tmp_path / "c.xml"), never) == (1, "real tier: FAILED: no test was collected")
     status, line = gate.verdict(_junit(tmp_path / "d.xml", "skip", "skip"), answers)

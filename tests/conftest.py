@@ -520,3 +520,40 @@ def import_kernel_modules(*names: str) -> tuple[tuple[Any, ...], str | None]:
             raise
         return (None,) * len(names), f"triton is not installed ({exc})"
     return tuple(importlib.import_module(name) for name in names), None
+
+
+# -- which engine ran -----------------------------------------------------------------------------------
+
+#: The entry points counted by ``engine_calls``: (module, function, counter name), the engines' innermost public
+#: functions. Their callers import them inside the call (``hf_posenc.kernels.attention.fused_attention`` and
+#: ``flex_attention_term``, the SBA and CoPE dispatchers), so replacing the module attribute sees every call.
+ENGINE_ENTRY_POINTS = (
+    ("hf_posenc.kernels.attention.flex", "flex_attention_term", "flex"),
+    ("hf_posenc.kernels.attention.triton_attention", "fused_attention", "triton"),
+    ("hf_posenc.kernels.sba.triton_sba", "sba_triton", "triton"),
+    ("hf_posenc.kernels.cope.triton_cope", "cope_triton", "triton"),
+)
+
+
+@pytest.fixture
+def engine_calls(monkeypatch):
+    """A ``collections.Counter`` of the calls that reached each accelerated engine: ``"flex"`` (FlexAttention with
+    the term's score_mod) and ``"triton"`` (the fused-term, SBA and CoPE kernels). A test that compares a backend
+    with another asserts that the backend it names ran: a silent fall-back to the PyTorch engine would otherwise
+    compare torch with torch. (Without Triton installed, only ``"flex"`` is counted.)"""
+    import collections
+    import importlib
+
+    counts: collections.Counter = collections.Counter()
+    for module_name, name, backend in ENGINE_ENTRY_POINTS:
+        if backend == "triton" and import_kernel_modules()[1] is not None:
+            continue
+        module = importlib.import_module(module_name)
+        real = getattr(module, name)
+
+        def spy(*args, _real=real, _backend=backend, **kwargs):
+            counts[_backend] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+    return counts

@@ -196,15 +196,19 @@ def test_identity_start_gives_the_unpatched_logits(family, name, params):
 
 
 def test_fox_identity_start_is_within_its_stated_tolerance():
+    """FoX's identity start moves each attention logit by at most ``per_token`` per token of distance (what its
+    ``inert`` says): at most (n - 1) * per_token = 1.4e-3 here. Through the two layers the output logits moved
+    2.6e-3 (1.9 times that, measured); they may move 4 times that. (The old bound, 0.1, let gates of sigma(7)
+    instead of sigma(10) pass: 0.053.)"""
     base = make_model("llama")
     n = 32
     ids = make_ids(2, n)
     model = hf_posenc.patch_model(copy.deepcopy(base), "rope+fox", init="identity")
-    assert "per token of distance" in hf_posenc.encoding_module(model).inert
+    per_token = -torch.nn.functional.logsigmoid(torch.tensor(INERT_GATE_BIAS, dtype=torch.float64)).item()
+    assert hf_posenc.encoding_module(model).inert.startswith(f"within {per_token:.3g} per token of distance")
     with torch.no_grad():
         diff = (model(ids).logits - base(ids).logits).abs().max().item()
-    per_token = -torch.nn.functional.logsigmoid(torch.tensor(INERT_GATE_BIAS)).item()
-    assert 0 < diff < 0.1 and per_token < 5e-5
+    assert per_token < 5e-5 and 0 < diff < 4 * (n - 1) * per_token, (diff, per_token)
     # the gates train from there: every gate parameter gets a gradient
     model.train()
     model(ids).logits.pow(2).mean().backward()

@@ -110,12 +110,16 @@ def inputs(family: str, length: int, grid: int) -> dict:
 
 
 def run_pair(family: str, encoding: str, length: int, grid: int, backward: bool, budget: int) -> dict:
-    """One (family, encoding): its measurement and the two checks, as a row."""
+    """One (family, encoding): its measurement and the two checks, as a row. A reference that the pre-check refuses
+    (its estimate over the budget) is a row with ``refused`` set: that is the pre-check doing its work."""
     import hf_posenc
+    from hf_posenc.memory import ReferenceMemoryError
 
     model = small_model(family, encoding, length, grid, backward)
     n = grid * grid + 1 if family == "vit" else length
     x = inputs(family, length, grid)
+    enc = hf_posenc.encoding_module(model)
+    est = enc.reference_bytes(1, enc.info.num_heads, n, n, backward)
 
     def step():
         with torch.set_grad_enabled(backward):
@@ -124,9 +128,12 @@ def run_pair(family: str, encoding: str, length: int, grid: int, backward: bool,
                 out.float().pow(2).mean().backward()
         return out
 
-    out, seconds, extra = measure(step)
-    enc = hf_posenc.encoding_module(model)
-    est = enc.reference_bytes(1, enc.info.num_heads, n, n, backward)
+    try:
+        out, seconds, extra = measure(step)
+    except ReferenceMemoryError as e:
+        return {"family": family, "encoding": encoding, "length": n, "backward": backward, "seconds": None,
+                "finite": None, "estimate_gib": round(est / GiB, 3), "peak_extra_gib": None, "refused": str(e),
+                "problems": []}
     # torch's own CPU attention keeps the (B, H, L, L) weights of its math path for its backward (not a reference)
     sdpa_grad = 3 * 4 * (4 * n * n) if backward else 0
     row = {"family": family, "encoding": encoding, "length": n, "backward": backward, "seconds": round(seconds, 2),
@@ -181,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             row = run_pair(family, encoding, args.length, args.grid, args.backward, budget)
             rows.append(row)
+            verdict = "; ".join(row["problems"]) or ("refused by the pre-check" if row.get("refused") else "ok")
             print(f"| {family}-{encoding} | {row['length']} | {row['seconds']} | {row['peak_extra_gib']} | "
-                  f"{row['estimate_gib']} | {'; '.join(row['problems']) or 'ok'} |", flush=True)
+                  f"{row['estimate_gib']} | {verdict} |", flush=True)
     device = device_name(torch.device("cpu"))
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"reference_memory_{slug(device)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -110,6 +110,16 @@ FAMILY_SUBSETS = _family_subsets()
 
 VOCAB = 97
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+#: The same logits computed two ways at a few hundred tokens (a row padded or alone, later tokens changed or not),
+#: where an encoding's term sums over the positions: FoX's bias is a cumulative sum of log-gates, which adds up
+#: (linearly in the distance) the ~2e-6 that padding leaves in every layer's input (measured at 268 tokens: 1.2e-5
+#: on the exact per-pair path, 2.0e-5 on the CPU fused one, whose logits sit in a block's frame, so that later
+#: tokens' gates move the rounding of earlier rows: 1.6e-5 at 248 tokens, fox_pro; ALiBi 2.6e-6 at 268 tokens in
+#: test_common, 1.3e-5 at 248 in tests/test_properties.py's larger draws: 4 heads of 16, 2 layers, a row of 248
+#: tokens beside a row of 1, against it alone).
+LONG_INPUT_ATOL = {"fox": 5e-5, "fox_pro": 5e-5}
+#: The same for every other encoding at a few hundred tokens (test_properties' tile regime).
+LONG_SAME_ATOL = 5e-5
 MAX_POSITIONS = 64
 IMAGE_SIZE, PATCH_SIZE, NUM_LABELS = 32, 8, 3
 INIT_RANGE = 0.2
@@ -354,7 +364,9 @@ def rotation(family: str, encoding: str, n: int) -> int:
 
 def combos(families=FAMILIES, encodings=ENCODINGS, extra=None, extra_ids=None, *, fast: str | int = "all",
            every_pair: bool = False) -> list[Any]:
-    """pytest params (family, encoding[, *extra]) with ids like ``llama-alibi-static``; unsupported pairs skip.
+    """pytest params (family, encoding[, *extra]) with ids like ``llama-alibi-static``, for the pairs the registry
+    supports (an unsupported pair is left out, not collected as a parameter that always skips; its refusal is
+    tests/test_bad_inputs.py's).
 
     Tiers (see above): a later family's encodings outside its ``FAMILY_SUBSETS``, and its variants other than
     the first and last, are ``soak``. Of the rest, ``fast`` says what the fast tier runs, the others are ``slow``:
@@ -372,7 +384,8 @@ def combos(families=FAMILIES, encodings=ENCODINGS, extra=None, extra_ids=None, *
     variants = [None] if extra is None else list(extra)
     for fam in families:
         for enc in encodings:
-            base = () if supports(enc, fam) else (pytest.mark.skip(reason=f"{enc} does not support {fam}"),)
+            if not supports(enc, fam):
+                continue
             kept = [i for i in range(len(variants))
                     if fam not in FAMILY_SUBSETS or i in (0, len(variants) - 1)]  # soak: the later families' middle
             for i, e in enumerate(variants):
@@ -386,7 +399,7 @@ def combos(families=FAMILIES, encodings=ENCODINGS, extra=None, extra_ids=None, *
                     tier = () if kept.index(i) == rotation(fam, enc, len(kept)) else (SLOW,)
                 else:
                     tier = () if rotation(fam, enc, fast) == 0 else (SLOW,)
-                marks = base + tier
+                marks = tier
                 if e is None:
                     out.append(pytest.param(fam, enc, id=f"{fam}-{enc}", marks=marks))
                     continue

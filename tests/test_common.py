@@ -17,6 +17,7 @@ from conftest import (
     ENCODINGS,
     EOS_ID,
     FAMILIES,
+    LONG_INPUT_ATOL,
     MAX_POSITIONS_KEY,
     NUM_LABELS,
     PAD_ID,
@@ -38,11 +39,7 @@ from conftest import (
 
 FP32_ATOL = 1e-4  # cache == full forward
 PAD_ATOL = 1e-5  # left padding == alone
-#: left padding == alone at a few hundred tokens, where an encoding's term sums over the positions: FoX's bias
-#: is a cumulative sum of log-gates, which adds up (linearly in the distance) the ~2e-6 that padding leaves in
-#: every layer's input (measured at 268 tokens: 1.2e-5 on the exact per-pair path, 2.0e-5 on the CPU fused one,
-#: whose logits sit in a block's frame; ALiBi 2.6e-6).
-LONG_PAD_ATOL = {"fox": 5e-5, "fox_pro": 5e-5}
+#: left padding == alone at a few hundred tokens: conftest.LONG_INPUT_ATOL (fox, fox_pro), else PAD_ATOL.
 #: the fast path (tile-wise engine / kernels) against the probabilities' reference path: FIRE's fast term
 #: interpolates its MLP on a 256-point grid, exact except in the cells that hold a ReLU kink (encodings/fire.py,
 #: ``kernel_term``), so it gets a looser bound there.
@@ -236,7 +233,7 @@ def test_long_prefill_cache_matches_full_forward(family, encoding, cache):
     real = mask.bool()
     incremental = torch.cat(pieces, dim=1)
     assert max_diff(incremental[real], full[real]) < FP32_ATOL, f"{cache} cache differs from the full forward"
-    assert max_diff(full[0, 5:], alone[0]) < LONG_PAD_ATOL.get(encoding, PAD_ATOL), (
+    assert max_diff(full[0, 5:], alone[0]) < LONG_INPUT_ATOL.get(encoding, PAD_ATOL), (
         "left-padded long row differs from the row alone"
     )
 
@@ -631,8 +628,6 @@ VIT_LEARNED = [(32, 32, False), (32, 32, True), (48, 64, True), (64, 64, True)]
 def test_vit_learned_matches_transformers(height, width, interpolate):
     """``learned`` on ViT adopts the native table and interpolates it as transformers does: same logits as
     the unpatched model on the same weights (at the sizes transformers accepts)."""
-    if not supports("learned", "vit"):
-        pytest.skip("learned does not support vit")
     native = make_model("vit")
     patched = make_model("vit", encoding="learned")
     pixels = make_pixels(2, height, width)

@@ -278,21 +278,18 @@ def make_config(family: str, **overrides: Any):
     raise ValueError(f"unknown family {family!r}")
 
 
-#: Config overrides a (family, encoding) pair's tiny model takes by default in ``make_model`` (an explicit
-#: ``config_overrides`` key wins). fope on ViT clips every frequency below 2π / (patches per axis at the config's
-#: image size): on the default 4x4 grid (floor 2π/4 = 1.57) that is every one (head_dim 8: ω = 1 and 0.1 per axis),
-#: and fope is exactly nope (difference 0.0). A config image size of 128 (a 16x16 grid at patch 8, 8x8 at patch 16)
-#: puts the floor at 2π/16 or 2π/8, below ω = 1; the images stay 32x32 unless a test says otherwise.
-PAIR_CONFIG: dict[tuple[str, str], dict[str, Any]] = {("vit", "fope"): {"image_size": 128}}
+#: Encoding parameters a (family, encoding) pair's tiny model takes by default in ``make_model`` (an explicit
+#: parameter wins). fope on ViT clips every frequency below 2π / (patches per axis at the config's image size): on
+#: the 4x4 test grid (floor 2π/4 = 1.57) that is every one (head_dim 8: ω = 1 and 0.1 per axis), and fope is
+#: exactly nope (difference 0.0). ``train_length=8`` (a model trained on an 8x8 grid, run on 4x4 images) puts the
+#: floor at 2π/8 = 0.79, below ω = 1; the config and the images stay those of every other ViT test.
+PAIR_PARAMS: dict[tuple[str, str], dict[str, Any]] = {("vit", "fope"): {"train_length": 8}}
 
 
-def pair_config(family: str, *encodings: str | None) -> dict[str, Any]:
-    """The ``PAIR_CONFIG`` overrides of ``family`` with any of ``encodings`` (a model patched with several in turn
-    must be built with what each of them needs, and compared with a fresh model built the same way)."""
-    out: dict[str, Any] = {}
-    for encoding in encodings:
-        out.update(PAIR_CONFIG.get((family, encoding), {}))
-    return out
+def pair_params(family: str, encoding: Any) -> dict[str, Any]:
+    """The ``PAIR_PARAMS`` of ``family`` with ``encoding`` (a name; a plan or composition has none): what a test
+    that patches with ``hf_posenc.patch_model`` passes to get ``make_model``'s model."""
+    return dict(PAIR_PARAMS.get((family, encoding), {})) if isinstance(encoding, str) else {}
 
 
 def model_class(family: str, head: str = "head"):
@@ -320,13 +317,14 @@ def make_model(
             the same (family, head, seed, encoding) always gives the same model.
         train: train mode (dropouts are 0, so it is deterministic) instead of eval mode.
         dtype: cast after patching (``model.to(dtype)``).
-        config_overrides: config keys to change, on top of the pair's ``PAIR_CONFIG`` (these win).
+        config_overrides: config keys to change.
+        params: the encoding's parameters, on top of the pair's ``PAIR_PARAMS`` (these win).
     """
     cls = model_class(family, head)
     torch.manual_seed(seed)
-    model = cls(make_config(family, **{**pair_config(family, encoding), **(config_overrides or {})}))
+    model = cls(make_config(family, **(config_overrides or {})))
     if encoding is not None:
-        hf_posenc.patch_model(model, encoding, **params)
+        hf_posenc.patch_model(model, encoding, **{**pair_params(family, encoding), **params})
     if dtype is not None:
         model.to(dtype)
     model.train(train)

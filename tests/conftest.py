@@ -110,6 +110,16 @@ FAMILY_SUBSETS = _family_subsets()
 
 VOCAB = 97
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+#: The same logits computed two ways at a few hundred tokens (a row padded or alone, later tokens changed or not),
+#: where an encoding's term sums over the positions: FoX's bias is a cumulative sum of log-gates, which adds up
+#: (linearly in the distance) the ~2e-6 that padding leaves in every layer's input (measured at 268 tokens: 1.2e-5
+#: on the exact per-pair path, 2.0e-5 on the CPU fused one, whose logits sit in a block's frame, so that later
+#: tokens' gates move the rounding of earlier rows: 1.6e-5 at 248 tokens, fox_pro; ALiBi 2.6e-6 at 268 tokens in
+#: test_common, 1.3e-5 at 248 in tests/test_properties.py's larger draws: 4 heads of 16, 2 layers, a row of 248
+#: tokens beside a row of 1, against it alone).
+LONG_INPUT_ATOL = {"fox": 5e-5, "fox_pro": 5e-5}
+#: The same for every other encoding at a few hundred tokens (test_properties' tile regime).
+LONG_SAME_ATOL = 5e-5
 MAX_POSITIONS = 64
 IMAGE_SIZE, PATCH_SIZE, NUM_LABELS = 32, 8, 3
 INIT_RANGE = 0.2
@@ -268,6 +278,20 @@ def make_config(family: str, **overrides: Any):
     raise ValueError(f"unknown family {family!r}")
 
 
+#: Encoding parameters a (family, encoding) pair's tiny model takes by default in ``make_model`` (an explicit
+#: parameter wins). fope on ViT clips every frequency below 2π / (patches per axis at the config's image size): on
+#: the 4x4 test grid (floor 2π/4 = 1.57) that is every one (head_dim 8: ω = 1 and 0.1 per axis), and fope is
+#: exactly nope (difference 0.0). ``train_length=8`` (a model trained on an 8x8 grid, run on 4x4 images) puts the
+#: floor at 2π/8 = 0.79, below ω = 1; the config and the images stay those of every other ViT test.
+PAIR_PARAMS: dict[tuple[str, str], dict[str, Any]] = {("vit", "fope"): {"train_length": 8}}
+
+
+def pair_params(family: str, encoding: Any) -> dict[str, Any]:
+    """The ``PAIR_PARAMS`` of ``family`` with ``encoding`` (a name; a plan or composition has none): what a test
+    that patches with ``hf_posenc.patch_model`` passes to get ``make_model``'s model."""
+    return dict(PAIR_PARAMS.get((family, encoding), {})) if isinstance(encoding, str) else {}
+
+
 def model_class(family: str, head: str = "head"):
     """The transformers class for ``family``: ``head`` (LM / classification head) or ``base``."""
     head = {"lm": "head", "cls": "head"}.get(head, head)
@@ -293,12 +317,14 @@ def make_model(
             the same (family, head, seed, encoding) always gives the same model.
         train: train mode (dropouts are 0, so it is deterministic) instead of eval mode.
         dtype: cast after patching (``model.to(dtype)``).
+        config_overrides: config keys to change.
+        params: the encoding's parameters, on top of the pair's ``PAIR_PARAMS`` (these win).
     """
     cls = model_class(family, head)
     torch.manual_seed(seed)
     model = cls(make_config(family, **(config_overrides or {})))
     if encoding is not None:
-        hf_posenc.patch_model(model, encoding, **params)
+        hf_posenc.patch_model(model, encoding, **{**pair_params(family, encoding), **params})
     if dtype is not None:
         model.to(dtype)
     model.train(train)
@@ -336,7 +362,9 @@ def rotation(family: str, encoding: str, n: int) -> int:
 
 def combos(families=FAMILIES, encodings=ENCODINGS, extra=None, extra_ids=None, *, fast: str | int = "all",
            every_pair: bool = False) -> list[Any]:
-    """pytest params (family, encoding[, *extra]) with ids like ``llama-alibi-static``; unsupported pairs skip.
+    """pytest params (family, encoding[, *extra]) with ids like ``llama-alibi-static``, for the pairs the registry
+    supports (an unsupported pair is left out, not collected as a parameter that always skips; its refusal is
+    tests/test_bad_inputs.py's).
 
     Tiers (see above): a later family's encodings outside its ``FAMILY_SUBSETS``, and its variants other than
     the first and last, are ``soak``. Of the rest, ``fast`` says what the fast tier runs, the others are ``slow``:
@@ -354,7 +382,8 @@ def combos(families=FAMILIES, encodings=ENCODINGS, extra=None, extra_ids=None, *
     variants = [None] if extra is None else list(extra)
     for fam in families:
         for enc in encodings:
-            base = () if supports(enc, fam) else (pytest.mark.skip(reason=f"{enc} does not support {fam}"),)
+            if not supports(enc, fam):
+                continue
             kept = [i for i in range(len(variants))
                     if fam not in FAMILY_SUBSETS or i in (0, len(variants) - 1)]  # soak: the later families' middle
             for i, e in enumerate(variants):
@@ -368,7 +397,7 @@ def combos(families=FAMILIES, encodings=ENCODINGS, extra=None, extra_ids=None, *
                     tier = () if kept.index(i) == rotation(fam, enc, len(kept)) else (SLOW,)
                 else:
                     tier = () if rotation(fam, enc, fast) == 0 else (SLOW,)
-                marks = base + tier
+                marks = tier
                 if e is None:
                     out.append(pytest.param(fam, enc, id=f"{fam}-{enc}", marks=marks))
                     continue
@@ -480,3 +509,62 @@ def masked_tiles(monkeypatch):
     for module in (_tiles, _tiled_fused, _tiled_function):
         monkeypatch.setattr(module, "_apply_mask", spy)
     return seen
+
+
+# -- Triton-only modules --------------------------------------------------------------------------------
+
+
+def import_kernel_modules(*names: str) -> tuple[tuple[Any, ...], str | None]:
+    """Import the hf_posenc modules ``names`` that need Triton: ``(modules, None)``, or ``(Nones, reason)`` when
+    Triton itself is not installed, for the kernel tests to skip with that reason.
+
+    Only an ``ImportError`` whose ``name`` is ``triton`` (or a submodule of it) means "no Triton". Any other one --
+    raised inside hf_posenc's kernel modules, or by a dependency Triton needs -- propagates, so that a broken kernel
+    module fails the test file at collection instead of silencing it as skips.
+    """
+    import importlib
+
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        if exc.name is None or exc.name.split(".")[0] != "triton":
+            raise
+        return (None,) * len(names), f"triton is not installed ({exc})"
+    return tuple(importlib.import_module(name) for name in names), None
+
+
+# -- which engine ran -----------------------------------------------------------------------------------
+
+#: The entry points counted by ``engine_calls``: (module, function, counter name), the engines' innermost public
+#: functions. Their callers import them inside the call (``hf_posenc.kernels.attention.fused_attention`` and
+#: ``flex_attention_term``, the SBA and CoPE dispatchers), so replacing the module attribute sees every call.
+ENGINE_ENTRY_POINTS = (
+    ("hf_posenc.kernels.attention.flex", "flex_attention_term", "flex"),
+    ("hf_posenc.kernels.attention.triton_attention", "fused_attention", "triton"),
+    ("hf_posenc.kernels.sba.triton_sba", "sba_triton", "triton"),
+    ("hf_posenc.kernels.cope.triton_cope", "cope_triton", "triton"),
+)
+
+
+@pytest.fixture
+def engine_calls(monkeypatch):
+    """A ``collections.Counter`` of the calls that reached each accelerated engine: ``"flex"`` (FlexAttention with
+    the term's score_mod) and ``"triton"`` (the fused-term, SBA and CoPE kernels). A test that compares a backend
+    with another asserts that the backend it names ran: a silent fall-back to the PyTorch engine would otherwise
+    compare torch with torch. (Without Triton installed, only ``"flex"`` is counted.)"""
+    import collections
+    import importlib
+
+    counts: collections.Counter = collections.Counter()
+    for module_name, name, backend in ENGINE_ENTRY_POINTS:
+        if backend == "triton" and import_kernel_modules()[1] is not None:
+            continue
+        module = importlib.import_module(module_name)
+        real = getattr(module, name)
+
+        def spy(*args, _real=real, _backend=backend, **kwargs):
+            counts[_backend] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+    return counts

@@ -165,9 +165,15 @@ def test_sequence_longer_than_learned_table_is_a_clear_error():
 
 
 def test_gpt2_runs_past_n_positions_with_relative_encodings():
+    """40 tokens on a GPT-2 of 16 positions: finite, and causal past n_positions (the first 30 positions give the
+    30-token input's logits)."""
     m = hf_posenc.patch_model(_gpt2(), "alibi")
-    out = m(torch.randint(3, 61, (1, 40))).logits
+    ids = torch.randint(3, 61, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = m(ids).logits
+        prefix = m(ids[:, :30]).logits
     assert out.shape == (1, 40, 61) and torch.isfinite(out).all()
+    torch.testing.assert_close(out[:, :30], prefix, rtol=0, atol=1e-5)
 
 
 def test_rope_reproduces_dynamic_ntk_scaling():

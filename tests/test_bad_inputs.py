@@ -309,11 +309,15 @@ def test_learned_on_vit_at_another_image_size():
 )
 def test_tables_that_clip_run_past_their_size(encoding, params):
     """Bucketed, clipped or normalised tables are not bounded by their size: 80 tokens (past t5's max_distance,
-    shaw's clip, cope's npos_max, fope's L_train, liere's maximum position) run, finite."""
+    shaw's clip, cope's npos_max, fope's L_train, liere's maximum position) run, finite, and causally: the first 60
+    positions (past every table's size too) give the logits of the 60-token input."""
     model = hf_posenc.patch_model(llama(), encoding, **params)
+    ids = make_ids(2, 80)
     with torch.no_grad():
-        out = model(make_ids(2, 80)).logits
+        out = model(ids).logits
+        prefix = model(ids[:, :60]).logits
     assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[:, :60], prefix, rtol=0, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -361,11 +365,16 @@ def test_llama_input_ids_must_be_two_dimensional(shape):
 
 
 def test_bf16_model_with_autocast_accepts_float32_embeds():
-    """The dtype check stands aside under autocast (mixed precision)."""
+    """The dtype check stands aside under autocast (mixed precision), and the float32 embeddings give what the
+    same embeddings rounded to bfloat16 give without autocast."""
     model = hf_posenc.patch_model(llama(), "alibi").to(torch.bfloat16)
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
-        out = model(inputs_embeds=torch.randn(1, 5, 32)).logits
+    embeds = torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(inputs_embeds=embeds).logits
+        want = model(inputs_embeds=embeds.bfloat16()).logits
     assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=2e-2 * want.abs().max().item())
 
 
 @pytest.mark.parametrize(

@@ -175,10 +175,10 @@ def test_triton_refuses_a_long_table_with_a_gradient_only(interpret):
     assert rel_err(out, ref) < 2e-5
 
 
-def test_model_engines_match_reference(interpret):
+def test_model_engines_match_reference(interpret, engine_calls):
     """A patched tiny Llama (left-padded batch, train mode) gives the same logits, loss and gradients of every
     parameter (the MLP's included, through the table) on the tile engine and on the Triton kernel (interpreted on
-    the CPU) as on the full-matrix reference."""
+    the CPU) as on the full-matrix reference; each engine seen to run (and only it)."""
     ids, mask = _padded_batch()
     results = {}
     for engine in ("reference", "tiled", "triton"):
@@ -191,9 +191,11 @@ def test_model_engines_match_reference(interpret):
             mp.setattr(attention_module, "tiled_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
             model = make_model("llama", encoding="dpb", train=True, config_overrides={"num_hidden_layers": 1},
                                log_distance=True)
+            engine_calls.clear()
             out = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False)
             out.loss.backward()
         assert bool(calls) == (engine == "tiled")
+        assert engine_calls["triton"] == (engine == "triton"), f"{engine}: {dict(engine_calls)}"  # the one layer
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         results[engine] = (out.logits.detach(), out.loss.detach(), grads)
     ref, ref_loss, ref_grads = results.pop("reference")

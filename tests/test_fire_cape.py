@@ -23,11 +23,6 @@ TEXT = ModelInfo("llama", 32, 2, 2, 16, 1, True, 64)
 VIT = ModelInfo("vit", 32, 2, 2, 16, 1, False, 5, grid=(2, 2), patch_size=(8, 8))
 
 
-def kerple_or_skip() -> None:
-    if "kerple" not in hf_posenc.list_encodings():
-        pytest.skip("kerple is not registered in this tree (written separately); its cape base is untested here")
-
-
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, f"{tuple(a.shape)} vs {tuple(b.shape)}"
     return (a.float() - b.float()).abs().max().item()
@@ -351,8 +346,6 @@ def test_cape_defaults_follow_the_paper():
 @pytest.mark.parametrize("base", ["alibi", "kerple", "fire"])
 def test_cape_scores_closed_form(base):
     """A = L + B + f([L, B]) at each (i, j), across heads, with L the scaled logits before any mask."""
-    if base == "kerple":
-        kerple_or_skip()
     torch.manual_seed(0)
     enc = Cape(PosEncConfig("cape", {"base": base, "mlp_hidden": 5}), GQA)
     q, k = torch.randn(2, 2, 3, 4), torch.randn(2, 1, 6, 4)
@@ -392,8 +385,6 @@ def test_cape_scores_closed_form(base):
 def test_cape_with_zero_mlp_is_its_base_bias(family, base):
     """Zeroing the last layer of every MLP gives exactly attention with the base bias (the base encoding
     patched on its own, with the same base parameters)."""
-    if base == "kerple":
-        kerple_or_skip()
     model = make_model(family, encoding="cape", base=base)
     ref = make_model(family, encoding=base)
     enc = hf_posenc.encoding_module(model)
@@ -425,8 +416,6 @@ def test_cape_mlp_changes_the_model_and_is_per_layer():
 def test_cape_gradcheck(base):
     """Every parameter of CAPE (its MLPs and its base's learned parameters), and q and k, against finite
     differences on the pre-mask scores (the softmax after them has no parameter of the encoding)."""
-    if base == "kerple":
-        kerple_or_skip()
     torch.manual_seed(0)
     enc = Cape(PosEncConfig("cape", {"base": base, "mlp_hidden": 3}), GQA).double()
     q = torch.randn(1, 2, 2, 4, dtype=torch.float64, requires_grad=True)

@@ -428,18 +428,29 @@ def test_hi_lo_passes_gradients():
     assert torch.equal(x.grad, torch.ones_like(x))
 
 
-def test_bf16_cache_matches_bf16_full_forward():
-    """A bf16 model: the cache (bf16 keys + hi/lo state) gives the full forward's logits up to bf16 rounding."""
-    for name in ("fox", "fox_pro"):
-        model = make_model("llama", encoding=name, dtype=torch.bfloat16)
-        ids = make_ids(2, 12)
-        with torch.no_grad():
-            full = model(ids, use_cache=False).logits.float()
-            past = DynamicCache(config=model.config)
-            pieces = [model(ids[:, :6], past_key_values=past).logits]
-            pieces += [model(ids[:, i : i + 1], past_key_values=past).logits for i in range(6, 12)]
-        inc = torch.cat(pieces, dim=1).float()
-        assert (inc - full).abs().max() < 0.05 * full.abs().max() + 0.05, name
+#: bf16 cache against the bf16 full forward: the L2 error of the logits as a fraction of the encoding's own effect
+#: (the bf16 full forward against a bf16 ``nope`` model's). Measured 0.0 (bit-equal logits) for both (2-core AMD
+#: EPYC, torch 2.13); each decoding step's gate cached 5% off gives 0.035 for fox, with a largest error of 0.23,
+#: inside the old bound (0.05 * max + 0.05 = 0.24 on logits of about 4).
+BF16_CACHE_OF_EFFECT = 0.02
+
+
+@pytest.mark.parametrize("name", ["fox", "fox_pro"])
+def test_bf16_cache_matches_bf16_full_forward(name):
+    """A bf16 model: the cache (bf16 keys + hi/lo state) gives the full forward's logits up to bf16 rounding, a small
+    fraction of what the encoding changes (BF16_CACHE_OF_EFFECT)."""
+    model = make_model("llama", encoding=name, dtype=torch.bfloat16)
+    nope = make_model("llama", encoding="nope", dtype=torch.bfloat16)
+    ids = make_ids(2, 12)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits.float()
+        effect = (full - nope(ids, use_cache=False).logits.float()).norm().item()
+        past = DynamicCache(config=model.config)
+        pieces = [model(ids[:, :6], past_key_values=past).logits]
+        pieces += [model(ids[:, i : i + 1], past_key_values=past).logits for i in range(6, 12)]
+    inc = torch.cat(pieces, dim=1).float()
+    error = (inc - full).norm().item()
+    assert error <= BF16_CACHE_OF_EFFECT * effect, f"{name}: cache off by {error:.3g}, {error / effect:.3f} of the effect"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -23,17 +23,10 @@ from hf_posenc.encodings.fire import Fire
 from hf_posenc.kernels.attention import FLEX_KINDS, KERNEL_KINDS, KernelTerm, attention_reference, term_bias
 from hf_posenc.kernels.attention.terms import example_term
 
-from conftest import left_pad, make_ids, make_model, tiered
+from conftest import import_kernel_modules, left_pad, make_ids, make_model, tiered
 
-try:
-    import triton  # noqa: F401
-
-    from hf_posenc.kernels.attention import triton_attention
-
-    _TRITON_MISSING = None
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    triton_attention = None
-    _TRITON_MISSING = f"triton is not importable ({exc}); the attention kernel tests need it"
+# Skips only without Triton itself: an ImportError inside hf_posenc's kernel module fails the file (conftest).
+(triton_attention,), _TRITON_MISSING = import_kernel_modules("hf_posenc.kernels.attention.triton_attention")
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -353,16 +346,18 @@ def test_forced_triton_refusals(interpret, monkeypatch):
         model(ids, attention_mask=mask)
 
 
-def test_forced_flex(monkeypatch):
+def test_forced_flex(monkeypatch, engine_calls):
     """HF_POSENC_BACKEND=flex: the score_mod path (forward under no_grad on the CPU; with gradients on the
-    CPU it says why it cannot)."""
+    CPU it says why it cannot), seen to run once per layer."""
     model = make_model("llama", encoding="t5")
     ids, mask = _padded_batch()
     monkeypatch.setattr(attention_module, "_MASK_CHECK_ROWS", 4)  # the padding mask is recognised chunk by chunk
     with torch.no_grad():
         ref = model(ids, attention_mask=mask).logits
+        assert engine_calls["flex"] == 0
         monkeypatch.setenv("HF_POSENC_BACKEND", "flex")
         out = model(ids, attention_mask=mask).logits
+    assert engine_calls["flex"] == model.config.num_hidden_layers
     assert rel_err(out, ref) < 1e-5
     if not CUDA:
         with pytest.raises(ValueError, match="FlexAttention has no backward on cpu"):
@@ -403,7 +398,7 @@ MODEL_IDS = ["alibi", "kerple-log", "kerple-power", "sandwich", "t5", "fire", "s
 @pytest.mark.parametrize(
     "name, params", tiered([pytest.param(*c, id=i) for c, i in zip(MODEL_CASES, MODEL_IDS)], fast=["alibi", "fox"])
 )
-def test_model_triton_matches_torch(interpret, monkeypatch, name, params):
+def test_model_triton_matches_torch(interpret, monkeypatch, engine_calls, name, params):
     """A patched tiny Llama (one layer, GQA 2:1, left-padded batch, train mode) gives the same logits, loss
     and gradients of every parameter (the encoding's included) on HF_POSENC_BACKEND=triton as on torch
     (per-layer parameter selection: test_reference_*_matches_encoding, layers 0 and 1).
@@ -419,8 +414,10 @@ def test_model_triton_matches_torch(interpret, monkeypatch, name, params):
         monkeypatch.setenv("HF_POSENC_BACKEND", backend)
         model = _kink_free(make_model("llama", encoding=name, train=True, config_overrides={"num_hidden_layers": 1},
                                       **params))
+        engine_calls.clear()
         out = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False)
         out.loss.backward()
+        assert engine_calls["triton"] == (backend == "triton"), f"{backend}: {dict(engine_calls)}"  # the one layer
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         results[backend] = (out.logits.detach(), out.loss.detach(), grads)
     (ref, ref_loss, ref_grads), (got, loss, grads) = results["torch"], results["triton"]
@@ -434,17 +431,20 @@ def test_model_triton_matches_torch(interpret, monkeypatch, name, params):
 
 
 @pytest.mark.parametrize("name", ["fire", "fox"])
-def test_model_generate_triton_matches_torch(interpret, monkeypatch, name):
+def test_model_generate_triton_matches_torch(interpret, monkeypatch, engine_calls, name):
     """Greedy decoding with a KV cache (left padding: position ids differ from cache indices; fire's
-    normaliser follows the position ids, fox's gates ride in the cache)."""
+    normaliser follows the position ids, fox's gates ride in the cache); the kernels seen to run at every step
+    (the prefill and the 2 decoding steps of the one layer) when forced, and not otherwise."""
     ids, mask = _padded_batch()
     outs = {}
     for backend in ("torch", "triton"):
         monkeypatch.setenv("HF_POSENC_BACKEND", backend)
         model = _kink_free(make_model("llama", encoding=name, config_overrides={"num_hidden_layers": 1}))
+        engine_calls.clear()
         with torch.no_grad():
             outs[backend] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
                                            output_scores=True, return_dict_in_generate=True)
+        assert engine_calls["triton"] == (3 if backend == "triton" else 0), f"{backend}: {dict(engine_calls)}"
     assert torch.equal(outs["torch"].sequences, outs["triton"].sequences)
     for a, b in zip(outs["torch"].scores, outs["triton"].scores):
         assert rel_err(b, a) < 1e-5

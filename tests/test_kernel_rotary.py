@@ -22,17 +22,10 @@ from hf_posenc.kernels.rotary import (
     apply_qk_rotation_reference,
 )
 
-from conftest import tiered
+from conftest import import_kernel_modules, tiered
 
-try:
-    import triton  # noqa: F401
-
-    from hf_posenc.kernels.rotary import triton_rotary
-
-    _TRITON_MISSING = None
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    triton_rotary = None
-    _TRITON_MISSING = f"triton is not importable ({exc}); the rotary kernel tests need it"
+# Skips only without Triton itself: an ImportError inside hf_posenc's kernel module fails the file (conftest).
+(triton_rotary,), _TRITON_MISSING = import_kernel_modules("hf_posenc.kernels.rotary.triton_rotary")
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

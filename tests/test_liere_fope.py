@@ -516,10 +516,25 @@ def test_fope_vit_is_axial_with_the_cls_untouched():
 
 
 def test_fope_runs_on_vit_at_another_resolution():
+    """A 48x64 image (a 6x8 grid; the config's is 4x4) runs without interpolation: every patch's (C, S) is that of
+    its own coordinates whatever the grid (the patches of the 4x4 corner keep the 4x4 grid's), the others differ
+    from all of them, and the model's output is not nope's."""
     model = make_model("vit", encoding="fope", train_length=0)
+    pixels = make_pixels(1, 48, 64)
     with torch.no_grad():
-        out = model(pixel_values=make_pixels(1, 48, 64)).logits
-    assert torch.isfinite(out).all()
+        out = model(pixel_values=pixels).logits
+        plain = make_model("vit", encoding="nope")(pixel_values=pixels).logits
+    assert torch.isfinite(out).all() and (out - plain).abs().max() > 1e-3
+    fope = hf_posenc.encoding_module(model)
+    with torch.no_grad():
+        big = fope.terms(PosContext(encoding=fope, info=fope.info, grid=(6, 8)), 0, 49, CPU)
+        small = fope.terms(PosContext(encoding=fope, info=fope.info, grid=(4, 4)), 0, 17, CPU)
+    corner = [1 + r * 8 + c for r in range(4) for c in range(4)]
+    outside = [i for i in range(1, 49) if i not in corner]
+    for b, s in zip(big, small):
+        torch.testing.assert_close(b[..., corner, :], s[..., 1:, :], rtol=0, atol=1e-6)
+        gap = (b[..., outside, None, :] - s[..., None, 1:, :]).abs().amax(dim=(0, 1, -1))  # (outside, corner)
+        assert gap.min() > 1e-3
 
 
 @pytest.mark.parametrize("info", [TEXT, GRID], ids=["text", "vit"])

@@ -332,6 +332,23 @@ def test_spectral_rotation_equals_matrix_exp_rotations(monkeypatch, shape, dtype
 
 def test_spectral_rotation_bad_inputs():
     """Shapes and dtypes that do not fit get a ValueError / TypeError naming what is expected."""
+    from hf_posenc.kernels.rotary.spectral import spectral_qk_rotation
+
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
+    skew, coeff = torch.zeros(2, 2, 4, 4), torch.zeros(1, 5, 2)
+    cases = [
+        ((q[0], k, skew, coeff), ValueError, r"expected q \(B, H, L, D\)"),
+        ((q, k, skew[..., :3], coeff), ValueError, r"skew must be \(Hkv\|1, D/b, b, b\)"),
+        ((q, k, torch.zeros(3, 2, 4, 4), coeff), ValueError, r"skew must be \(1 or Hkv=2, D/b, b, b\)"),
+        ((q, k, torch.zeros(2, 3, 4, 4), coeff), ValueError, r"D/b · b = D = 8"),
+        ((q[:, :3], k, skew, coeff), ValueError, r"multiple of key/value heads"),
+        ((q, k, skew, torch.zeros(1, 4, 2)), ValueError, r"coeff must be \(B\|1, L=5, 2\)"),
+        ((q, k, skew, coeff.long()), TypeError, "coeff must be a float tensor"),
+    ]
+    for args, error, match in cases:
+        with pytest.raises(error, match=match):
+            spectral_qk_rotation(*args)
+
 
 @pytest.mark.parametrize("want_coeff", [False, True], ids=["skew-grad", "skew-and-coeff-grads"])
 def test_spectral_rotation_keeps_no_copy_of_its_input(want_coeff):
@@ -353,23 +370,6 @@ def test_spectral_rotation_keeps_no_copy_of_its_input(want_coeff):
     assert len(big) == 2 and {t.untyped_storage().data_ptr() for t in big} == outputs
     (q_out.sum() + k_out.sum()).backward()  # what was kept is enough for the backward
     assert skew.grad is not None and (coeff.grad is not None) == want_coeff
-
-    from hf_posenc.kernels.rotary.spectral import spectral_qk_rotation
-
-    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
-    skew, coeff = torch.zeros(2, 2, 4, 4), torch.zeros(1, 5, 2)
-    cases = [
-        ((q[0], k, skew, coeff), ValueError, r"expected q \(B, H, L, D\)"),
-        ((q, k, skew[..., :3], coeff), ValueError, r"skew must be \(Hkv\|1, D/b, b, b\)"),
-        ((q, k, torch.zeros(3, 2, 4, 4), coeff), ValueError, r"skew must be \(1 or Hkv=2, D/b, b, b\)"),
-        ((q, k, torch.zeros(2, 3, 4, 4), coeff), ValueError, r"D/b · b = D = 8"),
-        ((q[:, :3], k, skew, coeff), ValueError, r"multiple of key/value heads"),
-        ((q, k, skew, torch.zeros(1, 4, 2)), ValueError, r"coeff must be \(B\|1, L=5, 2\)"),
-        ((q, k, skew, coeff.long()), TypeError, "coeff must be a float tensor"),
-    ]
-    for args, error, match in cases:
-        with pytest.raises(error, match=match):
-            spectral_qk_rotation(*args)
 
 
 @pytest.mark.parametrize(

@@ -253,7 +253,7 @@ def test_save_and_reload(family, tmp_path):
         assert torch.equal(main_output(loaded(**inputs)), before)
 
 
-def test_every_backend(monkeypatch):
+def test_every_backend(monkeypatch, engine_calls):
     """xpos has no term inside the attention (its decay is a q/k factor), so every attention backend runs SDPA on
     the transformed q and k: HF_POSENC_BACKEND=torch and flex give the default's logits, and triton raises the
     clear error rope raises (the transform is elementwise, run by PyTorch at memory bandwidth)."""
@@ -265,6 +265,7 @@ def test_every_backend(monkeypatch):
         for backend in ("torch", "flex"):
             monkeypatch.setenv("HF_POSENC_BACKEND", backend)
             assert torch.equal(model(ids, **kw).logits, default), backend
+        assert not engine_calls, f"no term in the attention, no engine with a term: {dict(engine_calls)}"
         monkeypatch.setenv("HF_POSENC_BACKEND", "triton")
         with pytest.raises(ValueError, match="'xpos' has no Triton kernel for its q/k transform"):
             model(ids, **kw)

@@ -64,7 +64,7 @@ def check_error(excinfo) -> None:
 
 
 def test_unknown_encoding_names_the_known_ones():
-    with pytest.raises(ValueError, match=r"unknown position encoding 'alibii'; known encodings: alibi, cape"):
+    with pytest.raises(ValueError, match=r"unknown position encoding 'alibii' \(did you mean 'alibi'\?\); known encodings: alibi, cape"):
         hf_posenc.patch_model(llama(), "alibii")
 
 
@@ -174,7 +174,8 @@ def test_not_a_transformers_model(obj):
 def test_unsupported_model_family():
     opt = OPTModel(OPTConfig(vocab_size=30, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, ffn_dim=64,
                              word_embed_proj_dim=32))
-    with pytest.raises(ValueError, match=rf"unsupported model type 'opt'; hf_posenc patches these families: {', '.join(FAMILIES)}$"):
+    with pytest.raises(ValueError, match=rf"unsupported model type 'opt'; hf_posenc patches these families: {', '.join(FAMILIES)}\. "
+                       r"To add a family: .*'Adding a family' in docs/families\.md$"):
         hf_posenc.patch_model(opt, "alibi")
 
 

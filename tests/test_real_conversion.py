@@ -31,7 +31,7 @@ def test_an_inert_term_moves_with_its_own_learning_rate(data, term):
     """12 steps of 2 x 256 tokens, the model at 1e-4 and the term at param_groups' default: the term changes the
     logits by at least 0.5 (measured: fire 1.64, fox 1.60; docs/compositions.md)."""
     config, source = data
-    with deterministic(torch.device("cpu"), 2):
+    with deterministic(torch.device("cpu"), 1):  # one thread: two stall on a busy 2-core VM
         torch.manual_seed(0)
         model = load_pretrained(resolve_source("smollm2"))
         hf_posenc.patch_model(model, f"rope+{term}", init="identity")

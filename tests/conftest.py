@@ -568,3 +568,21 @@ def engine_calls(monkeypatch):
 
         monkeypatch.setattr(module, name, spy)
     return counts
+
+
+def tiny_byte_llama_checkpoint(path, max_positions: int = 256):
+    """A tiny Llama checkpoint (2 layers, hidden 32, GQA) with a byte-level BPE tokenizer saved beside it, in
+    ``path``: what the conversion study's tests load as a pretrained model. Returns ``path``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(alphabet), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                      rope_theta=10000.0, initializer_range=0.2)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path

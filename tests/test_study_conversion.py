@@ -10,26 +10,14 @@ import torch
 
 pytest.importorskip("matplotlib")
 
+from conftest import tiny_byte_llama_checkpoint  # noqa: E402
 from hf_posenc.study import StudyConfig, run_study  # noqa: E402
 from hf_posenc.study import main as study_main  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    path = tmp_path_factory.mktemp("ckpt")
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(alphabet), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0,
-                      initializer_range=0.2)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
+    return tiny_byte_llama_checkpoint(tmp_path_factory.mktemp("ckpt"), 256)
 
 
 TINY = dict(steps=2, train_len=16, batch=2, eval_tokens=128, progress=False)

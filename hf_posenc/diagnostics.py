@@ -345,7 +345,7 @@ def _attention_term(kind: str, params: dict[str, torch.Tensor], fixed: dict[str,
     if kind == "alibi":
         return KernelTerm.alibi(fixed["slopes"])
     if kind in ("kerple_log", "kerple_pow"):
-        return KernelTerm.kerple("log" if kind == "kerple_log" else "power", params["r1"], params["r2"])
+        return KernelTerm.build(kind, r1=params["r1"], r2=params["r2"])
     if kind == "sandwich":
         return KernelTerm.sandwich(fixed["table"])
     if kind == "t5":
@@ -508,7 +508,7 @@ def _cape_problem(case: Case, shape, dtype, device, g) -> Problem:
                                     block_q=TILES[0], block_k=TILES[1])
 
     def reference(q_, k_, v_, w1, b1, w2, b2, r1, r2):
-        bias = term_bias(KernelTerm.kerple("log", r1, r2), None, n, n)
+        bias = term_bias(KernelTerm.kerple_log(r1, r2), None, n, n)
         return cape_attention_reference(q_, k_, v_, bias, w1, b1, w2, b2, mask, scale)[0]
 
     return Problem([("q", q), ("k", k), ("v", v), *params.items()], run, reference, (gout,),

@@ -119,7 +119,7 @@ class Kerple(PositionEncoding):
         # in every layer, and a decoding step's engine evaluates its bias once (tiled._layer_shared_bias)
         r1 = self.layer_slice(ctx, "kerple_r1", idx, lambda i: self.kernel_params()[0][i])
         r2 = self.layer_slice(ctx, "kerple_r2", idx, lambda i: self.kernel_params()[1][i])
-        return KernelTerm.kerple(self.variant, r1, r2)
+        return KernelTerm.build("kerple_log" if self.variant == "log" else "kerple_pow", r1=r1, r2=r2)
 
     def score_bias(
         self, ctx: PosContext, q_len: int, k_len: int, device: torch.device, layer: int = 0

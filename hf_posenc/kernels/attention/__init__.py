@@ -29,7 +29,7 @@ import torch
 from .._common import KERNEL_DTYPES, MAX_HEAD_DIM, triton_import_error
 from .naive import attention_reference, term_bias
 from . import terms as _terms
-from .terms import TERMS, KernelTerm, TermSpec, flex_kinds, register_term
+from .terms import TERMS, KernelTerm, TermSpec, register_term
 from .tiled import tiled_attention, tiled_unsupported
 
 __all__ = [
@@ -113,7 +113,7 @@ def kernel_unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 def flex_unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, term: KernelTerm) -> str | None:
     """None when FlexAttention can express ``term`` for these inputs, else the reason."""
-    if term.kind not in flex_kinds():
+    if not term.spec.flex:
         return f"the {term.kind} term has no FlexAttention form (score_mod cannot add a value term)"
     try:
         from torch.nn.attention.flex_attention import flex_attention  # noqa: F401

@@ -310,7 +310,7 @@ def register_term(spec: TermSpec) -> TermSpec:
         if spec.triton not in TRITON_BRANCHES:
             raise ValueError(f"term {spec.kind!r}: the Triton kernel has no branch {spec.triton!r}; its branches: "
                              f"{', '.join(TRITON_BRANCHES)} (name one with lower=, or triton=None)")
-        if spec.triton == spec.kind and spec.kernel is None and spec.kind != "none":
+        if spec.triton == spec.kind and spec.kernel is None:
             raise ValueError(f"term {spec.kind!r} runs on its own Triton branch: give its host hooks (kernel=)")
         if spec.triton != spec.kind and (spec.triton not in TERMS or spec.lower is None):
             raise ValueError(f"term {spec.kind!r} runs on Triton's {spec.triton!r} branch: register that first, "

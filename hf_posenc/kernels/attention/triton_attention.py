@@ -166,7 +166,7 @@ def _term_bias(
     TERM: tl.constexpr, delta, offs_m, offs_n, qpos, ok, b, h, H, Lq, Lk, scale,
     TP0, TP1, TP2, TP3, tp_sb, TI0, TI1,
 ):
-    """The (BLOCK_M, BLOCK_N) float32 position term B_h(i, j) (see terms.py); delta = qi − j."""
+    """The (BLOCK_M, BLOCK_N) float32 position term B_h(i, j) (see terms/); delta = qi − j."""
     if TERM == _ALIBI:
         bias = -tl.load(TP0 + h) * tl.abs(delta).to(tl.float32)
     elif TERM == _KERPLE_LOG:

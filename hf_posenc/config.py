@@ -133,7 +133,7 @@ def encoding_modules(name: str) -> dict[str, str]:
 
 def check_modules(modules: Any) -> None:
     """Raise ``ValueError`` naming the module to import for each encoding of a stored ``"modules"`` record
-    (:meth:`PosEncConfig.to_dict`) that is not registered now; ``TypeError`` for a record that is not a dict."""
+    (``PosEncConfig.to_dict``) that is not registered now; ``TypeError`` for a record that is not a dict."""
     if modules is None:
         return
     if not isinstance(modules, Mapping):

@@ -20,12 +20,12 @@ What it does, on the machine it runs on (the installed package; no repository ne
    attention (SBA), CoPE, CAPE, the rotary kernel (block sizes 2 and 8) and windowed launches (alibi, SBA,
    CoPE with a sliding window). Each row gives the relative error of the output and of every gradient
    (||engine − reference|| / ||reference||), pass or fail against the tolerance of its dtype
-   (:data:`TOLERANCE`), and the time of the engine's forward+backward against SDPA's (causal, no bias) on
+   (``TOLERANCE``), and the time of the engine's forward+backward against SDPA's (causal, no bias) on
    the same shape;
 3. says which backend each registered encoding uses by default on this device, and why
-   (:func:`default_backends`).
+   (``default_backends``).
 
-The report (:func:`doctor`'s return value, ``--out PATH``) is one JSON object, schema :data:`SCHEMA`;
+The report (``doctor``'s return value, ``--out PATH``) is one JSON object, schema ``SCHEMA``;
 ``make gpu-check`` commits the same object (with a ``benchmarks`` key added) as
 ``benchmarks/results/gpu_check_<gpu>.json``. The exit status of the command is 1 when any row fails or
 errors. See docs/doctor.md.
@@ -33,7 +33,7 @@ errors. See docs/doctor.md.
 The package is not named ``doctor`` because ``hf_posenc.doctor`` is the function. Its modules, along its
 concerns: ``probe`` (the machine), ``explain`` (the default backends and why), ``cases`` (the checks and their
 inputs: one per registered attention term, from the term registry), ``rows`` (one row: an engine against the
-reference, timed), ``run`` (:func:`doctor`, :func:`merge_reports`), ``report`` (the text), ``cli`` (the command).
+reference, timed), ``run`` (``doctor``, ``merge_reports``), ``report`` (the text), ``cli`` (the command).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ __all__ = ["CASES", "DESCRIPTION", "ENGINES", "QUICK_CASES", "SCHEMA", "SHAPE", 
 
 
 def __getattr__(name: str):
-    """``CASES``: every check, built from the term registry now (:func:`cases.cases`)."""
+    """``CASES``: every check, built from the term registry now (``cases.cases``)."""
     if name == "CASES":
         return cases()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,8 +15,8 @@ __all__ = ["default_backends"]
 def default_backends(device: torch.device | str) -> list[dict[str, str | None]]:
     """Which backend each registered encoding uses by default on ``device``, and why.
 
-    The decisions are the package's own (:func:`hf_posenc.attention.attention_backend`, the dispatchers of
-    ``sba``, ``cope`` and the rotary kernel, the table in :mod:`hf_posenc.kernels.defaults`, and
+    The decisions are the package's own (``hf_posenc.attention.attention_backend``, the dispatchers of
+    ``sba``, ``cope`` and the rotary kernel, the table in ``hf_posenc.kernels.defaults``, and
     ``HF_POSENC_BACKEND``), asked on this device; this function only explains them. A call may still fall
     back to ``torch`` for inputs an engine does not take (e.g. ``output_attentions``, dropout in training).
 

@@ -1,4 +1,4 @@
-"""The doctor's run: :func:`doctor` (the rows in order, the report written as they come) and :func:`merge_reports`."""
+"""The doctor's run: ``doctor`` (the rows in order, the report written as they come) and ``merge_reports``."""
 
 from __future__ import annotations
 
@@ -107,9 +107,9 @@ def doctor(
         dtypes: input dtypes (``float32``/``fp32``, ``bfloat16``/``bf16``, ``float16``/``fp16``; a list or a
             comma-separated string). Default: float32 and bfloat16 on CUDA (bfloat16 with ``quick``), float32
             on the CPU.
-        engines: a subset of :data:`ENGINES` (default: all).
+        engines: a subset of ``ENGINES`` (default: all).
         cases: a subset of the case names (``hf_posenc.diagnostics.cases()``: one per registered attention term,
-            then the other kernels'; default: all, or :data:`QUICK_CASES` with ``quick``).
+            then the other kernels'; default: all, or ``QUICK_CASES`` with ``quick``).
         quick: fewer cases (one per family) and, on CUDA, one dtype.
         timing: time each row's engine against SDPA (rows run in Triton's interpreter are never timed).
         out: a path; the JSON report is written there after every row (a run cut short leaves the rows done,

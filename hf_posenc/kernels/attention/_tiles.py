@@ -25,17 +25,17 @@ def distance_values(term: KernelTerm, delta: torch.Tensor) -> torch.Tensor:
 
 
 class PairTiles:
-    """A pair term's tiles on the tile engine (its :class:`~.terms.TermSpec`'s ``tiles``, a subclass of this one),
+    """A pair term's tiles on the tile engine (its ``terms.TermSpec``'s ``tiles``, a subclass of this one),
     built once per call and direction (forward, backward) from the call's plan, the term's tensors by name and the
-    compute dtype. What the engine asks of it, in order: :meth:`block` once per query block, :meth:`bias` per tile
-    (and :meth:`add_values` on the online forward); in backward :meth:`start_backward`, then per query block
-    :meth:`backward_block`, per tile :meth:`grad_dp` and :meth:`grad_tile`, per block :meth:`end_block`, and at the
-    end :meth:`grads`. The defaults describe a term with no value term and no gradient reduction of its own."""
+    compute dtype. What the engine asks of it, in order: ``block`` once per query block, ``bias`` per tile
+    (and ``add_values`` on the online forward); in backward ``start_backward``, then per query block
+    ``backward_block``, per tile ``grad_dp`` and ``grad_tile``, per block ``end_block``, and at the
+    end ``grads``. The defaults describe a term with no value term and no gradient reduction of its own."""
 
-    #: whether :meth:`bias` returns a new tensor of the tile's full shape (B, H, n, m): the logits are then added
+    #: whether ``bias`` returns a new tensor of the tile's full shape (B, H, n, m): the logits are then added
     #: into it in place.
     fresh = False
-    #: a fused-CPU path of its own (:mod:`._tiled_fused`): ``fused_forward(plan, tile, q, k, v, valid, q_off, b, h,
+    #: a fused-CPU path of its own (``_tiled_fused``): ``fused_forward(plan, tile, q, k, v, valid, q_off, b, h,
     #: d, out, lse)`` and ``fused_backward(plan, tile, q, k, v, out, lse, do, valid, q_off, b, h, hkv, d)`` -> (dq,
     #: dk, dv, {name: gradient}); None: the engine's float-mask path (a fresh bias per block).
     fused_forward = None
@@ -55,7 +55,7 @@ class PairTiles:
         return None
 
     def block(self, qb: torch.Tensor) -> torch.Tensor | None:
-        """A query block's context for :meth:`bias` (shaw: scale · q · a^K), from its scaled queries qb (B, H, n, D)."""
+        """A query block's context for ``bias`` (shaw: scale · q · a^K), from its scaled queries qb (B, H, n, D)."""
         return None
 
     def bias(self, qi: torch.Tensor, q0: int, q1: int, k0: int, k1: int, ctx: torch.Tensor | None) -> torch.Tensor:
@@ -70,7 +70,7 @@ class PairTiles:
         """Before the backward passes: which of the term's tensors need a gradient."""
 
     def backward_block(self, qb: torch.Tensor, dob: torch.Tensor, ctx: torch.Tensor | None) -> object:
-        """A query block's state for the backward (scaled queries qb, output gradient dob, :meth:`block`'s ctx)."""
+        """A query block's state for the backward (scaled queries qb, output gradient dob, ``block``'s ctx)."""
         return None
 
     def grad_dp(self, state: object, dp: torch.Tensor, p: torch.Tensor, qi: torch.Tensor, k0: int, k1: int) -> None:

@@ -1,7 +1,7 @@
-"""What a position term is (:class:`TermSpec`), its tensors (:class:`TensorSpec`), the registry
-(:func:`register_term`, :func:`term_spec`, :func:`term_kinds`) and :class:`KernelTerm`, what an encoding hands to
+"""What a position term is (``TermSpec``), its tensors (``TensorSpec``), the registry
+(``register_term``, ``term_spec``, ``term_kinds``) and ``KernelTerm``, what an encoding hands to
 the engines. The package's docstring (``hf_posenc.kernels.attention.terms``) says how every engine derives from a
-spec; each built-in term is one module beside this one, registered through the same :func:`register_term` a
+spec; each built-in term is one module beside this one, registered through the same ``register_term`` a
 user's own file calls.
 """
 
@@ -44,7 +44,7 @@ FORMS = ("none", "toeplitz", "pair", "gate")
 #: ``lower``; a new branch is kernel code, so only a built-in term adds one (here and in the kernel).
 TRITON_BRANCHES = ("none", "alibi", "kerple_log", "kerple_pow", "sandwich", "t5", "fire", "shaw", "fox")
 
-#: the size symbols a :class:`TensorSpec` shape may use that stand for the sizes of a call: the batch (``B``, the
+#: the size symbols a ``TensorSpec`` shape may use that stand for the sizes of a call: the batch (``B``, the
 #: dimension may also be 1), the query heads, the query and key lengths and the head dimension.
 SIZES = ("B", "H", "Lq", "Lk", "D")
 
@@ -59,8 +59,8 @@ class TensorSpec:
     """One tensor of a term.
 
     Attributes:
-        name: its name (the keyword of :meth:`KernelTerm.build` and of the derived constructor).
-        shape: its shape, a tuple of ints and symbols: the sizes of a call (:data:`SIZES`: ``"B"``, ``"H"``,
+        name: its name (the keyword of ``KernelTerm.build`` and of the derived constructor).
+        shape: its shape, a tuple of ints and symbols: the sizes of a call (``SIZES``: ``"B"``, ``"H"``,
             ``"Lq"``, ``"Lk"``, ``"D"``) or a free symbol (``"T"``, ``"2M + 1"``) for a size of the term's own; or a
             string, for the docs only.
         grad: whether every engine returns its gradient (False: the Triton kernel does not, and refuses it when it
@@ -161,7 +161,7 @@ class TermExample:
 
     @property
     def term(self) -> "KernelTerm":
-        """The term built from :attr:`leaves` and :attr:`fixed`."""
+        """The term built from ``leaves`` and ``fixed``."""
         return self.build({**self.fixed, **self.leaves})
 
 
@@ -174,12 +174,12 @@ class TermSpec:
 
     Attributes:
         kind: the term's name (``KernelTerm.kind``; an identifier: ``KernelTerm.<kind>(...)`` builds one).
-        form: one of :data:`FORMS`.
+        form: one of ``FORMS``.
         formula: B_h(i, j) in words (docs, messages).
         tensors: the term's tensors, in the order engines pass them around (and the derived constructor takes them).
         distance: toeplitz form: (tensors, h, δ) -> the value at (head, δ = qi − j), evaluated on broadcast index
             tensors (δ integer-valued; the tensors at least float32).
-        pair: pair and gate forms: (tensors, ints, b, h, i, qi, j) -> the value, broadcast (see :data:`PairFn`).
+        pair: pair and gate forms: (tensors, ints, b, h, i, qi, j) -> the value, broadcast (see ``PairFn``).
         prepare: tensors derived from the query before ``pair`` reads them (shaw: q · a^K), or None.
         value_term: the term's addition to the output besides the logits (shaw), from the probabilities:
             (tensors, ints, probs (B, H, Lq, Lk), qi (Lq, 1), j (1, Lk)) -> (B, H, Lq, D); or None. A term with
@@ -188,20 +188,20 @@ class TermSpec:
         ints_of: tensors -> the integer constants, derived from the tensors when a term is built without them.
         check: extra shape checks against q (B, H, Lq, D), k (B, Hkv, Lk, D) and the offset (raise ValueError).
         validate: checks of the tensors at construction (raise ValueError).
-        example: (shape (B, H, Hkv, Lq, Lk, D), q_offset, generator, device, realistic=False) -> :class:`TermExample`:
+        example: (shape (B, H, Hkv, Lq, Lk, D), q_offset, generator, device, realistic=False) -> ``TermExample``:
             a random term for tests, the doctor and the compile check (``realistic``: tables of the sizes models
             use; they set the Triton kernels' compile-time sizes). None: random tensors of the declared shapes (every
-            shape a tuple of ints and :data:`SIZES`, every tensor floating point).
+            shape a tuple of ints and ``SIZES``, every tensor floating point).
         slope: for a term that is −s[h] · |δ| (ALiBi's form): tensors -> s (H,). The tile engine then carries it on
             causal calls as one more key channel (c[j] = −s · j, a constant log forget gate) and CAPE as one column.
         tiles: pair form: (plan, tensors, dtype) -> the tile engine's tiles of the term (``_tiles.PairTiles``); a
             pair term without them does not run on the tile engine.
-        triton: the Triton branch that runs it (one of :data:`TRITON_BRANCHES`): its own kind (with ``kernel``),
+        triton: the Triton branch that runs it (one of ``TRITON_BRANCHES``): its own kind (with ``kernel``),
             another entry's kind (with ``lower``), or None.
         lower: the term rewritten for that other branch.
         triton_limit: why the Triton kernel cannot run this term instance (or None); called with the term and
             whether a gradient is wanted.
-        kernel: the Triton host code's hooks of its own branch (:class:`TritonHooks`).
+        kernel: the Triton host code's hooks of its own branch (``TritonHooks``).
     """
 
     kind: str
@@ -255,7 +255,7 @@ class TermSpec:
         return self.form != "pair" or self.tiles is not None
 
     def value(self, t: dict, ints: dict, b, h, i, qi, j) -> torch.Tensor:
-        """B_h(i, j) on index tensors (broadcast, or FlexAttention's 0-d ones); see :data:`PairFn`."""
+        """B_h(i, j) on index tensors (broadcast, or FlexAttention's 0-d ones); see ``PairFn``."""
         t = {name: at_least_float32(x) for name, x in t.items()}
         if self.form == "toeplitz":
             return self.distance(t, h, qi - j)
@@ -288,7 +288,7 @@ class TermSpec:
 #: every registered term by kind, in registration order.
 TERMS: dict[str, TermSpec] = {}
 
-#: attribute names of :class:`KernelTerm` a kind may not take (its derived constructor would hide them).
+#: attribute names of ``KernelTerm`` a kind may not take (its derived constructor would hide them).
 _RESERVED = ("build", "check", "spec", "num_heads", "kind", "tensors", "ints", "key", "value")
 
 
@@ -297,7 +297,7 @@ def register_term(spec: TermSpec) -> TermSpec:
     ``KernelTerm.<kind>(*tensors)`` builds one. A kind is registered once.
 
     Raises:
-        TypeError: ``spec`` is not a :class:`TermSpec`.
+        TypeError: ``spec`` is not a ``TermSpec``.
         ValueError: the kind is taken (or names a ``KernelTerm`` attribute), or its Triton branch does not exist.
     """
     if not isinstance(spec, TermSpec):
@@ -321,7 +321,7 @@ def register_term(spec: TermSpec) -> TermSpec:
 
 
 def term_spec(kind: str) -> TermSpec:
-    """The :class:`TermSpec` of ``kind``; ValueError naming the known kinds otherwise."""
+    """The ``TermSpec`` of ``kind``; ValueError naming the known kinds otherwise."""
     try:
         return TERMS[kind]
     except KeyError:
@@ -339,7 +339,7 @@ def list_terms() -> list[str]:
 
 
 def kernel_kinds() -> tuple[str, ...]:
-    """The kinds with a Triton branch of their own, in the order of the branches' ids (:data:`TRITON_BRANCHES`)."""
+    """The kinds with a Triton branch of their own, in the order of the branches' ids (``TRITON_BRANCHES``)."""
     return tuple(k for k in TRITON_BRANCHES if k in TERMS and TERMS[k].triton == k)
 
 
@@ -359,7 +359,7 @@ def toeplitz_kinds() -> tuple[str, ...]:
 
 
 def triton_id(kind: str) -> int:
-    """The Triton kernel's compile-time id of ``kind``'s branch (its index in :data:`TRITON_BRANCHES`)."""
+    """The Triton kernel's compile-time id of ``kind``'s branch (its index in ``TRITON_BRANCHES``)."""
     branch = term_spec(kind).triton
     if branch is None:
         raise ValueError(f"the {kind} term has no Triton branch")
@@ -369,7 +369,7 @@ def triton_id(kind: str) -> int:
 def example_term(kind: str, shape: tuple, q_offset: int, g: torch.Generator, device="cpu",
                  realistic: bool = False) -> tuple["KernelTerm", list]:
     """A random ``kind`` term for ``shape`` (B, H, Hkv, Lq, Lk, D) and the leaves whose gradients tests compare
-    (``realistic``: tables of the sizes models use, see :class:`TermSpec`)."""
+    (``realistic``: tables of the sizes models use, see ``TermSpec``)."""
     ex = term_spec(kind).make_example(shape, q_offset, g, device, realistic)
     return ex.term, list(ex.leaves.values())
 
@@ -391,11 +391,11 @@ def _dist(delta: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class KernelTerm:
-    """One position term for the engines; build it with :meth:`build` or ``KernelTerm.<kind>(*tensors)``.
+    """One position term for the engines; build it with ``build`` or ``KernelTerm.<kind>(*tensors)``.
 
     Attributes:
-        kind: a registered kind (:func:`term_kinds`).
-        tensors: the term's tensors by name (its :class:`TermSpec`'s ``tensors``).
+        kind: a registered kind (``term_kinds``).
+        tensors: the term's tensors by name (its ``TermSpec``'s ``tensors``).
         ints: the term's integer constants (``max_relative_position`` of shaw).
         key: replacement keys for the attention, (B, Hkv, Lk, D) (fox: the cache's state channels stripped),
             or None to use the keys as given.
@@ -436,7 +436,7 @@ class KernelTerm:
     @classmethod
     def build(cls, kind: str, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
               ints: dict[str, int] | None = None, **tensors: torch.Tensor) -> "KernelTerm":
-        """A ``kind`` term from its tensors by name, checked against its :class:`TermSpec` (ValueError): the names,
+        """A ``kind`` term from its tensors by name, checked against its ``TermSpec`` (ValueError): the names,
         each tensor's rank (a 1-element tensor becomes 0-d where the rank is 0), the spec's ``validate``; integer
         constants from ``ints`` or the spec's ``ints_of``."""
         spec = term_spec(kind)
@@ -462,7 +462,7 @@ class KernelTerm:
 
 
 def _constructor(spec: TermSpec) -> classmethod:
-    """``KernelTerm.<kind>(*tensors, key=None, value=None, ints=None, **tensors)``: :meth:`KernelTerm.build` with the
+    """``KernelTerm.<kind>(*tensors, key=None, value=None, ints=None, **tensors)``: ``KernelTerm.build`` with the
     tensors positional in the spec's order."""
     names = [ts.name for ts in spec.tensors]
 

@@ -47,7 +47,7 @@ def base_bias_tile(
     """The bias tile, heads first: (B|1, H, n, nk), or (1, H, n, nk) for one ``batch_row``.
 
     Args:
-        kind: a registered term kind (:func:`base_unsupported` None).
+        kind: a registered term kind (``base_unsupported`` None).
         tensors: the term's tensors, in its registry entry's order, floating ones in the compute dtype.
         q_index: (n,) key index of each query of the tile (q_offset + i), in the compute dtype.
         k_index: (nk,) key indices of the tile.

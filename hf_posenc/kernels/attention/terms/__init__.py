@@ -1,18 +1,18 @@
 """Position terms of the attention engines: the term registry, and what an encoding hands over.
 
-Each term is stated ONCE, as a :class:`TermSpec` registered with :func:`register_term`: its tensors (names,
+Each term is stated ONCE, as a ``TermSpec`` registered with ``register_term``: its tensors (names,
 shapes, which may carry a gradient), its *form* and its value. Every engine derives from that entry:
 
-* the reference bias (:func:`~..naive.term_bias`, the oracle) evaluates the value on broadcast index tensors
+* the reference bias (``naive.term_bias``, the oracle) evaluates the value on broadcast index tensors
   (B, H, Lq, Lk);
-* the FlexAttention ``score_mod`` (:func:`~..flex.score_mod_for`) evaluates the same function on FlexAttention's
+* the FlexAttention ``score_mod`` (``flex.score_mod_for``) evaluates the same function on FlexAttention's
   0-d indices, ``score + value(b, h, q_idx, kv_idx)``;
 * the tile engine (``tiled.py``) takes a Toeplitz term's per-distance values F (H, N) from ``distance`` (one
   call per forward, each tile a strided view of them; its gradient by autograd through ``distance`` from the
   per-distance sums of dS), a gate's per-token ``c`` from its tensor, a pair term's tiles from its ``tiles``;
-* the Triton kernel (``triton_attention.py``, one compile-time branch per entry of :data:`TRITON_BRANCHES`) takes
-  its term id from :func:`triton_id` and what its host code passes (tensors, sizes, gradient reductions) from the
-  entry's :class:`TritonHooks`; an entry without its own branch names an existing one (``triton``) and how to
+* the Triton kernel (``triton_attention.py``, one compile-time branch per entry of ``TRITON_BRANCHES``) takes
+  its term id from ``triton_id`` and what its host code passes (tensors, sizes, gradient reductions) from the
+  entry's ``TritonHooks``; an entry without its own branch names an existing one (``triton``) and how to
   express itself there (``lower``), or none;
 * CAPE's tiles take a base bias's values from the same entry, the doctor its checks (``example``).
 
@@ -45,12 +45,12 @@ take no gradient in the Triton kernel (it refuses them when they require one); e
 parameters, or functions of them built in PyTorch: the engines return the gradient of each term tensor, and
 autograd carries it on to the encoding's parameters).
 
-Adding a term (a user's own file, or a built-in module here): one :func:`register_term` call (its tensors, form,
+Adding a term (a user's own file, or a built-in module here): one ``register_term`` call (its tensors, form,
 value; optionally its example), then an encoding returns ``KernelTerm.build(kind, ...)`` (or
-``KernelTerm.<kind>(...)``); see :class:`hf_posenc.TermEncoding` and docs/adding-an-encoding.md. The reference,
+``KernelTerm.<kind>(...)``); see ``hf_posenc.TermEncoding`` and docs/adding-an-encoding.md. The reference,
 FlexAttention, the tile engine (for a Toeplitz or gate term) and the doctor need nothing more; a pair term needs its
 tiles for the tile engine; the Triton kernel needs a branch of its own (kernel code: built-ins only), or an existing
-one through ``lower``. The kind lists (:func:`term_kinds`, :func:`kernel_kinds`, :func:`flex_kinds`; the module
+one through ``lower``. The kind lists (``term_kinds``, ``kernel_kinds``, ``flex_kinds``; the module
 attributes ``TERM_KINDS``, ``KERNEL_KINDS``, ``FLEX_KINDS``, ``TILED_KINDS``, ``TOEPLITZ_KINDS``) are read from the
 registry when asked, so a term registered later takes part.
 """

@@ -4,7 +4,7 @@ tabulates its MLP f_θ on a grid of N points over [0, x_max]):
     B_h(i, j) = interp(table[h], u),  u = ψ(max(δ, 0)) · inv_norm[b, i] · (N − 1) / x_max,  ψ(x) = log(1 + c · x)
 
 ``interp(t, u)`` is linear interpolation, t[⌊u⌋] (1 − w) + t[⌊u⌋ + 1] w with w = u − ⌊u⌋ (u clamped to
-[0, N − 1]). A pair term: the tile engine builds its tiles by hand (:class:`FireTiles`); the Triton kernel's dQ
+[0, N − 1]). A pair term: the tile engine builds its tiles by hand (``FireTiles``); the Triton kernel's dQ
 programs accumulate the table's histogram and two row planes (inv_norm's and c's gradients).
 """
 

@@ -5,7 +5,7 @@ a^K, a^V (2K + 1, D) shared by the heads, r = clip(j − qi, −K, K) + K:
     o_i  = Σ_j P_ij (v_j + a^V_r)             (the value term: Σ_j P_ij a^V_r)
 
 A pair term with a value term: no FlexAttention form. The tile engine gathers q · a^K per tile and sums P per
-bucket for the value term (:class:`ShawTiles`); causal on the CPU in float32 it runs the fused kernel with only a
+bucket for the value term (``ShawTiles``); causal on the CPU in float32 it runs the fused kernel with only a
 band of K keys per row carrying a term (``_tiled_fused._ShawBand``). The Triton kernel gathers q · a^K, forms the
 per-row histogram W of P (forward) and the histogram of dS (backward).
 """

@@ -4,7 +4,7 @@ computes the buckets):
     B_h(i, j) = table[buckets[clip(j − qi, −M, M) + M], h],    table (NB, H), buckets (2M + 1,) integer
 
 The Triton kernel's dQ programs accumulate a histogram Σ dS per bucket in registers (at most
-:data:`T5_BRANCH_MAX_ROWS` rows), summed here into the table's gradient.
+``T5_BRANCH_MAX_ROWS`` rows), summed here into the table's gradient.
 """
 
 from __future__ import annotations

@@ -137,3 +137,35 @@ def test_the_doctor_checks_it(kind):
     assert rows["tiled"]["checked"] == ["out", "dq", "dk", "dv", *(f"d{n}" for n in leaves)]
     assert rows["flex"]["status"] == ("pass" if term_spec(kind).flex else "skip"), rows["flex"]
     assert report["ok"]
+
+
+def test_register_term_refuses_what_no_engine_can_run():
+    """Clear errors at registration: a taken kind, a form without its value, a Triton branch that does not exist
+    or that another term owns without a lower function, tiles for a term that is not a pair term."""
+    from hf_posenc import TensorSpec, TermSpec, register_term
+
+    def dist(t, h, delta):
+        return delta.abs().float()
+
+    with pytest.raises(ValueError, match="already registered"):
+        register_term(TermSpec("alibi", "toeplitz", "x", distance=dist))
+    with pytest.raises(ValueError, match="needs its distance function"):
+        TermSpec("no_value", "toeplitz", "x")
+    with pytest.raises(ValueError, match="must be an identifier"):
+        TermSpec("not a name", "toeplitz", "x", distance=dist)
+    with pytest.raises(ValueError, match="no branch 'mine'"):
+        register_term(TermSpec("mine", "toeplitz", "x", distance=dist, triton="mine"))
+    with pytest.raises(ValueError, match="register that first, with a lower function"):
+        register_term(TermSpec("mine", "toeplitz", "x", distance=dist, triton="t5"))
+    with pytest.raises(ValueError, match="would hide KernelTerm.build"):
+        register_term(TermSpec("build", "toeplitz", "x", distance=dist))
+    with pytest.raises(TypeError, match="tile class"):
+        TermSpec("mine", "toeplitz", "x", distance=dist, tiles=object)
+    with pytest.raises(ValueError, match="a gate term has one tensor"):
+        TermSpec("mine", "gate", "x", pair=dist, tensors=(TensorSpec("a", ("B", "H", "Lk")),
+                                                           TensorSpec("b", ("B", "H", "Lk"))))
+    assert "mine" not in TERMS and not hasattr(KernelTerm, "mine")
+    with pytest.raises(TypeError, match="takes the tensors"):
+        KernelTerm.alibi(torch.ones(4), torch.ones(4))
+    with pytest.raises(ValueError, match=r"alibi slopes must be \(H,\)"):
+        KernelTerm.alibi(torch.ones(4, 2))

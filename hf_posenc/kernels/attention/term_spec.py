@@ -243,6 +243,12 @@ class TermSpec:
                              f"got {names}")
         if self.slope is not None and self.form != "toeplitz":
             raise ValueError(f"term {self.kind!r}: slope= states a Toeplitz term's −s[h] · |δ| form")
+        if self.tiles is not None and (self.form != "pair" or not isinstance(self.tiles, type)
+                                       or not hasattr(self.tiles, "fused")):
+            raise TypeError(f"term {self.kind!r}: tiles= is a pair term's tile class (a subclass of "
+                            "hf_posenc.kernels.attention._tiles.PairTiles)")
+        if self.kernel is not None and not isinstance(self.kernel, TritonHooks):
+            raise TypeError(f"term {self.kind!r}: kernel= is a TritonHooks, got {type(self.kernel).__name__}")
 
     @property
     def flex(self) -> bool:

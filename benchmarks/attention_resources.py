@@ -68,7 +68,7 @@ def main(argv=None) -> int:
         ones = torch.ones(heads)
         return {
             "none": KernelTerm.none(), "alibi": KernelTerm.alibi(ones),
-            "kerple_log": KernelTerm.kerple("log", ones, ones), "kerple_pow": KernelTerm.kerple("power", ones, ones),
+            "kerple_log": KernelTerm.kerple_log(ones, ones), "kerple_pow": KernelTerm.kerple_pow(ones, ones),
             "sandwich": KernelTerm.sandwich(torch.ones(heads, length)),
             "t5": KernelTerm.t5(torch.ones(32, heads), torch.zeros(257, dtype=torch.long)),
             "fire": KernelTerm.fire(torch.ones(heads, 256), torch.tensor(0.1), torch.ones(1, length), torch.tensor(1.0)),

@@ -128,7 +128,7 @@ def make_term(kind: str, b: int, h: int, length: int, d: int, device: torch.devi
         return KernelTerm.alibi(alibi_slopes(h).to(device)), []
     if kind in ("kerple_log", "kerple_pow"):
         r1, r2 = leaf(torch.rand(h, generator=g) * 2 + 0.01), leaf(torch.rand(h, generator=g) + 0.01)
-        return KernelTerm.kerple("log" if kind == "kerple_log" else "power", r1, r2), [r1, r2]
+        return KernelTerm.build(kind, r1=r1, r2=r2), [r1, r2]
     if kind == "sandwich":
         k = torch.arange(1, d // 2 + 1, dtype=torch.float64)
         inv = (10000.0 ** (-2.0 * k / d)).float()

@@ -5,9 +5,12 @@ from . import encodings as _encodings  # noqa: F401  (registers every encoding)
 from .api import describe, encoding_module, from_pretrained, patch_model, support_matrix
 from .config import PosEncConfig
 from .diagnostics import doctor
+from .encodings.base import ModelInfo, PosContext, PositionEncoding
+from .encodings.term import TermEncoding
 from .export import export_native, native_export
+from .kernels.attention.terms import KernelTerm, TensorSpec, TermExample, TermSpec, list_terms, register_term
 from .profile import position_profile
-from .registry import list_encodings, register_encoding
+from .registry import list_encodings, param, register_encoding
 from .training import (
     check_adapter,
     encoding_parameters,
@@ -26,7 +29,15 @@ _register_auto()  # posenc_<family> model types with transformers' Auto classes 
 __version__ = "0.1.0"
 
 __all__ = [
+    "KernelTerm",
+    "ModelInfo",
+    "PosContext",
     "PosEncConfig",
+    "PositionEncoding",
+    "TensorSpec",
+    "TermEncoding",
+    "TermExample",
+    "TermSpec",
     "check_adapter",
     "describe",
     "doctor",
@@ -35,12 +46,15 @@ __all__ = [
     "export_native",
     "from_pretrained",
     "list_encodings",
+    "list_terms",
     "load_adapter",
     "native_export",
     "param_groups",
+    "param",
     "patch_model",
     "position_profile",
     "register_encoding",
+    "register_term",
     "support_matrix",
     "trainable_modules",
     "__version__",

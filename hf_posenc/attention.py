@@ -36,7 +36,6 @@ from torch.nn import functional as F
 from .backend import forced_backend
 from .encodings.base import PLAIN_CAUSAL, UNWINDOWED_MASK, PosContext, PositionEncoding, unwrap, vit_token_coords
 from .kernels.attention import (
-    FLEX_KINDS,
     KernelTerm,
     flex_attention_term,
     flex_unsupported,
@@ -44,6 +43,7 @@ from .kernels.attention import (
     kernel_unsupported,
 )
 from .kernels.attention import _triton_import_error as _attention_triton_error
+from .kernels.attention.terms import flex_kinds
 from .kernels._common import debug_log
 from .kernels.defaults import cuda_default_backend
 from .kernels._masks import band_allowed, mask_key_validity
@@ -89,7 +89,7 @@ def attention_backend(encoding: object | None, device: torch.device | str | None
             f"HF_POSENC_BACKEND='triton': hf_posenc has no triton attention kernel for {enc.name!r}; unset "
             "HF_POSENC_BACKEND or set it to 'torch'"
         )
-    if forced == "flex" and not any(kind in FLEX_KINDS for kind in kinds):
+    if forced == "flex" and not any(kind in flex_kinds() for kind in kinds):
         raise ValueError(
             f"HF_POSENC_BACKEND='flex': hf_posenc has no flex attention kernel for {enc.name!r} (its term has no "
             "FlexAttention score_mod); unset HF_POSENC_BACKEND or set it to 'torch'"

@@ -1,11 +1,19 @@
 """The ``hf-posenc`` command: ``hf-posenc list``, ``hf-posenc matrix``, ``hf-posenc study`` (in ``study/``),
-``hf-posenc show`` (in ``show.py``), ``hf-posenc doctor`` (in ``diagnostics.py``) and ``hf-posenc export``."""
+``hf-posenc show`` (in ``show.py``), ``hf-posenc doctor`` (in ``diagnostics/``) and ``hf-posenc export``.
+
+``hf-posenc --import MODULE ...`` (repeatable; or ``HF_POSENC_IMPORT=MODULE[,MODULE]``) imports a module first, a
+dotted name or a ``.py`` file: one that registers its own terms and encodings (``hf_posenc.register_term``,
+``register_encoding``), which every command then takes (``list``, ``doctor``'s cases, ``study``)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
+import importlib.util
+import os
 import sys
+from pathlib import Path
 
 from . import list_encodings, support_matrix
 from .config import LAYER_OPTIONS
@@ -25,6 +33,11 @@ def _cmd_list(args: argparse.Namespace) -> int:
             print(f"    {option} = None: {text}")
         print("A plan (a list of encodings, one per layer, repeated over the depth) is given to patch_model or "
               "the config key as a list, e.g. ['rope', 'rope', 'rope', 'nope'].")
+        from .kernels.attention.terms import TERMS
+
+        print("\nPosition terms (hf_posenc.list_terms(); the engines take every one):")
+        for kind, term in TERMS.items():
+            print(f"    {kind:12s} {term.form:9s} {term.formula}")
     return 0
 
 
@@ -82,8 +95,64 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+#: the environment variable that lists modules to import first (comma-separated), as ``--import`` does; ``--import``
+#: adds its modules to it, so that a command that re-runs itself in a child process imports them there too.
+IMPORT_ENV = "HF_POSENC_IMPORT"
+
+
+def import_user_module(name: str) -> object:
+    """Import ``name``: a dotted module name, or the path of a ``.py`` file (imported under its stem, so that a
+    checkpoint saved with its encodings records that name). Returns the module.
+
+    Raises:
+        ValueError: the module cannot be found (the message names it).
+    """
+    path = Path(name)
+    if name.endswith(".py") or path.is_file():
+        if not path.is_file():
+            raise ValueError(f"--import {name}: no such file")
+        stem = path.stem
+        if stem in sys.modules:
+            return sys.modules[stem]
+        spec = importlib.util.spec_from_file_location(stem, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[stem] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(stem, None)
+            raise
+        return module
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        raise ValueError(f"--import {name}: {exc}") from None
+
+
+def _import_first(argv: list[str]) -> None:
+    """The modules of ``--import`` (anywhere in ``argv``) and of ``HF_POSENC_IMPORT``, imported before the parser is
+    built (their terms then appear in ``doctor --cases``); ``HF_POSENC_IMPORT`` gains the ``--import`` ones."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--import", dest="imports", action="append", default=[])
+    known, _ = pre.parse_known_args(argv)
+    from_env = [m for m in os.environ.get(IMPORT_ENV, "").split(",") if m.strip()]
+    for name in dict.fromkeys([*from_env, *known.imports]):
+        import_user_module(name.strip())
+    if known.imports:
+        os.environ[IMPORT_ENV] = ",".join(dict.fromkeys([*from_env, *known.imports]))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        _import_first(argv)
+    except ValueError as exc:
+        print(f"hf-posenc: {exc}", file=sys.stderr)
+        return 2
     parser = argparse.ArgumentParser(prog="hf-posenc", description="Position encodings for Hugging Face models")
+    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                        help=f"import MODULE first (a dotted name or a .py file; repeatable; also {IMPORT_ENV}): one "
+                             "that registers its own terms and encodings")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("list", help="list the registered encodings")
     p.add_argument("-v", "--verbose", action="store_true", help="show every parameter with its help text")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .kernels._masks import check_sink, check_window
-from .registry import EncodingSpec, get_encoding
+from .registry import EncodingSpec, get_encoding, is_registered
 
 __all__ = [
     "PosEncConfig", "CONFIG_KEY", "LAYER_OPTIONS", "LENGTH_SCALES", "WINDOW_HELP", "check_window", "coerce_plan",
@@ -19,6 +19,8 @@ __all__ = [
 
 #: The attribute of a transformers config that holds the encoding, as a plain dict.
 CONFIG_KEY = "position_encoding"
+#: the key of ``config.position_encoding`` that records the modules outside hf_posenc defining its encodings.
+MODULES_KEY = "modules"
 
 
 def _plain(value: Any) -> Any:
@@ -99,6 +101,37 @@ def check_length_scale(value: object, where: str = "length_scale") -> str | None
     if not isinstance(value, str) or value not in LENGTH_SCALES:
         raise ValueError(f"{where} must be one of {list(LENGTH_SCALES)} or None, got {value!r}")
     return value
+
+
+def encoding_modules(name: str) -> dict[str, str]:
+    """{encoding: module} for the encodings ``name`` names (itself, or a composition's two parts) that a module
+    outside hf_posenc defines (``EncodingSpec.module``); empty for built-ins."""
+    out = {}
+    for part in name.split("+"):
+        if is_registered(part):
+            module = get_encoding(part).module
+            if module is not None:
+                out[part] = module
+    return out
+
+
+def check_modules(modules: Any) -> None:
+    """Raise ``ValueError`` naming the module to import for each encoding of a stored ``"modules"`` record
+    (``PosEncConfig.to_dict``) that is not registered now; ``TypeError`` for a record that is not a dict."""
+    if modules is None:
+        return
+    if not isinstance(modules, Mapping):
+        raise TypeError(f"{CONFIG_KEY}[{MODULES_KEY!r}] must be a dict {{encoding: module}}, got "
+                        f"{type(modules).__name__}")
+    missing = {name: module for name, module in modules.items() if not is_registered(name)}
+    if missing:
+        which = "; ".join(f"{name!r} is defined by the module {module!r}" for name, module in missing.items())
+        first = next(iter(missing.values()))
+        how = f"`import {first}`" if all(p.isidentifier() for p in first.split(".")) else f"importing {first}"
+        raise ValueError(
+            f"{CONFIG_KEY} names encodings that are not registered: {which}. Import it before loading (e.g. {how}; "
+            "on the command line `hf-posenc --import MODULE ...`): importing it registers them"
+        )
 
 
 @dataclass(frozen=True)
@@ -184,9 +217,13 @@ class PosEncConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The form stored in ``config.position_encoding``: ``{"name": ..., **params}`` (and each layer option,
-        ``"window"`` ..., when set)."""
+        ``"window"`` ..., when set; and ``"modules"``: {encoding: module} for the encodings it names that a module
+        outside hf_posenc defines, so that loading says which module to import)."""
         out = {"name": self.name, **self.params}
         out.update({option: value for option, value in self.layer_options().items() if value is not None})
+        modules = encoding_modules(self.name)
+        if modules:
+            out[MODULES_KEY] = modules
         return out
 
     @classmethod
@@ -206,7 +243,8 @@ class PosEncConfig:
             raise TypeError(f"{CONFIG_KEY} must be a dict with a 'name' key, got {type(data).__name__}")
         if "name" not in data:
             raise ValueError(f"{CONFIG_KEY} must have a 'name' key, got keys {sorted(data)}")
-        params = {k: v for k, v in data.items() if k != "name"}
+        check_modules(data.get(MODULES_KEY))
+        params = {k: v for k, v in data.items() if k not in ("name", MODULES_KEY)}
         if unknown == "warn":
             known = [*get_encoding(data["name"]).param_names(), *LAYER_OPTIONS]
             extra = sorted(set(params) - set(known), key=str)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -21,7 +22,9 @@ __all__ = [
     "FAMILY_KINDS",
     "supported_families",
     "set_composer",
+    "defining_module",
     "did_you_mean",
+    "is_registered",
 ]
 
 #: The model families hf_posenc can patch, by ``config.model_type``, each with the kind of sequence its
@@ -107,6 +110,9 @@ class EncodingSpec:
     #: compositions only (``"rope+fox"``, see `hf_posenc.encodings.compose`): the full stored parameters
     #: from what the user gave, validated; None for a registered encoding (its ``params`` fields validate it).
     normalise: Callable[[Any], dict] | None = None
+    #: the module that defines (registers) the encoding, where that is not hf_posenc itself (a user's own file): a
+    #: checkpoint records it, and loading one without it imported says which module to import. None for built-ins.
+    module: str | None = None
 
     def param_fields(self) -> list[dataclasses.Field]:
         """The dataclass fields of the parameter schema, in declaration order."""
@@ -148,10 +154,23 @@ def register_encoding(
         if name in _REGISTRY and _REGISTRY[name].cls is not cls:
             raise ValueError(f"encoding {name!r} is already registered by {_REGISTRY[name].cls.__qualname__}")
         cls.name = name
-        _REGISTRY[name] = EncodingSpec(name, cls, params, kind, summary, paper, supported_families(tuple(families)))
+        _REGISTRY[name] = EncodingSpec(name, cls, params, kind, summary, paper, supported_families(tuple(families)),
+                                       module=defining_module(cls))
         return cls
 
     return deco
+
+
+def defining_module(cls: type) -> str | None:
+    """The module that defines ``cls`` where it is not hf_posenc's own: its import name, or for a script run as
+    ``__main__`` the script's path; None for hf_posenc's built-in encodings."""
+    module = getattr(cls, "__module__", None) or ""
+    if module == __package__ or module.startswith(__package__ + "."):
+        return None
+    if module == "__main__":
+        path = getattr(sys.modules.get("__main__"), "__file__", None)
+        return path or module
+    return module
 
 
 def get_encoding(name: str) -> EncodingSpec:
@@ -194,6 +213,11 @@ def did_you_mean(name: str, choices: "list[str] | tuple[str, ...]") -> str:
     if not close:
         return ""
     return " (did you mean " + " or ".join(repr(c) for c in close) + "?)"
+
+
+def is_registered(name: str) -> bool:
+    """Whether ``name`` is a registered encoding (a composition's parts are registered one by one)."""
+    return name in _REGISTRY
 
 
 def list_encodings() -> list[str]:

@@ -16,9 +16,12 @@ from __future__ import annotations
 # "Cannot call @triton.jit'd outside of the scope of a kernel". Without a CUDA device every kernel test
 # runs interpreted, so the whole suite sets the variable here, first. ``import torch`` does not import
 # triton (checked below); tests that need the compiled mode's errors override it with monkeypatch.
+import importlib.util
 import os
 import sys
 import warnings
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -586,3 +589,39 @@ def tiny_byte_llama_checkpoint(path, max_positions: int = 256):
                       rope_theta=10000.0, initializer_range=0.2)
     LlamaForCausalLM(cfg).save_pretrained(path)
     return path
+
+
+# -- an example file's own terms and encodings ------------------------------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@contextmanager
+def example_registered(stem: str = "custom_term"):
+    """Import ``examples/<stem>.py`` as the module ``stem`` (it registers its terms and encodings, as a user's file
+    does) and yield ``(module, new term kinds, new encoding names)``; afterwards undo every registration it made
+    (the term and encoding registries, the derived ``KernelTerm`` constructors, cached compositions), so that no
+    other test sees them (several test the registries' contents)."""
+    from hf_posenc import registry
+    from hf_posenc.encodings import compose
+    from hf_posenc.kernels.attention.terms import TERMS, KernelTerm
+
+    before_terms, before_encodings = set(TERMS), set(registry._REGISTRY)
+    spec = importlib.util.spec_from_file_location(stem, EXAMPLES / f"{stem}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[stem] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module, [k for k in TERMS if k not in before_terms], [e for e in registry._REGISTRY
+                                                                      if e not in before_encodings]
+    finally:
+        for kind in [k for k in TERMS if k not in before_terms]:
+            del TERMS[kind]
+            if kind in KernelTerm.__dict__:
+                delattr(KernelTerm, kind)
+        added = [e for e in registry._REGISTRY if e not in before_encodings]
+        for name in added:
+            del registry._REGISTRY[name]
+        for name in [c for c in compose._CLASSES if set(c.split("+")) & set(added)]:
+            del compose._CLASSES[name]
+        sys.modules.pop(stem, None)

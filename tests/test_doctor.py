@@ -1,4 +1,4 @@
-"""``hf-posenc doctor`` / ``hf_posenc.doctor()`` (hf_posenc/diagnostics.py) on the CPU.
+"""``hf-posenc doctor`` / ``hf_posenc.doctor()`` (the hf_posenc/diagnostics package) on the CPU.
 
 The tile-wise engines pass against the float64 references (forward and every gradient); FlexAttention's CPU
 row checks the forward only and says why; the Triton kernels run in Triton's interpreter with the tiny shape
@@ -25,6 +25,7 @@ from hf_posenc import cli
 from hf_posenc.registry import list_encodings
 
 diag = importlib.import_module("hf_posenc.diagnostics")  # ``hf_posenc.doctor`` is the function
+diag_cases = importlib.import_module("hf_posenc.diagnostics.cases")  # where the checks call the engines
 ROOT = Path(__file__).resolve().parents[1]
 CPU = not torch.cuda.is_available()
 ROW_KEYS = {"case", "family", "engine", "dtype", "shape", "window", "status", "tolerance", "max_error", "errors",
@@ -135,16 +136,16 @@ def _wrong_gradient(fn, factor):
 
 @pytest.mark.parametrize("how", ["output", "gradient", "crash"])
 def test_a_wrong_engine_fails_its_row_and_the_exit_status(monkeypatch, tmp_path, how):
-    tiled = diag.tiled_attention
+    tiled = diag_cases.tiled_attention
     if how == "output":
-        monkeypatch.setattr(diag, "tiled_attention", lambda *a, **k: tiled(*a, **k) * 1.01)
+        monkeypatch.setattr(diag_cases, "tiled_attention", lambda *a, **k: tiled(*a, **k) * 1.01)
     elif how == "gradient":
-        monkeypatch.setattr(diag, "tiled_attention", _wrong_gradient(tiled, 1.01))
+        monkeypatch.setattr(diag_cases, "tiled_attention", _wrong_gradient(tiled, 1.01))
     else:
         def crash(*a, **k):
             raise RuntimeError("engine broke")
 
-        monkeypatch.setattr(diag, "tiled_attention", crash)
+        monkeypatch.setattr(diag_cases, "tiled_attention", crash)
     out = tmp_path / "r.json"
     code = cli.main(["doctor", "--engines", "tiled", "--cases", "alibi,sba", "--no-timing", "--no-progress",
                      "--out", str(out)])

@@ -16,6 +16,7 @@ from hf_posenc.config import PosEncConfig
 from hf_posenc.encodings.base import ModelInfo, PosContext
 from hf_posenc.encodings.cape import Cape
 from hf_posenc.encodings.fire import FIRE_EPS, Fire
+from hf_posenc.kernels.attention.naive import term_bias
 from conftest import forward_and_loss, left_pad, make_ids, make_model, model_inputs, positions_from_mask
 
 CPU = torch.device("cpu")
@@ -345,14 +346,18 @@ def test_cape_defaults_follow_the_paper():
 
 @pytest.mark.parametrize("base", ["alibi", "kerple", "fire"])
 def test_cape_scores_closed_form(base):
-    """A = L + B + f([L, B]) at each (i, j), across heads, with L the scaled logits before any mask."""
+    """A = L + B + f([L, B]) at each (i, j), across heads, with L the scaled logits before any mask, B the base's
+    registered term on text (its reference bias: the base's score_bias for alibi and kerple; FIRE's tabulated f_θ,
+    within its interpolation error of FIRE's exact score_bias)."""
     torch.manual_seed(0)
     enc = Cape(PosEncConfig("cape", {"base": base, "mlp_hidden": 5}), GQA)
     q, k = torch.randn(2, 2, 3, 4), torch.randn(2, 1, 6, 4)
     ctx = PosContext(encoding=enc, info=GQA, position_ids=torch.arange(3, 6)[None], q_offset=3)
     layer, scaling = 1, 0.5
     got = enc.scores(ctx, layer, q, k, scaling)
-    bias = enc.base.score_bias(ctx, 3, 6, CPU, layer).expand(2, -1, -1, -1)
+    bias = term_bias(enc.base.term(ctx, layer, 3, 6, CPU), None, 3, 6, 3).expand(2, -1, -1, -1)
+    exact = enc.base.score_bias(ctx, 3, 6, CPU, layer).expand(2, -1, -1, -1)
+    torch.testing.assert_close(bias, exact, atol=1e-5 if base != "fire" else 1e-3, rtol=1e-5)
     mlp = enc.mlps[layer]
     want = torch.empty(2, 2, 3, 6)
     for b in range(2):

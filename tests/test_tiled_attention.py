@@ -313,7 +313,7 @@ def test_backward_without_subnormals_keeps_the_gradients(kind):
         term = KernelTerm("sandwich", {"table": -2.0 * torch.arange(lk).float().expand(h, lk).contiguous()}, {})
     else:  # −r1 δ^r2 with r1 up to 3: a learned, steep decay
         leaves = [torch.tensor(r).requires_grad_() for r in ([3.0, 1.0, 0.5, 0.2], [1.0, 1.2, 0.9, 1.1])]
-    term_of = (lambda r1, r2: KernelTerm.kerple("power", r1, r2)) if leaves else (lambda: term)
+    term_of = (lambda r1, r2: KernelTerm.kerple_pow(r1, r2)) if leaves else (lambda: term)
     for norm in (1.0, 6.0):
         q, k, v, valid, gout = _padded_inputs(shape, norm)
         out_err, errs, _ = _errors_vs_float64(term_of, leaves, q, k, v, gout, ("dq", "dk", "dv", "r1", "r2"),
@@ -345,16 +345,19 @@ def test_fire_tiles_are_freed_between_tiles(monkeypatch):
     """FIRE's tile builder keeps a tile's parts only from its bias to its gradient in the backward, and nothing
     after a forward or a backward (a held tile made every next one fault in fresh pages, measured). The gradients
     still match the reference."""
-    from hf_posenc.kernels.attention import _tiles as tiled  # the tiles per kind
+    import dataclasses
+
+    from hf_posenc.kernels.attention.terms import TERMS
+    from hf_posenc.kernels.attention.terms.fire import FireTiles  # FIRE's tiles (its registry entry's ``tiles``)
 
     built = []
 
-    class Spy(tiled._FireTiles):
+    class Spy(FireTiles):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             built.append(self)
 
-    monkeypatch.setattr(tiled, "_FireTiles", Spy)
+    monkeypatch.setitem(TERMS, "fire", dataclasses.replace(TERMS["fire"], tiles=Spy))
     q, k, v, gout, valid, g = make_inputs(SHAPE, torch.float32, 0, True, device="cpu")
     term, leaves = make_term("fire", SHAPE, 0, g, device="cpu")
     kw = dict(scale=0.3, causal=True, key_valid=valid, block_q=16, block_k=16)

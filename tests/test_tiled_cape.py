@@ -1,7 +1,8 @@
 """The tile-wise CAPE attention (hf_posenc.kernels.cape.tiled) against the full-matrix reference.
 
-The oracle is the encoding's reference path: the base encoding's own ``score_bias`` and
-``cape_scores_reference`` over (B, Lq, Lk, 2H) tensors. Forward and every gradient (q, k, v, the MLP's
+The oracle is the encoding's reference path: the base's bias on text (its registered term's reference bias, the
+registry's statement that the tiles evaluate too; FIRE: its tabulated f_θ) and ``cape_scores_reference`` over
+(B, Lq, Lk, 2H) tensors. Forward and every gradient (q, k, v, the MLP's
 weights, the base bias's parameters), relative to the largest gradient; odd shapes and tiles, grouped-query
 heads, key padding with an empty row, a decode with Lq < Lk and a 0-d tensor offset, float64, float32 and
 bfloat16.
@@ -53,7 +54,7 @@ def _mask(b: int, q_len: int, k_len: int, offset: int) -> torch.Tensor:
 def _run(enc: Cape, ctx: PosContext, tiled: bool, q, k, v, mask, blocks=(4, 5)):
     ctx.need_weights = not tiled  # probabilities requested: the reference; otherwise the tiles
     if tiled:
-        kind, tensors = enc.base_term(ctx, 1, q.shape[2], q.device)
+        kind, tensors = enc.base_term(ctx, 1, q.shape[2], k.shape[2], q.device)
         mlp = enc.mlps[1]
         return cape_attention_tiled(
             q, k, v, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias, kind, tensors, mask, 0.4,
@@ -200,7 +201,11 @@ def test_bad_inputs():
     q, k, v = _inputs(1, 4, 4, torch.float32)
     w1, b1, w2, b2 = torch.zeros(3, 8), torch.zeros(3), torch.zeros(4, 3), torch.zeros(4)
     slopes = (torch.ones(4),)
-    with pytest.raises(ValueError, match="unknown CAPE base bias kind"):
+    with pytest.raises(ValueError, match="unknown kernel term"):
+        cape_attention_tiled(q, k, v, w1, b1, w2, b2, "mystery", slopes, None, 1.0)
+    with pytest.raises(ValueError, match="not a position bias"):
+        cape_attention_tiled(q, k, v, w1, b1, w2, b2, "shaw", slopes, None, 1.0)
+    with pytest.raises(ValueError, match="takes the tensors"):
         cape_attention_tiled(q, k, v, w1, b1, w2, b2, "t5", slopes, None, 1.0)
     with pytest.raises(ValueError, match="2H = 8"):
         cape_attention_tiled(q, k, v, w1[:, :6], b1, w2, b2, "alibi", slopes, None, 1.0)

@@ -25,7 +25,8 @@ import torch
 
 from ..kernels.attention.terms import KernelTerm
 from ..registry import register_encoding
-from .base import PosContext, PositionEncoding, relative_positions
+from .base import PosContext
+from .term import TermEncoding
 
 __all__ = ["Alibi", "alibi_slopes"]
 
@@ -59,33 +60,26 @@ class AlibiParams:
     summary="-m_h * distance with fixed per-head slopes; Euclidean patch distance on ViT",
     paper="https://arxiv.org/abs/2108.12409",
 )
-class Alibi(PositionEncoding):
-    """ALiBi; see the module docstring for the formula."""
+class Alibi(TermEncoding):
+    """ALiBi; see the module docstring for the formula (stated once, by the ``alibi`` term: its ``score_bias`` is
+    that term's reference bias; on ViT, the term at the patches' Euclidean distance)."""
 
     no_inert_reason = "its slopes are fixed (Press et al.), so its bias is never zero"
 
-    has_score_bias = True
+    bias_per_layer = False  # one bias for every layer
     relative = True  # -m_h |i - j| from key/query indices; position_ids are never read
     reference_footprint = (2.0, 3.0)  # float32 (B, H, Lq, Lk) tensors (hf_posenc.memory)
     kernel_kinds = ("alibi",)
+    grid_distance = "euclidean"
 
-    def kernel_term(self, ctx: PosContext, layer: int, query, key, value, mask) -> KernelTerm | None:
-        """The fused-attention term: the slopes (H,). None on ViT (2D grid distances)."""
-        if ctx.grid is not None:
-            return None
+    def term(self, ctx: PosContext, layer: int, q_len: int, k_len: int, device: torch.device) -> KernelTerm:
+        """The ``alibi`` term: the slopes (H,)."""
         if torch.compiler.is_compiling():
-            return KernelTerm.alibi(alibi_slopes(self.info.num_heads).to(query.device))
+            return KernelTerm.alibi(alibi_slopes(self.info.num_heads).to(device))
         # one tensor per device for every layer and forward: a decoding step's engine then evaluates the bias once
         # per forward, not in every layer (hf_posenc.kernels.attention.tiled._layer_shared_bias)
         slopes = self.__dict__.setdefault("_slopes", {})  # a plain attribute, per device (no buffer: checkpoints)
-        if query.device not in slopes:
-            slopes[query.device] = alibi_slopes(self.info.num_heads).to(query.device)
-        return KernelTerm.alibi(slopes[query.device])
-
-    def score_bias(
-        self, ctx: PosContext, q_len: int, k_len: int, device: torch.device, layer: int = 0
-    ) -> torch.Tensor:
-        """(1, H, Lq, Lk) float32 bias -m_h * distance."""
-        slopes = alibi_slopes(self.info.num_heads).to(device)
-        distance = relative_positions(ctx, q_len, k_len, device).distance()
-        return torch.mul(distance[None, None], -slopes[None, :, None, None])  # one pass over (H, Lq, Lk)
+        device = torch.device(device)
+        if device not in slopes:
+            slopes[device] = alibi_slopes(self.info.num_heads).to(device)
+        return KernelTerm.alibi(slopes[device])

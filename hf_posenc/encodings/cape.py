@@ -39,11 +39,14 @@ With f's last layer at zero, CAPE is exactly attention with the base bias.
 
 Implementation: on text, ``attend`` runs the tile-wise attention of ``hf_posenc.kernels.cape.tiled`` (plain
 PyTorch, any device; O(L · block) memory: per query block × key block it builds the logits, the base bias
-tile from the base's small tensors (ALiBi slopes, Kerple r1/r2, FIRE's MLP, c, L and query positions),
-the MLP across heads, an online softmax, and recomputes in backward). The full-matrix reference
-(``hf_posenc.kernels.cape.naive``, (B, Lq, Lk, 2H) tensors) runs where the tiles do not: attention
-probabilities requested (``output_attentions``), attention dropout in training, and ViT's 2D grid (short
-sequences). There is no Triton kernel for CAPE.
+tile from the base's registered term (ALiBi's slopes, Kerple's r1/r2, FIRE's table of f_θ with c and each
+query's normaliser), evaluated by the term registry as every attention engine evaluates it, the MLP across
+heads, an online softmax, and recomputes in backward). On text B is that term's bias in the reference too
+(FIRE: its tabulated f_θ, as the attention engines use it; within its interpolation error of FIRE's exact
+``score_bias``). The full-matrix reference (``hf_posenc.kernels.cape.naive``, (B, Lq, Lk, 2H) tensors) runs
+where the tiles do not: attention probabilities requested (``output_attentions``), attention dropout in
+training, ViT's 2D grid (short sequences), and FIRE on bidirectional text (its term is causal; the reference
+takes its ``score_bias`` there). There is no Triton kernel for CAPE.
 
 ViT (bidirectional): the base bias is the base encoding's own ViT form (distances on the 2D patch grid,
 no term on pairs involving the CLS token); there is no mask, and f runs on every pair, CLS pairs
@@ -59,11 +62,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..config import PosEncConfig
+from ..kernels.attention.naive import term_bias
+from ..kernels.attention.terms import KernelTerm
 from ..kernels.cape import cape_attention_reference, cape_attention_tiled, cape_scores_reference
 from ..registry import get_encoding, param, register_encoding
-from .alibi import alibi_slopes  # (importing alibi, fire registers the base biases built by name)
-from . import fire as _fire  # noqa: F401
+from . import alibi as _alibi, fire as _fire  # noqa: F401  (importing them registers the base biases built by name)
 from .base import ModelInfo, PosContext, PositionEncoding
+from .term import TermEncoding
 
 __all__ = ["Cape", "CapeMLP", "CAPE_BASES"]
 
@@ -154,7 +159,12 @@ class Cape(PositionEncoding):
         key = ("cape_base", q_len, k_len, device, idx)
         if key in ctx.memo:
             return ctx.memo[key]
-        bias = self.base("bias", ctx, q_len, k_len, device, idx)
+        term = self._base_kernel_term(ctx, idx, q_len, k_len, device)
+        if term is None:  # ViT's grid, FIRE on bidirectional text: the base's own bias
+            bias = self.base("bias", ctx, q_len, k_len, device, idx)
+        else:  # text: the base's term, as the tiles evaluate it (its reference bias)
+            self.base._check_bias_memory(ctx, q_len, k_len, device, idx)
+            bias = term_bias(term, None, q_len, k_len, ctx.q_offset)
         if not (self.base.training and any(p.requires_grad for p in self.base.parameters())):
             ctx.memo[key] = bias
         return bias
@@ -174,23 +184,26 @@ class Cape(PositionEncoding):
 
     # -- the tile-wise path -----------------------------------------------------------------------
     def uses_tiles(self, ctx: PosContext, dropout: float, training: bool) -> bool:
-        """Whether ``attend`` runs the tile-wise attention: text, no probabilities requested, no attention
-        dropout in training (the reference runs otherwise)."""
-        return ctx.grid is None and not ctx.need_weights and not (dropout > 0 and training)
+        """Whether ``attend`` runs the tile-wise attention: text where the base has its term (FIRE's is causal), no
+        probabilities requested, no attention dropout in training (the reference runs otherwise)."""
+        has_term = isinstance(self.base, TermEncoding) or self.info.causal
+        return ctx.grid is None and has_term and not ctx.need_weights and not (dropout > 0 and training)
 
-    def base_term(self, ctx: PosContext, layer: int, q_len: int, device: torch.device) -> tuple[str, tuple]:
-        """The base bias of ``layer`` as a tile kind and its small tensors (``hf_posenc.kernels.cape.bias_tile``);
-        gradients reach the base's parameters through them. Text only."""
-        base, name = self.base, self.posenc_config.params["base"]
-        idx = layer if getattr(base, "bias_per_layer", False) else 0
-        if name == "alibi":
-            return "alibi", (alibi_slopes(self.info.num_heads).to(device),)
-        if name == "kerple":
-            r1, r2 = base.kernel_params()
-            return f"kerple_{'log' if base.variant == 'log' else 'pow'}", (r1[idx], r2[idx])
-        fn = base.function(layer)
-        positions = base._query_positions(ctx, q_len, device)  # (B|1, Lq)
-        return "fire", (fn.w1, fn.b1, fn.w2, fn.b2, fn.c, fn.threshold, positions)
+    def _base_kernel_term(self, ctx: PosContext, layer: int, q_len: int, k_len: int,
+                          device: torch.device) -> KernelTerm | None:
+        """The base encoding's term of ``layer`` on text (the term registry's statement of the base bias), or None
+        where it has none (ViT's grid; FIRE on bidirectional text)."""
+        if ctx.grid is not None:
+            return None
+        return self.base.term(ctx, layer, q_len, k_len, device)
+
+    def base_term(self, ctx: PosContext, layer: int, q_len: int, k_len: int,
+                  device: torch.device) -> tuple[str, tuple] | None:
+        """The base bias of ``layer`` as its registered term: (kind, its tensors in the registry's order), what the
+        tiles evaluate (``hf_posenc.kernels.cape.bias_tile``); gradients reach the base's parameters through them.
+        None where the base has no term (ViT's grid; FIRE on bidirectional text)."""
+        term = self._base_kernel_term(ctx, layer, q_len, k_len, device)
+        return None if term is None else (term.kind, tuple(term.tensors.values()))
 
     def attend_uses_reference(self, ctx: PosContext, dropout: float, training: bool) -> bool:
         """The O(L^2) pre-check applies to the reference only: the tiles need O(L · block)."""
@@ -213,8 +226,10 @@ class Cape(PositionEncoding):
         for them on the tile-wise path (see ``uses_tiles``)."""
         mlp = self.mlps[layer]
         weights = (mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias)
-        if self.uses_tiles(ctx, dropout, training):
-            kind, tensors = self.base_term(ctx, layer, query.shape[2], query.device)
+        found = self.base_term(ctx, layer, query.shape[2], key.shape[2], query.device) if self.uses_tiles(
+            ctx, dropout, training) else None
+        if found is not None:
+            kind, tensors = found
             out = cape_attention_tiled(
                 query, key, value, *weights, kind, tensors, mask, scaling, ctx.q_offset, causal=self.info.causal
             )

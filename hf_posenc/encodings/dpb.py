@@ -49,7 +49,8 @@ from torch.nn import functional as F
 from ..config import PosEncConfig
 from ..kernels.attention.terms import KernelTerm
 from ..registry import param, register_encoding
-from .base import ModelInfo, PosContext, PositionEncoding, relative_positions
+from .base import ModelInfo, PosContext, relative_positions
+from .term import TermEncoding
 
 __all__ = ["Dpb"]
 
@@ -93,8 +94,9 @@ class DpbParams:
     summary="learned MLP of the signed (log-)distance per head; CrossFormer's MLP of the 2D offset on ViT",
     paper="https://arxiv.org/abs/2108.00154",
 )
-class Dpb(PositionEncoding):
-    """Dynamic Position Bias; see the module docstring for the formula, the defaults and the ViT form.
+class Dpb(TermEncoding):
+    """Dynamic Position Bias; see the module docstring for the formula, the defaults and the ViT form (on text the
+    bias is the ``dpb`` term's reference bias, its table the MLP per signed distance; ViT in `grid_bias`).
 
     Parameters (one row per layer with ``per_layer``, else one): ``w_in`` (n, hidden, d_in) with d_in 1 on text
     and 2 on ViT, ``b_in`` (n, hidden), ``w_mid`` (n, depth − 1, hidden, hidden), ``b_mid`` (n, depth − 1,
@@ -104,7 +106,6 @@ class Dpb(PositionEncoding):
 
     inert_zero = ("w_out", "b_out")  # the MLP's output layer at zero: the bias is 0 everywhere (exact)
 
-    has_score_bias = True
     relative = True  # a function of i − j (key/query indices); position_ids are never read
     reference_footprint = (5.0, 6.0)  # float32 (B, H, Lq, Lk) tensors (hf_posenc.memory), as t5's table gather
     kernel_kinds = ("dpb",)
@@ -176,22 +177,16 @@ class Dpb(PositionEncoding):
             ctx.memo[memo_key] = self.distance_table(half, device, layer)
         return ctx.memo[memo_key]
 
-    def kernel_term(self, ctx: PosContext, layer: int, query, key, value, mask) -> KernelTerm | None:
-        """The fused-attention term: the table (H, 2M + 1) of ``layer`` over every offset of this forward (a
-        Toeplitz term; gradients reach the MLP through it). None on ViT (2D offsets)."""
-        if ctx.grid is not None:
-            return None
-        return KernelTerm.build("dpb", table=self._table(ctx, query.shape[2], key.shape[2], query.device, layer))
+    def term(self, ctx: PosContext, layer: int, q_len: int, k_len: int, device: torch.device) -> KernelTerm:
+        """The ``dpb`` term: the table (H, 2M + 1) of ``layer`` over every offset of this forward (a Toeplitz term;
+        gradients reach the MLP through it)."""
+        return KernelTerm.dpb(self._table(ctx, q_len, k_len, device, layer))
 
-    def score_bias(
+    def grid_bias(
         self, ctx: PosContext, q_len: int, k_len: int, device: torch.device, layer: int = 0
     ) -> torch.Tensor:
-        """(1, H, Lq, Lk) float32 bias of ``layer`` (ViT: the MLP of the 2D offset, 0 on CLS pairs)."""
+        """ViT: (1, H, Lq, Lk) float32, the MLP of the 2D offset, 0 on CLS pairs."""
         rel = relative_positions(ctx, q_len, k_len, device)
-        if not rel.is_grid:
-            table = self._table(ctx, q_len, k_len, device, layer)
-            half = (table.shape[1] - 1) // 2
-            return table[:, (-rel.rel).long() + half][None]  # δ = qi − j = −(key − query)
         rows, cols = ctx.grid
         dr = torch.arange(-(rows - 1), rows, device=device, dtype=torch.float32)
         dc = torch.arange(-(cols - 1), cols, device=device, dtype=torch.float32)

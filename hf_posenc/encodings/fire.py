@@ -173,13 +173,19 @@ class Fire(PositionEncoding):
             debug_log(__name__, "fire: float64 attention takes the exact bias (full-matrix reference), not the fused "
                       "term's interpolated table of f_theta")
             return None
-        q_len = query.shape[2]
+        return self.term(ctx, layer, query.shape[2], key.shape[2], query.device)
+
+    def term(self, ctx: PosContext, layer: int, q_len: int, k_len: int, device: torch.device) -> KernelTerm | None:
+        """The ``fire`` term of ``layer`` (see `kernel_term`, which takes it on causal text in float32 and
+        below), in the parameters' dtype; None on ViT and bidirectional text (the term is causal). CAPE's base."""
+        if ctx.grid is not None or not self.info.causal:
+            return None
         if not self._shares_terms(ctx):
-            return KernelTerm.fire(*self._term(self.function(layer), ctx, q_len, query.device))
-        key = ("fire_every_layer_term", id(self), q_len, str(query.device))
+            return KernelTerm.fire(*self._term(self.function(layer), ctx, q_len, device))
+        key = ("fire_every_layer_term", id(self), q_len, str(device))
         if key not in ctx.memo:  # each tensor unbound per layer once (a select per tensor and layer otherwise)
             ctx.memo[key] = list(zip(*(t.unbind(0) for t in self._term(FireFunction(self, None), ctx, q_len,
-                                                                        query.device))))
+                                                                        device))))
         return KernelTerm.fire(*ctx.memo[key][layer])
 
     def _shares_terms(self, ctx: PosContext) -> bool:

@@ -43,7 +43,8 @@ from ..config import PosEncConfig
 from ..ops import upcast
 from ..kernels.attention.terms import KernelTerm
 from ..registry import param, register_encoding
-from .base import ModelInfo, PosContext, PositionEncoding, relative_positions
+from .base import ModelInfo, PosContext
+from .term import TermEncoding
 
 __all__ = ["Kerple"]
 
@@ -72,15 +73,17 @@ class KerpleParams:
     summary="learned log or power kernel of the distance per head; Euclidean patch distance on ViT",
     paper="https://arxiv.org/abs/2205.09921",
 )
-class Kerple(PositionEncoding):
-    """KERPLE; see the module docstring for the formula and the reparametrisation."""
+class Kerple(TermEncoding):
+    """KERPLE; see the module docstring for the formula and the reparametrisation (the formula is stated once, by
+    the ``kerple_log`` / ``kerple_pow`` terms: ``score_bias`` is the term's reference bias; on ViT, the term at the
+    patches' Euclidean distance)."""
 
     no_inert_reason = "r1 and r2 are kept >= 0.01 by its reparametrisation, so its bias never vanishes"
 
-    has_score_bias = True
     relative = True  # a kernel of |i - j| (key/query indices); position_ids are never read
     reference_footprint = (3.0, 8.0)  # float32 (B, H, Lq, Lk) tensors (hf_posenc.memory)
     kernel_kinds = ("kerple_log", "kerple_pow")
+    grid_distance = "euclidean"
 
     def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:
         super().__init__(config, info)
@@ -109,31 +112,12 @@ class Kerple(PositionEncoding):
             r2 = 2 * torch.sigmoid(upcast(self.r2_raw))
         return r1, r2
 
-    def kernel_term(self, ctx: PosContext, layer: int, query, key, value, mask) -> KernelTerm | None:
-        """The fused-attention term: r1, r2 (H,) of ``layer`` (gradients flow to the raw parameters).
-        None on ViT (2D grid distances)."""
-        if ctx.grid is not None:
-            return None
+    def term(self, ctx: PosContext, layer: int, q_len: int, k_len: int, device: torch.device) -> KernelTerm:
+        """The ``kerple_log`` or ``kerple_pow`` term: r1, r2 (H,) of ``layer`` (gradients flow to the raw
+        parameters)."""
         idx = layer if self.bias_per_layer else 0
         # without gradients once per forward (PositionEncoding.layer_slice): a shared kernel is then the same tensor
         # in every layer, and a decoding step's engine evaluates its bias once (tiled._layer_shared_bias)
         r1 = self.layer_slice(ctx, "kerple_r1", idx, lambda i: self.kernel_params()[0][i])
         r2 = self.layer_slice(ctx, "kerple_r2", idx, lambda i: self.kernel_params()[1][i])
-        return KernelTerm.kerple(self.variant, r1, r2)
-
-    def score_bias(
-        self, ctx: PosContext, q_len: int, k_len: int, device: torch.device, layer: int = 0
-    ) -> torch.Tensor:
-        """(1, H, Lq, Lk) float32 kernel bias of ``layer``."""
-        r1, r2 = self.kernel_params()
-        idx = layer if self.bias_per_layer else 0
-        r1, r2 = r1[idx][:, None, None], r2[idx][:, None, None]
-        d = relative_positions(ctx, q_len, k_len, device).distance()
-        if self.variant == "log":
-            bias = -r1 * torch.log1p(r2 * d)
-        else:
-            # d ** r2 has an infinite derivative in r2 at d = 0; 0 ** r2 = 0 for r2 > 0 with a zero gradient.
-            safe = torch.where(d > 0, d, torch.ones_like(d))
-            bias = torch.where(d > 0, -r1 * safe.pow(r2), torch.zeros_like(r1 * d))
-        return bias[None]
-
+        return KernelTerm.build("kerple_log" if self.variant == "log" else "kerple_pow", r1=r1, r2=r2)

@@ -25,7 +25,8 @@ import torch
 from ..config import PosEncConfig
 from ..kernels.attention.terms import KernelTerm
 from ..registry import param, register_encoding
-from .base import ModelInfo, PosContext, PositionEncoding, relative_positions
+from .base import ModelInfo, PosContext, relative_positions
+from .term import TermEncoding
 
 __all__ = ["Sandwich"]
 
@@ -55,41 +56,44 @@ class SandwichParams:
     summary="fixed cosine-sum bias with per-head scaling; Euclidean patch distance on ViT",
     paper="https://arxiv.org/abs/2212.10356",
 )
-class Sandwich(PositionEncoding):
-    """Sandwich; see the module docstring for the formula."""
+class Sandwich(TermEncoding):
+    """Sandwich; see the module docstring for the formula (the cosine sum, `cosine_sum`, is stated once: the
+    ``sandwich`` term reads its table per text distance, ``score_bias`` is that term's reference bias, and ViT's
+    form evaluates it at the patches' Euclidean distances)."""
 
     no_inert_reason = "its cosine-sum bias is fixed (it has no parameters)"
 
-    has_score_bias = True
+    bias_per_layer = False  # one bias for every layer
     relative = True  # a function of i - j (key/query indices); position_ids are never read
     reference_footprint = (3.0, 3.5)  # float32 (B, H, Lq, Lk) tensors (hf_posenc.memory)
     kernel_kinds = ("sandwich",)
 
-    def distance_table(self, length: int, device: torch.device) -> torch.Tensor:
-        """(H, length) float32: the bias at text distance 0 .. length − 1, per head (the formula above)."""
+    def cosine_sum(self, distances: torch.Tensor) -> torch.Tensor:
+        """(H, N) float32: the bias at the distances ``distances`` (N,) float32, per head (the formula above)."""
         dim = self.posenc_config.params["dim"]
         heads = self.info.num_heads
+        device = distances.device
         k = torch.arange(1, dim // 2 + 1, device=device, dtype=torch.float64)
         inv_freq = (10000.0 ** (-2.0 * k / dim)).to(torch.float32)
-        values = torch.arange(length, device=device, dtype=torch.float32)
-        table = torch.cos(values[:, None] * inv_freq).sum(-1) - dim / 2
+        table = torch.cos(distances[:, None] * inv_freq).sum(-1) - dim / 2
         scale = torch.arange(1, heads + 1, device=device, dtype=torch.float32) * 8.0 / heads
         return table[None, :] / scale[:, None]
 
-    def kernel_term(self, ctx: PosContext, layer: int, query, key, value, mask) -> KernelTerm | None:
-        """The fused-attention term: the table over every distance of this forward (built once per forward,
-        shared by the layers; per layer under ``torch.compile``). None on ViT (2D grid distances)."""
-        if ctx.grid is not None:
-            return None
-        q_len, k_len = query.shape[2], key.shape[2]
+    def distance_table(self, length: int, device: torch.device) -> torch.Tensor:
+        """(H, length) float32: the bias at text distance 0 .. length − 1, per head (`cosine_sum`)."""
+        return self.cosine_sum(torch.arange(length, device=device, dtype=torch.float32))
+
+    def term(self, ctx: PosContext, layer: int, q_len: int, k_len: int, device: torch.device) -> KernelTerm:
+        """The ``sandwich`` term: the table over every distance of this forward (built once per forward, shared by
+        the layers; per layer under ``torch.compile``)."""
         length = _table_length(ctx.q_offset, q_len, k_len)
         if torch.compiler.is_compiling():
             # no memo: its key would hold the (symbolic) table length, and Dynamo specialises a graph to a length
             # in a dict key (one graph per length); the table is (H, length), built per layer
-            return KernelTerm.sandwich(self.distance_table(length, query.device))
-        memo_key = ("sandwich_table", length, query.device)
+            return KernelTerm.sandwich(self.distance_table(length, device))
+        memo_key = ("sandwich_table", length, device)
         if memo_key not in ctx.memo:
-            ctx.memo[memo_key] = self.distance_table(length, query.device)
+            ctx.memo[memo_key] = self.distance_table(length, device)
         return KernelTerm.sandwich(ctx.memo[memo_key])
 
     @classmethod
@@ -101,25 +105,11 @@ class Sandwich(PositionEncoding):
             raise ValueError(f"sandwich needs an even dim (d-bar), got {p['dim']}")
         return PosEncConfig(config.name, p)
 
-    def score_bias(
+    def grid_bias(
         self, ctx: PosContext, q_len: int, k_len: int, device: torch.device, layer: int = 0
     ) -> torch.Tensor:
-        """(1, H, Lq, Lk) float32."""
-        dim = self.posenc_config.params["dim"]
-        heads = self.info.num_heads
-        k = torch.arange(1, dim // 2 + 1, device=device, dtype=torch.float64)
-        inv_freq = (10000.0 ** (-2.0 * k / dim)).to(torch.float32)
-        rel = relative_positions(ctx, q_len, k_len, device)
-        d = rel.distance()
-        # The sum depends on the distance alone: evaluate it once per distinct distance, then gather
-        # (O(L^2) memory instead of O(L^2 * d)).
-        if rel.is_grid:
-            values, index = torch.unique(d, return_inverse=True)
-        else:
-            # every text distance is below _table_length (reading d.max() would be a sync and a graph break)
-            values = torch.arange(_table_length(ctx.q_offset, q_len, k_len), device=device, dtype=torch.float32)
-            index = d.long()
-        table = torch.cos(values[:, None] * inv_freq).sum(-1) - dim / 2
-        cos_sum = table[index]
-        scale = torch.arange(1, heads + 1, device=device, dtype=torch.float32) * 8.0 / heads
-        return (cos_sum[None] / scale[:, None, None])[None]
+        """ViT: (1, H, Lq, Lk) float32, the cosine sum at the patches' Euclidean distances (evaluated once per distinct
+        distance, then gathered: O(L^2) memory instead of O(L^2 * d)); 0 on CLS pairs (their distance is 0)."""
+        d = relative_positions(ctx, q_len, k_len, device).distance()
+        values, index = torch.unique(d, return_inverse=True)
+        return self.cosine_sum(values)[:, index][None]

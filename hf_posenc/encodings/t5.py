@@ -50,7 +50,8 @@ from ..config import PosEncConfig
 from ..kernels.attention.terms import KernelTerm
 from ..ops import upcast
 from ..registry import param, register_encoding
-from .base import ModelInfo, PosContext, PositionEncoding, relative_positions
+from .base import ModelInfo, PosContext, relative_positions
+from .term import TermEncoding
 
 __all__ = ["T5Bias", "t5_relative_position_bucket"]
 
@@ -106,8 +107,10 @@ class T5Params:
     summary="learned per-head bias over T5's log-bucketed relative positions; per-axis row + column tables on ViT",
     paper="https://arxiv.org/abs/1910.10683",
 )
-class T5Bias(PositionEncoding):
-    """T5's relative position bias; see the module docstring for the formula.
+class T5Bias(TermEncoding):
+    """T5's relative position bias; see the module docstring for the formula (on text stated once, by the ``t5``
+    term with this file's bucketing: ``score_bias`` is its reference bias; ViT's per-axis tables in
+    `grid_bias`).
 
     Parameters: text: ``table`` (num_buckets, H), or (num_layers, num_buckets, H) with ``per_layer``;
     ViT: ``table_row`` and ``table_col`` of those shapes.
@@ -115,20 +118,17 @@ class T5Bias(PositionEncoding):
 
     inert_zero = ("table", "table_row", "table_col")  # a zero table adds 0 everywhere: exact
 
-    has_score_bias = True
     relative = True  # buckets of key - query (indices); position_ids are never read
     reference_footprint = (5.0, 6.0)  # float32 (B, H, Lq, Lk) tensors (hf_posenc.memory)
     kernel_kinds = ("t5",)
 
-    def kernel_term(self, ctx: PosContext, layer: int, query, key, value, mask) -> KernelTerm | None:
-        """The fused-attention term: the table (num_buckets, H) of ``layer`` and the bucket of each relative
-        position −max_distance .. max_distance (this file's bucketing; positions past ±max_distance share
-        the bucket of ±max_distance). None on ViT (per-axis tables)."""
-        if ctx.grid is not None:
-            return None
-        memo_key = ("t5_buckets", query.device)
+    def term(self, ctx: PosContext, layer: int, q_len: int, k_len: int, device: torch.device) -> KernelTerm:
+        """The ``t5`` term: the table (num_buckets, H) of ``layer`` and the bucket of each relative position
+        −max_distance .. max_distance (this file's bucketing; positions past ±max_distance share the bucket of
+        ±max_distance, as the bucketing gives them)."""
+        memo_key = ("t5_buckets", device)
         if memo_key not in ctx.memo:
-            rel = torch.arange(-self.max_distance, self.max_distance + 1, device=query.device)
+            rel = torch.arange(-self.max_distance, self.max_distance + 1, device=device)
             ctx.memo[memo_key] = t5_relative_position_bucket(rel, self.bidirectional, self.num_buckets, self.max_distance)
         return KernelTerm.t5(self._table("table", layer), ctx.memo[memo_key])
 
@@ -176,12 +176,10 @@ class T5Bias(PositionEncoding):
         buckets = t5_relative_position_bucket(rel, self.bidirectional, self.num_buckets, self.max_distance)
         return self._table(name, layer)[buckets].permute(2, 0, 1)
 
-    def score_bias(
+    def grid_bias(
         self, ctx: PosContext, q_len: int, k_len: int, device: torch.device, layer: int = 0
     ) -> torch.Tensor:
-        """(1, H, Lq, Lk) float32 bias table[bucket(key - query)] (ViT: row + column tables, 0 on CLS pairs)."""
+        """ViT: (1, H, Lq, Lk) float32, the row and column tables at the per-axis offsets, 0 on CLS pairs."""
         rp = relative_positions(ctx, q_len, k_len, device)
-        if not rp.is_grid:
-            return self._lookup("table", layer, rp.rel)[None]
         bias = self._lookup("table_row", layer, rp.rows) + self._lookup("table_col", layer, rp.cols)
         return bias.masked_fill(rp.cls, 0.0)[None]

@@ -105,7 +105,7 @@ def _masked_reference(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, t
     offset = q_offset if isinstance(q_offset, int) else q_offset.to(torch.long)
     bias = term_bias(term, query, q_len, k_len, offset)
     scores = q @ k.transpose(-1, -2)
-    if term.kind == "shaw":
+    if term.spec.value_term is not None:  # a term with a value term (shaw): its key term is scaled with the logits
         scores = (scores + bias) * scale
     else:
         scores = scores * scale + (0.0 if bias is None else bias.to(dtype))
@@ -116,11 +116,9 @@ def _masked_reference(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, t
                                          sink)[None, None]
     probs = torch.nan_to_num(torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1), nan=0.0)
     out = probs @ v
-    if term.kind == "shaw":
-        kmax = term.ints["max_relative_position"]
-        rel = (torch.arange(k_len, device=q.device)[None, :] - q_idx[:, None]).clamp(-kmax, kmax) + kmax
-        buckets = probs.new_zeros(b, h, q_len, 2 * kmax + 1).scatter_add(-1, rel.expand(b, h, q_len, k_len), probs)
-        out = out + buckets @ term.tensors["value_table"].to(dtype)
+    if term.spec.value_term is not None:
+        out = out + term.spec.value_term(term.tensors, term.ints, probs, q_idx[:, None],
+                                         torch.arange(k_len, device=q.device)[None, :]).to(dtype)
     return out
 
 
@@ -299,7 +297,7 @@ def tiled_attention_op(
 
     Args:
         query: (B, H, Lq, D); key, value: (B, Hkv, Lk, D) (``term.key`` / ``term.value`` replace them when set).
-        term: the position term (a kind in ``TILED_KINDS``).
+        term: the position term (a kind the tile engine runs: ``terms.tiled_kinds()``).
         scale, causal, window, sink: as for ``tiled_attention``.
         q_offset: key index of the first query: an int or a 0-d integer tensor.
         mask: None, or a bool mask (B|1, 1, Lq, Lk) (True = attend), checked inside the op (module docstring).

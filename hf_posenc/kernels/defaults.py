@@ -13,6 +13,9 @@ that passed ``pytest -m gpu`` and was fastest in ``make gpu-check`` (benchmarks/
 Triton kernels were correct and the fastest backend of every kind timed** (FlexAttention 2-85x slower or not
 compiling; the references 3-20x slower), so the entries stay "triton", each with its measurement in
 ``MEASURED``; none met the design target of 1.10x SDPA flash. ``dpb`` (no benchmark row) is unmeasured.
+A term registered later (a user's, through the public registry) has no entry here: its default is derived from its
+registry entry when asked (`cuda_default_backend`): ``triton`` where it has a Triton branch (its own or
+another's), else ``torch`` (the tile engine; FlexAttention only when forced, until measured).
 Float32 CoPE is the exception, per call rather than per kind: its kernel failed on the H100
 (``hf_posenc.kernels.cope.FLOAT32_ON_CUDA``), so the CoPE dispatch runs float32 inputs on the PyTorch engine.
 A GPU session that measures otherwise sets an entry below the derived defaults
@@ -21,25 +24,37 @@ A GPU session that measures otherwise sets an entry below the derived defaults
 
 from __future__ import annotations
 
-from .attention.terms import TERM_KINDS, TERMS
+from .attention.terms import TERMS, term_kinds
 
 __all__ = ["CUDA_DEFAULT_BACKEND", "MEASURED", "KINDS", "cuda_default_backend"]
 
-#: attention terms (the term registry, ``kernels.attention.terms.TERM_KINDS``), the attentions with their own
-#: kernels and the rotary kernel.
-KINDS = (*TERM_KINDS, "sba", "cope", "rotary")
+#: the attentions with their own kernels and the rotary kernel (the attention terms come from the term registry).
+_OWN_KERNELS = ("sba", "cope", "rotary")
+#: attention terms (the term registry's built-in kinds, ``kernels.attention.terms.term_kinds()`` when this module was
+#: imported), the attentions with their own kernels and the rotary kernel.
+KINDS = (*term_kinds(), *_OWN_KERNELS)
 
-#: which backends each kind has on CUDA: triton where it has a Triton branch (its own or another term's), flex
-#: where a score_mod can say it (shaw's value term cannot), torch everywhere.
-_AVAILABLE = {kind: ("triton", "torch") for kind in ("sba", "cope", "rotary")}
-for _kind, _spec in TERMS.items():
-    _AVAILABLE[_kind] = (("triton",) if _spec.triton is not None else ()) + (("flex",) if _spec.flex else ()) + (
-        "torch",)
+
+def _available(kind: str) -> tuple[str, ...]:
+    """The backends ``kind`` has on CUDA: triton where it has a Triton branch (its own or another term's), flex where
+    a score_mod can say it (shaw's value term cannot), torch everywhere; () for an unknown kind."""
+    if kind in _OWN_KERNELS:
+        return ("triton", "torch")
+    spec = TERMS.get(kind)
+    if spec is None:
+        return ()
+    return (("triton",) if spec.triton is not None else ()) + (("flex",) if spec.flex else ()) + ("torch",)
+
+
+def _derived_default(kind: str) -> str:
+    """The default of a kind without a measured one: triton where it has a Triton branch, else the tile engine."""
+    return "triton" if "triton" in _available(kind) else "torch"
+
 
 #: kind -> default backend on CUDA: triton wherever a kind has a Triton branch (measured fastest on an H100 for
 #: every kind timed, see the module docstring); a measured change replaces its default here, with its source in
-#: MEASURED.
-CUDA_DEFAULT_BACKEND: dict[str, str] = {kind: backends[0] for kind, backends in _AVAILABLE.items()}
+#: MEASURED. Kinds registered later take `_derived_default` (see `cuda_default_backend`).
+CUDA_DEFAULT_BACKEND: dict[str, str] = {kind: _derived_default(kind) for kind in KINDS}
 
 #: kind -> the measurement an entry came from (GPU, benchmark file, ratio to the runner-up). Absent: unmeasured.
 _H100 = "H100, bf16, L = 1024, H = 32, D = 128, forward+backward; benchmarks/results/gpu_check_nvidia-h100-80gb-hbm3"
@@ -65,11 +80,12 @@ def _validate(table: dict[str, str]) -> None:
     if missing:
         raise ValueError(f"CUDA_DEFAULT_BACKEND lacks the kinds {sorted(missing)}")
     for kind, backend in table.items():
-        if kind not in _AVAILABLE:
+        available = _available(kind)
+        if not available:
             raise ValueError(f"CUDA_DEFAULT_BACKEND names an unknown kind {kind!r}; allowed: {', '.join(KINDS)}")
-        if backend not in _AVAILABLE[kind]:
+        if backend not in available:
             raise ValueError(
-                f"CUDA_DEFAULT_BACKEND[{kind!r}] = {backend!r}; {kind} can run on {', '.join(_AVAILABLE[kind])}"
+                f"CUDA_DEFAULT_BACKEND[{kind!r}] = {backend!r}; {kind} can run on {', '.join(available)}"
             )
 
 
@@ -77,7 +93,8 @@ _validate(CUDA_DEFAULT_BACKEND)
 
 
 def cuda_default_backend(kinds: str | tuple[str, ...] | list[str]) -> str:
-    """The default CUDA backend of a kind (``"triton"``, ``"flex"`` or ``"torch"``), read from the table now.
+    """The default CUDA backend of a kind (``"triton"``, ``"flex"`` or ``"torch"``), read from the table now (a term
+    registered after this module was imported, with no entry there: derived from its registry entry).
 
     ``kinds`` may list several kinds (an encoding whose instances produce one of them, e.g. kerple's
     ``("kerple_log", "kerple_pow")``): they must share one entry.
@@ -89,9 +106,9 @@ def cuda_default_backend(kinds: str | tuple[str, ...] | list[str]) -> str:
     if not kinds:
         raise ValueError("cuda_default_backend needs at least one kind")
     for kind in kinds:
-        if kind not in CUDA_DEFAULT_BACKEND:
-            raise ValueError(f"unknown kernel kind {kind!r}; allowed: {', '.join(KINDS)}")
-    choices = {CUDA_DEFAULT_BACKEND[kind] for kind in kinds}
+        if kind not in CUDA_DEFAULT_BACKEND and not _available(kind):
+            raise ValueError(f"unknown kernel kind {kind!r}; allowed: {', '.join((*term_kinds(), *_OWN_KERNELS))}")
+    choices = {CUDA_DEFAULT_BACKEND.get(kind) or _derived_default(kind) for kind in kinds}
     if len(choices) > 1:
         raise ValueError(
             f"CUDA_DEFAULT_BACKEND gives the kinds {kinds} of one encoding different backends {sorted(choices)}; "

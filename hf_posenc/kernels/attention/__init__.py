@@ -1,7 +1,8 @@
 """Attention kernel family: FlashAttention-style attention with a position term chosen at compile time.
 
-* ``terms.py``: the term registry (`TERMS`: each term's tensors, form and value, stated once; every
-  engine derives from it) and `KernelTerm`, what an encoding hands over (``kernel_term`` on the encoding);
+* ``terms/``: the term registry (`TermSpec`, `register_term`: each term's tensors, form
+  and value, stated once, one module per built-in term; every engine derives from it) and `KernelTerm`, what
+  an encoding hands over (``kernel_term`` on the encoding);
 * ``naive.py``: `attention_reference`, the PyTorch reference of every term (float32, O(L²));
 * ``triton_attention.py``: `fused_attention`, the Triton kernels (forward and backward, O(L) memory);
 * ``flex.py``: `flex_attention_term`, torch's FlexAttention with the same terms as a score_mod;
@@ -29,7 +30,8 @@ import torch
 
 from .._common import KERNEL_DTYPES, MAX_HEAD_DIM, triton_import_error
 from .naive import attention_reference, term_bias
-from .terms import FLEX_KINDS, KERNEL_KINDS, TERM_KINDS, TERMS, TILED_KINDS, KernelTerm, TermSpec, register_term
+from . import terms as _terms
+from .terms import TERMS, KernelTerm, TermSpec, register_term
 from .tiled import tiled_attention, tiled_unsupported
 
 __all__ = [
@@ -113,7 +115,7 @@ def kernel_unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 def flex_unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, term: KernelTerm) -> str | None:
     """None when FlexAttention can express ``term`` for these inputs, else the reason."""
-    if term.kind not in FLEX_KINDS:
+    if not term.spec.flex:
         return f"the {term.kind} term has no FlexAttention form (score_mod cannot add a value term)"
     try:
         from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
@@ -144,3 +146,11 @@ def flex_attention_term(query, key, value, term, **kwargs):
     from .flex import flex_attention_term as run
 
     return run(query, key, value, term, **kwargs)
+
+
+def __getattr__(name: str):
+    """The kind lists (``TERM_KINDS``, ``KERNEL_KINDS``, ``FLEX_KINDS``, ``TILED_KINDS``), read from the term registry
+    now (a term registered later takes part)."""
+    if name in ("TERM_KINDS", "KERNEL_KINDS", "FLEX_KINDS", "TILED_KINDS", "TOEPLITZ_KINDS"):
+        return getattr(_terms, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

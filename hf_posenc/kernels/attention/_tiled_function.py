@@ -11,7 +11,6 @@ from ._tiled_fused import (
     _channel_fused_backward,
     _flash_available,
     _may_underflow,
-    _shaw_fused_backward,
     _splits_at_diagonal,
     fused_backward_plain,
     fused_forward,
@@ -26,7 +25,6 @@ from ._tiles import (
     _prepare,
     _query_index,
     _rows,
-    _shaw_buckets,
     _skew_buffer,
     _Tile,
     _ungroup,
@@ -68,23 +66,20 @@ class TiledAttentionFunction(torch.autograd.Function):
         want_term = any(need)
         g_dist = q.new_zeros(tile.rev.shape) if plan.form == "toeplitz" and want_term else None
         dc = torch.zeros_like(tile.c) if plan.form == "gate" and want_term else None
-        fire_grads: dict[str, torch.Tensor] = {}
-        fire_need = dict(zip(plan.names, need))
-        if plan.kind == "fire":
-            tile.fire.keep = want_term
-        d_akey = torch.zeros_like(tile.a_key) if plan.kind == "shaw" else None
-        d_avalue = torch.zeros_like(tile.a_value) if plan.kind == "shaw" else None
-        if plan.kind == "shaw" and _flash_available(plan, query.device, dtype):  # the forward's frame: _ShawBand
-            dq, dk, dv, d_akey, d_avalue = _shaw_fused_backward(plan, tile, q, k, v, out, lse, do, valid, q_off, b,
-                                                                h, hkv, d)
-            grads = _term_grads(plan, tensors, need, tile, None, None, fire_grads, d_akey, d_avalue)
+        pair = tile.pair
+        if pair is not None:
+            pair.start_backward(dict(zip(plan.names, need)))
+        if pair is not None and pair.fused_backward is not None and _flash_available(plan, query.device, dtype):
+            # the pair term's own fused path (shaw: the forward's frame, _ShawBand)
+            dq, dk, dv, by_name = pair.fused_backward(plan, tile, q, k, v, out, lse, do, valid, q_off, b, h, hkv, d)
+            grads = _term_grads(plan, tensors, need, tile, None, None, by_name)
             return (dq.mul_(plan.scale).to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None,
                     *grads)
         if _flash_available(plan, query.device, dtype) and uses_key_channel(plan, valid):
             # the forward's frame: the key channel (see Tile.key_channel)
             dq, dk, dv, dc = _channel_fused_backward(plan, tile, q, k, v, out, lse, do, valid, q_off, b, h, hkv, d,
                                                      want_term)
-            grads = _term_grads(plan, tensors, need, tile, None, dc if want_term else None, fire_grads, None, None)
+            grads = _term_grads(plan, tensors, need, tile, None, dc if want_term else None, {})
             return (dq.mul_(plan.scale).to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None,
                     *grads)
         # No term gradient: the fused kernel's backward per query block where the blocks split at their diagonal
@@ -102,10 +97,9 @@ class TiledAttentionFunction(torch.autograd.Function):
             dq, dk, dv = fused_backward_plain(plan, tile, q, k, v, out, lse, do, valid, q_off, b, h, hkv, d, underflow)
         else:
             dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-            _online_backward(plan, tile, q, k, v, lse, do, delta, valid, q_off, b, h, hkv, d, dq, dk, dv, g_dist, dc,
-                             fire_need, fire_grads, d_akey, d_avalue, want_term)
+            _online_backward(plan, tile, q, k, v, lse, do, delta, valid, q_off, b, h, hkv, d, dq, dk, dv, g_dist, dc)
         dq = dq * plan.scale
-        grads = _term_grads(plan, tensors, need, tile, g_dist, dc, fire_grads, d_akey, d_avalue)
+        grads = _term_grads(plan, tensors, need, tile, g_dist, dc, pair.grads() if pair is not None else {})
         return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None, *grads)
 
 
@@ -120,13 +114,13 @@ def _online_forward(plan: _Plan, tile: _Tile, q, k, v, valid, q_off, b, h, hkv, 
         qi = _rows(_query_index(q_off, q0, q1, q.device), rev, 0)
         qb = _rows(q[:, :, q0:q1], rev)
         qg = _group(qb, hkv)
-        qa = qb @ tile.a_key.T if plan.kind == "shaw" else None  # scale · q · a^K (B, H, n, 2K + 1)
+        ctx = tile.pair.block(qb) if tile.pair is not None else None  # shaw: scale · q · a^K (B, H, n, 2K + 1)
         row_max = q.new_full((b, h, n, 1), float("-inf"))
         row_sum = q.new_zeros(b, h, n, 1)
         acc = q.new_zeros(b, h, n, d)
         for t, (k0, k1) in enumerate(_key_tiles(plan, q0, q1, k_len)):
             s = _ungroup(qg @ k[:, :, k0:k1].transpose(-1, -2), h)  # (B, H, n, m)
-            bias = tile.bias(qi, q0, q1, k0, k1, qa)
+            bias = tile.bias(qi, q0, q1, k0, k1, ctx)
             if bias is not None:
                 s = s + bias if s.shape != torch.broadcast_shapes(s.shape, bias.shape) else s.add_(bias)
             s = _apply_mask(s, plan, qi, q0, k0, k1, valid)
@@ -139,8 +133,8 @@ def _online_forward(plan: _Plan, tile: _Tile, q, k, v, valid, q_off, b, h, hkv, 
                 acc.mul_(alpha)
             row_sum.add_(p.sum(-1, keepdim=True))
             acc.add_(_ungroup(_group(p, hkv) @ v[:, :, k0:k1] if h != hkv else p @ v[:, :, k0:k1], h))
-            if plan.kind == "shaw":
-                acc.add_(_shaw_buckets(tile, p, qi, k0, k1) @ tile.a_value)
+            if tile.pair is not None:
+                tile.pair.add_values(acc, p, qi, k0, k1)
             row_max = new_max
         empty = row_sum == 0
         out[:, :, q0:q1] = _rows(acc / torch.where(empty, torch.ones_like(row_sum), row_sum), rev)
@@ -158,10 +152,11 @@ def _key_tiles(plan: _Plan, q0: int, q1: int, k_len: int):
 
 
 def _online_backward(plan: _Plan, tile: _Tile, q, k, v, lse, do, delta, valid, q_off, b, h, hkv, d, dq, dk, dv,
-                     g_dist, dc, fire_need, fire_grads, d_akey, d_avalue, want_term) -> None:
+                     g_dist, dc) -> None:
     """Accumulate dq (of the scaled q), dk, dv and the term's per-tile gradient sums (``g_dist``: a Toeplitz term's
-    per-distance dS; ``dc``: a gate's; FIRE's and Shaw's tables) by recomputing each tile's probabilities from the
-    saved log-sum-exp, in place."""
+    per-distance dS; ``dc``: a gate's; a pair term's by its tiles, ``PairTiles``) by recomputing each tile's
+    probabilities from the saved log-sum-exp, in place."""
+    pair = tile.pair
     q_len, k_len = q.shape[2], k.shape[2]
     rev = plan.form == "toeplitz"
     for q0 in range(0, q_len, plan.block_q):
@@ -174,23 +169,20 @@ def _online_backward(plan: _Plan, tile: _Tile, q, k, v, lse, do, delta, valid, q
         dog = _group(dob, hkv)
         lse_b = _rows(lse[:, :, q0:q1, None], rev)
         delta_b = _rows(delta[:, :, q0:q1], rev)
-        qa = qb @ tile.a_key.T if plan.kind == "shaw" else None
-        dv_table = dob @ tile.a_value.T if plan.kind == "shaw" else None  # dO · a^V (B, H, n, 2K + 1)
-        dqa = torch.zeros_like(qa) if plan.kind == "shaw" else None
+        ctx = pair.block(qb) if pair is not None else None
+        state = pair.backward_block(qb, dob, ctx) if pair is not None else None
         dq_b = q.new_zeros(b, hkv, qg.shape[2], d)
         for k0, k1 in _key_tiles(plan, q0, q1, k_len):
             kb, vb = k[:, :, k0:k1], v[:, :, k0:k1]
-            s = _logits(qg, kb, tile.bias(qi, q0, q1, k0, k1, qa), h, plan.kind == "fire")
+            s = _logits(qg, kb, tile.bias(qi, q0, q1, k0, k1, ctx), h, pair is not None and pair.fresh)
             s = _apply_mask(s, plan, qi, q0, k0, k1, valid)
             s = s.sub_(lse_b)  # rows that see no key have lse = +inf -> p = 0
             p = exp_flushed(s)  # (B, H, n, m)
             pg = _group(p, hkv)
             dv[:, :, k0:k1] += pg.transpose(-1, -2) @ dog
             dp = _ungroup(dog @ vb.transpose(-1, -2), h)
-            if plan.kind == "shaw":
-                idx = tile._shaw_index(qi, k0, k1, dp.shape[:2])
-                dp.add_(dv_table.gather(-1, idx))
-                d_avalue += (_shaw_buckets(tile, p, qi, k0, k1).transpose(-1, -2) @ dob).sum((0, 1))
+            if pair is not None:  # a value term's share of dP (shaw)
+                pair.grad_dp(state, dp, p, qi, k0, k1)
             if g_dist is not None:  # dS straight into the buffer its anti-diagonal sums read (no copy)
                 buf = _skew_buffer(p, k1 - k0)
                 ds = torch.mul(dp.sub_(delta_b), p, out=buf[..., : k1 - k0])
@@ -209,37 +201,40 @@ def _online_backward(plan: _Plan, tile: _Tile, q, k, v, lse, do, delta, valid, q
                     dc.index_add_(-1, qi, rows)
                 else:
                     dc[..., q_off + q0 : q_off + q1] += rows
-            elif plan.kind == "fire" and want_term:
-                tile.fire.grads(ds, q0, q1, fire_need, fire_grads)
-            elif plan.kind == "shaw":
-                dqa.scatter_add_(-1, tile._shaw_index(qi, k0, k1, ds.shape[:2]), ds)
+            elif pair is not None:
+                pair.grad_tile(state, ds, qi, q0, q1, k0, k1)
         dq[:, :, q0:q1] = _rows(_ungroup(dq_b, h), rev)
-        if plan.kind == "shaw":  # qa = scale · q a^Kᵀ: dq += scale · dqa a^K (× scale below), da^K += dqaᵀ (scale q)
-            dq[:, :, q0:q1] += dqa @ tile.a_key
-            d_akey += (dqa.transpose(-1, -2) @ qb).sum((0, 1))
+        if pair is not None:  # shaw: dq of its key term through q · a^K
+            extra = pair.end_block(state, qb)
+            if extra is not None:
+                dq[:, :, q0:q1] += extra
 
 
-def _term_grads(plan, tensors, need, tile, g_dist, dc, fire_grads, d_akey, d_avalue) -> list:
-    """The gradients of the term tensors, in ``plan.names`` order."""
+def _term_grads(plan, tensors, need, tile, g_dist, dc, by_name: dict) -> list:
+    """The gradients of the term tensors, in ``plan.names`` order: a Toeplitz term's from its per-distance dS
+    (``g_dist``) and a −s · |δ| term's from its key channel's (``dc``) by autograd through the registry entry, a
+    gate's ``dc`` itself, a pair term's by name (``by_name``, from its tiles)."""
     grads: list = [None] * len(tensors)
     if plan.form == "toeplitz" and g_dist is not None:
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(bool(w)) for t, w in zip(tensors, need)]
             values = distance_values(plan.term(tuple(leaves)), tile.delta)
-            wanted = [x for x, w in zip(leaves, need) if w]
-            got = torch.autograd.grad(values, wanted, g_dist.flip(-1).to(values.dtype), allow_unused=True)
-        it = iter(got)
-        for i, w in enumerate(need):
-            if w:
-                grads[i] = next(it)
+            grads = _autograd(values, g_dist.flip(-1).to(values.dtype), leaves, need)
     elif plan.form == "gate" and dc is not None:
         grads[0] = dc
-    elif plan.kind == "alibi" and dc is not None:  # c[j] = −slope · j (the key channel)
+    elif plan.spec.slope is not None and dc is not None:  # c[j] = −s · j (the key channel): ds = −Σ_j dc_j · j
         j = torch.arange(dc.shape[-1], device=dc.device, dtype=dc.dtype)
-        grads[plan.names.index("slopes")] = -(dc * j).sum((0, 2))
-    elif plan.kind == "fire":
-        grads = [fire_grads.get(name) for name in plan.names]
-    elif plan.kind == "shaw":
-        grads[plan.names.index("key_table")] = d_akey
-        grads[plan.names.index("value_table")] = d_avalue
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(bool(w)) for t, w in zip(tensors, need)]
+            slopes = plan.spec.slope(dict(zip(plan.names, leaves)))
+            grads = _autograd(slopes, -(dc * j).sum((0, 2)).to(slopes.dtype), leaves, need)
+    elif plan.form == "pair":
+        grads = [by_name.get(name) for name in plan.names]
     return [None if g is None else g.to(t.dtype) for g, t in zip(grads, tensors)]
+
+
+def _autograd(output: torch.Tensor, grad: torch.Tensor, leaves: list, need) -> list:
+    """The gradient of each leaf that needs one (None for the others) of ``output`` with incoming ``grad``."""
+    wanted = [x for x, w in zip(leaves, need) if w]
+    got = iter(torch.autograd.grad(output, wanted, grad, allow_unused=True))
+    return [next(got) if w else None for w in need]

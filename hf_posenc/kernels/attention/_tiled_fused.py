@@ -66,14 +66,15 @@ def _subnormal_free(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor, lse: t
 
 def _flash_available(plan: _Plan, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the tiles can go through torch's fused CPU attention kernel (additive float mask per tile):
-    CPU float32 compute; Shaw (whose value term needs the probabilities) only when causal (``_ShawBand``)."""
+    CPU float32 compute; a pair term where its tiles say so (Shaw, whose value term needs the probabilities: only
+    when causal, ``_ShawBand``)."""
     return (fused_applies(plan, device, dtype) and plan.fused is not False)
 
 
 def fused_applies(plan: _Plan, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether torch's fused CPU kernel can run this call at all (the autotuner chooses between it and the
     online passes only where it can)."""
-    return (device.type == "cpu" and dtype == torch.float32 and (plan.kind != "shaw" or plan.causal)
+    return (device.type == "cpu" and dtype == torch.float32 and (plan.form != "pair" or plan.spec.tiles.fused(plan))
             and _flash_fwd is not None and _flash_bwd is not None)
 
 
@@ -246,15 +247,17 @@ def _with_zero(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(*x.shape[:-1], 1)], dim=-1)
 
 
-def _alibi_channel(plan: _Plan, valid: torch.Tensor | None) -> bool:
-    """Whether ALiBi runs as a key channel (`_Tile.key_channel`): causal with an int offset, where its
-    bias −slope (qi − j) is FoX's c[qi] − c[j] with c[j] = −slope · j (a constant log forget gate), and with padding
-    or a window (the blocks do not split at their diagonal). Measured at L = 2048, H = 8, D = 32 (AMD EPYC, 2
+def _slope_channel(plan: _Plan, valid: torch.Tensor | None) -> bool:
+    """Whether a −s[h] · |δ| term (its registry entry's ``slope``: ALiBi) runs as a key channel
+    (`_Tile.key_channel`): causal with an int offset, where its bias −s (qi − j) is FoX's c[qi] − c[j] with
+    c[j] = −s · j (a constant log forget gate), and with padding or a window (the blocks do not split at their
+    diagonal). Measured at L = 2048, H = 8, D = 32 (AMD EPYC, 2
     threads, forward + backward against SDPA's): unsplit (B = 2, left padding, L = 1024) the channel took 124 ms
     against 185 ms for the per-block float mask with ``_subnormal_free`` (SDPA with a bool mask: 96-110 ms); split,
     ALiBi's far keys as a strided view of its Toeplitz values took 133 ms against the channel's 145 ms (SDPA
     108 ms): the kernel is about 17 % slower at head_dim 33 than 32, and reading a view costs it less."""
-    return plan.kind == "alibi" and plan.causal and plan.q_offset is not None and not _splits_at_diagonal(plan, valid)
+    return (plan.spec.slope is not None and plan.causal and plan.q_offset is not None
+            and not _splits_at_diagonal(plan, valid))
 
 
 def _splits_at_diagonal(plan: _Plan, valid: torch.Tensor | None) -> bool:
@@ -463,13 +466,13 @@ def _channel_fused_backward(plan: _Plan, tile: "_Tile", q, k, v, out, lse, do, v
 
 
 def fused_forward(plan: _Plan, tile: _Tile, q, k, v, valid, q_off, b, h, d, out, lse) -> None:
-    """Fill ``out`` (B, H, Lq, D) and ``lse`` (B, H, Lq) block by block through torch's fused CPU kernel: Shaw's
-    band (``_ShawBand``), a gate's (and causal ALiBi's) key channel with the lse in the block's frame
-    (``_Tile.key_channel``), or the term's float masks, split at the diagonal where the blocks allow
+    """Fill ``out`` (B, H, Lq, D) and ``lse`` (B, H, Lq) block by block through torch's fused CPU kernel: a pair
+    term's own path (Shaw's band, ``_ShawBand``), a gate's (and causal ALiBi's) key channel with the lse in the
+    block's frame (``_Tile.key_channel``), or the term's float masks, split at the diagonal where the blocks allow
     (``_block_parts``). q (B, H, Lq, D) already scaled; k, v (B, Hkv, Lk, D)."""
     q_len, k_len = q.shape[2], k.shape[2]
-    if plan.kind == "shaw":  # the value term from the band (see _ShawBand)
-        _shaw_fused_forward(plan, tile, q, _expand_heads(k, h), _expand_heads(v, h), valid, q_off, b, h, d, out, lse)
+    if tile.pair is not None and tile.pair.fused_forward is not None:  # the pair term's own path (shaw: _ShawBand)
+        tile.pair.fused_forward(plan, tile, q, k, v, valid, q_off, b, h, d, out, lse)
         return
     channel = uses_key_channel(plan, valid)
     kx, vx = _expand_heads(k, h), _expand_heads(v, h)
@@ -499,8 +502,8 @@ def fused_forward(plan: _Plan, tile: _Tile, q, k, v, valid, q_off, b, h, d, out,
 
 def uses_key_channel(plan: _Plan, valid: torch.Tensor | None) -> bool:
     """Whether the term rides in one more key channel on the fused path: a gate (FoX), or causal ALiBi with padding
-    or a window (`_alibi_channel`)."""
-    return plan.form == "gate" or _alibi_channel(plan, valid)
+    or a window (`_slope_channel`)."""
+    return plan.form == "gate" or _slope_channel(plan, valid)
 
 
 def fused_backward_plain(plan: _Plan, tile: _Tile, q, k, v, out, lse, do, valid, q_off, b, h, hkv, d,

@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .terms import KernelTerm, fire_cell, fire_psi, term_spec
-
-#: the pair-form terms with a tile path here (FIRE's table cells, Shaw's buckets); Toeplitz and gate terms need
-#: none of their own (their values come from the term registry).
-PAIR_TILES = ("fire", "shaw")
+from .term_spec import KernelTerm, term_spec
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -25,89 +21,71 @@ def distance_values(term: KernelTerm, delta: torch.Tensor) -> torch.Tensor:
     if spec.form != "toeplitz":
         raise ValueError(f"{term.kind!r} is not a Toeplitz term")
     heads = torch.arange(term.num_heads, device=delta.device)[:, None]
-    return spec.distance(term.tensors, heads, delta[None])
+    return spec.distance_values(term.tensors, heads, delta[None])
 
 
-class _FireTiles:
-    """FIRE's term tile by tile, by hand in both directions (autograd's gather backward, an index_put with
-    accumulation, took 30 % of a training step). b_hij = table_h(u_ij) interpolated linearly,
-    u_ij = ψ(δ_ij) · inv_norm_i · (N − 1) / x_max, ψ(δ) = log(1 + c δ), δ = max(qi − j, 0); u is the same for every
-    head, so the cells and weights are computed once per tile.
+class PairTiles:
+    """A pair term's tiles on the tile engine (its ``terms.TermSpec``'s ``tiles``, a subclass of this one),
+    built once per call and direction (forward, backward) from the call's plan, the term's tensors by name and the
+    compute dtype. What the engine asks of it, in order: ``block`` once per query block, ``bias`` per tile
+    (and ``add_values`` on the online forward); in backward ``start_backward``, then per query block
+    ``backward_block``, per tile ``grad_dp`` and ``grad_tile``, per block ``end_block``, and at the
+    end ``grads``. The defaults describe a term with no value term and no gradient reduction of its own."""
 
-    Forward: each head's value and slope at a pair's cell come from one gather of a (2H, N) table (a complex
-    (H, N) table of value + i slope gathers half as many elements, but the interpolation then reads strided
-    halves: no faster, measured). Backward: the table's gradient is a scatter of dS and dS · w over the cells;
-    consecutive keys of a row share their cell, so the scatter's adds to one address chain one after another: the
-    keys are dealt to ``SPLIT`` copies of the table (key p to copy p mod SPLIT), summed after (the scatter took
-    1.0 ms -> 0.4-0.9 ms on a (8, 256, 512) tile, measured). c's and inv_norm's gradients come through
-    du = Σ_h dS_h · slope_h."""
+    #: whether ``bias`` returns a new tensor of the tile's full shape (B, H, n, m): the logits are then added
+    #: into it in place.
+    fresh = False
+    #: a fused-CPU path of its own (``_tiled_fused``): ``fused_forward(plan, tile, q, k, v, valid, q_off, b, h,
+    #: d, out, lse)`` and ``fused_backward(plan, tile, q, k, v, out, lse, do, valid, q_off, b, h, hkv, d)`` -> (dq,
+    #: dk, dv, {name: gradient}); None: the engine's float-mask path (a fresh bias per block).
+    fused_forward = None
+    fused_backward = None
 
-    #: copies of the table the backward's scatter deals consecutive keys to (see the class docstring).
-    SPLIT = 4
+    def __init__(self, plan: "_Plan", tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        self.plan, self.dtype = plan, dtype
 
-    def __init__(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-        table = t["table"].detach().to(dtype)
-        self.heads, self.n = table.shape
-        slope = torch.cat([table.diff(dim=1), table.new_zeros(self.heads, 1)], dim=1)
-        self.values = torch.cat([table, slope], dim=0)  # (2H, N): f at cell k, f[k + 1] − f[k]
-        self.c = t["c"].detach().to(dtype)
-        self.inv_norm = t["inv_norm"].detach().to(dtype)  # (B|1, Lq)
-        self.scale = (self.n - 1) / t["x_max"].detach().to(dtype)
-        self.last = None  # the parts of the last tile built, for its gradient (kept when ``keep``: the backward)
-        self.keep = False
-        self._lanes = torch.empty(0, dtype=torch.long, device=table.device)
+    @classmethod
+    def fused(cls, plan: "_Plan") -> bool:
+        """Whether the fused-CPU path takes this call (the autotuner then chooses between it and the online passes)."""
+        return True
 
-    def bias(self, qi: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
-        """(B|1, H, n, m) for queries at key indices ``qi`` (rows q0:q1 of inv_norm) and keys k0 .. k1 − 1."""
-        delta = (qi[:, None] - torch.arange(k0, k1, device=qi.device)[None, :]).clamp_(min=0).to(self.c.dtype)
-        psi = fire_psi(self.c, delta)  # (n, m)
-        raw = psi[None] * (self.inv_norm[:, q0:q1, None] * self.scale)  # (B|1, n, m)
-        cell, w = fire_cell(raw, self.n, inplace=True)  # w: the weight of cell + 1
-        idx = cell.long().reshape(-1)
-        # gather along a broadcast index: 4x faster than index_select on dim 1 here (measured, 2 threads)
-        got = self.values.gather(1, idx[None].expand(2 * self.heads, -1)).view(2, self.heads, *raw.shape)
-        out = torch.addcmul(got[0], got[1], w[None]).movedim(1, 0)  # (B|1, H, n, m)
-        if self.keep:  # for grads(); else freed now (held, a block's 50 MB made every next tile fault in fresh pages)
-            self.last = (delta, psi, raw, w, idx, got[1])
-        return out
+    def spread(self) -> float | None:
+        """The largest gap between two of the term's values within a head (an upper bound), or None where it is not
+        cheap to know."""
+        return None
 
-    def _dealt(self, idx: torch.Tensor) -> torch.Tensor:
-        """The cells ``idx`` (P,) moved to copy p mod SPLIT of a (SPLIT · N) table."""
-        p = idx.numel()
-        if self._lanes.numel() < p:
-            self._lanes = torch.arange(p, device=idx.device) % self.SPLIT * self.n
-        return idx + self._lanes[:p]
+    def block(self, qb: torch.Tensor) -> torch.Tensor | None:
+        """A query block's context for ``bias`` (shaw: scale · q · a^K), from its scaled queries qb (B, H, n, D)."""
+        return None
 
-    def grads(self, ds: torch.Tensor, q0: int, q1: int, need: dict[str, bool], acc: dict[str, torch.Tensor]) -> None:
-        """Add the gradients of the last tile (dS ``ds`` (B, H, n, m)) to ``acc``: the table's by a scatter over
-        the cells, c's and inv_norm's through du = Σ_h dS_h · slope_h(cell)."""
-        delta, psi, raw, w, idx, slope = self.last
-        nb = raw.shape[0]
-        dsh = ds.movedim(1, 0)  # (H, B, n, m)
-        if nb != dsh.shape[1]:  # one inv_norm row for every batch: the cells are shared, sum dS over the batch
-            dsh = dsh.sum(1, keepdim=True)
-        if need["table"]:
-            flat = dsh.reshape(self.heads, -1)
-            cells = self._dealt(idx)[None].expand(self.heads, -1)
-            copies = self.values.new_zeros(self.heads, self.SPLIT * self.n)
-            whole = copies.scatter_add(1, cells, flat).view(self.heads, self.SPLIT, self.n).sum(1)  # Σ dS per cell
-            upper = copies.scatter_add_(1, cells, flat * w.reshape(1, -1)).view(self.heads, self.SPLIT, self.n).sum(1)
-            grad = whole - upper  # dS (1 − w) at the cell
-            grad[:, 1:] += upper[:, :-1]  # dS w at the cell above
-            acc["table"] = grad if "table" not in acc else acc["table"].add_(grad)
-        if need["c"] or need["inv_norm"]:
-            inside = (raw >= 0) & (raw <= self.n - 1)  # clamp passes no gradient outside [0, N − 1]
-            du = (dsh * slope).sum(0).masked_fill_(~inside, 0.0)  # (B|1, n, m)
-            if need["inv_norm"]:
-                d_inv = self.scale * (du * psi[None]).sum(-1)  # (B|1, n)
-                if "inv_norm" not in acc:
-                    acc["inv_norm"] = torch.zeros_like(self.inv_norm)
-                acc["inv_norm"][:, q0:q1] += d_inv
-            if need["c"]:
-                dpsi = du * (self.inv_norm[:, q0:q1, None] * self.scale)
-                dc = (dpsi * (delta / (1 + self.c * delta))[None]).sum()
-                acc["c"] = dc if "c" not in acc else acc["c"] + dc
-        self.last = None  # freed before the next tile is built
+    def bias(self, qi: torch.Tensor, q0: int, q1: int, k0: int, k1: int, ctx: torch.Tensor | None) -> torch.Tensor:
+        """The term on the tile of the queries at key indices ``qi`` (rows q0 .. q1 − 1) and the keys k0 .. k1 − 1,
+        broadcastable to (B, H, n, m)."""
+        raise NotImplementedError
+
+    def add_values(self, acc: torch.Tensor, p: torch.Tensor, qi: torch.Tensor, k0: int, k1: int) -> None:
+        """The value term's share of a tile (probabilities ``p`` (B, H, n, m), unnormalised) added to ``acc``."""
+
+    def start_backward(self, need: dict[str, bool]) -> None:
+        """Before the backward passes: which of the term's tensors need a gradient."""
+
+    def backward_block(self, qb: torch.Tensor, dob: torch.Tensor, ctx: torch.Tensor | None) -> object:
+        """A query block's state for the backward (scaled queries qb, output gradient dob, ``block``'s ctx)."""
+        return None
+
+    def grad_dp(self, state: object, dp: torch.Tensor, p: torch.Tensor, qi: torch.Tensor, k0: int, k1: int) -> None:
+        """The value term's share of dP (B, H, n, m), added in place (and its tables' gradient from ``p``)."""
+
+    def grad_tile(self, state: object, ds: torch.Tensor, qi: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> None:
+        """A tile's dS (B, H, n, m) reduced into the term's gradients."""
+
+    def end_block(self, state: object, qb: torch.Tensor) -> torch.Tensor | None:
+        """After a query block: what its rows' dq (of the scaled queries) gains from the term, or None."""
+        return None
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """The term tensors' gradients, by name (absent: none)."""
+        return {}
 
 
 def _skew_buffer(like: torch.Tensor, m: int) -> torch.Tensor:
@@ -148,7 +126,8 @@ class _Plan:
         sink: int | None = None,
     ) -> None:
         self.kind, self.names, self.ints = kind, names, ints
-        self.form = term_spec(kind).form
+        self.spec = term_spec(kind)
+        self.form = self.spec.form
         self.scale, self.causal, self.q_offset = scale, causal, q_offset
         self.block_q, self.block_k = block_q, block_k
         self.window = window
@@ -261,27 +240,22 @@ class _Tile:
                 values = distance_values(plan.term(tensors), self.delta).to(dtype)
             self.rev = values.flip(-1).contiguous()  # rev[t] = F[N − 1 − t]
             self.squares: dict[int, torch.Tensor] = {}  # the diagonal square's term per size (see square)
+        #: a pair term's tiles (its registry entry's ``tiles``), else None
+        self.pair = plan.spec.tiles(plan, self.t, dtype) if self.form == "pair" else None
         if self.form == "gate":
             self.c = tensors[0].detach().to(dtype)  # a gate's per-token vector c (B, H, Lk)
-        elif self.kind == "alibi" and plan.causal and plan.q_offset is not None:  # for the key channel
-            # FoX's c with a constant log-gate −slope (see key_channel and _alibi_channel)
-            self.slopes = self.t["slopes"].detach().to(dtype)
+        elif plan.spec.slope is not None and plan.causal and plan.q_offset is not None:  # for the key channel
+            # −s[h] · |δ| (ALiBi's form) is FoX's c with a constant log-gate −s (see key_channel and _slope_channel)
+            self.slopes = plan.spec.slope(self.t).detach().to(dtype)
             self.c = -(self.slopes[:, None] * torch.arange(k_len, device=device, dtype=dtype))[None]  # (1, H, Lk)
-        elif self.kind == "fire":
-            self.fire = _FireTiles(self.t, dtype)
-        elif self.kind == "shaw":
-            self.kmax = plan.ints["max_relative_position"]
-            self.a_key = self.t["key_table"].detach().to(dtype)
-            self.a_value = self.t["value_table"].detach().to(dtype)
 
     def spread(self) -> float | None:
         """The largest gap between two of the term's values within a head (an upper bound), or None where it is
         not cheap to know (data-dependent terms)."""
         if self.form == "toeplitz":
             return float((self.rev.amax(-1) - self.rev.amin(-1)).max()) if self.rev.numel() else 0.0
-        if self.kind == "fire":  # interpolated values lie between the table's
-            values = self.fire.values[: self.fire.heads]
-            return float((values.amax(-1) - values.amin(-1)).max())
+        if self.pair is not None:
+            return self.pair.spread()
         if self.form == "none":
             return 0.0
         return None
@@ -300,8 +274,9 @@ class _Tile:
         return None if sq is None else sq.expand(b, h, n, n)
 
     def key_channel(self, qi: torch.Tensor, k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """FoX's (and causal ALiBi's) term as one more key channel, for the queries at key indices ``qi``:
-        (c[r] − c[j] for the keys k0 .. k1 − 1 (B|1, H, m), c[r] (B|1, H, 1)), r the block's middle query.
+        """FoX's (and a causal −s[h] · |δ| term's, ALiBi's) term as one more key channel, for the queries at key
+        indices ``qi``: (c[r] − c[j] for the keys k0 .. k1 − 1 (B|1, H, m), c[r] (B|1, H, 1)), r the block's middle
+        query.
 
         The bias c[qi] − c[j] is the row constant c[qi] − c[r] (which a softmax row ignores) plus c[r] − c[j]:
         small near the diagonal, where the weight is (at most half a block of log-gates, which float32 rounds to
@@ -326,16 +301,9 @@ class _Tile:
             else:
                 cq = self.c[..., self.q_off + q0 : self.q_off + q1]
             return cq[..., :, None] - self.c[..., None, k0:k1]
-        if self.kind == "fire":
-            return self.fire.bias(qi, q0, q1, k0, k1)
-        if self.kind == "shaw":
-            return ctx_q.gather(-1, self._shaw_index(qi, k0, k1, ctx_q.shape[:2]))  # scale · q · a^K
+        if self.pair is not None:
+            return self.pair.bias(qi, q0, q1, k0, k1, ctx_q)
         return None
-
-    def _shaw_index(self, qi: torch.Tensor, k0: int, k1: int, bh: torch.Size) -> torch.Tensor:
-        rel = torch.arange(k0, k1, device=self.device)[None, :] - qi[:, None]
-        idx = rel.clamp(-self.kmax, self.kmax) + self.kmax
-        return idx.expand(*bh, *idx.shape)
 
 
 def _prepare(query, key, value, plan: _Plan, tensors):
@@ -413,9 +381,3 @@ def _logits(qg: torch.Tensor, kb: torch.Tensor, bias: torch.Tensor | None, h: in
     if bias is None:
         return s
     return s + bias if s.shape != torch.broadcast_shapes(s.shape, bias.shape) else s.add_(bias)
-
-
-def _shaw_buckets(tile: _Tile, p: torch.Tensor, qi: torch.Tensor, k0: int, k1: int) -> torch.Tensor:
-    """Σ_j P_ij over the keys of each relative bucket: (B, H, n, 2K + 1)."""
-    idx = tile._shaw_index(qi, k0, k1, p.shape[:2])
-    return p.new_zeros(*p.shape[:3], 2 * tile.kmax + 1).scatter_add_(-1, idx, p)

@@ -1,6 +1,6 @@
 """The position terms as FlexAttention ``score_mod`` functions (``torch.nn.attention.flex_attention``).
 
-Same contract as ``naive.attention_reference`` for every kind in `FLEX_KINDS` (shaw's value
+Same contract as ``naive.attention_reference`` for every kind of `flex_kinds` (shaw's value
 term has no score_mod form). Masks (causal with the query offset, a sliding window and its attention sinks,
 per-batch key validity) become a block mask (FlexAttention skips the blocks it marks empty: those outside the
 window and its sinks), built once per forward when the caller passes a ``memo`` dict. On CUDA the call goes through
@@ -17,7 +17,7 @@ import torch
 
 from .naive import check_window
 from .._masks import check_sink
-from .terms import FLEX_KINDS, KernelTerm, enter
+from .terms import KernelTerm, at_least_float32, enter, flex_kinds
 
 __all__ = ["flex_attention_term", "score_mod_for"]
 
@@ -34,13 +34,16 @@ def score_mod_for(term: KernelTerm, q_offset: int):
     registry entry's value (`value`) on FlexAttention's indices."""
     spec = term.spec
     if not spec.flex:
-        raise ValueError(f"the {term.kind} term has no FlexAttention form; allowed: {', '.join(FLEX_KINDS)}")
+        raise ValueError(f"the {term.kind} term has no FlexAttention form; allowed: {', '.join(flex_kinds())}")
     if spec.form == "none":
         return None
-    t, ints = dict(term.tensors), dict(term.ints)
+    t, ints = {name: at_least_float32(x) for name, x in term.tensors.items()}, dict(term.ints)
+    value = spec.distance if spec.form == "toeplitz" else None
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        return score + spec.value(t, ints, b, h, q_idx, q_idx + q_offset, kv_idx)
+        if value is not None:
+            return score + value(t, h, q_idx + q_offset - kv_idx)
+        return score + spec.pair(t, ints, b, h, q_idx, q_idx + q_offset, kv_idx)
 
     return score_mod
 

@@ -16,7 +16,7 @@ import torch
 
 from ...ops import expand_kv
 from .._masks import band_allowed, check_sink, check_window
-from .terms import KernelTerm, enter
+from .terms import KernelTerm, at_least_float32, enter
 
 __all__ = ["attention_reference", "band_allowed", "check_window", "term_bias"]
 
@@ -39,7 +39,7 @@ def term_bias(
     spec = term.spec
     if spec.form == "none":
         return None
-    t = dict(term.tensors)
+    t = {name: at_least_float32(x) for name, x in term.tensors.items()}
     if spec.prepare is not None:
         t.update(spec.prepare(term, query))
     device = next(iter(t.values())).device

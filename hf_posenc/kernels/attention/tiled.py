@@ -56,7 +56,8 @@ full bias:
   1, values a 0); the kernel's gradient of that channel is −dc_j, and Σ_j dS_ij = 0 (a row's dS sums to 0).
   Split at the diagonal, FoX needs no float mask at all. Causal ALiBi with padding or a window (int offset) is
   the same term with c[j] = −slope · j (a constant log forget gate; its channel is slope · (j − ref)), its slopes'
-  gradient −Σ_j j dc_j (``_alibi_channel`` says why only there). Measured (AMD EPYC, 2 threads, the L = 2048
+  gradient −Σ_j j dc_j (``_slope_channel`` says why only there; any term whose registry entry states its −s[h] · |δ|
+  form, ``slope``, rides the same way). Measured (AMD EPYC, 2 threads, the L = 2048
   training step of ``benchmarks/bench_train_cpu.py``): FoX 0.89-1.00x SDPA (its last figure before, measured on
   an Intel Xeon: 1.43x), ALiBi (split, the view) 1.46x -> 1.08-1.15x.
 
@@ -68,14 +69,16 @@ scaled back). This is a GPU's flush-to-zero, stated exactly; see ``_subnormal_fr
 split at their diagonal with no term gradient (ALiBi, sandwich) run the fused backward on the forward's parts
 with no flush (measured: on an AMD EPYC the kernel took no longer for a steep ALiBi head than for a mild one;
 see the backward's comment).
-* ``fire``: each tile's bias is rebuilt from the table, c and inv_norm (one gather of values and slopes for
-  every head at the tile's shared cells); the table's gradient is a scatter of dS over the cells, c's and
-  inv_norm's come through du = Σ_h dS_h · slope_h (``_FireTiles``; the tile, never the full matrix).
-* ``shaw``: the key term gathers q · a^K (B, H, n, 2K + 1) at each pair's relative bucket; its gradient
-  and the value term's bucket sums of P are scatter-added per tile into (B, H, n, 2K + 1). Causal on the CPU
-  in float32, Shaw runs the fused kernel both ways instead: the keys K or more back share one bucket, whose
-  q · a^K is a row constant, so only a band of K keys per row carries a mask term, and the value term and the
-  corrections to the kernel's gradients come from that band's probabilities (``_ShawBand``).
+* pair terms: their tiles (the registry entry's ``tiles``, a ``_tiles.PairTiles``). ``fire``: each tile's bias is
+  rebuilt from the table, c and inv_norm (one gather of values and slopes for every head at the tile's shared
+  cells); the table's gradient is a scatter of dS over the cells, c's and inv_norm's come through
+  du = Σ_h dS_h · slope_h (``terms/fire.py``'s ``FireTiles``; the tile, never the full matrix).
+* ``shaw`` (``terms/shaw.py``'s ``ShawTiles``): the key term gathers q · a^K (B, H, n, 2K + 1) at each pair's
+  relative bucket; its gradient and the value term's bucket sums of P are scatter-added per tile into
+  (B, H, n, 2K + 1). Causal on the CPU in float32, Shaw runs the fused kernel both ways instead: the keys K or
+  more back share one bucket, whose q · a^K is a row constant, so only a band of K keys per row carries a mask
+  term, and the value term and the corrections to the kernel's gradients come from that band's probabilities
+  (``_ShawBand``).
 
 GQA: on the online-softmax path key/value heads are never expanded (the G query heads of a group are
 stacked into one product); the fused-kernel path expands them (O(L · D) per head).
@@ -96,12 +99,20 @@ from torch.nn import functional as F
 from .. import autotune
 from ._tiled_fused import fused_applies
 from ._tiled_function import TiledAttentionFunction
-from ._tiles import PAIR_TILES, _Plan
+from ._tiles import _Plan
 from .._masks import band_allowed, check_sink
 from .naive import check_window, term_bias
-from .terms import TILED_KINDS, KernelTerm, enter
+from . import terms as _terms
+from .terms import KernelTerm, enter
 
 __all__ = ["TILED_KINDS", "TiledAttentionFunction", "tiled_attention", "tiled_unsupported"]
+
+
+def __getattr__(name: str):
+    """``TILED_KINDS``: the kinds the engine runs, read from the term registry now."""
+    if name == "TILED_KINDS":
+        return _terms.tiled_kinds()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 #: default query rows per block, and keys per tile of the online-softmax passes (512: the tile of 8 heads x 256
 #: rows stays in the CPU caches; kerple's training step at L = 2048 ran 1.9x SDPA's against 2.5x with 4096 keys).
@@ -113,8 +124,9 @@ def tiled_unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """None when `tiled_attention` takes these inputs, else the reason (a sentence)."""
     key = term.key if term.key is not None else key
     value = term.value if term.value is not None else value
-    if term.kind not in TILED_KINDS or (term.spec.form == "pair" and term.kind not in PAIR_TILES):
-        return f"the tile-wise attention has no {term.kind!r} term (a pair term needs its tile path in _tiles.py)"
+    if not term.spec.tiled:
+        return (f"the tile-wise attention has no {term.kind!r} term (a pair term needs its tiles: TermSpec.tiles, a "
+                "_tiles.PairTiles)")
     if not all(t.is_floating_point() for t in (query, key, value)):
         return "q, k and v must be floating point"
     if len({query.device, key.device, value.device}) > 1:

@@ -2,7 +2,10 @@
 a position term chosen at compile time, beside the PyTorch reference in ``naive.py``.
 
 Layout in the style of Liger-Kernel: the kernels, their launchers, the ``torch.autograd.Function`` and a
-thin wrapper (``fused_attention``). The terms and their tensors are described in ``terms.py``.
+thin wrapper (``fused_attention``). The terms and their tensors are described in ``terms/``: what the host code
+passes per term (its tensors, compile-time sizes, gradient reductions) comes from the term's registry entry
+(``TermSpec.kernel``, a ``TritonHooks``, in the term's own module); only the kernels' compile-time ``TERM``
+branches name terms.
 
 Math (per batch b, query head h, key/value head g = h // G, G = H / Hkv; query i is key qi = q_offset + i)::
 
@@ -69,7 +72,7 @@ import triton.language as tl
 from .._errors import guarded
 from .._masks import check_sink
 from .naive import check_window
-from .terms import KERNEL_KINDS, KernelTerm, enter, triton_id
+from .terms import TRITON_BRANCHES, KernelTerm, TritonHooks, enter, kernel_kinds, triton_id
 
 __all__ = ["FusedAttentionFunction", "fused_attention", "interpreting", "stdlib_matches_mode"]
 
@@ -80,7 +83,7 @@ __all__ = ["FusedAttentionFunction", "fused_attention", "interpreting", "stdlib_
 # needs no register spills (shaw's dQ at D = 128: 16 bytes of stack), by benchmarks/attention_resources.py
 # (compiles without a GPU). A module attribute, so that benchmarks can sweep it on a GPU. Float32 inputs use
 # LAUNCH_FLOAT32 below: their dK/dV kernel still spills (3xTF32 products): a correctness path, not a fast one.
-_LIGHT = ("none", "alibi", "kerple_log", "kerple_pow", "fox")
+# The row of each term is its ``TritonHooks.group``.
 LAUNCH = {
     "fwd": {"light": {"wide": (128, 64, 8), "narrow": (128, 64, 8)},
             "t5": {"wide": (128, 64, 8), "narrow": (128, 64, 8)},
@@ -106,7 +109,7 @@ NUM_STAGES = 2
 INTERPRETER_BLOCK = 64
 
 _LOG2E = tl.constexpr(1.4426950408889634)
-# compile-time term ids: one branch per entry of terms.KERNEL_KINDS, its id from the registry (terms.triton_id)
+# compile-time term ids: one branch per entry of terms.TRITON_BRANCHES, its id from the registry (terms.triton_id)
 _NONE = tl.constexpr(triton_id("none"))
 _ALIBI = tl.constexpr(triton_id("alibi"))
 _KERPLE_LOG = tl.constexpr(triton_id("kerple_log"))
@@ -116,14 +119,13 @@ _T5 = tl.constexpr(triton_id("t5"))
 _FIRE = tl.constexpr(triton_id("fire"))
 _SHAW = tl.constexpr(triton_id("shaw"))
 _FOX = tl.constexpr(triton_id("fox"))
-#: the branches below, in id order; a term registered with its own branch needs one here (and in _term_bias).
+#: the branches below, in id order; a built-in term with a branch of its own needs one here (and in _term_bias).
 _BRANCHES = ("none", "alibi", "kerple_log", "kerple_pow", "sandwich", "t5", "fire", "shaw", "fox")
-assert _BRANCHES == KERNEL_KINDS, f"the Triton branches {_BRANCHES} do not match terms.KERNEL_KINDS {KERNEL_KINDS}"
+assert _BRANCHES == TRITON_BRANCHES == kernel_kinds(), (
+    f"the Triton branches {_BRANCHES} do not match terms.TRITON_BRANCHES {TRITON_BRANCHES} and the registered "
+    f"kinds with a branch of their own {kernel_kinds()}")
 assert [c.value for c in (_NONE, _ALIBI, _KERPLE_LOG, _KERPLE_POW, _SANDWICH, _T5, _FIRE, _SHAW, _FOX)] == list(
     range(len(_BRANCHES)))
-_TERM_ID = {kind: i for i, kind in enumerate(KERNEL_KINDS)}
-#: per-row gradient planes the dQ kernel writes, per term.
-_ROWG_PLANES = {"kerple_log": 2, "kerple_pow": 2, "fire": 2, "fox": 1}
 
 
 # -- device helpers (inlined) ---------------------------------------------------------------------------
@@ -168,7 +170,7 @@ def _term_bias(
     TERM: tl.constexpr, delta, offs_m, offs_n, qpos, ok, b, h, H, Lq, Lk, scale,
     TP0, TP1, TP2, TP3, tp_sb, TI0, TI1,
 ):
-    """The (BLOCK_M, BLOCK_N) float32 position term B_h(i, j) (see terms.py); delta = qi − j."""
+    """The (BLOCK_M, BLOCK_N) float32 position term B_h(i, j) (see terms/); delta = qi − j."""
     if TERM == _ALIBI:
         bias = -tl.load(TP0 + h) * tl.abs(delta).to(tl.float32)
     elif TERM == _KERPLE_LOG:
@@ -595,18 +597,20 @@ def stdlib_matches_mode() -> bool:
 
 
 class _Launch:
-    """The static description of one call: term id, constants, tile sizes, strides of the term tensors."""
+    """The static description of one call: term id, constants, tile sizes, strides of the term tensors; what differs
+    per term comes from its registry entry's ``TritonHooks`` (``self.hooks``)."""
 
     def __init__(self, term: KernelTerm, q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool,
                  q_offset: int | torch.Tensor, has_valid: bool, window: int | None = None,
                  sink: int | None = None) -> None:
         self.kind = term.kind
+        self.hooks: TritonHooks = term.spec.kernel
         # a runtime int (one compilation for every window size) and a compile-time switch (no band code without)
         self.window = 0 if window is None else int(window)
         self.has_window = window is not None
         self.sink = 0 if sink is None else int(sink)  # the same for the sinks
         self.has_sink = sink is not None
-        self.term_id = _TERM_ID[term.kind]
+        self.term_id = triton_id(term.kind)
         self.scale = float(scale)
         self.causal = bool(causal)
         # (1,) int32 on the device, loaded by the kernels: a tensor offset (a StaticCache's) is never read here
@@ -619,7 +623,7 @@ class _Launch:
         self.block_d = max(16, triton.next_power_of_2(d))
         interp = interpreting()
         self.f32 = 1 if interp else (2 if q.dtype == torch.float32 else 0)
-        group = "light" if term.kind in _LIGHT else ("t5" if term.kind in ("t5", "sandwich") else term.kind)
+        group = self.hooks.group
         width = "wide" if self.block_d > 64 else "narrow"
         fit_q = lambda s: max(16, min(s, triton.next_power_of_2(lq)))  # noqa: E731
         fit_k = lambda s: max(16, min(s, triton.next_power_of_2(self.lk)))  # noqa: E731
@@ -634,20 +638,11 @@ class _Launch:
             cfg[kernel] = (fit_q(bm), fit_k(bn), warps)
         (self.fwd_m, self.fwd_n, self.fwd_warps), (self.dkdv_m, self.dkdv_n, self.dkdv_warps), (
             self.dq_m, self.dq_n, self.dq_warps) = cfg["fwd"], cfg["dkdv"], cfg["dq"]
-        self.ti0, self.ti1, self.rp, self.nhp, self.tp_sb = 0, 0, 16, 16, 0
-        t = term.tensors
-        if self.kind == "sandwich":
-            self.ti0 = t["table"].shape[1]
-        elif self.kind == "t5":
-            self.ti0 = (t["buckets"].shape[0] - 1) // 2
-            self.ti1 = t["table"].shape[0]
-            self.nhp = max(16, triton.next_power_of_2(self.ti1))
-        elif self.kind == "fire":
-            self.ti0 = t["table"].shape[1]
-            self.nhp = max(16, triton.next_power_of_2(self.ti0))
-        elif self.kind == "shaw":
-            self.ti0 = term.ints["max_relative_position"]
-            self.rp = max(16, triton.next_power_of_2(2 * self.ti0 + 1))
+        sizes = {"ti0": 0, "ti1": 0, "rp": 16, "nhp": 16}
+        if self.hooks.sizes is not None:
+            sizes.update(self.hooks.sizes(term))
+        self.ti0, self.ti1, self.rp, self.nhp = sizes["ti0"], sizes["ti1"], sizes["rp"], sizes["nhp"]
+        self.tp_sb = 0
 
     def shapes(self) -> dict:
         """What a KernelError names: the term and the shapes of q and k/v."""
@@ -660,28 +655,12 @@ class _Launch:
 
 
 def _kernel_tensors(term: KernelTerm, q: torch.Tensor) -> list[torch.Tensor]:
-    """The term's tensors as the kernel reads them (float32 contiguous; see the kernel's TP0..TP3), in the
-    order of ``FusedAttentionFunction``'s trailing inputs."""
-    t = term.tensors
-    f = lambda x: x.float().contiguous()  # noqa: E731
-    if term.kind == "alibi":
-        return [f(t["slopes"])]
-    if term.kind in ("kerple_log", "kerple_pow"):
-        return [f(t["r1"]), f(t["r2"])]
-    if term.kind == "sandwich":
-        return [f(t["table"])]
-    if term.kind == "t5":
-        return [f(t["table"].transpose(0, 1)), t["buckets"].to(torch.int32).contiguous()]
-    if term.kind == "fire":
-        n = t["table"].shape[1]
-        x_scale = ((n - 1) / t["x_max"].detach().float()).reshape(1)
-        return [f(t["table"]), f(t["inv_norm"]), f(t["c"]).reshape(1), x_scale]
-    if term.kind == "shaw":
-        qa = q.float() @ t["key_table"].float().T  # (B, H, Lq, 2K + 1): q · a^K, gathered in the kernel
-        return [qa.contiguous()]
-    if term.kind == "fox":
-        return [f(t["c"])]
-    return []
+    """The term's tensors as the kernel reads them (see the kernel's TP0..TP3; its registry entry's
+    ``TritonHooks.tensors``), in the order of ``FusedAttentionFunction``'s trailing inputs."""
+    tensors = term.spec.kernel.tensors(term, q)
+    if len(tensors) > 4:
+        raise ValueError(f"the {term.kind} term hands the kernel {len(tensors)} tensors; it reads at most 4 (TP0..TP3)")
+    return tensors
 
 
 def _pointers(tensors: list[torch.Tensor], dummy: torch.Tensor) -> list[torch.Tensor]:
@@ -699,16 +678,13 @@ class FusedAttentionFunction(torch.autograd.Function):
         o_store = torch.empty((L.b, L.lq, L.h, L.d), dtype=q.dtype, device=dev)  # returned as (B, H, Lq, D)
         o = o_store.transpose(1, 2)
         lse = torch.empty((L.b, L.h, L.lq), dtype=torch.float32, device=dev)
-        r = 2 * L.ti0 + 1 if L.kind == "shaw" else 0
+        r = 2 * L.ti0 + 1 if L.hooks.values is not None else 0  # the value term's per-row histogram W
         w = torch.empty((L.b, L.h, L.lq, r), dtype=torch.float32, device=dev)
         dummy = lse
         tp = _pointers(tensors, dummy)
         valid_t = valid if valid is not None else dummy
         svalb = (valid.stride(0) if valid.shape[0] > 1 else 0) if valid is not None else 0
-        tp_sb = 0
-        if L.kind == "fire":
-            inv = tensors[1]
-            tp_sb = inv.stride(0) if inv.shape[0] > 1 else 0
+        tp_sb = L.hooks.batch_stride(list(tensors)) if L.hooks.batch_stride is not None else 0
         L.tp_sb = tp_sb
         grid = (triton.cdiv(L.lq, L.fwd_m), L.b * L.h)
         guarded(_fwd_kernel, "attention", L.shapes(), q.dtype)[grid](
@@ -723,7 +699,7 @@ class FusedAttentionFunction(torch.autograd.Function):
         ctx.svalb = svalb
         ctx.has_valid_tensor = valid is not None
         ctx.save_for_backward(q, k, v, o, lse, w, *( [valid] if valid is not None else []), *tensors)
-        if L.kind != "shaw":
+        if L.hooks.values is None:
             ctx.mark_non_differentiable(w)
         return o, w
 
@@ -746,7 +722,7 @@ class FusedAttentionFunction(torch.autograd.Function):
             L.h, L.lq, HEAD_D=L.d, BLOCK_D=L.block_d, BLOCK_M=L.dq_m,
         )
         dummy = lse
-        if L.kind == "shaw":
+        if L.hooks.values is not None:  # the value term: W's gradient dW (the kernels read it as TP1)
             dw = torch.zeros_like(w) if dw is None else dw.float().contiguous()
             delta = delta + (w * dw).sum(-1)  # Σ_r W_ir dW_ir: the value term's share of Δ_i
             tp = [tensors[0], dw, dummy, dummy]
@@ -757,7 +733,7 @@ class FusedAttentionFunction(torch.autograd.Function):
         dq = torch.empty((L.b, L.h, L.lq, L.d), dtype=q.dtype, device=dev)
         dk = torch.empty((L.b, L.hkv, L.lk, L.d), dtype=k.dtype, device=dev)
         dv = torch.empty((L.b, L.hkv, L.lk, L.d), dtype=v.dtype, device=dev)
-        dck = torch.empty((L.b, L.h, L.lk), dtype=torch.float32, device=dev) if L.kind == "fox" else dummy
+        dck = torch.empty((L.b, L.h, L.lk), dtype=torch.float32, device=dev) if L.hooks.key_grad else dummy
         guarded(_bwd_dkdv_kernel, "attention", L.shapes(), q.dtype)[(triton.cdiv(L.lk, L.dkdv_n), L.b * L.hkv)](
             q, k, v, do, lse, delta, dk, dv, valid_t, *tp, dck,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -768,11 +744,11 @@ class FusedAttentionFunction(torch.autograd.Function):
             BLOCK_M=L.dkdv_m, BLOCK_N=L.dkdv_n, num_warps=L.dkdv_warps, num_stages=NUM_STAGES, **L.consts(),
         )
         n_mblocks = triton.cdiv(L.lq, L.dq_m)
-        n_rows = _ROWG_PLANES.get(L.kind, 0)
+        n_rows = L.hooks.row_planes
         rowg = torch.empty((n_rows, L.b, L.h, L.lq), dtype=torch.float32, device=dev) if n_rows else dummy
         hist = (torch.empty((L.b, L.h, n_mblocks, L.nhp), dtype=torch.float32, device=dev)
-                if L.kind in ("t5", "fire") else dummy)
-        dqa = torch.empty_like(tensors[0]) if L.kind == "shaw" else dummy
+                if L.hooks.histogram else dummy)
+        dqa = torch.empty_like(tensors[0]) if L.hooks.values is not None else dummy
         guarded(_bwd_dq_kernel, "attention", L.shapes(), q.dtype)[(n_mblocks, L.b * L.h)](
             q, k, v, do, lse, delta, dq, valid_t, *tp, rowg[0] if n_rows else dummy,
             rowg[1] if n_rows > 1 else dummy, hist, dqa,
@@ -781,33 +757,17 @@ class FusedAttentionFunction(torch.autograd.Function):
             dq.stride(0), dq.stride(1), dq.stride(2), ctx.svalb, L.tp_sb,
             L.h, L.g, L.lq, L.lk, L.q_offset, L.scale, L.ti0, L.ti1, n_mblocks, L.window, L.sink,
             BLOCK_M=L.dq_m, BLOCK_N=L.dq_n, RP=L.rp, NHP=L.nhp, ROWG_N=n_rows,
-            HAS_HIST=L.kind in ("t5", "fire"), num_warps=L.dq_warps, num_stages=NUM_STAGES, **L.consts(),
+            HAS_HIST=L.hooks.histogram, num_warps=L.dq_warps, num_stages=NUM_STAGES, **L.consts(),
         )
         return (dq, dk, dv, None, None, *_term_grads(L, ctx.needs_input_grad[5:], tensors, rowg, hist, dqa, dck))
 
 
 def _term_grads(L: _Launch, needs, tensors, rowg, hist, dqa, dck) -> list[torch.Tensor | None]:
-    """The gradient of each term tensor from the kernels' partial sums (None where none is needed)."""
+    """The gradient of each kernel tensor from the kernels' partial sums (the term's ``TritonHooks.grads``; None
+    where none is needed)."""
     grads: list[torch.Tensor | None] = [None] * len(tensors)
-    if L.kind in ("kerple_log", "kerple_pow"):
-        grads = [rowg[0].sum((0, 2)), rowg[1].sum((0, 2))]
-    elif L.kind == "t5":
-        grads[0] = hist.sum((0, 2))[:, : L.ti1]
-    elif L.kind == "fire":
-        inv = tensors[1]
-        d_inv = rowg[0].sum(1)  # (B, Lq): summed over heads
-        if inv.shape[0] == 1:
-            d_inv = d_inv.sum(0, keepdim=True)
-        grads[0] = hist.sum((0, 2))[:, : L.ti0]
-        grads[1] = d_inv
-        grads[2] = rowg[1].sum().reshape(1)
-    elif L.kind == "shaw":
-        grads[0] = dqa
-    elif L.kind == "fox":
-        dc = dck.clone()
-        rows = L.q_offset.long() + torch.arange(L.lq, device=dc.device)  # the queries' key indices
-        dc.index_add_(2, rows, rowg[0])
-        grads[0] = dc
+    if L.hooks.grads is not None:
+        grads = list(L.hooks.grads(L, list(tensors), rowg, hist, dqa, dck))
     return [g if (n and g is not None) else None for g, n in zip(grads, needs)]
 
 
@@ -873,7 +833,6 @@ def fused_attention(
     launch = _Launch(term, q, k, scale, causal, q_offset, valid is not None, window, sink)
     tensors = _kernel_tensors(term, q)
     o, w = FusedAttentionFunction.apply(q, k, v, valid, launch, *tensors)
-    if term.kind == "shaw":
-        value_term = w @ term.tensors["value_table"].float()  # Σ_r W_ir a^V_r
-        o = (o.float() + value_term).to(query.dtype)
+    if launch.hooks.values is not None:  # the value term from the per-row histogram W (shaw: Σ_r W_ir a^V_r)
+        o = (o.float() + launch.hooks.values(term, w)).to(query.dtype)
     return o

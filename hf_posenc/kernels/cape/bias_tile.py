@@ -1,30 +1,38 @@
-"""One tile of CAPE's base bias B, built from the base encoding's small tensors (text positions).
+"""One tile of CAPE's base bias B, from the term registry (``hf_posenc.kernels.attention.terms``): the base
+encoding's term (its ``kind`` and its tensors, in the compute dtype) evaluated on the tile's indices by its
+registry entry, the same function every attention engine evaluates (text positions):
 
-``kind`` and ``tensors`` (all in the compute dtype):
+* a Toeplitz term: its ``distance`` at δ = qi − j (qi = q_offset + i), per head;
+* a pair term (FIRE's interpolated table): its ``pair`` value at (b, h, i, qi, j).
 
-============  ==========================================  =============================================
-kind          tensors                                     B_h(i, j), δ = qi − j (qi = q_offset + i)
-============  ==========================================  =============================================
-``alibi``     slopes (H,)                                 −slopes[h] · |δ|          (hf_posenc.encodings.alibi)
-``kerple_log`` r1 (H,), r2 (H,)                           −r1[h] · log(1 + r2[h] · |δ|)  (…kerple)
-``kerple_pow`` r1 (H,), r2 (H,)                           −r1[h] · |δ|^r2[h], 0 at δ = 0
-``fire``      w1 (hid,), b1 (hid,), w2 (H, hid), b2 (H,),  f(log(1 + c·max(δ, 0)) / (log(1 + c·max(L, p_i)) + eps))_h
-              c (), L (), positions (B|1, Lq)             f(x) = w2 · relu(x·w1 + b1) + b2, eps = 1e-6 (exact: no table)
-============  ==========================================  =============================================
-
-The formulas are those of the encodings' ``score_bias``; tests check the tiles against them.
+A term stated as −s[h] · |δ| (its entry's ``slope``: ALiBi) is written straight into the tile's slot, and CAPE's
+engine takes it in a rank-one form where s needs no gradient (``tiled.py``).
 """
 
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
 
-__all__ = ["BASE_KINDS", "base_bias_tile"]
+from ..attention.term_spec import TermSpec, term_spec
 
-#: the base biases with a tile form.
-BASE_KINDS = ("alibi", "kerple_log", "kerple_pow", "fire")
-FIRE_EPS = 1e-6
+__all__ = ["base_bias_tile", "base_unsupported"]
+
+
+def base_unsupported(kind: str) -> str | None:
+    """Why the registered term ``kind`` cannot be CAPE's base bias (a sentence), or None: CAPE adds a bias of the
+    positions alone (no term that reads the queries or adds a value term)."""
+    spec = term_spec(kind)
+    if spec.form in ("none", "gate") or spec.prepare is not None or spec.value_term is not None:
+        return (f"the {kind} term is not a position bias (CAPE's base must be a term of the positions alone: a "
+                "Toeplitz or pair term that reads neither the queries nor the keys, with no value term)")
+    return None
+
+
+def _heads(spec: TermSpec, t: dict[str, torch.Tensor]) -> int:
+    for ts in spec.tensors:
+        if ts.heads_dim is not None:
+            return t[ts.name].shape[ts.heads_dim]
+    raise ValueError(f"the {spec.kind} term has no tensor that counts the heads; CAPE's base needs one")
 
 
 def base_bias_tile(
@@ -39,43 +47,36 @@ def base_bias_tile(
     """The bias tile, heads first: (B|1, H, n, nk), or (1, H, n, nk) for one ``batch_row``.
 
     Args:
-        kind: one of `BASE_KINDS`.
-        tensors: the kind's tensors (module docstring).
+        kind: a registered term kind (``base_unsupported`` None).
+        tensors: the term's tensors, in its registry entry's order, floating ones in the compute dtype.
         q_index: (n,) key index of each query of the tile (q_offset + i), in the compute dtype.
         k_index: (nk,) key indices of the tile.
-        rows: the tile's query rows (slices fire's per-query positions).
-        batch_row: the one batch row wanted (fire's positions may differ per row; the other kinds are the
+        rows: the tile's query rows (a pair term's per-query tensors are indexed by them).
+        batch_row: the one batch row wanted (a pair term's tensors may differ per row; a Toeplitz term is the
             same on every row), or None for all of them.
         out: where to write the tile of that one row, (H, n, nk) (no autograd through it); the result is then
             ``out[None]``.
     """
+    spec = term_spec(kind)
+    t = dict(zip((ts.name for ts in spec.tensors), tensors))
     if out is not None:
         if batch_row is None:
             raise ValueError("base_bias_tile writes one batch row into out: give batch_row")
-        if kind == "alibi":  # straight into out: no tile-sized temporary
-            (slopes,) = tensors
+        if spec.slope is not None:  # −s · |δ| straight into out: no tile-sized temporary
             delta = (q_index[:, None] - k_index[None, :]).abs_()
-            return torch.mul(delta, -slopes[:, None, None], out=out)[None]
+            return torch.mul(delta, -spec.slope(t)[:, None, None], out=out)[None]
         return out.copy_(base_bias_tile(kind, tensors, q_index, k_index, rows, batch_row)[0])[None]
-    delta = q_index[:, None] - k_index[None, :]  # (n, nk) i - j
-    if kind == "alibi":
-        (slopes,) = tensors
-        return (delta.abs() * -slopes[:, None, None])[None]
-    if kind == "kerple_log":
-        r1, r2 = tensors
-        return (-r1[:, None, None] * torch.log1p(r2[:, None, None] * delta.abs()))[None]
-    if kind == "kerple_pow":
-        r1, r2 = tensors
-        d = delta.abs()
-        r1, r2 = r1[:, None, None], r2[:, None, None]
-        safe = torch.where(d > 0, d, torch.ones_like(d))
-        return torch.where(d > 0, -r1 * safe.pow(r2), torch.zeros_like(r1 * d))[None]
-    if kind == "fire":
-        w1, b1, w2, b2, c, threshold, positions = tensors
-        if batch_row is not None and positions.shape[0] > 1:
-            positions = positions[batch_row : batch_row + 1]
-        pos = positions[:, rows]  # (B|1, n)
-        normaliser = torch.log1p(c * torch.maximum(threshold, pos)) + FIRE_EPS  # (B|1, n)
-        x = torch.log1p(c * delta.clamp_min(0.0))[None] / normaliser[..., None]  # (B|1, n, nk)
-        return F.linear(F.relu(x[..., None] * w1 + b1), w2, b2).movedim(-1, 1)
-    raise ValueError(f"unknown CAPE base bias kind {kind!r}; allowed: {', '.join(BASE_KINDS)}")
+    heads = torch.arange(_heads(spec, t), device=q_index.device)
+    if spec.form == "toeplitz":
+        delta = q_index[:, None] - k_index[None, :]  # (n, nk) qi − j
+        return spec.distance_values(t, heads[:, None, None], delta[None])[None]
+    batches = [t[ts.name].shape[ts.batch_dim] for ts in spec.tensors if ts.batch_dim is not None]
+    b_size = max(batches, default=1)
+    if batch_row is not None and b_size > 1:
+        b = torch.tensor([batch_row], device=q_index.device)
+    else:
+        b = torch.arange(b_size, device=q_index.device)
+    i = torch.arange(rows.start, rows.stop, device=q_index.device)[:, None]
+    ints = spec.ints_of(t) if spec.ints_of is not None else {}
+    return spec.value(t, ints, b[:, None, None, None], heads[None, :, None, None], i, q_index[:, None],
+                      k_index[None, :])

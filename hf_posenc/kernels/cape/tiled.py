@@ -5,7 +5,8 @@ tile B from its small tensors (`bias_tile`), the MLP f across the heads at each 
 (hidden, 2H + 1) x (2H + 1, n * nk) matrix products on reused buffers, see ``_Workspace``), the scores
 A = L + B + f(L, B), the mask (skipped on fully visible tiles), and an online softmax over the key blocks
 (running max and sum per row and head). One batch row at a time keeps every product 2D on its reused buffers
-(what the CPU needs). With ALiBi's fixed slopes as the base, B = −slopes ⊗ |δ| is rank one: the MLP's first layer
+(what the CPU needs). With ALiBi's fixed slopes as the base (any term whose registry entry states its −s[h] · |δ|
+form, ``slope``), B = −slopes ⊗ |δ| is rank one: the MLP's first layer
 takes [L; |δ|; 1] (H + 2 rows instead of 2H + 1; its bias columns folded into one, −(w1_B · slopes), by autograd
 outside the Function) and the scores add −slopes ⊗ |δ| (CAPE's CPU training step 3.36x -> 3.11x SDPA, AMD EPYC,
 2 threads, L = 2048). On a GPU, where this engine also runs (CAPE has no Triton kernel), a batch of B rows
@@ -30,7 +31,8 @@ from torch.nn import functional as F
 from ...ops import eager_value_checks
 from .._common import without_autocast
 from .._subnormal import exp_flushed
-from .bias_tile import BASE_KINDS, base_bias_tile
+from ..attention.term_spec import term_spec
+from .bias_tile import base_bias_tile, base_unsupported
 from ..custom_ops import EngineSpec, engine_op, offset_arg, register_engine
 
 __all__ = ["cape_attention_tiled"]
@@ -133,8 +135,14 @@ def _row(t: torch.Tensor | None, r: int) -> torch.Tensor | None:
     return None if t is None else t[r if t.shape[0] > 1 else 0]
 
 
+def _neg_slopes(kind: str, bias_tensors) -> torch.Tensor:
+    """−s (H,) of a base term stated as −s[h] · |δ| (its registry entry's ``slope``): the rank-one form's factor."""
+    spec = term_spec(kind)
+    return -spec.slope(dict(zip((ts.name for ts in spec.tensors), bias_tensors)))
+
+
 def _bias_into(slot, kind, bias_tensors, q_index, k_index, rows, r, rank_one: bool) -> None:
-    """Write the tile's base bias into its slot of ``feat``: |δ| (1, n, nk) in ALiBi's rank-one form, else the bias
+    """Write the tile's base bias into its slot of ``feat``: |δ| (1, n, nk) in the rank-one form (ALiBi), else the bias
     (H, n, nk) (`bias_tile.base_bias_tile`)."""
     if rank_one:
         torch.sub(q_index[:, None], k_index[None, :], out=slot[0]).abs_()
@@ -152,7 +160,7 @@ class _CapeTiled(torch.autograd.Function):
         hkv, k_len = k.shape[1], k.shape[2]
         g = h // hkv
         ws = _Workspace(h, w1x.shape[0], min(block_q, q_len) * min(block_k, k_len), dt, q.device,
-                        -bias_tensors[0] if rank_one else None)
+                        _neg_slopes(kind, bias_tensors) if rank_one else None)
         kc, vc = k.to(dt).contiguous(), v.to(dt).contiguous()  # a model's k, v are transposed views
         out = torch.zeros(b, h, q_len, v.shape[-1], dtype=dt, device=q.device)
         lse = torch.full((b, h, q_len), float("inf"), dtype=dt, device=q.device)
@@ -205,7 +213,7 @@ class _CapeTiled(torch.autograd.Function):
         # the transposed weights as contiguous copies (tiny), for the products with the per-tile buffers
         w1a_t, w1b_t, w2_t = (t.T.contiguous() for t in (w1x[:, :h], w1x[:, h : 2 * h], w2x[:, :hidden]))
         ws = _Workspace(h, hidden, min(block_q, q_len) * min(block_k, k_len), dt, q.device,
-                        -bias_tensors[0] if rank_one else None)
+                        _neg_slopes(kind, bias_tensors) if rank_one else None)
         kc, vc = k.to(dt).contiguous(), v.to(dt).contiguous()  # a model's k, v are transposed views
         grad_out = grad_out.to(dt).contiguous()
         delta = (grad_out * out).sum(dim=-1)  # (B, H, Lq)
@@ -294,7 +302,7 @@ def cape_attention_tiled(
             are not expanded).
         w1: (hidden, 2H), b1: (hidden,), w2: (H, hidden), b2: (H,): the MLP f (any float dtype; computed in
             float32, float64 stays float64; gradients reach them through the cast).
-        kind, bias_tensors: the base bias (see `bias_tile`).
+        kind, bias_tensors: the base bias: a registered term's kind and its tensors (see `bias_tile`).
         mask: (B|1, 1, Lq, Lk) bool (True = attend), or None (every query sees every key).
         scaling: logit scale.
         q_offset: key index of the first query (an int, or a 0-d tensor: then no tile is skipped).
@@ -302,8 +310,12 @@ def cape_attention_tiled(
             are skipped when ``q_offset`` is an int; the mask must hold the causality).
         block_q, block_k: tile sizes (larger tiles: fewer, larger operations; memory O(block_q · block_k · hidden)).
     """
-    if kind not in BASE_KINDS:
-        raise ValueError(f"unknown CAPE base bias kind {kind!r}; allowed: {', '.join(BASE_KINDS)}")
+    reason = base_unsupported(kind)  # ValueError for an unknown kind too
+    if reason is not None:
+        raise ValueError(reason)
+    names = [ts.name for ts in term_spec(kind).tensors]
+    if len(bias_tensors) != len(names):
+        raise ValueError(f"CAPE's {kind} base takes the tensors {names} (in that order), got {len(bias_tensors)}")
     if query.dim() != 4 or key.dim() != 4 or value.shape[:3] != key.shape[:3]:
         raise ValueError(
             f"expected query (B, H, Lq, D) and key/value (B, Hkv, Lk, D), got {tuple(query.shape)}, "
@@ -320,7 +332,7 @@ def cape_attention_tiled(
         raise ValueError(f"block sizes must be >= 1, got {block_q}, {block_k}")
     dt = torch.float64 if query.dtype == torch.float64 else torch.float32
     w1, b1, w2, b2 = (t.to(dt) for t in (w1, b1, w2, b2))
-    bias_tensors = tuple(t.to(dt) for t in bias_tensors)
+    bias_tensors = tuple(t.to(dt) if t.is_floating_point() else t for t in bias_tensors)
     static_offset = q_offset if (causal and isinstance(q_offset, int)) else None
     if isinstance(q_offset, torch.Tensor):
         q_offset = q_offset.to(device=query.device, dtype=dt)
@@ -330,9 +342,11 @@ def cape_attention_tiled(
     # |δ| (autograd carries its gradient back to w1 outside the Function), so each tile's first layer and its weight
     # gradient take H + 2 rows of features instead of 2H + 1, and the scores add −slopes ⊗ |δ| (fixed slopes only:
     # learned ones keep the full tile, whose gradient reaches them).
-    rank_one = kind == "alibi" and not bias_tensors[0].requires_grad
+    spec = term_spec(kind)
+    rank_one = spec.slope is not None and not any(t.requires_grad for t in bias_tensors)
     if rank_one:
-        w1x = torch.cat([w1[:, :h], -(w1[:, h:] @ bias_tensors[0])[:, None], b1[:, None]], dim=1)  # (hidden, H + 2)
+        slopes = spec.slope(dict(zip((ts.name for ts in spec.tensors), bias_tensors)))
+        w1x = torch.cat([w1[:, :h], -(w1[:, h:] @ slopes)[:, None], b1[:, None]], dim=1)  # (hidden, H + 2)
     else:
         w1x = torch.cat([w1, b1[:, None]], dim=1)  # (hidden, 2H + 1): the first layer on [L; B; 1]
     w2x = torch.cat([w2, b2[:, None]], dim=1)  # (H, hidden + 1): the second on [act; 1]

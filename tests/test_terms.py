@@ -71,13 +71,20 @@ def test_every_term_is_checked_here_and_by_the_doctor():
         assert callable(getattr(KernelTerm, kind))
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+#: the masks each term runs under: causal, bidirectional, and causal with a window of 9 keys and 3 attention sinks
+#: (key positions 0..2, apart from the window for the later queries: the engines' sink paths)
+MASKS = {"causal": (True, {}), "bidirectional": (False, {}), "window_sink": (True, {"window": 9, "sink": 3})}
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("kind", KINDS)
-def test_reference_and_tile_engine(kind, causal):
+def test_reference_and_tile_engine(kind, mask):
     """The reference's output and gradients are finite and reach every tensor that takes one; the tile engine (small
     tiles: several along each length) gives the same output and gradients."""
     spec = term_spec(kind)
+    causal, extra = MASKS[mask]
     q, k, v, gout, example, kw = _case(kind, causal)
+    kw.update(extra)
     ref, ref_grads = _run(attention_reference, q, k, v, gout, example, **kw)
     assert torch.isfinite(ref).all() and all(torch.isfinite(g).all() for g in ref_grads)
     for name, grad in zip(example.leaves, ref_grads[3:]):
@@ -89,11 +96,13 @@ def test_reference_and_tile_engine(kind, causal):
         assert _rel(got, want) < 1e-4, (kind, name)
 
 
+@pytest.mark.parametrize("mask", ["causal", "window_sink"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_flex_forward(kind):
+def test_flex_forward(kind, mask):
     """FlexAttention (forward: the CPU has no backward) where the term has a score_mod; a term with a value term
     has none, and says so."""
     q, k, v, gout, example, kw = _case(kind, True, seed=1)
+    kw.update(MASKS[mask][1])
     if not term_spec(kind).flex:
         assert "no FlexAttention form" in flex_unsupported(q, k, v, example.term)
         return

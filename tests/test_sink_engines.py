@@ -30,7 +30,13 @@ from hf_posenc.kernels.sba import sba_reference, sba_tiled, stick_breaking
 
 from conftest import make_ids, make_model, tiered
 from test_kernel_attention import SHAPE, SHAPE_CHUNK, make_inputs, make_term, rel_err, triton_attention
-from test_window_kernels import _assert_close, _cope_sba_inputs, _grads, interpreted  # noqa: F401 (a fixture)
+from test_window_kernels import (  # noqa: F401 (interpreted: a fixture)
+    _assert_close,
+    _cope_sba_inputs,
+    _grads,
+    check_cope_sba_triton,
+    interpreted,
+)
 
 ENGINE_PATHS = ("fused", "online")  # the tile engine's two exact CPU paths (hf_posenc.kernels.autotune)
 
@@ -340,23 +346,7 @@ def test_cope_sba_triton_sink(interpreted, monkeypatch, family, slots, shape, wi
     # 2 carry slots: checkpoints every 3rd tile, one of them between the sinks and the window (the query-major
     # kernel stores it, the key-major one restarts from it); 64: every tile a checkpoint
     monkeypatch.setattr(module, "CARRY_SLOTS", slots)
-    q, k, v, gout, mask, g = _cope_sba_inputs(shape, 8, torch.float32, True)
-    off = shape[4] - shape[3]
-    o = torch.tensor(off) if tensor_offset else off
-    kw = dict(window=window, sink=sink)
-    if family == "cope":
-        table = torch.randn(shape[-1], 6, generator=g).requires_grad_()
-        leaves = [table]
-        run = lambda *x: triton_cope.cope_triton(*x, table, mask, 0.4, o, **kw)  # noqa: E731
-        ref = lambda *x: cope_reference(*x, table, mask, 0.4, off, **kw)  # noqa: E731
-    else:
-        leaves = []
-        run = lambda *x: triton_sba.sba_triton(*x, mask, 0.4, o, True, "current", **kw)  # noqa: E731
-        ref = lambda *x: sba_reference(*x, mask, 0.4, off, True, "current", **kw)  # noqa: E731
-    out, grads = _grads(run, (q, k, v), leaves, gout)
-    want, want_grads = _grads(ref, (q, k, v), leaves, gout)
-    _assert_close(out, grads, want, want_grads, torch.float32, window, ["dq", "dk", "dv", "term0"],
-                  f"{family} triton w={window} sink={sink}")
+    check_cope_sba_triton(family, shape, window, tensor_offset, sink)
 
 
 @pytest.mark.parametrize("family", ["cope", "sba"])

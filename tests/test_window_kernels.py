@@ -332,22 +332,32 @@ def test_cope_sba_triton_window(interpreted, monkeypatch, family, shape, window,
 
     module = triton_cope if family == "cope" else triton_sba
     monkeypatch.setattr(module, "CARRY_SLOTS", 1)  # checkpoints every other tile: the key-major carry replay runs
+    check_cope_sba_triton(family, shape, window, tensor_offset)
+
+
+def check_cope_sba_triton(family, shape, window, tensor_offset, sink=None):
+    """CoPE's or SBA's Triton kernel (interpreter, float32, padded rows) against its reference with a window (and
+    ``sink`` sinks), forward and every gradient (q, k, v, CoPE's table)."""
+    from hf_posenc.kernels.cope import triton_cope
+    from hf_posenc.kernels.sba import triton_sba
+
     q, k, v, gout, mask, g = _cope_sba_inputs(shape, 8, torch.float32, True)
     off = shape[4] - shape[3]
     o = torch.tensor(off) if tensor_offset else off
+    kw = dict(window=window, sink=sink)
     if family == "cope":
         table = torch.randn(shape[-1], 6, generator=g).requires_grad_()
         leaves = [table]
-        run = lambda *x: triton_cope.cope_triton(*x, table, mask, 0.4, o, window=window)  # noqa: E731
-        ref = lambda *x: cope_reference(*x, table, mask, 0.4, off, window=window)  # noqa: E731
+        run = lambda *x: triton_cope.cope_triton(*x, table, mask, 0.4, o, **kw)  # noqa: E731
+        ref = lambda *x: cope_reference(*x, table, mask, 0.4, off, **kw)  # noqa: E731
     else:
         leaves = []
-        run = lambda *x: triton_sba.sba_triton(*x, mask, 0.4, o, True, "current", window=window)  # noqa: E731
-        ref = lambda *x: sba_reference(*x, mask, 0.4, off, True, "current", window=window)  # noqa: E731
+        run = lambda *x: triton_sba.sba_triton(*x, mask, 0.4, o, True, "current", **kw)  # noqa: E731
+        ref = lambda *x: sba_reference(*x, mask, 0.4, off, True, "current", **kw)  # noqa: E731
     out, grads = _grads(run, (q, k, v), leaves, gout)
     want, want_grads = _grads(ref, (q, k, v), leaves, gout)
-    _assert_close(out, grads, want, want_grads, torch.float32, window, ["dq", "dk", "dv", "term0"],
-                  f"{family} triton w={window}")
+    where = f"{family} triton w={window}" + (f" sink={sink}" if sink is not None else "")
+    _assert_close(out, grads, want, want_grads, torch.float32, window, ["dq", "dk", "dv", "term0"], where)
 
 
 @pytest.mark.parametrize("family", ["cope", "sba"])

@@ -31,6 +31,7 @@ __all__ = [
     "register_term",
     "term_kinds",
     "term_spec",
+    "tiled_kinds",
     "toeplitz_kinds",
     "triton_id",
 ]

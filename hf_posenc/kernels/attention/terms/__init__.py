@@ -57,29 +57,8 @@ registry when asked, so a term registered later takes part.
 
 from __future__ import annotations
 
-from ..term_spec import (
-    FORMS,
-    SIZES,
-    TERMS,
-    TRITON_BRANCHES,
-    KernelTerm,
-    TensorSpec,
-    TermExample,
-    TermSpec,
-    TritonHooks,
-    at_least_float32,
-    enter,
-    example_term,
-    flex_kinds,
-    kernel_kinds,
-    list_terms,
-    register_term,
-    term_kinds,
-    term_spec,
-    tiled_kinds,
-    toeplitz_kinds,
-    triton_id,
-)
+from .. import term_spec as _term_spec
+from ..term_spec import *  # noqa: F401,F403 (the registry's public names, re-exported: term_spec.__all__)
 
 # the built-in terms, one module each (registered in this order: the order of term_kinds())
 from . import none as _none  # noqa: E402,F401
@@ -93,40 +72,14 @@ from . import fox as _fox  # noqa: E402,F401
 from . import dpb as _dpb  # noqa: E402,F401
 from .t5 import T5_BRANCH_MAX_ROWS  # noqa: E402
 
-__all__ = [
-    "FLEX_KINDS",
-    "FORMS",
-    "KERNEL_KINDS",
-    "SIZES",
-    "T5_BRANCH_MAX_ROWS",
-    "TERMS",
-    "TERM_KINDS",
-    "TILED_KINDS",
-    "TOEPLITZ_KINDS",
-    "TRITON_BRANCHES",
-    "KernelTerm",
-    "TensorSpec",
-    "TermExample",
-    "TermSpec",
-    "TritonHooks",
-    "at_least_float32",
-    "enter",
-    "example_term",
-    "flex_kinds",
-    "kernel_kinds",
-    "list_terms",
-    "register_term",
-    "term_kinds",
-    "term_spec",
-    "tiled_kinds",
-    "toeplitz_kinds",
-    "triton_id",
-]
 
 #: the kind lists, computed from the registry when read (``terms.TERM_KINDS`` ...), so that a term registered after
 #: this package was imported takes part.
 _LAZY = {"TERM_KINDS": term_kinds, "KERNEL_KINDS": kernel_kinds, "FLEX_KINDS": flex_kinds,
          "TILED_KINDS": tiled_kinds, "TOEPLITZ_KINDS": toeplitz_kinds}
+
+
+__all__ = [*_term_spec.__all__, *_LAZY, "T5_BRANCH_MAX_ROWS"]
 
 
 def __getattr__(name: str):

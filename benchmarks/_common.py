@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from hf_posenc.machine import cpu_name
+from hf_posenc.machine import cpu_details, cpu_id
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return "cpu " + cpu_name()
+    return "cpu " + cpu_id()
 
 
 def slug(text: str) -> str:
@@ -26,7 +26,8 @@ def slug(text: str) -> str:
 
 
 def versions() -> dict:
-    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "cpu": cpu_details()}
     for mod in ("triton", "transformers"):
         try:
             out[mod] = __import__(mod).__version__

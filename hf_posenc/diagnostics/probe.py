@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..machine import cpu_name
+from ..machine import cpu_id
 
 __all__ = ["environment"]
 
@@ -48,7 +48,7 @@ def environment(device: torch.device | str) -> dict[str, Any]:
         dev.update(name=props.name, capability=f"{props.major}.{props.minor}", sm_count=props.multi_processor_count,
                    memory_gib=round(props.total_memory / 2**30, 1))
     else:
-        dev.update(name=cpu_name(), capability=None, threads=torch.get_num_threads())
+        dev.update(name=cpu_id(), capability=None, threads=torch.get_num_threads())
     env = {name: os.environ.get(name) for name in ("HF_POSENC_BACKEND", "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")}
     return {"versions": versions, "device": dev, "platform": platform.platform(), "environment": env,
             "triton_interpreter": _interpreting()}

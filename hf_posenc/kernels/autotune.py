@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from ..machine import cpu_name
+from ..machine import cpu_id
 
 __all__ = ["ENV_FORCE", "ENV_TUNE", "Site", "TUNE_BUDGET_S", "cache_path", "choose", "clear_cache", "register_site",
            "shape_class", "sites"]
@@ -99,7 +99,7 @@ def _slug(text: str) -> str:
 
 def cache_path() -> Path:
     """The cache file of this CPU model and torch version."""
-    return _cache_dir() / f"autotune-{_slug(cpu_name())}-torch{_slug(torch.__version__)}.json"
+    return _cache_dir() / f"autotune-{_slug(cpu_id())}-torch{_slug(torch.__version__)}.json"
 
 
 def _forced(site: Site) -> str | None:
@@ -152,7 +152,7 @@ def _store(entry: str, path: str) -> None:
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         tmp = file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"cpu": cpu_name(), "torch": torch.__version__, "choices": choices}, indent=1,
+        tmp.write_text(json.dumps({"cpu": cpu_id(), "torch": torch.__version__, "choices": choices}, indent=1,
                                   sort_keys=True))
         os.replace(tmp, file)
     except OSError as e:  # a read-only home: the choice stays in this process

@@ -54,7 +54,7 @@ from torch import nn
 
 from .. import encoding_module, patch_model
 from ..config import PosEncConfig
-from ..machine import cpu_name
+from ..machine import cpu_id
 from ..registry import list_encodings
 from ..training import param_groups
 from . import data as D
@@ -360,14 +360,14 @@ def environment(device: torch.device, threads: int) -> dict[str, Any]:
     env: dict[str, Any] = {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "cpu": cpu_name(),
+        "cpu": cpu_id(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "hf_posenc": __version__,
         "numpy": numpy.__version__,
         "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_id(),
         "torch_threads": threads if device.type == "cpu" else None,
         "deterministic_algorithms": "strict" if device.type == "cpu" else "warn_only",
         "hf_posenc_backend": os.environ.get("HF_POSENC_BACKEND"),

@@ -79,6 +79,16 @@ SINK_HELP = (
     "`sink` keys (positions 0 .. sink - 1 of the sequence) stay visible to every query that the window would hide "
     "them from; needs `window`; None: no sink"
 )
+#: where ``sink_positions`` puts the sinks.
+SINK_POSITIONS = ("text", "cache")
+#: help text of ``sink_positions``.
+SINK_POSITIONS_HELP = (
+    "where the attention sinks sit for the position encoding: 'text' (None, the default: at their own positions "
+    "0 .. sink - 1, so past P a query sees them farther away than anything in training) or 'cache' (StreamingLLM's: "
+    "a sink the window no longer covers sits just before the window's oldest key, at distance W + sink - 1 - j "
+    "for sink j); 'cache' needs sink and an encoding whose term depends on the distance alone (rope and the "
+    "Toeplitz score biases)"
+)
 #: the length-scaled softmaxes ``length_scale`` takes.
 LENGTH_SCALES = ("ssmax", "logn")
 #: help text of ``length_scale``.
@@ -91,7 +101,20 @@ LENGTH_SCALE_HELP = (
 )
 #: The options of a layer that every encoding takes beside its own parameters, with their help text. They are
 #: attributes of `PosEncConfig` (not entries of ``params``), stored in ``to_dict`` only when set.
-LAYER_OPTIONS: dict[str, str] = {"window": WINDOW_HELP, "sink": SINK_HELP, "length_scale": LENGTH_SCALE_HELP}
+LAYER_OPTIONS: dict[str, str] = {"window": WINDOW_HELP, "sink": SINK_HELP, "length_scale": LENGTH_SCALE_HELP,
+                                 "sink_positions": SINK_POSITIONS_HELP}
+
+
+def check_sink_positions(value: object, sink: int | None, where: str = "sink_positions") -> str | None:
+    """``sink_positions`` validated: None (the sinks at their text positions), ``"text"`` or ``"cache"``; set only
+    with sinks."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in SINK_POSITIONS:
+        raise ValueError(f"{where} must be one of {list(SINK_POSITIONS)} or None, got {value!r}")
+    if sink is None:
+        raise ValueError(f"{where}={value!r} needs attention sinks (sink=k with a window)")
+    return value
 
 
 def check_length_scale(value: object, where: str = "length_scale") -> str | None:
@@ -153,6 +176,7 @@ class PosEncConfig:
     window: int | None = None
     sink: int | None = None
     length_scale: str | None = None
+    sink_positions: str | None = None
 
     def __post_init__(self) -> None:
         spec = get_encoding(self.name)
@@ -172,6 +196,8 @@ class PosEncConfig:
         object.__setattr__(self, "window", check_window(self.window, f"window {where}"))
         object.__setattr__(self, "sink", check_sink(self.sink, self.window, f"sink {where}"))
         object.__setattr__(self, "length_scale", check_length_scale(self.length_scale, f"length_scale {where}"))
+        object.__setattr__(self, "sink_positions",
+                           check_sink_positions(self.sink_positions, self.sink, f"sink_positions {where}"))
         if spec.normalise is not None:  # a composition ("rope+fox"): its parts validate their own parameters
             object.__setattr__(self, "params", spec.normalise(self.params))
             return

@@ -353,6 +353,14 @@ class PositionEncoding(nn.Module):
     def _check_layer_options(config: PosEncConfig, info: ModelInfo) -> None:
         """``ValueError`` where the model cannot take the layer options ``sink`` and ``length_scale``."""
         check_length_scale_model(config.length_scale, info, config.sink, config.window, config.name)
+        if config.sink_positions == "cache" and not getattr(config.spec.cls, "cache_sink_positions", False):
+            raise ValueError(
+                f"sink_positions='cache' of {config.name!r}: the sinks at their cache positions move each sink's "
+                "distance to W + sink - 1 - j, which only an encoding whose term depends on the distance alone can "
+                "take (rope); use sink_positions='text' (the default)"
+            )
+        if config.sink_positions == "cache" and not info.causal:
+            raise ValueError(f"sink_positions='cache' of {config.name!r} is defined on causal models only")
         if config.sink is not None and any(w is not None for w in info.sliding_windows or ()):
             raise ValueError(
                 f"sink={config.sink} of {config.name!r} on a {info.family} model with its own sliding window: "

@@ -137,6 +137,12 @@ def _normalise(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
             f"{name!r}: nope's qk_norm and softmax_scale (DroPE) act on a nope layer alone, not inside a composition; "
             "use 'nope' with them, or a plan"
         )
+    if first == "rope" and out[first].get("remap") is not None:
+        raise ValueError(
+            f"{name!r}: rope's remap={out[first]['remap']!r} rotates each query-key pair by a remapped distance, "
+            f"piece by piece (hf_posenc.kernels.remap); no engine adds {term!r}'s term inside those pieces yet, so a "
+            "remap is not composed with a term: use 'rope' with remap alone, or a plan"
+        )
     if term == "fox" and out[term].get("rope"):
         raise ValueError(
             f"{name!r}: fox with rope=True brings a second rotary; the first slot ({first!r}) is the composition's "

@@ -72,8 +72,10 @@ from typing import Any
 import torch
 
 from ..config import PosEncConfig
+from ..kernels.rotary.naive import apply_rotary, rotate_leading
 from ..registry import param, register_encoding
 from .base import ModelInfo, PosContext, PositionEncoding
+from ..kernels.remap.cases import REMAPS, Remap, dca_logit_scale, remap_defaults
 
 __all__ = ["Rope", "rope_inv_freq", "apply_rotary", "SCALED_ROPE_TYPES", "model_rope_frequencies"]
 
@@ -137,19 +139,6 @@ def rope_init_function(info: ModelInfo, rope_parameters: dict) -> tuple[Any, Any
     finally:
         hf_logger.setLevel(level)
     return config, ROPE_INIT_FUNCTIONS[params["rope_type"]]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
-    """Rotate ``x`` (B, H, L, D) by angles whose cos/sin have shape (B or 1, 1, L, D/2)."""
-    if layout == "half":
-        cos = torch.cat([cos, cos], dim=-1)
-        sin = torch.cat([sin, sin], dim=-1)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.flatten(-2)
 
 
 def half_rotation(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,9 +216,79 @@ class RopeParams:
         optional=True,
     )
 
+    remap: str | None = param(
+        None,
+        "training-free extension past the pretrained context P: each query-key pair is rotated by a remapped "
+        "distance f(i, j) instead of i - j (hf_posenc.kernels.remap.cases): 'rerope' (ReRoPE, min(i - j, w)), "
+        "'leaky_rerope' (w + (i - j - w) / g past w), 'self_extend' (Self-Extend: grouped positions past the neighbour "
+        "window w), 'dca' (Dual Chunk Attention: chunks of s - w positions); on causal models, with the model's own "
+        "rope_parameters (YaRN, linear, llama3) and partial rotary; None: off",
+        type=str,
+        optional=True,
+        choices=REMAPS,
+    )
+    remap_window: int | None = param(
+        None,
+        "w of the remap: the window below which pairs keep their distance (rerope, leaky_rerope: default P/8; "
+        "self_extend's neighbour window: P/4; dca's local window: P/8), P the model's pretrained context "
+        "(original_max_position_embeddings, else max_position_embeddings)",
+        type=int,
+        optional=True,
+        ge=1,
+    )
+    remap_group: int | None = param(
+        None,
+        "g of the remap: leaky_rerope's slope 1/g past w (default 16), self_extend's group size (default 8)",
+        type=int,
+        optional=True,
+        ge=1,
+    )
+    remap_chunk: int | None = param(
+        None,
+        "s of dca: the chunk size, > remap_window (default 3P/4; a chunk holds s - w positions)",
+        type=int,
+        optional=True,
+        ge=2,
+    )
+
     def __post_init__(self) -> None:
         if self.scaling is not None:
             _check_scaling(self.scaling)
+        check_remap_params(self.remap, self.remap_window, self.remap_group, self.remap_chunk)
+
+
+#: which remap parameters each remap reads.
+REMAP_PARAMS = {
+    "rerope": ("remap_window",),
+    "leaky_rerope": ("remap_window", "remap_group"),
+    "self_extend": ("remap_window", "remap_group"),
+    "dca": ("remap_window", "remap_chunk"),
+}
+
+
+def check_remap_params(remap: str | None, window: int | None, group: int | None, chunk: int | None) -> None:
+    """``ValueError`` for remap parameters without a remap, or that the remap does not read, or dca's w >= s."""
+    given = {"remap_window": window, "remap_group": group, "remap_chunk": chunk}
+    if remap is None:
+        extra = [name for name, value in given.items() if value is not None]
+        if extra:
+            raise ValueError(f"{', '.join(extra)} of rope need remap= (one of {list(REMAPS)})")
+        return
+    unread = [name for name, value in given.items() if value is not None and name not in REMAP_PARAMS[remap]]
+    if unread:
+        raise ValueError(f"remap={remap!r} reads {', '.join(REMAP_PARAMS[remap])}, not {', '.join(unread)}")
+    if remap == "dca" and window is not None and chunk is not None and window >= chunk:
+        raise ValueError(f"dca needs remap_window (w = {window}) < remap_chunk (s = {chunk}): a chunk holds s - w "
+                         "positions")
+
+
+def pretrained_context(info: ModelInfo, scaling: dict | None = None) -> int | None:
+    """P, the model's pretrained context: ``original_max_position_embeddings`` of rope's ``scaling`` or of the
+    model's ``rope_parameters`` where given, else ``max_position_embeddings``; None when the model has neither."""
+    for params in (scaling, info.rope_parameters):
+        if params and params.get("original_max_position_embeddings"):
+            return int(params["original_max_position_embeddings"])
+    return info.max_positions
 
 
 @register_encoding(
@@ -249,8 +308,46 @@ class Rope(PositionEncoding):
     # choice, not the default).
     relative = True
 
+    #: sink_positions="cache" is a remapped distance of the sinks (hf_posenc.kernels.remap).
+    cache_sink_positions = True
+
     @classmethod
     def resolve(cls, config: PosEncConfig, info: ModelInfo) -> PosEncConfig:
+        config = cls._resolve_rotary(config, info)
+        p = dict(config.params)
+        kind = p.get("remap")
+        if kind is None:
+            return config
+        if config.window is not None:
+            raise ValueError(
+                f"{cls.name}: remap={kind!r} with window={config.window}: a remap already bounds every distance the "
+                "model sees, and the engine does not cut a window out of its pieces; use one or the other"
+            )
+        if not info.causal:
+            raise ValueError(f"{cls.name}: remap={kind!r} is defined on causal models only; {info.family} is "
+                             "bidirectional")
+        context = pretrained_context(info, p.get("scaling"))
+        needed = [name for name in REMAP_PARAMS[kind] if p.get(name) is None]
+        if needed and context is None:
+            raise ValueError(
+                f"{cls.name}: remap={kind!r} takes its defaults ({', '.join(needed)}) from the model's pretrained "
+                "context (original_max_position_embeddings or max_position_embeddings), which this model does not "
+                "have; give them explicitly"
+            )
+        for name, value in remap_defaults(kind, context or 0).items():
+            if p.get(name) is None:
+                p[name] = value
+        check_remap_params(kind, p.get("remap_window"), p.get("remap_group"), p.get("remap_chunk"))
+        rope_type = (p.get("scaling") or {}).get("rope_type") or (info.rope_type if p["theta"] is None else None)
+        if rope_type in ("dynamic", "longrope"):
+            raise ValueError(
+                f"{cls.name}: remap={kind!r} with rope_type={rope_type!r}: its frequencies change with the forward's "
+                "length, and the remap re-rotates cached keys by fixed frequencies; use yarn, linear, llama3 or none"
+            )
+        return PosEncConfig(config.name, p, **config.layer_options())
+
+    @classmethod
+    def _resolve_rotary(cls, config: PosEncConfig, info: ModelInfo) -> PosEncConfig:
         p = dict(config.params)
         if p["scaling"] is not None:
             scaling = dict(p["scaling"])
@@ -329,6 +426,27 @@ class Rope(PositionEncoding):
             switch = int(params["original_max_position_embeddings"])
             long_freq, _ = model_rope_frequencies(info, seq_len=switch + 1, rope_parameters=params)
         return inv_freq, long_freq, scaling, switch
+
+    def remap(self) -> Remap | None:
+        """The remap of this encoding's layers (`hf_posenc.kernels.remap.Remap`): rope's ``remap``, or its own
+        sliding ``window`` with its sinks on a causal text model; None for plain rotary."""
+        p, config = self.posenc_config.params, self.posenc_config
+        if p.get("remap") is not None:
+            return Remap(p["remap"], p["remap_window"], group=p.get("remap_group"), chunk=p.get("remap_chunk"))
+        if config.window is not None and self.info.causal and self.info.grid is None:
+            return Remap(None, config.window, sink=config.sink, sink_positions=config.sink_positions or "text")
+        return None
+
+    def remap_inputs(self, ctx: PosContext, layer: int, device: torch.device) -> dict:
+        """What the remap engine needs of this rotary on ``layer``: ``inv_freq`` (R/2,) float32, ``rotary_dim``,
+        ``layout``, and ``q_factor``: dca's per-query logit factor m² (`dca_logit_scale`) or None."""
+        inv_freq, _ = self._frequencies(ctx.position_ids, device, layer, ctx.memo)
+        factor = None
+        if self.posenc_config.params.get("remap") == "dca":
+            context = pretrained_context(self.info, self.posenc_config.params.get("scaling"))
+            factor = dca_logit_scale(ctx.position_ids.to(device), context)[:, None, :, None]  # (B|1, 1, Lq, 1)
+        return {"inv_freq": inv_freq, "rotary_dim": self.rotary_dim, "layout": self.posenc_config.params["layout"],
+                "q_factor": factor}
 
     def check_model(self, info: ModelInfo) -> None:
         if info.head_dim % 2:
@@ -424,10 +542,5 @@ class Rope(PositionEncoding):
         x * cos + rotate(x) * sin in this encoding's ``layout``, (cos, sin) (B|1, 1, L, R/2) in q's dtype:
         ``q_tables`` for the queries, ``k_tables`` for the keys; the dims past R pass through."""
         layout = self.posenc_config.params["layout"]
-        r = self.rotary_dim
-        if r == q.shape[-1]:
-            return apply_rotary(q, *q_tables, layout), apply_rotary(k, *k_tables, layout)
-        # partial rotary (as transformers' GPT-NeoX and Phi): the dims past r pass through unrotated
-        q = torch.cat([apply_rotary(q[..., :r], *q_tables, layout), q[..., r:]], dim=-1)
-        k = torch.cat([apply_rotary(k[..., :r], *k_tables, layout), k[..., r:]], dim=-1)
-        return q, k
+        return (rotate_leading(q, *q_tables, self.rotary_dim, layout),
+                rotate_leading(k, *k_tables, self.rotary_dim, layout))

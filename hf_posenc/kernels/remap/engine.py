@@ -1,0 +1,280 @@
+"""The remap engine: causal attention with remapped rotary distances (or a window with sinks) in O(L·block)
+memory, forward and backward.
+
+Each piece of the remap (`Case`) is one softmax attention of re-rotated queries over re-rotated keys, restricted
+to the keys where the piece holds; the pieces of a query block are merged by their log-sum-exp (as ChunkLlama and
+vLLM merge DCA's three flash calls). The keys the engine receives are rotated at their own positions, as the
+unpatched model caches them; a piece that needs another key position re-rotates them by the difference
+(R(a)R(b) = R(a + b)), O(L·D) per piece and forward, so the KV cache holds what the unpatched model's does and
+decoding needs nothing else.
+
+Per query block (``block`` rows) and piece, the keys it holds on form one interval per query (`Case.span`): the
+columns every query of the block sees run unmasked through the fused kernel, the two edges (at most a block
+wide each) with a small mask. Nothing is L × L. The backward recomputes the pieces and hands each the merged
+output and log-sum-exp, so the fused backward's probabilities exp(s − lse) are the merged softmax's: the pieces'
+gradients add up to the exact one, then turn back through their rotations (R(δ)ᵀ = R(−δ)).
+
+The fused kernel is torch's CPU flash attention (`hf_posenc.kernels._cpu_flash`); elsewhere (CUDA, or a torch
+without it) each call is computed from its (block × keys) logits in PyTorch, the same O(L·block) memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...ops import expand_kv
+from .._cpu_flash import FLASH_BACKWARD, FLASH_FORWARD
+from ..rotary.naive import rotate_leading
+from .cases import Case, Remap
+from .naive import rotation_tables
+
+__all__ = ["remap_attention", "DEFAULT_BLOCK"]
+
+#: query rows per block: the fused kernel's calls grow with L / block; the masked edges with block.
+DEFAULT_BLOCK = 512
+
+
+def _fused(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and FLASH_FORWARD is not None and dtype in (torch.float32, torch.bfloat16,
+                                                                           torch.float64)
+
+
+def _rerotate(x: torch.Tensor, delta: torch.Tensor | None, inv_freq: torch.Tensor, rotary_dim: int, layout: str
+              ) -> torch.Tensor:
+    """x (B, H, L, D) rotated further by the angles of ``delta`` (B|1, L) float (None: x itself)."""
+    if delta is None:
+        return x
+    cos, sin = rotation_tables(delta[:, None], inv_freq, x.dtype)
+    return rotate_leading(x, cos, sin, rotary_dim, layout)
+
+
+def _deltas(case: Case, pos_q: torch.Tensor, pos_k: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    dq = None if case.q_pos is None else case.q_pos(pos_q).to(torch.float64) - pos_q
+    dk = None if case.k_pos is None else case.k_pos(pos_k).to(torch.float64) - pos_k
+    return dq, dk
+
+
+class _Plan:
+    """The calls of one forward: per query block, per piece, (key start, key stop, mask or None)."""
+
+    def __init__(self, remap: Remap, pos_q: torch.Tensor, lq: int, lk: int, q_offset: int, pad: torch.Tensor,
+                 block: int, device: torch.device, band: int | None) -> None:
+        self.cases = remap.cases()
+        self.blocks: list[tuple[int, int, list[list[tuple[int, int, torch.Tensor | None]]]]] = []
+        for q0 in range(0, lq, block):
+            q1 = min(q0 + block, lq)
+            qi = torch.arange(q0, q1, device=device) + q_offset  # (n,)
+            pi = pos_q[:, q0:q1]  # (B|1, n)
+            per_case = []
+            for case in self.cases:
+                lo, hi = case.span(pi, qi.expand_as(pi))
+                lo = torch.maximum(lo, pad[:, None])
+                if band is not None:  # the model's own sliding window
+                    lo = torch.maximum(lo, qi - band + 1)
+                lo = lo.clamp(0, lk)
+                hi = torch.minimum(hi, qi + 1).clamp(0, lk)  # causal (a span never passes the query itself)
+                per_case.append(self._calls(lo, hi))
+            self.blocks.append((q0, q1, per_case))
+
+    @staticmethod
+    def _calls(lo: torch.Tensor, hi: torch.Tensor) -> list[tuple[int, int, torch.Tensor | None]]:
+        """The calls covering keys lo <= j < hi per row (B|1, n): the columns all rows see unmasked, the rest
+        masked (bool (B|1, 1, n, m))."""
+        empty = hi <= lo
+        lo = torch.where(empty, hi, lo)
+        if bool(empty.all()):
+            return []
+        live_lo, live_hi = lo[~empty], hi[~empty]
+        l0, l1 = int(live_lo.min()), int(live_lo.max())
+        h0, h1 = int(live_hi.min()), int(live_hi.max())
+        full = not bool(empty.any())
+
+        def masked(a: int, b: int) -> tuple[int, int, torch.Tensor]:
+            j = torch.arange(a, b, device=lo.device)
+            return a, b, ((j >= lo[..., None]) & (j < hi[..., None]))[:, None]
+
+        if full and l1 < h0:
+            out = [(l1, h0, None)]
+            if l0 < l1:
+                out.append(masked(l0, l1))
+            if h0 < h1:
+                out.append(masked(h0, h1))
+            return out
+        return [masked(l0, h1)]
+
+
+def _attend(q, k, v, mask, scale):
+    """(out (B, H, n, D), lse (B, H, n) float32 or float64; −inf where a row sees no key) of one call."""
+    if _fused(q.device, q.dtype):
+        float_mask = None
+        if mask is not None:
+            float_mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        out, lse = FLASH_FORWARD(q, k, v, 0.0, False, attn_mask=float_mask, scale=scale)
+        if mask is not None:  # the kernel gives a row with no key lse 0
+            lse = lse.masked_fill(~mask.any(-1), float("-inf"))
+        return out, lse
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    s = (q.to(work) @ k.to(work).transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
+    return (p @ v.to(work)).to(q.dtype), lse
+
+
+def _attend_backward(do, q, k, v, out, lse, mask, scale):
+    """(dq, dk, dv) of one call, given the merged ``out`` and ``lse`` (+inf where a row sees no key at all)."""
+    if _fused(q.device, q.dtype):
+        float_mask = None
+        if mask is not None:
+            float_mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        return FLASH_BACKWARD(do, q, k, v, out, lse.to(torch.float32 if q.dtype != torch.float64 else q.dtype),
+                              0.0, False, attn_mask=float_mask, scale=scale)
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qw, kw, vw, dow = q.to(work), k.to(work), v.to(work), do.to(work)
+    s = (qw @ kw.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.exp(s - lse[..., None])
+    dv = p.transpose(-1, -2) @ dow
+    dp = dow @ vw.transpose(-1, -2)
+    delta = (dow * out.to(work)).sum(-1, keepdim=True)
+    ds = p * (dp - delta) * scale
+    return (ds @ kw).to(q.dtype), (ds.transpose(-1, -2) @ qw).to(k.dtype), dv.to(v.dtype)
+
+
+def _pieces(q, k, v, plan, deltas, inv_freq, rotary_dim, layout):
+    """Per piece: its queries (B, H, Lq, D) and keys (B, H, Lk, D) re-rotated, GQA keys and values expanded."""
+    groups = q.shape[1] // k.shape[1]
+    ve = expand_kv(v, groups)
+    out = []
+    for (dq, dk) in deltas:
+        qc = _rerotate(q, dq, inv_freq, rotary_dim, layout)
+        kc = expand_kv(_rerotate(k, dk, inv_freq, rotary_dim, layout), groups)
+        out.append((qc, kc))
+    return out, ve
+
+
+class _RemapAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, remap, scale, pos_q, pos_k, q_offset, pad, inv_freq, rotary_dim, layout, block, band):
+        plan = _Plan(remap, pos_q, q.shape[2], k.shape[2], q_offset, pad, block, q.device, band)
+        deltas = [_deltas(case, pos_q, pos_k) for case in plan.cases]
+        pieces, ve = _pieces(q, k, v, plan, deltas, inv_freq, rotary_dim, layout)
+        b, h, lq, d = q.shape
+        work = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out = torch.zeros(b, h, lq, v.shape[-1], dtype=q.dtype, device=q.device)
+        lse_all = torch.full((b, h, lq), float("-inf"), dtype=work, device=q.device)
+        for q0, q1, per_case in plan.blocks:
+            acc, lse = None, None
+            for (qc, kc), calls in zip(pieces, per_case):
+                for a, z, mask in calls:
+                    o, l = _attend(qc[:, :, q0:q1], kc[:, :, a:z], ve[:, :, a:z], mask, scale)
+                    o, l = o.to(work), l.to(work)
+                    if acc is None:
+                        acc, lse = o, l
+                    else:
+                        merged = torch.logaddexp(lse, l)
+                        wa = torch.exp(lse - merged).nan_to_num(0.0)[..., None]
+                        wb = torch.exp(l - merged).nan_to_num(0.0)[..., None]
+                        acc, lse = acc * wa + o * wb, merged
+            if acc is not None:
+                out[:, :, q0:q1] = acc.to(q.dtype)
+                lse_all[:, :, q0:q1] = lse
+        ctx.save_for_backward(q, k, v, out, lse_all, pos_q, pos_k, pad, inv_freq)
+        ctx.args = (remap, scale, q_offset, rotary_dim, layout, block, band)
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, out, lse_all, pos_q, pos_k, pad, inv_freq = ctx.saved_tensors
+        remap, scale, q_offset, rotary_dim, layout, block, band = ctx.args
+        plan = _Plan(remap, pos_q, q.shape[2], k.shape[2], q_offset, pad, block, q.device, band)
+        deltas = [_deltas(case, pos_q, pos_k) for case in plan.cases]
+        pieces, ve = _pieces(q, k, v, plan, deltas, inv_freq, rotary_dim, layout)
+        do = do.contiguous()
+        lse_b = lse_all.masked_fill(torch.isinf(lse_all), float("inf"))  # a row with no key: probabilities 0
+        dqs = [torch.zeros_like(qc, dtype=torch.float32 if q.dtype != torch.float64 else q.dtype)
+               for qc, _ in pieces]
+        dks = [torch.zeros_like(kc, dtype=dqs[0].dtype) for _, kc in pieces]
+        dve = torch.zeros_like(ve, dtype=dqs[0].dtype)
+        for q0, q1, per_case in plan.blocks:
+            dob, ob, lb = do[:, :, q0:q1], out[:, :, q0:q1], lse_b[:, :, q0:q1]
+            for c, ((qc, kc), calls) in enumerate(zip(pieces, per_case)):
+                for a, z, mask in calls:
+                    dq, dk, dv = _attend_backward(dob, qc[:, :, q0:q1], kc[:, :, a:z], ve[:, :, a:z], ob, lb, mask,
+                                                  scale)
+                    dqs[c][:, :, q0:q1] += dq
+                    dks[c][:, :, a:z] += dk
+                    dve[:, :, a:z] += dv
+        groups = q.shape[1] // k.shape[1]
+        b, hkv, lk, d = k.shape
+        dq_total = torch.zeros_like(dqs[0])
+        dk_total = torch.zeros(b, hkv, lk, d, dtype=dqs[0].dtype, device=k.device)
+        for (dq_delta, dk_delta), dqc, dkc in zip(deltas, dqs, dks):
+            dq_total += _rerotate(dqc, None if dq_delta is None else -dq_delta, inv_freq, rotary_dim, layout)
+            dkc = dkc.view(b, hkv, groups, lk, d).sum(2)
+            dk_total += _rerotate(dkc, None if dk_delta is None else -dk_delta, inv_freq, rotary_dim, layout)
+        dv_total = dve.view(b, hkv, groups, lk, v.shape[-1]).sum(2)
+        return (dq_total.to(q.dtype), dk_total.to(k.dtype), dv_total.to(v.dtype),
+                None, None, None, None, None, None, None, None, None, None, None)
+
+
+def remap_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    remap: Remap,
+    *,
+    scale: float,
+    pos_q: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rotary_dim: int,
+    layout: str,
+    q_offset: int = 0,
+    key_valid: torch.Tensor | None = None,
+    band: int | None = None,
+    block: int = DEFAULT_BLOCK,
+) -> torch.Tensor:
+    """Causal attention whose pairs are rotated by the remap's f(i, j) (or a window with sinks), in O(L·block)
+    memory, with gradients for q, k and v.
+
+    Args:
+        q: (B, H, Lq, D) rotated by the model's rotary at ``pos_q``; k, v: (B, Hkv, Lk, D), k rotated at the keys'
+            positions (the cache as the unpatched model keeps it). The rotary acts on the first ``rotary_dim`` dims
+            in ``layout`` with frequencies ``inv_freq`` (R/2,).
+        remap: the remap, or a window with sinks (`Remap`).
+        scale: the logit scale.
+        pos_q: (B|1, Lq) int positions of the queries. Positions run on with the cache index within a row (the
+            keys' positions are their indices less the row's offset q_offset − pos_q[:, 0]).
+        q_offset: the cache index of the first query.
+        key_valid: (B|1, Lk) bool: left padding only (each row's invalid keys first, as transformers pads for
+            generation); None: all keys valid.
+        band: the model's own sliding window (keys each query sees), or None.
+        block: query rows per block.
+
+    Returns:
+        out (B, H, Lq, D) in q's dtype; a query that sees no key gets zeros.
+
+    Raises:
+        ValueError: positions that do not run on with the index, or padding that is not left padding.
+    """
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    lq, lk = q.shape[2], k.shape[2]
+    pos_q = pos_q.to(device=q.device, dtype=torch.long)
+    shift = q_offset - pos_q[:, :1]  # (B|1, 1): cache index minus position
+    if not torch.equal(pos_q + shift, torch.arange(lq, device=q.device).expand_as(pos_q) + q_offset):
+        raise ValueError("the remap engine needs positions that run on with the cache index in each row (no packed "
+                         "sequences or position resets)")
+    pos_k = torch.arange(lk, device=q.device)[None, :] - shift
+    if key_valid is None:
+        pad = torch.zeros(1, dtype=torch.long, device=q.device)
+    else:
+        pad = (~key_valid).long().cumprod(-1).sum(-1)  # leading invalid keys per row
+        expected = torch.arange(lk, device=q.device)[None, :] >= pad[:, None]
+        if not torch.equal(expected, key_valid.expand(expected.shape[0], lk)):
+            raise ValueError("the remap engine takes left padding only (each row's padding keys first)")
+    return _RemapAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), remap, float(scale), pos_q, pos_k,
+                                 int(q_offset), pad, inv_freq.to(q.device), int(rotary_dim), layout, int(block),
+                                 None if band is None else int(band))

@@ -44,11 +44,12 @@ from .kernels.attention import (
 )
 from .kernels.attention import _triton_import_error as _attention_triton_error
 from .kernels.attention.terms import flex_kinds
-from .kernels._common import debug_log
+from .kernels._common import compute_dtype, debug_log
 from .kernels.defaults import cuda_default_backend
 from .kernels._masks import band_allowed, mask_key_validity
 from .kernels.attention.tiled import tiled_attention, tiled_unsupported
 from .kernels.custom_ops import tiled_attention_op
+from .kernels.remap import remap_attention
 from .ops import expand_kv, masked_softmax
 
 __all__ = ["ATTN_IMPLEMENTATION", "attention_backend", "posenc_attention", "register_with_transformers"]
@@ -419,6 +420,54 @@ def _compiled_tiled_attention(
                               sink=ctx.own_sink())
 
 
+def _remapped_attention(
+    ctx: PosContext,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    causal: bool,
+    q_offset: int | torch.Tensor,
+    scaling: float,
+    dropout: float,
+    training: bool,
+    need_weights: bool,
+) -> torch.Tensor | None:
+    """out (B, H, Lq, D) from the remap engine (`hf_posenc.kernels.remap`) for a rotary with a ``remap``, or with
+    its own sliding ``window`` (and sinks) on a causal text model; None for any other encoding.
+
+    A remap has no other path: inputs the engine does not take (attention probabilities, attention dropout
+    while training, a static cache's tensor offset, a mask that is not causal + left padding) raise a ValueError
+    saying so. A plain window on such inputs goes back to the full-matrix path with its band mask (logged at
+    debug level)."""
+    enc = unwrap(ctx.encoding)
+    remap = enc.remap() if callable(getattr(enc, "remap", None)) else None
+    if remap is None or not causal or ctx.grid is not None:
+        return None
+    reason, key_valid = None, None
+    if need_weights:
+        reason = "attention probabilities (output_attentions) are not computed by the remap engine"
+    elif dropout > 0 and training:
+        reason = "the remap engine has no attention dropout"
+    elif not isinstance(q_offset, int):
+        reason = "a static cache's offset is a tensor; the remap engine plans its pieces from the cache length"
+    else:
+        key_valid, reason = _key_validity(ctx, _as_bool_mask(attention_mask), causal, query.shape[2], key.shape[2],
+                                          q_offset, ctx.native_window(layer))
+    if reason is not None:
+        if remap.kind is not None:
+            raise ValueError(f"rope with remap={remap.kind!r}: {reason}")
+        debug_log(__name__, f"layer {layer}: the window's band mask (full matrix) runs: {reason}")
+        return None
+    inputs = enc.remap_inputs(ctx, layer, query.device)
+    if inputs["q_factor"] is not None:
+        query = (query.to(compute_dtype(query.dtype)) * inputs["q_factor"]).to(query.dtype)
+    return remap_attention(query, key, value, remap, scale=scaling, pos_q=ctx.position_ids, inv_freq=inputs["inv_freq"],
+                           rotary_dim=inputs["rotary_dim"], layout=inputs["layout"], q_offset=q_offset,
+                           key_valid=key_valid, band=ctx.native_window(layer))
+
+
 def posenc_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -477,6 +526,11 @@ def posenc_attention(
     # an encoding whose own path is the faster one for this call (fox_pro's and fire's CPU decoding steps)
     enc = unwrap(posenc_ctx.encoding) if posenc_ctx is not None else None
     own = isinstance(enc, PositionEncoding) and enc.skips_engines(posenc_ctx, query, key)
+    if posenc_ctx is not None:  # a rotary's remapped distances, or its own window: the remap engine
+        out = _remapped_attention(posenc_ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling,
+                                  dropout, training, need_weights)
+        if out is not None:
+            return out.transpose(1, 2).contiguous(), None
     if backend != "torch" and not need_weights and not in_op and not own:
         out = _kernel_attention(
             backend, posenc_ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling, dropout, training,

@@ -313,14 +313,15 @@ class Rope(PositionEncoding):
 
     @classmethod
     def resolve(cls, config: PosEncConfig, info: ModelInfo) -> PosEncConfig:
+        options = config.layer_options()
         config = cls._resolve_rotary(config, info)
         p = dict(config.params)
         kind = p.get("remap")
         if kind is None:
             return config
-        if config.window is not None:
+        if options["window"] is not None:
             raise ValueError(
-                f"{cls.name}: remap={kind!r} with window={config.window}: a remap already bounds every distance the "
+                f"{cls.name}: remap={kind!r} with window={options['window']}: a remap already bounds every distance the "
                 "model sees, and the engine does not cut a window out of its pieces; use one or the other"
             )
         if not info.causal:
@@ -344,7 +345,7 @@ class Rope(PositionEncoding):
                 f"{cls.name}: remap={kind!r} with rope_type={rope_type!r}: its frequencies change with the forward's "
                 "length, and the remap re-rotates cached keys by fixed frequencies; use yarn, linear, llama3 or none"
             )
-        return PosEncConfig(config.name, p, **config.layer_options())
+        return PosEncConfig(config.name, p, **options)
 
     @classmethod
     def _resolve_rotary(cls, config: PosEncConfig, info: ModelInfo) -> PosEncConfig:

@@ -23,13 +23,14 @@ Positions i, j below are the tokens' positions (``position_ids``: the cache inde
   each new token; its prefill takes the forward's whole length for every query), see `dca_logit_scale`.
 * the window's sinks at their cache positions (StreamingLLM, Xiao et al. 2023, arXiv:2309.17453): with a window
   of W keys and k sinks, a key i − j < W is at its distance; a sink j < k that the window no longer covers
-  sits just before the window's oldest key, f = W + k − 1 − j. With the sinks at their text positions
+  sits just before the window's oldest key, f = W + k − 1 − j (j the sink's position; the sinks are the first k
+  keys by cache index, as for the window). With the sinks at their text positions
   (``sink_positions="text"``) f = i − j everywhere.
 
 Each remap is stated once here, as `Remap.distance` (the oracle's f) and as `Remap.cases`: the pieces the
 engines compute, each a rotation of the queries to ``q_pos(i)`` and of the keys to ``k_pos(j)`` (f = q_pos −
-k_pos on the pairs where the piece holds), the range of distances i − j where it can hold (so the engines look
-only at those keys) and its exact selection. ``tests/test_remap.py`` checks that the cases cover every pair once
+k_pos on the pairs where the piece holds) and, per query, the interval of keys it holds on (``span``), so that
+the engines look only at those keys. ``tests/test_remap.py`` checks that the cases cover every pair once
 and give `Remap.distance`.
 """
 
@@ -148,8 +149,8 @@ class Remap:
             if self.sink is None or self.sink_positions == "text":
                 return d
             kj = pj if kj is None else kj.to(torch.float64)
-            far_sink = (d >= w) & (kj < self.sink)
-            return torch.where(far_sink, w + self.sink - 1 - kj, d)
+            far_sink = (d >= w) & (kj < self.sink)  # which keys are sinks: by cache index, as the window's sinks
+            return torch.where(far_sink, w + self.sink - 1 - pj, d)
         if self.kind == "rerope":
             return torch.clamp(d, max=w)
         if self.kind == "leaky_rerope":

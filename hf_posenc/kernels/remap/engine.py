@@ -80,6 +80,7 @@ class _Plan:
     def _calls(lo: torch.Tensor, hi: torch.Tensor) -> list[tuple[int, int, torch.Tensor | None]]:
         """The calls covering keys lo <= j < hi per row (B|1, n): the columns all rows see unmasked, the rest
         masked (bool (B|1, 1, n, m))."""
+        lo, hi = torch.broadcast_tensors(lo, hi)
         empty = hi <= lo
         lo = torch.where(empty, hi, lo)
         if bool(empty.all()):
@@ -245,8 +246,8 @@ def remap_attention(
             in ``layout`` with frequencies ``inv_freq`` (R/2,).
         remap: the remap, or a window with sinks (`Remap`).
         scale: the logit scale.
-        pos_q: (B|1, Lq) int positions of the queries. Positions run on with the cache index within a row (the
-            keys' positions are their indices less the row's offset q_offset − pos_q[:, 0]).
+        pos_q: (B|1, Lq) int positions of the queries. Positions run on with the cache index within a row, padding
+            aside (the keys' positions are their indices less the row's offset, read at its last query).
         q_offset: the cache index of the first query.
         key_valid: (B|1, Lk) bool: left padding only (each row's invalid keys first, as transformers pads for
             generation); None: all keys valid.
@@ -263,11 +264,7 @@ def remap_attention(
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     lq, lk = q.shape[2], k.shape[2]
     pos_q = pos_q.to(device=q.device, dtype=torch.long)
-    shift = q_offset - pos_q[:, :1]  # (B|1, 1): cache index minus position
-    if not torch.equal(pos_q + shift, torch.arange(lq, device=q.device).expand_as(pos_q) + q_offset):
-        raise ValueError("the remap engine needs positions that run on with the cache index in each row (no packed "
-                         "sequences or position resets)")
-    pos_k = torch.arange(lk, device=q.device)[None, :] - shift
+    index = torch.arange(lq, device=q.device)[None, :] + q_offset
     if key_valid is None:
         pad = torch.zeros(1, dtype=torch.long, device=q.device)
     else:
@@ -275,6 +272,16 @@ def remap_attention(
         expected = torch.arange(lk, device=q.device)[None, :] >= pad[:, None]
         if not torch.equal(expected, key_valid.expand(expected.shape[0], lk)):
             raise ValueError("the remap engine takes left padding only (each row's padding keys first)")
+    # each row's cache index minus position, read at its last query (a padding query's position is arbitrary:
+    # transformers gives them 1)
+    shift = index[:, -1:] - pos_q[:, -1:]
+    real = index >= pad[:, None]
+    runs_on, real, index_b = torch.broadcast_tensors(pos_q + shift, real, index)
+    if not torch.equal(runs_on[real], index_b[real]):
+        raise ValueError("the remap engine needs positions that run on with the cache index in each row (no packed "
+                         "sequences or position resets)")
+    pos_q = index - shift  # the padding queries' too: they see no key
+    pos_k = torch.arange(lk, device=q.device)[None, :] - shift
     return _RemapAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), remap, float(scale), pos_q, pos_k,
                                  int(q_offset), pad, inv_freq.to(q.device), int(rotary_dim), layout, int(block),
                                  None if band is None else int(band))

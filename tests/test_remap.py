@@ -46,8 +46,10 @@ REMAPS = {
     (Remap("dca", 3, chunk=13), 25, 1, 13 - 1),  # c = 10, i in chunk 2, j in chunk 0: inter at min(19, 13)
     (Remap("dca", 3, chunk=13), 12, 5, 12 - 5),  # successive: min(2 + 10, 13) − 5
     # StreamingLLM's sinks at cache positions: W + k − 1 − j for a sink the window no longer covers
-    (Remap(None, 5, sink=2, sink_positions="cache"), 10, 1, 5), (Remap(None, 5, sink=2, sink_positions="cache"), 10, 0, 6),
-    (Remap(None, 5, sink=2, sink_positions="cache"), 10, 7, 3), (Remap(None, 5, sink=2, sink_positions="text"), 10, 0, 10),
+    (Remap(None, 5, sink=2, sink_positions="cache"), 10, 1, 5),
+    (Remap(None, 5, sink=2, sink_positions="cache"), 10, 0, 6),
+    (Remap(None, 5, sink=2, sink_positions="cache"), 10, 7, 3),
+    (Remap(None, 5, sink=2, sink_positions="text"), 10, 0, 10),
 ])
 def test_distance_by_hand(remap, i, j, expected):
     got = remap.distance(torch.tensor(i), torch.tensor(j)).item()
@@ -338,13 +340,18 @@ def test_plan_and_config_key():
     assert keyed.config.position_encoding["remap_window"] == MAX_POSITIONS // 8
 
 
-def test_compiled_forward_equals_eager():
-    model = make_model("llama", encoding="rope", remap="self_extend")
+@pytest.mark.parametrize("params", [dict(remap="dca"), dict(window=20, sink=2, sink_positions="cache")])
+def test_compiled_step_equals_eager(params):
+    """torch.compile(fullgraph=True) keeps the engine (a custom op with its backward): the logits and a training
+    step's gradients of the eager model."""
+    model = make_model("llama", encoding="rope", train=True, **params)
     ids = torch.randint(0, VOCAB, (1, 100), generator=torch.Generator().manual_seed(8))
-    with torch.no_grad():
-        eager = model(ids).logits
-        compiled = torch.compile(model)(ids).logits
-    assert (eager - compiled).abs().max() < 1e-5
+    model(ids, labels=ids).loss.backward()
+    eager = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    torch.compile(model, fullgraph=True)(ids, labels=ids).loss.backward()
+    for name, p in model.named_parameters():
+        assert (p.grad - eager[name]).abs().max() < 1e-5, name
 
 
 # -- refusals -------------------------------------------------------------------------------------------------

@@ -321,8 +321,8 @@ class Rope(PositionEncoding):
             return config
         if options["window"] is not None:
             raise ValueError(
-                f"{cls.name}: remap={kind!r} with window={options['window']}: a remap already bounds every distance the "
-                "model sees, and the engine does not cut a window out of its pieces; use one or the other"
+                f"{cls.name}: remap={kind!r} with window={options['window']}: a remap already bounds every distance "
+                "the model sees, and the engine does not cut a window out of its pieces; use one or the other"
             )
         if not info.causal:
             raise ValueError(f"{cls.name}: remap={kind!r} is defined on causal models only; {info.family} is "

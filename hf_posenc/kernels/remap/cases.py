@@ -200,7 +200,8 @@ class Remap:
             return [near, Case("far", far, q_pos=lambda pi: torch.full_like(pi, w), k_pos=torch.zeros_like)]
         if self.kind == "leaky_rerope":
             g = self.group
-            return [near, Case("far", far, q_pos=lambda pi: pi.double() / g + (w - w / g), k_pos=lambda pj: pj.double() / g)]
+            return [near, Case("far", far, q_pos=lambda pi: pi.double() / g + (w - w / g),
+                               k_pos=lambda pj: pj.double() / g)]
         if self.kind == "self_extend":
             g = self.group
             shift = w - w // g

@@ -14,7 +14,8 @@ wide each) with a small mask. Nothing is L × L. The backward recomputes the pie
 output and log-sum-exp, so the fused backward's probabilities exp(s − lse) are the merged softmax's: the pieces'
 gradients add up to the exact one, then turn back through their rotations (R(δ)ᵀ = R(−δ)).
 
-The fused kernel is torch's CPU flash attention (`hf_posenc.kernels._cpu_flash`); elsewhere (CUDA, or a torch
+The engine is a pair of custom ops (``hf_posenc::remap_attention`` and its backward), which ``torch.compile``
+keeps as nodes of its graph (``fullgraph=True`` too). The fused kernel is torch's CPU flash attention (`hf_posenc.kernels._cpu_flash`); elsewhere (CUDA, or a torch
 without it) each call is computed from its (block × keys) logits in PyTorch, the same O(L·block) memory.
 """
 
@@ -156,69 +157,144 @@ def _pieces(q, k, v, plan, deltas, inv_freq, rotary_dim, layout):
     return out, ve
 
 
-class _RemapAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, remap, scale, pos_q, pos_k, q_offset, pad, inv_freq, rotary_dim, layout, block, band):
-        plan = _Plan(remap, pos_q, q.shape[2], k.shape[2], q_offset, pad, block, q.device, band)
-        deltas = [_deltas(case, pos_q, pos_k) for case in plan.cases]
-        pieces, ve = _pieces(q, k, v, plan, deltas, inv_freq, rotary_dim, layout)
-        b, h, lq, d = q.shape
-        work = torch.float64 if q.dtype == torch.float64 else torch.float32
-        out = torch.zeros(b, h, lq, v.shape[-1], dtype=q.dtype, device=q.device)
-        lse_all = torch.full((b, h, lq), float("-inf"), dtype=work, device=q.device)
-        for q0, q1, per_case in plan.blocks:
-            acc, lse = None, None
-            for (qc, kc), calls in zip(pieces, per_case):
-                for a, z, mask in calls:
-                    o, l = _attend(qc[:, :, q0:q1], kc[:, :, a:z], ve[:, :, a:z], mask, scale)
-                    o, l = o.to(work), l.to(work)
-                    if acc is None:
-                        acc, lse = o, l
-                    else:
-                        merged = torch.logaddexp(lse, l)
-                        wa = torch.exp(lse - merged).nan_to_num(0.0)[..., None]
-                        wb = torch.exp(l - merged).nan_to_num(0.0)[..., None]
-                        acc, lse = acc * wa + o * wb, merged
-            if acc is not None:
-                out[:, :, q0:q1] = acc.to(q.dtype)
-                lse_all[:, :, q0:q1] = lse
-        ctx.save_for_backward(q, k, v, out, lse_all, pos_q, pos_k, pad, inv_freq)
-        ctx.args = (remap, scale, q_offset, rotary_dim, layout, block, band)
-        return out
+def _positions(pos_q: torch.Tensor, key_valid: torch.Tensor | None, q_offset: int, lk: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(query positions (B|1, Lq), key positions (B|1, Lk), leading padding keys per row (B|1,)) from the
+    queries' positions and the key padding; ``ValueError`` where they are not what the engine takes."""
+    device = pos_q.device
+    lq = pos_q.shape[1]
+    index = torch.arange(lq, device=device)[None, :] + q_offset
+    if key_valid is None:
+        pad = torch.zeros(1, dtype=torch.long, device=device)
+    else:
+        pad = (~key_valid).long().cumprod(-1).sum(-1)  # leading invalid keys per row
+        expected = torch.arange(lk, device=device)[None, :] >= pad[:, None]
+        if not torch.equal(expected, key_valid.expand(expected.shape[0], lk)):
+            raise ValueError("the remap engine takes left padding only (each row's padding keys first)")
+    # each row's cache index minus position, read at its last query (a padding query's position is arbitrary:
+    # transformers gives them 1)
+    shift = index[:, -1:] - pos_q[:, -1:]
+    real = index >= pad[:, None]
+    runs_on, real, index_b = torch.broadcast_tensors(pos_q + shift, real, index)
+    if not torch.equal(runs_on[real], index_b[real]):
+        raise ValueError("the remap engine needs positions that run on with the cache index in each row (no packed "
+                         "sequences or position resets)")
+    return index - shift, torch.arange(lk, device=device)[None, :] - shift, pad
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, out, lse_all, pos_q, pos_k, pad, inv_freq = ctx.saved_tensors
-        remap, scale, q_offset, rotary_dim, layout, block, band = ctx.args
-        plan = _Plan(remap, pos_q, q.shape[2], k.shape[2], q_offset, pad, block, q.device, band)
-        deltas = [_deltas(case, pos_q, pos_k) for case in plan.cases]
-        pieces, ve = _pieces(q, k, v, plan, deltas, inv_freq, rotary_dim, layout)
-        do = do.contiguous()
-        lse_b = lse_all.masked_fill(torch.isinf(lse_all), float("inf"))  # a row with no key: probabilities 0
-        dqs = [torch.zeros_like(qc, dtype=torch.float32 if q.dtype != torch.float64 else q.dtype)
-               for qc, _ in pieces]
-        dks = [torch.zeros_like(kc, dtype=dqs[0].dtype) for _, kc in pieces]
-        dve = torch.zeros_like(ve, dtype=dqs[0].dtype)
-        for q0, q1, per_case in plan.blocks:
-            dob, ob, lb = do[:, :, q0:q1], out[:, :, q0:q1], lse_b[:, :, q0:q1]
-            for c, ((qc, kc), calls) in enumerate(zip(pieces, per_case)):
-                for a, z, mask in calls:
-                    dq, dk, dv = _attend_backward(dob, qc[:, :, q0:q1], kc[:, :, a:z], ve[:, :, a:z], ob, lb, mask,
-                                                  scale)
-                    dqs[c][:, :, q0:q1] += dq
-                    dks[c][:, :, a:z] += dk
-                    dve[:, :, a:z] += dv
-        groups = q.shape[1] // k.shape[1]
-        b, hkv, lk, d = k.shape
-        dq_total = torch.zeros_like(dqs[0])
-        dk_total = torch.zeros(b, hkv, lk, d, dtype=dqs[0].dtype, device=k.device)
-        for (dq_delta, dk_delta), dqc, dkc in zip(deltas, dqs, dks):
-            dq_total += _rerotate(dqc, None if dq_delta is None else -dq_delta, inv_freq, rotary_dim, layout)
-            dkc = dkc.view(b, hkv, groups, lk, d).sum(2)
-            dk_total += _rerotate(dkc, None if dk_delta is None else -dk_delta, inv_freq, rotary_dim, layout)
-        dv_total = dve.view(b, hkv, groups, lk, v.shape[-1]).sum(2)
-        return (dq_total.to(q.dtype), dk_total.to(k.dtype), dv_total.to(v.dtype),
-                None, None, None, None, None, None, None, None, None, None, None)
+
+def _remap_of(kind: str, window: int, group: int | None, chunk: int | None, sink: int | None,
+              sink_positions: str) -> Remap:
+    return Remap(kind or None, window, group=group, chunk=chunk, sink=sink, sink_positions=sink_positions)
+
+
+def _setup(q, k, v, pos_q, key_valid, inv_freq, remap, q_offset, rotary_dim, layout, block, band):
+    pos_q, pos_k, pad = _positions(pos_q.to(torch.long), key_valid, q_offset, k.shape[2])
+    plan = _Plan(remap, pos_q, q.shape[2], k.shape[2], q_offset, pad, block, q.device, band)
+    deltas = [_deltas(case, pos_q, pos_k) for case in plan.cases]
+    pieces, ve = _pieces(q, k, v, plan, deltas, inv_freq, rotary_dim, layout)
+    return plan, deltas, pieces, ve
+
+
+_EXACT = (torch.Tag.needs_exact_strides,)
+
+
+@torch.library.custom_op("hf_posenc::remap_attention", mutates_args=(), tags=_EXACT)
+def _remap_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_q: torch.Tensor, key_valid: torch.Tensor | None,
+    inv_freq: torch.Tensor, kind: str, window: int, group: int | None, chunk: int | None, sink: int | None,
+    sink_positions: str, scale: float, q_offset: int, rotary_dim: int, layout: str, block: int, band: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, H, Lq, D) in q's dtype, lse (B, H, Lq) in the compute dtype, −inf where a row sees no key)."""
+    remap = _remap_of(kind, window, group, chunk, sink, sink_positions)
+    plan, _, pieces, ve = _setup(q, k, v, pos_q, key_valid, inv_freq, remap, q_offset, rotary_dim, layout, block,
+                                 band)
+    b, h, lq, _ = q.shape
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(b, h, lq, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse_all = torch.full((b, h, lq), float("-inf"), dtype=work, device=q.device)
+    for q0, q1, per_case in plan.blocks:
+        acc, lse = None, None
+        for (qc, kc), calls in zip(pieces, per_case):
+            for a, z, mask in calls:
+                o, l = _attend(qc[:, :, q0:q1], kc[:, :, a:z], ve[:, :, a:z], mask, scale)
+                o, l = o.to(work), l.to(work)
+                if acc is None:
+                    acc, lse = o, l
+                else:
+                    merged = torch.logaddexp(lse, l)
+                    wa = torch.exp(lse - merged).nan_to_num(0.0)[..., None]
+                    wb = torch.exp(l - merged).nan_to_num(0.0)[..., None]
+                    acc, lse = acc * wa + o * wb, merged
+        if acc is not None:
+            out[:, :, q0:q1] = acc.to(q.dtype)
+            lse_all[:, :, q0:q1] = lse
+    return out, lse_all
+
+
+@_remap_forward.register_fake
+def _(q, k, v, pos_q, key_valid, inv_freq, kind, window, group, chunk, sink, sink_positions, scale, q_offset,
+      rotary_dim, layout, block, band):
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=work)
+
+
+@torch.library.custom_op("hf_posenc::remap_attention_backward", mutates_args=(), tags=_EXACT)
+def _remap_backward(
+    do: torch.Tensor, out: torch.Tensor, lse_all: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    pos_q: torch.Tensor, key_valid: torch.Tensor | None, inv_freq: torch.Tensor, kind: str, window: int,
+    group: int | None, chunk: int | None, sink: int | None, sink_positions: str, scale: float, q_offset: int,
+    rotary_dim: int, layout: str, block: int, band: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in the inputs' dtypes, each piece's gradients from the merged ``out`` and ``lse_all``."""
+    remap = _remap_of(kind, window, group, chunk, sink, sink_positions)
+    plan, deltas, pieces, ve = _setup(q, k, v, pos_q, key_valid, inv_freq, remap, q_offset, rotary_dim, layout,
+                                      block, band)
+    do = do.contiguous()
+    grad_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse_b = lse_all.masked_fill(torch.isinf(lse_all), float("inf"))  # a row with no key: probabilities 0
+    dqs = [torch.zeros_like(qc, dtype=grad_dtype) for qc, _ in pieces]
+    dks = [torch.zeros_like(kc, dtype=grad_dtype) for _, kc in pieces]
+    dve = torch.zeros_like(ve, dtype=grad_dtype)
+    for q0, q1, per_case in plan.blocks:
+        dob, ob, lb = do[:, :, q0:q1], out[:, :, q0:q1], lse_b[:, :, q0:q1]
+        for c, ((qc, kc), calls) in enumerate(zip(pieces, per_case)):
+            for a, z, mask in calls:
+                dq, dk, dv = _attend_backward(dob, qc[:, :, q0:q1], kc[:, :, a:z], ve[:, :, a:z], ob, lb, mask, scale)
+                dqs[c][:, :, q0:q1] += dq
+                dks[c][:, :, a:z] += dk
+                dve[:, :, a:z] += dv
+    groups = q.shape[1] // k.shape[1]
+    b, hkv, lk, d = k.shape
+    dq_total = torch.zeros_like(dqs[0])
+    dk_total = torch.zeros(b, hkv, lk, d, dtype=grad_dtype, device=k.device)
+    for (dq_delta, dk_delta), dqc, dkc in zip(deltas, dqs, dks):
+        dq_total += _rerotate(dqc, None if dq_delta is None else -dq_delta, inv_freq, rotary_dim, layout)
+        dkc = dkc.view(b, hkv, groups, lk, d).sum(2)
+        dk_total += _rerotate(dkc, None if dk_delta is None else -dk_delta, inv_freq, rotary_dim, layout)
+    dv_total = dve.view(b, hkv, groups, lk, v.shape[-1]).sum(2)
+    return dq_total.to(q.dtype), dk_total.to(k.dtype), dv_total.to(v.dtype)
+
+
+@_remap_backward.register_fake
+def _(do, out, lse_all, q, k, v, pos_q, key_valid, inv_freq, kind, window, group, chunk, sink, sink_positions,
+      scale, q_offset, rotary_dim, layout, block, band):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, pos_q, key_valid, inv_freq, *scalars = inputs
+    out, lse = output
+    ctx.scalars = scalars
+    ctx.save_for_backward(out, lse, q, k, v, pos_q, key_valid, inv_freq)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    out, lse, q, k, v, pos_q, key_valid, inv_freq = ctx.saved_tensors
+    dq, dk, dv = _remap_backward(grad_out.contiguous(), out, lse, q, k, v, pos_q, key_valid, inv_freq, *ctx.scalars)
+    return (dq, dk, dv) + (None,) * (3 + len(ctx.scalars))
+
+
+_remap_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def remap_attention(
@@ -262,26 +338,9 @@ def remap_attention(
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
-    lq, lk = q.shape[2], k.shape[2]
-    pos_q = pos_q.to(device=q.device, dtype=torch.long)
-    index = torch.arange(lq, device=q.device)[None, :] + q_offset
-    if key_valid is None:
-        pad = torch.zeros(1, dtype=torch.long, device=q.device)
-    else:
-        pad = (~key_valid).long().cumprod(-1).sum(-1)  # leading invalid keys per row
-        expected = torch.arange(lk, device=q.device)[None, :] >= pad[:, None]
-        if not torch.equal(expected, key_valid.expand(expected.shape[0], lk)):
-            raise ValueError("the remap engine takes left padding only (each row's padding keys first)")
-    # each row's cache index minus position, read at its last query (a padding query's position is arbitrary:
-    # transformers gives them 1)
-    shift = index[:, -1:] - pos_q[:, -1:]
-    real = index >= pad[:, None]
-    runs_on, real, index_b = torch.broadcast_tensors(pos_q + shift, real, index)
-    if not torch.equal(runs_on[real], index_b[real]):
-        raise ValueError("the remap engine needs positions that run on with the cache index in each row (no packed "
-                         "sequences or position resets)")
-    pos_q = index - shift  # the padding queries' too: they see no key
-    pos_k = torch.arange(lk, device=q.device)[None, :] - shift
-    return _RemapAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), remap, float(scale), pos_q, pos_k,
-                                 int(q_offset), pad, inv_freq.to(q.device), int(rotary_dim), layout, int(block),
-                                 None if band is None else int(band))
+    out, _ = _remap_forward(q.contiguous(), k.contiguous(), v.contiguous(), pos_q.to(device=q.device),
+                            key_valid, inv_freq.to(device=q.device, dtype=torch.float32), remap.kind or "",
+                            int(remap.window), remap.group, remap.chunk, remap.sink, remap.sink_positions,
+                            float(scale), int(q_offset), int(rotary_dim), layout, int(block),
+                            None if band is None else int(band))
+    return out

@@ -169,6 +169,23 @@ def test_engine_float32_relative_error(name):
         assert ((a - b).norm() / a.norm()) < 1e-5
 
 
+@pytest.mark.parametrize("name", ["dca", "window_sink_cache"])
+def test_engine_without_the_fused_kernel(name, monkeypatch):
+    """The path other devices take (each call from its block's logits in PyTorch) against the oracle too."""
+    import hf_posenc.kernels.remap.engine as engine
+
+    monkeypatch.setattr(engine, "_fused", lambda device, dtype: False)
+    q, k, v, args, pos_k, shift = _inputs(q_offset=3, shift=[0, 2])
+    key_valid = torch.arange(k.shape[2])[None] >= shift
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    expected = remap_reference(q, k, v, REMAPS[name], pos_k=pos_k, key_valid=key_valid, **args)
+    got = remap_attention(q, k, v, REMAPS[name], key_valid=key_valid, block=8, **args)
+    assert (got - expected).abs().max() < 1e-10
+    grad = torch.randn_like(expected)
+    for a, b in zip(torch.autograd.grad(expected, (q, k, v), grad), torch.autograd.grad(got, (q, k, v), grad)):
+        assert (a - b).abs().max() < 1e-10
+
+
 def test_engine_refuses_right_padding_and_position_resets():
     q, k, v, args, _, _ = _inputs()
     right = torch.ones(1, k.shape[2], dtype=torch.bool)

@@ -21,6 +21,8 @@ without it) each call is computed from its (block × keys) logits in PyTorch, th
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ...ops import expand_kv
@@ -105,35 +107,69 @@ class _Plan:
         return [masked(l0, h1)]
 
 
+@functools.lru_cache(maxsize=1)
+def _fused_takes_gqa() -> bool:
+    """Whether torch's fused CPU attention takes fewer key/value heads than query heads (grouped-query), forward
+    and backward, with the results of expanded keys: probed once on a tiny case (torch 2.13 does)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 3, 4, generator=g) for h in (4, 2, 2))
+    try:
+        out, lse = FLASH_FORWARD(q, k, v, 0.0, False, scale=0.5)
+        ref, ref_lse = FLASH_FORWARD(q, expand_kv(k, 2), expand_kv(v, 2), 0.0, False, scale=0.5)
+        grads = FLASH_BACKWARD(out, q, k, v, out, lse, 0.0, False, scale=0.5)
+        ref_grads = FLASH_BACKWARD(ref, q, expand_kv(k, 2), expand_kv(v, 2), ref, ref_lse, 0.0, False, scale=0.5)
+    except RuntimeError:
+        return False
+    reduced = [ref_grads[0]] + [x.view(1, 2, 2, 3, 4).sum(2) for x in ref_grads[1:]]
+    return (torch.allclose(out, ref, atol=1e-6) and all(a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
+                                                       for a, b in zip(grads, reduced)))
+
+
+def _float_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 def _attend(q, k, v, mask, scale):
-    """(out (B, H, n, D), lse (B, H, n) float32 or float64; −inf where a row sees no key) of one call."""
+    """(out (B, H, n, D), lse (B, H, n) float32 or float64; −inf where a row sees no key) of one call; k, v
+    (B, Hkv, m, D) with H a multiple of Hkv."""
+    groups = q.shape[1] // k.shape[1]
     if _fused(q.device, q.dtype):
-        float_mask = None
-        if mask is not None:
-            float_mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-        out, lse = FLASH_FORWARD(q, k, v, 0.0, False, attn_mask=float_mask, scale=scale)
+        if groups > 1 and not _fused_takes_gqa():
+            k, v = expand_kv(k, groups), expand_kv(v, groups)
+        out, lse = FLASH_FORWARD(q, k, v, 0.0, False, attn_mask=_float_mask(mask, q.dtype), scale=scale)
         if mask is not None:  # the kernel gives a row with no key lse 0
             lse = lse.masked_fill(~mask.any(-1), float("-inf"))
         return out, lse
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    s = (q.to(work) @ k.to(work).transpose(-1, -2)) * scale
+    s = (q.to(work) @ expand_kv(k, groups).to(work).transpose(-1, -2)) * scale
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
-    return (p @ v.to(work)).to(q.dtype), lse
+    return (p @ expand_kv(v, groups).to(work)).to(q.dtype), lse
+
+
+def _reduce_groups(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """(B, H, m, D) gradients of expanded keys or values -> (B, Hkv, m, D), summed over each group."""
+    b, h, m, d = x.shape
+    return x if h == hkv else x.view(b, hkv, h // hkv, m, d).sum(2)
 
 
 def _attend_backward(do, q, k, v, out, lse, mask, scale):
-    """(dq, dk, dv) of one call, given the merged ``out`` and ``lse`` (+inf where a row sees no key at all)."""
+    """(dq, dk, dv) of one call (dk, dv with k's heads), given the merged ``out`` and ``lse`` (+inf where a row
+    sees no key at all)."""
+    hkv, groups = k.shape[1], q.shape[1] // k.shape[1]
     if _fused(q.device, q.dtype):
-        float_mask = None
-        if mask is not None:
-            float_mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-        return FLASH_BACKWARD(do, q, k, v, out, lse.to(torch.float32 if q.dtype != torch.float64 else q.dtype),
-                              0.0, False, attn_mask=float_mask, scale=scale)
+        expand = groups > 1 and not _fused_takes_gqa()
+        ke, ve = (expand_kv(k, groups), expand_kv(v, groups)) if expand else (k, v)
+        lse = lse.to(torch.float32 if q.dtype != torch.float64 else q.dtype)
+        dq, dk, dv = FLASH_BACKWARD(do, q, ke, ve, out, lse, 0.0, False, attn_mask=_float_mask(mask, q.dtype),
+                                    scale=scale)
+        return dq, _reduce_groups(dk, hkv), _reduce_groups(dv, hkv)
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    qw, kw, vw, dow = q.to(work), k.to(work), v.to(work), do.to(work)
+    qw, kw, vw, dow = q.to(work), expand_kv(k, groups).to(work), expand_kv(v, groups).to(work), do.to(work)
     s = (qw @ kw.transpose(-1, -2)) * scale
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
@@ -142,19 +178,14 @@ def _attend_backward(do, q, k, v, out, lse, mask, scale):
     dp = dow @ vw.transpose(-1, -2)
     delta = (dow * out.to(work)).sum(-1, keepdim=True)
     ds = p * (dp - delta) * scale
-    return (ds @ kw).to(q.dtype), (ds.transpose(-1, -2) @ qw).to(k.dtype), dv.to(v.dtype)
+    return ((ds @ kw).to(q.dtype), _reduce_groups(ds.transpose(-1, -2) @ qw, hkv).to(k.dtype),
+            _reduce_groups(dv, hkv).to(v.dtype))
 
 
-def _pieces(q, k, v, plan, deltas, inv_freq, rotary_dim, layout):
-    """Per piece: its queries (B, H, Lq, D) and keys (B, H, Lk, D) re-rotated, GQA keys and values expanded."""
-    groups = q.shape[1] // k.shape[1]
-    ve = expand_kv(v, groups)
-    out = []
-    for (dq, dk) in deltas:
-        qc = _rerotate(q, dq, inv_freq, rotary_dim, layout)
-        kc = expand_kv(_rerotate(k, dk, inv_freq, rotary_dim, layout), groups)
-        out.append((qc, kc))
-    return out, ve
+def _pieces(q, k, plan, deltas, inv_freq, rotary_dim, layout):
+    """Per piece: its queries (B, H, Lq, D) and keys (B, Hkv, Lk, D) re-rotated."""
+    return [(_rerotate(q, dq, inv_freq, rotary_dim, layout), _rerotate(k, dk, inv_freq, rotary_dim, layout))
+            for dq, dk in deltas]
 
 
 def _positions(pos_q: torch.Tensor, key_valid: torch.Tensor | None, q_offset: int, lk: int
@@ -191,8 +222,7 @@ def _setup(q, k, v, pos_q, key_valid, inv_freq, remap, q_offset, rotary_dim, lay
     pos_q, pos_k, pad = _positions(pos_q.to(torch.long), key_valid, q_offset, k.shape[2])
     plan = _Plan(remap, pos_q, q.shape[2], k.shape[2], q_offset, pad, block, q.device, band)
     deltas = [_deltas(case, pos_q, pos_k) for case in plan.cases]
-    pieces, ve = _pieces(q, k, v, plan, deltas, inv_freq, rotary_dim, layout)
-    return plan, deltas, pieces, ve
+    return plan, deltas, _pieces(q, k, plan, deltas, inv_freq, rotary_dim, layout)
 
 
 _EXACT = (torch.Tag.needs_exact_strides,)
@@ -206,7 +236,8 @@ def _remap_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, Lq, D) in q's dtype, lse (B, H, Lq) in the compute dtype, −inf where a row sees no key)."""
     remap = _remap_of(kind, window, group, chunk, sink, sink_positions)
-    plan, _, pieces, ve = _setup(q, k, v, pos_q, key_valid, inv_freq, remap, q_offset, rotary_dim, layout, block,
+    ve = v
+    plan, _, pieces = _setup(q, k, v, pos_q, key_valid, inv_freq, remap, q_offset, rotary_dim, layout, block,
                                  band)
     b, h, lq, _ = q.shape
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -247,7 +278,8 @@ def _remap_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in the inputs' dtypes, each piece's gradients from the merged ``out`` and ``lse_all``."""
     remap = _remap_of(kind, window, group, chunk, sink, sink_positions)
-    plan, deltas, pieces, ve = _setup(q, k, v, pos_q, key_valid, inv_freq, remap, q_offset, rotary_dim, layout,
+    ve = v
+    plan, deltas, pieces = _setup(q, k, v, pos_q, key_valid, inv_freq, remap, q_offset, rotary_dim, layout,
                                       block, band)
     do = do.contiguous()
     grad_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -259,20 +291,16 @@ def _remap_backward(
         dob, ob, lb = do[:, :, q0:q1], out[:, :, q0:q1], lse_b[:, :, q0:q1]
         for c, ((qc, kc), calls) in enumerate(zip(pieces, per_case)):
             for a, z, mask in calls:
-                dq, dk, dv = _attend_backward(dob, qc[:, :, q0:q1], kc[:, :, a:z], ve[:, :, a:z], ob, lb, mask, scale)
+                dq, dk, dv = _attend_backward(dob, qc[:, :, q0:q1], kc[:, :, a:z], ve[:, :, a:z], ob, lb, mask,
+                                              scale)
                 dqs[c][:, :, q0:q1] += dq
                 dks[c][:, :, a:z] += dk
                 dve[:, :, a:z] += dv
-    groups = q.shape[1] // k.shape[1]
-    b, hkv, lk, d = k.shape
-    dq_total = torch.zeros_like(dqs[0])
-    dk_total = torch.zeros(b, hkv, lk, d, dtype=grad_dtype, device=k.device)
+    dq_total, dk_total = torch.zeros_like(dqs[0]), torch.zeros_like(dks[0])
     for (dq_delta, dk_delta), dqc, dkc in zip(deltas, dqs, dks):
         dq_total += _rerotate(dqc, None if dq_delta is None else -dq_delta, inv_freq, rotary_dim, layout)
-        dkc = dkc.view(b, hkv, groups, lk, d).sum(2)
         dk_total += _rerotate(dkc, None if dk_delta is None else -dk_delta, inv_freq, rotary_dim, layout)
-    dv_total = dve.view(b, hkv, groups, lk, v.shape[-1]).sum(2)
-    return dq_total.to(q.dtype), dk_total.to(k.dtype), dv_total.to(v.dtype)
+    return dq_total.to(q.dtype), dk_total.to(k.dtype), dve.to(v.dtype)
 
 
 @_remap_backward.register_fake

@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .pretrained import CONVERSION_ENCODINGS
-from .train import CONVERSION_STEPS, DEFAULT_ENCODINGS, TEXT_TASKS, MissingDependencyError, StudyConfig, run_study
+from .config import CONVERSION_ENCODINGS, CONVERSION_STEPS, DEFAULT_ENCODINGS, TEXT_TASKS, StudyConfig
+from .train import MissingDependencyError, run_study
 
 __all__ = [
     "DEFAULT_ENCODINGS",

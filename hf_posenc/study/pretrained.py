@@ -24,24 +24,18 @@ import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from . import data as D
+from .config import CONVERSION_ENCODINGS, StudyConfig
 from .sources import TextSource, subseed
-
-if TYPE_CHECKING:
-    from .train import StudyConfig
 
 __all__ = ["CONVERSION_ENCODINGS", "PretrainedTextSource", "checkpoint_record", "load_pretrained",
            "native_export_record", "resolve_source", "term_effect"]
 
-#: The default entries of a conversion study: the baselines, plain swaps, and compositions that start inert.
-CONVERSION_ENCODINGS: tuple[str, ...] = (
-    "rope", "rope:eval_scaling=yarn", "nope", "alibi", "fire", "rope+fox:init=identity", "rope+fire:init=identity",
-)
 #: the fraction of the text's tokens that trains (the rest evaluates).
 TRAIN_FRACTION = 0.9
 

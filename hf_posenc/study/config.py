@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 from ..registry import list_encodings
 from . import data as D
-from .long import DEFAULT_PASSKEY_LENGTHS, DEFAULT_PASSKEY_POSITIONS
+from .long import DEFAULT_LONG_FACTOR, DEFAULT_PASSKEY_POSITIONS, check_long_factor, default_passkey_lengths
 from .recipes import parse_study_entry
 
 __all__ = [
@@ -81,9 +81,11 @@ class StudyConfig:
     eval_tokens: int | None = None  # 16384 (a conversion study: 1024)
     eval_sequences: int = 128
     #: a conversion study: also evaluate past the pretrained context P (hf_posenc.study.long): perplexity on
-    #: [P/2, P) and [P, 2P), passkey at passkey_lengths (fractions of P) with the key at passkey_positions
+    #: [P/2, P), [P, 2P), ... up to long_factor x P, passkey at passkey_lengths (fractions of P) with the key at
+    #: passkey_positions
     long_eval: bool = False
-    passkey_lengths: list[float] | None = None  # default long.DEFAULT_PASSKEY_LENGTHS
+    long_factor: int | None = None  # default long.DEFAULT_LONG_FACTOR (2): a power of two
+    passkey_lengths: list[float] | None = None  # default long.default_passkey_lengths(long_factor)
     passkey_positions: list[float] | None = None  # default long.DEFAULT_PASSKEY_POSITIONS
     progress: bool = True
     resume: bool = False  # continue from out/results.json (same settings), skipping the models it holds
@@ -104,17 +106,19 @@ class StudyConfig:
         if c.long_eval:
             if not convert:
                 raise ValueError("--long-eval evaluates past a pretrained checkpoint's context: it needs --from")
-            for name, default, ok in (("passkey_lengths", DEFAULT_PASSKEY_LENGTHS, lambda f: 0 < f <= 2),
-                                      ("passkey_positions", DEFAULT_PASSKEY_POSITIONS, lambda f: 0 <= f < 2)):
+            c.long_factor = check_long_factor(DEFAULT_LONG_FACTOR if c.long_factor is None else c.long_factor)
+            f_max = c.long_factor
+            for name, default, ok, bounds in (
+                    ("passkey_lengths", default_passkey_lengths(f_max), lambda f: 0 < f <= f_max, f"(0, {f_max}]"),
+                    ("passkey_positions", DEFAULT_PASSKEY_POSITIONS, lambda f: 0 <= f < f_max, f"[0, {f_max})")):
                 value = list(default) if getattr(c, name) is None else getattr(c, name)
                 if (not isinstance(value, (list, tuple)) or not value
                         or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and ok(f) for f in value)):
-                    bounds = "(0, 2]" if name == "passkey_lengths" else "[0, 2)"
                     raise ValueError(f"--{name.replace('_', '-')} must be fractions of the pretrained context in "
-                                     f"{bounds}, got {value!r}")
+                                     f"{bounds} (--long-factor {f_max}), got {value!r}")
                 setattr(c, name, sorted({float(f) for f in value}))
-        elif c.passkey_lengths is not None or c.passkey_positions is not None:
-            raise ValueError("--passkey-lengths and --passkey-positions apply with --long-eval only")
+        elif c.passkey_lengths is not None or c.passkey_positions is not None or c.long_factor is not None:
+            raise ValueError("--long-factor, --passkey-lengths and --passkey-positions apply with --long-eval only")
         if c.encodings is None:
             c.encodings = list(CONVERSION_ENCODINGS if convert else DEFAULT_ENCODINGS)
         if c.steps is None:

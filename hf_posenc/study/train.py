@@ -220,8 +220,9 @@ def study_encoding(
     entry = parse_study_entry(spec)
     notes: list[str] = []
     if entry.eval_scaling is not None:
+        factor = f"L/{config.train_len}" if entry.eval_factor is None else f"{entry.eval_factor:g}"
         notes.append(f"trained with plain rope; at each length L > {config.train_len} rope is re-patched with "
-                     f"{entry.eval_scaling} scaling of factor L/{config.train_len} (not retrained)")
+                     f"{entry.eval_scaling} scaling of factor {factor} (not retrained)")
     if entry.is_plan:
         return entry.encoding, notes, entry
     enc = entry.encoding
@@ -384,12 +385,13 @@ def _train_and_eval(
 def long_evaluation(model: nn.Module, entry: StudyEntry, data: DataSource, device: torch.device,
                     label: str = "") -> dict[str, Any]:
     """An entry's evaluation past the pretrained context P (``hf_posenc.study.long``); an entry with scaling at
-    evaluation (``rope:eval_scaling=yarn``) is re-patched for 2P first (factor 2, ``original_max_position_embeddings``
-    P) and the result records the ``position_encoding`` it ran with."""
+    evaluation (``rope:eval_scaling=yarn``) is re-patched for FP first (factor F, the long factor, or its own
+    ``eval_factor``; ``original_max_position_embeddings`` P) and the result records the ``position_encoding`` it ran
+    with."""
     long = data.long
     extra = {}
     if entry.eval_scaling is not None:
-        extra["eval_position_encoding"] = apply_eval_scaling(model, entry, long.context, 2 * long.context)
+        extra["eval_position_encoding"] = apply_eval_scaling(model, entry, long.context, long.factor * long.context)
     return {**data.evaluate_long(model, device, label), **extra}
 
 
@@ -469,7 +471,7 @@ def _load_previous(config: StudyConfig, device: torch.device) -> dict[str, Any]:
     then = prev["settings"]
     # settings that a results.json written before they existed ran with
     then = {"long_eval": False, "passkey_lengths": None, "passkey_positions": None, "encoding_lr": then.get("lr"),
-            **then}
+            "long_factor": 2 if then.get("long_eval") else None, **then}
     diff = [f"{k} {then.get(k)!r} (now {v!r})" for k, v in now.items()
             if k not in _RESUME_FREE and _jsonish(then.get(k)) != _jsonish(v)]
     if diff:
@@ -613,10 +615,17 @@ def run_study(config: StudyConfig) -> dict[str, Any]:
                 conversion["before_long_eval"] = prev["before_long_eval"]
         done: dict[tuple[str, int], dict[str, Any]] = {}
         if prev is not None:
-            now_data = _jsonish(datas[c.seeds[0]].describe())
-            if isinstance(prev.get("data"), dict) and "splits" not in prev["data"]:
+            now_data, then_data = _jsonish(datas[c.seeds[0]].describe()), _jsonish(prev.get("data"))
+            if isinstance(then_data, dict) and "splits" not in then_data:
                 now_data.pop("splits", None)  # a results.json from before the splits: its runs lack them only
-            if now_data != prev.get("data"):
+            then_long = then_data.get("long_eval") if isinstance(then_data, dict) else None
+            if isinstance(then_long, dict) and "factor" not in then_long and "long_eval" in now_data:
+                # a results.json from before --long-factor (factor 2, as its settings say): the same data, described
+                # without the factor, the bin of the kept losses (its runs lack them) and the new wording
+                for key in ("factor", "nll_bin_tokens", "how"):
+                    now_data["long_eval"].pop(key, None)
+                    then_long.pop(key, None)
+            if now_data != then_data:
                 raise ValueError(f"--resume: the data differ from those of {c.out}/results.json (another --data "
                                  "file, or it changed); resume on the same data, or write to another --out")
             old_seed = prev["settings"].get("seed", 0)
@@ -686,9 +695,10 @@ def _start_long_eval(c: StudyConfig, data: DataSource, device: torch.device, con
     todo = entries + before
     wall = est["per_entry_seconds"] * (before + math.ceil(entries / max(1, c.jobs)))
     lengths = sorted({n for h in long.haystacks for n in h.lengths})
+    bands = " ".join(f"[{lo}, {hi})" for lo, hi in long.bands[1:])
     print(
-        f"hf-posenc study: long evaluation (--long-eval) past the pretrained context P = {long.context}: perplexity "
-        f"on [{long.context // 2}, {long.context}) and [{long.context}, {2 * long.context}) of {2 * long.context} "
+        f"hf-posenc study: long evaluation (--long-eval) past the pretrained context P = {long.context} up to "
+        f"{long.factor}P (--long-factor {long.factor}): perplexity on {bands} of {long.window.numel()} "
         f"held-out tokens, passkey at {', '.join(map(str, lengths))} tokens in them; {est['passes_per_entry']} "
         f"prefill(s) of {est['pass_tokens']} tokens per entry (chunks of {long.chunk}). Timed on the unpatched model "
         f"(first chunks {est['chunk_seconds']} s): about {_minutes(est['per_entry_seconds'])} per entry, "

@@ -10,7 +10,10 @@ running module ``A`` imports module ``B``:
 - importing ``P.Q.m`` also runs the packages ``P`` and ``P.Q``; an edge goes to each of them that does not
   enclose ``A`` itself (a module's own enclosing packages are already being imported when it runs, so the
   import statement adds nothing there);
-- imports under ``if TYPE_CHECKING:`` never run and are left out;
+- imports under ``if TYPE_CHECKING:`` never run and are left out of ``test_no_import_cycles``; they are edges
+  all the same for ``test_no_cycles_even_for_type_checkers`` (issue 54: ``study.train`` imported
+  ``study.pretrained`` and ``study.sources``, which imported ``StudyConfig`` back from it under ``TYPE_CHECKING``:
+  a circle in the design, for readers and type checkers, that only the import order hid);
 - **imports inside functions count** like module-level ones. A function-level import that exists to break
   a module-level cycle is still a cycle in the design (the two modules still need each other); it only moves
   the failure from import time to call time. The one exception is :data:`LAZY_ALLOWED`: imports inside a
@@ -42,12 +45,14 @@ LAZY_ALLOWED: dict[tuple[str, str], str] = {}
 
 @dataclass(frozen=True)
 class Edge:
-    """One import of module ``target`` by module ``source`` at ``line``; ``lazy`` when inside a function."""
+    """One import of module ``target`` by module ``source`` at ``line``; ``lazy`` when inside a function,
+    ``typing`` when under ``if TYPE_CHECKING:`` (it never runs)."""
 
     source: str
     target: str
     line: int
     lazy: bool
+    typing: bool = False
 
 
 def _modules(root: Path = ROOT, package: str = PACKAGE) -> dict[str, Path]:
@@ -67,21 +72,28 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports(tree: ast.AST):
-    """Yield (import node, inside a function) for every import that runs, skipping ``if TYPE_CHECKING:``."""
+def _imports(tree: ast.AST, type_checking: bool = False):
+    """Yield (import node, inside a function, under ``if TYPE_CHECKING:``) for every import that runs, and with
+    ``type_checking`` also for those under ``if TYPE_CHECKING:`` (skipped otherwise)."""
 
-    def walk(node: ast.AST, lazy: bool):
+    def walk(node: ast.AST, lazy: bool, typing: bool):
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and _is_type_checking(child.test):
+                if type_checking:
+                    for other in child.body:
+                        yield from walk_one(other, lazy, True)
                 for other in child.orelse:
-                    yield from walk(other, lazy)
+                    yield from walk_one(other, lazy, typing)
                 continue
-            if isinstance(child, (ast.Import, ast.ImportFrom)):
-                yield child, lazy
-            inner = lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-            yield from walk(child, inner)
+            yield from walk_one(child, lazy, typing)
 
-    yield from walk(tree, False)
+    def walk_one(child: ast.AST, lazy: bool, typing: bool):
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child, lazy, typing
+        inner = lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        yield from walk(child, inner, typing)
+
+    yield from walk(tree, False, False)
 
 
 def _ancestors(name: str) -> list[str]:
@@ -89,8 +101,9 @@ def _ancestors(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
-def import_graph(root: Path = ROOT, package: str = PACKAGE) -> list[Edge]:
-    """Every import edge between the modules of ``package`` (its source under ``root``)."""
+def import_graph(root: Path = ROOT, package: str = PACKAGE, type_checking: bool = False) -> list[Edge]:
+    """Every import edge between the modules of ``package`` (its source under ``root``); with ``type_checking``
+    also the imports under ``if TYPE_CHECKING:``."""
     modules = _modules(root, package)
     edges = []
     for name, path in modules.items():
@@ -98,7 +111,7 @@ def import_graph(root: Path = ROOT, package: str = PACKAGE) -> list[Edge]:
         # The package that relative imports start from: the module's own for a package's __init__.
         base = name.split(".") if is_package else name.split(".")[:-1]
         own = set(_ancestors(name))
-        for node, lazy in _imports(ast.parse(path.read_text(), filename=str(path))):
+        for node, lazy, typing in _imports(ast.parse(path.read_text(), filename=str(path)), type_checking):
             targets = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -120,7 +133,7 @@ def import_graph(root: Path = ROOT, package: str = PACKAGE) -> list[Edge]:
                     raise AssertionError(f"{path}:{node.lineno}: imports {target}, which is not a module of {package}")
                 for module in [*_ancestors(target), target]:
                     if module in modules and module not in own and module != name:
-                        edges.append(Edge(name, module, node.lineno, lazy))
+                        edges.append(Edge(name, module, node.lineno, lazy, typing))
     return edges
 
 
@@ -180,7 +193,8 @@ def find_cycles(edges: list[Edge]) -> list[list[str]]:
 def _describe(component: list[str], edges: list[Edge]) -> str:
     inside = set(component)
     lines = [
-        f"  {e.source} -> {e.target} (line {e.line}{', inside a function' if e.lazy else ''})"
+        f"  {e.source} -> {e.target} (line {e.line}{', inside a function' if e.lazy else ''}"
+        f"{', under TYPE_CHECKING' if e.typing else ''})"
         for e in edges
         if e.source in inside and e.target in inside
     ]
@@ -195,6 +209,15 @@ def test_no_import_cycles():
     edges = _counted(import_graph())
     cycles = find_cycles(edges)
     assert not cycles, "import cycles:\n" + "\n".join(_describe(c, edges) for c in cycles)
+
+
+def test_no_cycles_even_for_type_checkers():
+    """Imports under ``if TYPE_CHECKING:`` never run, but a circle through them is still one in the design: what
+    two modules share belongs in a module below both (``hf_posenc.study.config`` holds ``StudyConfig``)."""
+    edges = _counted(import_graph(type_checking=True))
+    cycles = find_cycles(edges)
+    assert not cycles, "import cycles, counting TYPE_CHECKING imports:\n" + "\n".join(
+        _describe(c, edges) for c in cycles)
 
 
 def test_kernels_never_import_encodings():
@@ -295,6 +318,10 @@ def test_checker_counts_an_import_inside_a_function(tmp_path):
     assert [e.lazy for e in edges if e.source == "pkg.b"] == [True]
     # The TYPE_CHECKING import of c never runs: no c <-> d cycle.
     assert find_cycles(edges) == [["pkg.a", "pkg.b"]]
+    # ... but counted for type checkers, it closes one.
+    typed = import_graph(root, "pkg", type_checking=True)
+    assert [(e.target, e.typing) for e in typed if e.source == "pkg.c"] == [("pkg.d", True)]
+    assert find_cycles(typed) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]
 
 
 def test_checker_follows_enclosing_packages_and_relative_levels(tmp_path):

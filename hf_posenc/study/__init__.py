@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .pretrained import CONVERSION_ENCODINGS
-from .train import CONVERSION_STEPS, DEFAULT_ENCODINGS, TEXT_TASKS, MissingDependencyError, StudyConfig, run_study
+from .config import CONVERSION_ENCODINGS, CONVERSION_STEPS, DEFAULT_ENCODINGS, TEXT_TASKS, StudyConfig
+from .train import MissingDependencyError, run_study
 
 __all__ = [
     "DEFAULT_ENCODINGS",
@@ -102,14 +102,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "it before the swap, right after it and after fine-tuning (hf_posenc/study/pretrained.py)")
     p.add_argument("--long-eval", action="store_true",
                    help="with --from: also evaluate every entry (and the unpatched model) past the checkpoint's "
-                   "pretrained context P (its max_position_embeddings): perplexity on [P/2, P) and [P, 2P) of 2P "
-                   "held-out tokens, and passkey retrieval at lengths up to 2P. Minutes per entry on a CPU (prints "
-                   "its estimate first; docs/study.md); --resume continues it")
+                   "pretrained context P (its max_position_embeddings): perplexity on [P/2, P), [P, 2P), ... up to "
+                   "FP (--long-factor) held-out tokens, by band and by position (long_eval.png), and passkey "
+                   "retrieval at lengths up to FP. Minutes per entry on a CPU (prints its estimate first; "
+                   "docs/study.md); --resume continues it")
+    p.add_argument("--long-factor", type=int, default=None, metavar="F",
+                   help="--long-eval: evaluate up to F x P tokens, F a power of two (default 2; 4 adds the band "
+                   "[2P, 4P) and passkey lengths 3P and 4P)")
     p.add_argument("--passkey-lengths", type=float, nargs="+", default=None, metavar="F",
-                   help="--long-eval: passkey lengths as fractions of P (default 0.5 1 1.5 2)")
+                   help="--long-eval: passkey lengths as fractions of P, up to the long factor (default 0.5 1 1.5 2, "
+                   "then 3 4, 6 8, ... up to it)")
     p.add_argument("--passkey-positions", type=float, nargs="+", default=None, metavar="F",
-                   help="--long-eval: the key's position as fractions of P, one prefill of 2P tokens each (default "
-                   "0.25)")
+                   help="--long-eval: the key's position as fractions of P, one prefill of FP tokens each (default "
+                   "0.25); with several, passkey.png draws retrieval by key position and length")
     p.add_argument("--eval-sequences", type=int, default=d.eval_sequences,
                    help=f"synthetic tasks: evaluation sequences per length (default {d.eval_sequences})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -126,8 +131,8 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         encoding_lr=args.encoding_lr, seed=args.seed,
         seeds=args.seeds, jobs=args.jobs, device=args.device, threads=args.threads, out=args.out, data=args.data,
         factors=args.factors, eval_tokens=args.eval_tokens, eval_sequences=args.eval_sequences, progress=not args.no_progress,
-        resume=args.resume, source=args.source, long_eval=args.long_eval, passkey_lengths=args.passkey_lengths,
-        passkey_positions=args.passkey_positions,
+        resume=args.resume, source=args.source, long_eval=args.long_eval, long_factor=args.long_factor,
+        passkey_lengths=args.passkey_lengths, passkey_positions=args.passkey_positions,
     )
 
 

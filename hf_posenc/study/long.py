@@ -4,31 +4,39 @@ What users convert a pretrained model for is context beyond the length P it was 
 config's ``max_position_embeddings``). With ``--long-eval`` every entry of a conversion study (and the unpatched
 model, once) is also measured there, after its fine-tune:
 
-* **Perplexity per position band** on real text: one window of 2P held-out tokens (the end of the study's text,
+The evaluation reaches F x P tokens, F the *long factor* (``--long-factor``, a power of two, default 2):
+
+* **Perplexity per position band** on real text: one window of FP held-out tokens (the end of the study's text,
   which the fine-tune never sees), every token predicted from all the tokens before it in the window; the mean
-  loss over the targets at positions [0, P/2), [P/2, P) (inside the context) and [P, 2P) (beyond it).
+  loss over the targets at positions [0, P/2), [P/2, P) (inside the context), then [P, 2P), [2P, 4P), ... up to
+  FP (beyond it). The per-token losses are kept too, as means over bins of ``nll_bin(P)`` target positions
+  (P/32, at most 512 tokens; ``nll_bins`` in the result), for the picture of perplexity by position.
 * **Passkey retrieval** in the checkpoint's own tokens (Mohtashami and Jaggi 2023, as the YaRN and LongLoRA
   papers run it): a five-digit key in the sentence "The pass key is 12345. Remember it. 12345 is the pass key." at
   position ``f * P`` (``passkey_positions``, default 0.25) of a haystack of filler sentences ("The grass is green.
-  The sky is blue. ..."), and at each length L of ``passkey_lengths`` (fractions of P; default P/2, P, 3P/2, 2P)
-  the question "What is the pass key? The pass key is" with the key as its answer, ending at token L. Retrieved
-  when the argmax at every answer token is the key's token (teacher-forced, the same as greedy decoding); the
-  answer's log-probability is recorded too. Filler, not the held-out text, is the haystack: measured on
+  The sky is blue. ..."), and at each length L of ``passkey_lengths`` (fractions of P; default
+  `default_passkey_lengths`: P/2, P, 3P/2, 2P, then 3P, 4P, 6P, 8P, ... up to FP) the question "What is the pass
+  key? The pass key is" with the key as its answer, ending at token L. Retrieved when the argmax at every answer
+  token is the key's token (teacher-forced, the same as greedy decoding); the answer's log-probability is recorded
+  too. Filler, not the held-out text, is the haystack: measured on
   SmolLM2-135M (unpatched, 2 threads), a key 3.5k tokens before the question in the Python documentation was not
   retrieved (answer log-probability -8.9) where the same key 3.5k tokens back in filler (without the opening
   sentence) was (-1.0), both inside its 8k context.
 
-Each is one chunked prefill of 2P tokens with a ``DynamicCache`` (``chunk`` tokens at a time, P/8 up to 1024):
+Each is one chunked prefill of FP tokens with a ``DynamicCache`` (``chunk`` tokens at a time, P/8 up to 1024):
 the memory is O(L) for the cache plus O(chunk * L) for one chunk's attention, whichever engine runs (the unpatched
 model's SDPA gets a (chunk, L) mask; hf_posenc's attention runs its tile engine with the query offset), and the
 logits are (chunk, vocabulary), never (L, vocabulary). At each passkey length the question and its answer run on
 top of the cache of the first L - q tokens, are scored, and are cropped off again (``DynamicCache.crop``), so one
 prefill answers every length, each answer exactly that of a standalone prompt of L tokens. An entry with YaRN at
-evaluation (``rope:eval_scaling=yarn``) runs the whole long evaluation with factor 2 (2P / P), i.e. "YaRN x2".
+evaluation (``rope:eval_scaling=yarn``) runs the whole long evaluation with factor F (FP / P; "YaRN x2" by
+default), or with its own ``eval_factor`` (``rope:eval_scaling=yarn,eval_factor=4``: "YaRN x4"; see
+`hf_posenc.study.recipes`).
 
-Cost: (1 + number of key positions) prefills of 2P tokens per entry (two by default). ``estimate_seconds`` times
+Cost: (1 + number of key positions) prefills of FP tokens per entry (two by default). ``estimate_seconds`` times
 the first chunks of the band window on the unpatched model and extrapolates (a chunk's time grows linearly with
-the keys it sees); the study prints it before the first long evaluation.
+the keys it sees); the study prints it before the first long evaluation. Each entry's result records its wall and
+CPU time and its peak memory (`PeakMemory`).
 """
 
 from __future__ import annotations
@@ -39,19 +47,23 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 __all__ = [
-    "DEFAULT_PASSKEY_LENGTHS", "DEFAULT_PASSKEY_POSITIONS", "LongEvalData", "context_length", "estimate_seconds",
-    "evaluate_long", "make_long_eval",
+    "DEFAULT_LONG_FACTOR", "DEFAULT_PASSKEY_LENGTHS", "DEFAULT_PASSKEY_POSITIONS", "LongEvalData", "PeakMemory",
+    "band_edges", "check_long_factor", "context_length", "default_passkey_lengths", "estimate_seconds",
+    "evaluate_long", "make_long_eval", "nll_bin",
 ]
 
-#: passkey lengths, as fractions of the pretrained context P.
+#: the evaluation reaches DEFAULT_LONG_FACTOR x P tokens unless told otherwise (``--long-factor``).
+DEFAULT_LONG_FACTOR = 2
+#: passkey lengths, as fractions of the pretrained context P, at the default long factor (2).
 DEFAULT_PASSKEY_LENGTHS: tuple[float, ...] = (0.5, 1.0, 1.5, 2.0)
-#: the key's position in its haystack, as fractions of P (one haystack of 2P tokens each).
+#: the key's position in its haystack, as fractions of P (one haystack of FP tokens each).
 DEFAULT_PASSKEY_POSITIONS: tuple[float, ...] = (0.25,)
 #: the longest chunk of the prefill (tokens).
 MAX_CHUNK = 1024
@@ -61,6 +73,41 @@ _INTRO = ("There is an important piece of information hidden inside a lot of irr
 _FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 _KEY = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
 _QUESTION = "\nWhat is the pass key? The pass key is"
+
+
+def check_long_factor(factor: Any) -> int:
+    """``factor`` if it is a power of two >= 2 (an int), else ``ValueError`` (``TypeError`` for a non-integer)."""
+    if isinstance(factor, bool) or not isinstance(factor, int):
+        raise TypeError(f"--long-factor must be an integer (a power of two >= 2), got {factor!r}")
+    if factor < 2 or factor & (factor - 1):
+        raise ValueError(f"--long-factor must be a power of two >= 2 (the evaluation reaches F x P tokens: 2, 4, 8, "
+                         f"...), got {factor}")
+    return factor
+
+
+def default_passkey_lengths(factor: int = DEFAULT_LONG_FACTOR) -> tuple[float, ...]:
+    """The default passkey lengths up to ``factor`` x P, as fractions of P: P/2 and P, then the middle and the end
+    of each band past P (1.5, 2; 3, 4; 6, 8; ...). Factor 2 gives `DEFAULT_PASSKEY_LENGTHS`."""
+    lengths, lo = [0.5, 1.0], 1
+    while lo < check_long_factor(factor):
+        lengths += [1.5 * lo, 2.0 * lo]
+        lo *= 2
+    return tuple(lengths)
+
+
+def band_edges(context: int, factor: int = DEFAULT_LONG_FACTOR) -> list[tuple[int, int]]:
+    """The position bands of the perplexity: [0, P/2), [P/2, P), then [P, 2P), [2P, 4P), ... up to ``factor`` x P."""
+    bands, lo = [(0, context // 2), (context // 2, context)], 1
+    while lo < check_long_factor(factor):
+        bands.append((lo * context, 2 * lo * context))
+        lo *= 2
+    return bands
+
+
+def nll_bin(context: int) -> int:
+    """The bin of the per-token losses kept for the picture of perplexity by position: P/32 tokens (256 on an
+    8k context), at least 1 and at most 512."""
+    return max(1, min(512, context // 32))
 
 
 def context_length(config: Any) -> int:
@@ -74,7 +121,7 @@ def context_length(config: Any) -> int:
 
 @dataclass
 class Haystack:
-    """One passkey haystack: ``ids`` (2P,), filler with the key sentence at ``key_at``, the key, and per length L
+    """One passkey haystack: ``ids`` (FP,), filler with the key sentence at ``key_at``, the key, and per length L
     the question + answer ids (``question``) that follow the first ``L - len(question)`` tokens; ``answer`` is the
     number of answer tokens at the end of ``question``."""
 
@@ -91,25 +138,29 @@ class LongEvalData:
     """What the long evaluation runs on (built once per study, the same for every entry)."""
 
     context: int  # P
-    window: torch.Tensor  # (2P,) held-out tokens
+    window: torch.Tensor  # (FP,) held-out tokens
     haystacks: list[Haystack]
     chunk: int
     bands: list[tuple[int, int]] = field(default_factory=list)
+    factor: int = DEFAULT_LONG_FACTOR  # F
+    bin: int = 1  # target positions per bin of the kept per-token losses
 
     def describe(self) -> dict[str, Any]:
         return {
             "context": self.context,
+            "factor": self.factor,
             "window_tokens": int(self.window.numel()),
             "bands": [list(b) for b in self.bands],
+            "nll_bin_tokens": self.bin,
             "chunk": self.chunk,
             "passkey": [{"key_at": h.key_at, "lengths": h.lengths, "key": h.key} for h in self.haystacks],
-            "how": "chunked prefills with a DynamicCache; perplexity per band of target positions over 2P held-out "
-            "tokens; passkey in filler, teacher-forced on the answer tokens, each question run on the cache and "
-            "cropped off again (hf_posenc/study/long.py)",
+            "how": f"chunked prefills with a DynamicCache; perplexity per band of target positions over {self.factor}P "
+            "held-out tokens, and per bin of nll_bin_tokens positions; passkey in filler, teacher-forced on the answer "
+            "tokens, each question run on the cache and cropped off again (hf_posenc/study/long.py)",
         }
 
     def passes(self) -> int:
-        """Prefills of 2P tokens per entry: the band window and one per key position."""
+        """Prefills of FP tokens per entry: the band window and one per key position."""
         return 1 + len(self.haystacks)
 
 
@@ -118,23 +169,30 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
 
 
 def make_long_eval(tokenizer: Any, held_out: torch.Tensor, context: int, seed: int,
-                   lengths: tuple[float, ...] | list[float] = DEFAULT_PASSKEY_LENGTHS,
-                   positions: tuple[float, ...] | list[float] = DEFAULT_PASSKEY_POSITIONS) -> LongEvalData:
-    """The band window (the last 2P tokens of ``held_out``) and one passkey haystack per key position.
+                   lengths: tuple[float, ...] | list[float] | None = None,
+                   positions: tuple[float, ...] | list[float] = DEFAULT_PASSKEY_POSITIONS,
+                   factor: int = DEFAULT_LONG_FACTOR) -> LongEvalData:
+    """The band window (the last FP tokens of ``held_out``, F = ``factor``) and one passkey haystack of FP tokens
+    per key position; ``lengths`` None: `default_passkey_lengths` of ``factor``.
 
     Raises:
-        ValueError: fewer than 2P held-out tokens, or a length or position outside (0, 2] / [0, 2).
+        ValueError: F not a power of two >= 2, fewer than FP held-out tokens, or a length or position outside
+            (0, F] / [0, F).
     """
-    total = 2 * context
+    check_long_factor(factor)
+    total = factor * context
+    if lengths is None:
+        lengths = default_passkey_lengths(factor)
     if held_out.numel() < total:
-        raise ValueError(f"--long-eval needs 2P = {total} held-out tokens of text (P = {context}, the checkpoint's "
-                         f"max_position_embeddings); the text gives {held_out.numel()}: give a longer --data")
-    if not lengths or any(not 0 < f <= 2 for f in lengths):
-        raise ValueError(f"passkey lengths are fractions of P in (0, 2], got {list(lengths)}")
-    if not positions or any(not 0 <= f < 2 for f in positions):
-        raise ValueError(f"passkey key positions are fractions of P in [0, 2), got {list(positions)}")
+        raise ValueError(f"--long-eval needs {factor}P = {total} held-out tokens of text (P = {context}, the "
+                         f"checkpoint's max_position_embeddings); the text gives {held_out.numel()}: give a longer "
+                         "--data")
+    if not lengths or any(not 0 < f <= factor for f in lengths):
+        raise ValueError(f"passkey lengths are fractions of P in (0, {factor}], got {list(lengths)}")
+    if not positions or any(not 0 <= f < factor for f in positions):
+        raise ValueError(f"passkey key positions are fractions of P in [0, {factor}), got {list(positions)}")
     chunk = max(1, min(MAX_CHUNK, context // 8))
-    bands = [(0, context // 2), (context // 2, context), (context, total)]
+    bands = band_edges(context, factor)
     rng = random.Random(seed)
     intro, filler, question = _ids(tokenizer, _INTRO), _ids(tokenizer, _FILLER), _ids(tokenizer, _QUESTION)
     haystacks = []
@@ -152,7 +210,7 @@ def make_long_eval(tokenizer: Any, held_out: torch.Tensor, context: int, seed: i
             raise ValueError(f"passkey key position {f} P leaves no room for a question at lengths {list(lengths)} P")
         haystacks.append(Haystack(torch.tensor(ids[:total]), key, key_at, torch.tensor(question + answer),
                                   len(answer), kept))
-    return LongEvalData(context, held_out[-total:].clone(), haystacks, chunk, bands)
+    return LongEvalData(context, held_out[-total:].clone(), haystacks, chunk, bands, factor, nll_bin(context))
 
 
 def _forward(model: nn.Module, ids: torch.Tensor, cache: Any, device: torch.device) -> torch.Tensor:
@@ -206,6 +264,71 @@ def _pass(model: nn.Module, ids: torch.Tensor, chunk: int, device: torch.device,
     return results
 
 
+def _nll_bins(nll: torch.Tensor, size: int) -> list[float | None]:
+    """Mean loss per bin of ``size`` target positions: bin k holds the targets at positions [k size, (k + 1) size)
+    (the target at position t is ``nll[t - 1]``; position 0 has none, so the first bin holds size - 1 of them, and
+    None when that is none)."""
+    by_position = torch.cat([nll.new_full((1,), float("nan")), nll])
+    return [None if part.isnan().all() else round(float(part.nanmean()), 5) for part in by_position.split(size)]
+
+
+def _status_bytes(field_name: str) -> int:
+    """A memory figure of this process from ``/proc/self/status`` (``VmRSS``, ``VmHWM``), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1]) * 1024  # kB
+    raise ValueError(f"/proc/self/status has no {field_name}")
+
+
+class PeakMemory:
+    """The peak memory of the code inside ``with PeakMemory(device) as peak:``. On CUDA: the peak of
+    ``torch.cuda.max_memory_allocated`` (its counter reset at the start). Elsewhere: the process's peak resident
+    set (Linux's ``VmHWM``, reset to the current resident set through ``/proc/self/clear_refs`` at the start), which
+    counts the model's weights and everything else the process holds.
+
+    `record` gives ``peak_memory_mib`` (the peak), ``peak_memory_growth_mib`` (the peak less the memory at the
+    start: what the code added) and ``memory_measure`` (what was measured). Where neither can be read (not Linux,
+    ``/proc/self/clear_refs`` not writable) both numbers are None and ``memory_measure`` says why."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.start: int | None = None
+        self.peak: int | None = None
+        self.how = ""
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start = torch.cuda.memory_allocated(self.device)
+            self.how = "torch.cuda.max_memory_allocated, reset at the start"
+            return self
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+            self.start = _status_bytes("VmRSS")
+            self.how = "the process's peak resident set (VmHWM, reset through /proc/self/clear_refs at the start)"
+        except (OSError, ValueError) as e:
+            self.how = f"not measured: the peak resident set cannot be read here ({type(e).__name__}: {e})"
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.start is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self.peak = _status_bytes("VmHWM")
+
+    def record(self) -> dict[str, Any]:
+        """``peak_memory_mib``, ``peak_memory_growth_mib`` and ``memory_measure`` (see the class docstring)."""
+        def mib(n: int | None) -> float | None:
+            return None if n is None else round(n / 2**20, 1)
+
+        grown = None if self.peak is None or self.start is None else self.peak - self.start
+        return {"peak_memory_mib": mib(self.peak), "peak_memory_growth_mib": mib(grown), "memory_measure": self.how}
+
+
 def _bands(data: LongEvalData, nll: torch.Tensor) -> list[dict[str, Any]]:
     """Perplexity per band of target positions (the target at position t is ``nll[t - 1]``)."""
     out = []
@@ -219,9 +342,11 @@ def _bands(data: LongEvalData, nll: torch.Tensor) -> list[dict[str, Any]]:
 
 def evaluate_long(model: nn.Module, data: LongEvalData, device: torch.device, progress: bool = True,
                   label: str = "") -> dict[str, Any]:
-    """The long evaluation of ``model`` (see the module docstring): ``bands`` (perplexity per band), ``passkey``
-    (per key position and length), ``retrieved`` (the share of passkey questions answered), ``seconds`` and
-    ``cpu_seconds``; a progress bar over the tokens prefilled (on stderr) unless ``progress`` is False."""
+    """The long evaluation of ``model`` (see the module docstring): ``bands`` (perplexity per band), ``nll_bins``
+    (``tokens`` per bin and the mean ``loss`` of each bin of target positions, from position 0 to FP), ``passkey``
+    (per key position and length), ``retrieved`` (the share of passkey questions answered), ``seconds``,
+    ``cpu_seconds`` and the peak memory (`PeakMemory`); a progress bar over the tokens prefilled (on stderr) unless
+    ``progress`` is False."""
     from tqdm.auto import tqdm
 
     total = data.window.numel() + sum(max(h.lengths) - h.question.numel() for h in data.haystacks)
@@ -231,17 +356,21 @@ def evaluate_long(model: nn.Module, data: LongEvalData, device: torch.device, pr
     t0, cpu0 = time.perf_counter(), time.process_time()
     nll = torch.empty(data.window.numel() - 1, dtype=torch.float64)
     try:
-        _pass(model, data.window, data.chunk, device, bar.update, nll=nll)
-        passkey = [r for h in data.haystacks for r in _pass(model, h.ids, data.chunk, device, bar.update, hay=h)]
+        with PeakMemory(device) as peak:
+            _pass(model, data.window, data.chunk, device, bar.update, nll=nll)
+            passkey = [r for h in data.haystacks for r in _pass(model, h.ids, data.chunk, device, bar.update, hay=h)]
     finally:
         bar.close()
     return {
         "context": data.context,
+        "factor": data.factor,
         "bands": _bands(data, nll),
+        "nll_bins": {"tokens": data.bin, "loss": _nll_bins(nll, data.bin)},
         "passkey": passkey,
         "retrieved": sum(r["retrieved"] for r in passkey) / len(passkey),
         "seconds": round(time.perf_counter() - t0, 1),
         "cpu_seconds": round(time.process_time() - cpu0, 1),
+        **peak.record(),
     }
 
 

@@ -24,24 +24,18 @@ import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from . import data as D
+from .config import CONVERSION_ENCODINGS, StudyConfig
 from .sources import TextSource, subseed
-
-if TYPE_CHECKING:
-    from .train import StudyConfig
 
 __all__ = ["CONVERSION_ENCODINGS", "PretrainedTextSource", "checkpoint_record", "load_pretrained",
            "native_export_record", "resolve_source", "term_effect"]
 
-#: The default entries of a conversion study: the baselines, plain swaps, and compositions that start inert.
-CONVERSION_ENCODINGS: tuple[str, ...] = (
-    "rope", "rope:eval_scaling=yarn", "nope", "alibi", "fire", "rope+fox:init=identity", "rope+fire:init=identity",
-)
 #: the fraction of the text's tokens that trains (the rest evaluates).
 TRAIN_FRACTION = 0.9
 
@@ -191,21 +185,22 @@ class PretrainedTextSource(TextSource):
         ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
         cut = int(ids.numel() * TRAIN_FRACTION)
         self.long = None
-        if config.long_eval:  # the last 2P tokens are held out for the long evaluation (and the short one)
+        if config.long_eval:  # the last FP tokens are held out for the long evaluation (and the short one)
             from transformers import AutoConfig
 
             from .long import context_length, make_long_eval
 
-            context = context_length(AutoConfig.from_pretrained(path))
-            cut = min(cut, ids.numel() - 2 * context)
+            context, factor = context_length(AutoConfig.from_pretrained(path)), config.long_factor
+            cut = min(cut, ids.numel() - factor * context)
             if cut <= config.train_len:
                 raise ValueError(
-                    f"--long-eval holds out the last 2P = {2 * context} tokens of the text (P = {context}, the "
-                    f"checkpoint's max_position_embeddings), and the text has {ids.numel()} tokens in this "
-                    "checkpoint's tokenizer: too few left to fine-tune on; give a longer --data"
+                    f"--long-eval holds out the last {factor}P = {factor * context} tokens of the text (P = {context}, "
+                    f"the checkpoint's max_position_embeddings; --long-factor {factor}), and the text has "
+                    f"{ids.numel()} tokens in this checkpoint's tokenizer: too few left to fine-tune on; give a longer "
+                    "--data"
                 )
             self.long = make_long_eval(tokenizer, ids[cut:], context, subseed(self.seed, "passkey"),
-                                       config.passkey_lengths, config.passkey_positions)
+                                       config.passkey_lengths, config.passkey_positions, factor)
         self.corpus = SimpleNamespace(train=ids[:cut], val=ids[cut:], source=what)
         if self.corpus.train.numel() <= config.train_len:
             raise ValueError(f"the training split has {self.corpus.train.numel()} tokens: too few for --train-len")

@@ -8,7 +8,10 @@ an interrupted study keeps what it finished), `write_plot` then ``study.png``; i
 * ``table.md``: the markdown table that the command also prints;
 * ``study.png``: the metric against evaluation length, one line per encoding (matplotlib, Agg backend): one
   panel per evaluation split, the mean over the seeds with a band over their range, and for passkey a
-  heatmap of retrieval by depth and length per encoding.
+  heatmap of retrieval by depth and length per encoding;
+* with ``--long-eval``: ``long_eval.png``, perplexity by position up to FP, one line per entry, P and 2P marked
+  (`long_eval_figure`), and with several key positions ``passkey.png``, retrieval by key position and length per
+  entry (`passkey_figure`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from typing import Any
 __all__ = [
     "column_labels", "group_runs", "long_table", "markdown_table", "plot", "split_evals", "split_names", "spread",
     "write_json", "write_outputs", "write_plot", "write_profiles_figure", "write_results", "replot", "entry_style",
-    "log_ticks", "same_lines", "joined_label", "checkpoint_title", "plot_conversion",
+    "log_ticks", "same_lines", "joined_label", "checkpoint_title", "plot_conversion", "long_eval_figure",
+    "long_label", "passkey_figure", "write_long_plots",
 ]
 
 LEARNED_MARK = "†"
@@ -286,8 +290,10 @@ def joined_label(labels: list[str]) -> str:
 
 
 def _legend(ax: Any, **kw: Any) -> None:
-    """A legend whose handles are long enough to show a dashed line beside its marker."""
-    ax.legend(fontsize=8, handlelength=3.5, **kw)
+    """A legend whose handles are long enough to show a dashed line beside its marker (none on a panel with no
+    labelled line: a conversion study whose entries are all baselines has no fine-tuning curve)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, handlelength=3.5, **kw)
 
 
 def plot(results: dict[str, Any], path: str | os.PathLike) -> None:
@@ -519,26 +525,68 @@ def _passkey_cells(long: dict[str, Any], lengths: list[int]) -> list[str]:
     return cells
 
 
+def _eval_factor(position_encoding: Any) -> float | None:
+    """The factor of the rotary scaling in a recorded ``position_encoding`` (one entry's, or a plan's), or None."""
+    if isinstance(position_encoding, dict):
+        scaling = position_encoding.get("scaling")
+        if isinstance(scaling, dict) and isinstance(scaling.get("factor"), (int, float)):
+            return float(scaling["factor"])
+        position_encoding = list(position_encoding.values())
+    if isinstance(position_encoding, list):
+        for item in position_encoding:
+            found = _eval_factor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def long_label(run: dict[str, Any]) -> str:
+    """A run's label in the long evaluation's table and pictures: `entry_label`, the factor of its scaling at
+    evaluation named where the label does not (``rope + YaRN x4 at eval`` for ``rope:eval_scaling=yarn`` run with
+    ``--long-factor 4``), and `` (not trained)`` for a baseline that was not fine-tuned."""
+    label = entry_label(run)
+    factor = _eval_factor((run.get("long_eval") or {}).get("eval_position_encoding"))
+    head, at, tail = label.rpartition(" at eval")
+    if factor is not None and at and " x" not in head.rpartition(" + ")[2]:
+        label = f"{head} x{factor:g}{at}{tail}"
+    trained = bool((run.get("train") or {}).get("losses"))
+    return label + ("" if trained or "zero-shot" in label or run.get("status") != "ok" else " (not trained)")
+
+
+def _memory(long: dict[str, Any]) -> str:
+    peak = long.get("peak_memory_mib")
+    return "-" if peak is None else f"{peak / 1024:.1f} GiB" if peak >= 1024 else f"{peak:.0f} MiB"
+
+
+def _tokens(n: int, context: int) -> str:
+    """A position as the long evaluation's axes show it: in thousands (``8k`` for 8192, ``0.5k``) where the
+    context P is 1024 or more and ``n`` a multiple of 512, else the number."""
+    return f"{n / 1024:g}k" if context >= 1024 and n % 512 == 0 and n else str(n)
+
+
 def long_table(results: dict[str, Any]) -> list[str]:
-    """The evaluation past the pretrained context P (``--long-eval``) as markdown lines: perplexity on [P/2, P) and
-    [P, 2P), passkey per length, and the time of each entry's long evaluation; ``[]`` without one."""
+    """The evaluation past the pretrained context P (``--long-eval``) as markdown lines: perplexity on [P/2, P),
+    [P, 2P), ... up to FP, passkey per length, and the time and peak memory of each entry's long evaluation; ``[]``
+    without one."""
     described = (results.get("data") or {}).get("long_eval")
     before = results.get("before_long_eval")
     if not described:
         return []
     p = described["context"]
+    bands = [tuple(b) for b in described["bands"]][1:]  # from [P/2, P) on ([0, P/2) is in results.json)
     lengths = sorted({n for h in described["passkey"] for n in h["lengths"]})
-    head = f"| entry | [{p // 2}, {p}) | [{p}, {2 * p}) | " + " | ".join(f"passkey {n}" for n in lengths) + " | time |"
-    lines = ["", f"Past the pretrained context (P = {p}, `--long-eval`):", "", head, "|---|" + "---:|" * (
-        3 + len(lengths))]
+    head = ("| entry | " + " | ".join(f"[{lo}, {hi})" for lo, hi in bands) + " | "
+            + " | ".join(f"passkey {n}" for n in lengths) + " | time | peak memory |")
+    lines = ["", f"Past the pretrained context (P = {p}, `--long-eval`):", "", head,
+             "|---|" + "---:|" * (len(bands) + len(lengths) + 2)]
     st = results["settings"]
 
     def row(label: str, long: dict[str, Any] | None) -> str:
         if not long:
-            return f"| {label} | " + " | ".join("-" for _ in range(3 + len(lengths))) + " |"
-        bands = {tuple(b["band"]): b["perplexity"] for b in long["bands"]}
-        cells = [_cell(bands.get((p // 2, p)), "text"), _cell(bands.get((p, 2 * p)), "text"),
-                 *_passkey_cells(long, lengths), _duration(long["seconds"])]
+            return f"| {label} | " + " | ".join("-" for _ in range(len(bands) + len(lengths) + 2)) + " |"
+        got = {tuple(b["band"]): b["perplexity"] for b in long["bands"]}
+        cells = [*(_cell(got.get(band), "text") for band in bands), *_passkey_cells(long, lengths),
+                 _duration(long["seconds"]), _memory(long)]
         return f"| {label} | " + " | ".join(cells) + " |"
 
     lines.append(row("unpatched (before any swap)", before))
@@ -546,17 +594,156 @@ def long_table(results: dict[str, Any]) -> list[str]:
         if r["status"] != "ok":
             lines.append(row(f"{entry_label(r)} ({r['status']})", None))
             continue
-        trained = bool(r.get("train", {}).get("losses"))
-        label = entry_label(r)
-        lines.append(row(label + ("" if trained or "zero-shot" in label else " (not trained)"), r.get("long_eval")))
+        lines.append(row(long_label(r), r.get("long_eval")))
     keys = ", ".join(f"token {h['key_at']}" for h in described["passkey"])
+    env = results.get("environment") or {}
     lines += ["", f"Perplexity per token by target position over {described['window_tokens']} held-out tokens (the end "
               f"of the text, never trained on), after each entry's fine-tune ({st['steps']} steps x {st['batch']} x "
               f"{st['train_len']} tokens) unless marked; passkey: a five-digit key at {keys} of filler text, retrieved "
-              "(✓, every answer token the argmax) or not (✗) by a question ending at that many tokens; time: the "
-              f"long evaluation alone, on {results.get('environment', {}).get('device_name', 'this device')} (torch "
-              f"threads: {(results.get('environment') or {}).get('torch_threads')})."]
+              "(✓, every answer token the argmax) or not (✗) by a question ending at that many tokens; time and "
+              f"peak memory: the long evaluation alone, on {env.get('device_name', 'this device')} (torch threads: "
+              f"{env.get('torch_threads')})."]
     return lines
+
+
+def _long_runs(results: dict[str, Any]) -> list[tuple[int, str, dict[str, Any]]]:
+    """(style index, label, long evaluation) of the unpatched model (index -1) and of each entry's first run that
+    has one; an entry's index is the one `plot_conversion` gives it, so it keeps its colour and marker."""
+    out = []
+    if results.get("before_long_eval"):
+        out.append((-1, "unpatched (before any swap)", results["before_long_eval"]))
+    runs = [r for _, rs in group_runs(results) for r in rs[:1] if r["status"] == "ok"]
+    out += [(i, long_label(r), r["long_eval"]) for i, r in enumerate(runs) if r.get("long_eval")]
+    return out
+
+
+_UNPATCHED = {"color": "black", "marker": "s"}
+
+
+def long_eval_figure(results: dict[str, Any]) -> Any:
+    """The long evaluation by position, as the long-context papers draw it: perplexity per token over bins of the
+    held-out window (the bins of ``nll_bins``: mean loss per bin, exponentiated), one line per entry and the
+    unpatched model (black), log y; P, 2P, ... marked by vertical lines, the part past P shaded. Lines that coincide
+    are drawn once, labelled with every entry they stand for (`same_lines`). A matplotlib ``Figure`` (Agg)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    described = results["data"]["long_eval"]
+    p, factor = described["context"], described.get("factor", 2)
+    fig = Figure(figsize=(13, 6.5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    nan = float("nan")
+    series, xs, size = [], None, None
+    for i, label, long in _long_runs(results):
+        bins = long.get("nll_bins")
+        if not bins:  # a results.json from before the bins were kept
+            continue
+        size = bins["tokens"]
+        xs = [min((k + 0.5) * size, described["window_tokens"]) for k in range(len(bins["loss"]))]
+        series.append((i, label, [math.exp(v) if v is not None and v < 700 else nan for v in bins["loss"]]))
+    every = max(1, len(xs or []) // 16)
+    for i, labels, ys in same_lines(series):
+        style = _UNPATCHED if i == -1 else entry_style(i)
+        # the unpatched model, the reference, on top of the entries that follow it
+        ax.plot(xs, ys, "-", label=joined_label(labels), linewidth=1.5 if i == -1 else 1.3, markersize=4,
+                markevery=((i + 1) % every, every), zorder=3 if i == -1 else 2, **style)
+    ax.axvspan(p, factor * p, color="grey", alpha=0.07, linewidth=0)
+    m = 1
+    while m <= factor:
+        ax.axvline(m * p, color="dimgrey", linestyle="-" if m == 1 else "--", linewidth=1.1)
+        ax.text(m * p, 0.99, f" P = {p} " if m == 1 else f" {m}P ", transform=ax.get_xaxis_transform(),
+                ha="right" if m == factor else "left", va="top", fontsize=9, color="dimgrey")
+        m *= 2
+    _log_axis(ax, [v for _, _, ys in series for v in ys])
+    step = p // 2 if factor <= 4 else p
+    ticks = list(range(0, factor * p + 1, step))
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([_tokens(x, p) for x in ticks])
+    ax.set_xlim(0, factor * p)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.set_xlabel(f"position in the held-out window, tokens (bins of {size}; shaded: past the pretrained context P)")
+    ax.set_ylabel("perplexity per token in the bin (lower is better)")
+    _legend(ax, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    if not series:
+        ax.text(0.5, 0.5, "no per-position losses in results.json (written before hf_posenc kept them)",
+                transform=ax.transAxes, ha="center", va="center")
+    title = checkpoint_title(results) if results.get("checkpoint") else "the checkpoint"
+    source = str((results.get("data") or {}).get("source", "text")).split(" (")[0]
+    ax.set_title(f"hf-posenc study --from {title} --long-eval: perplexity by position up to {factor}P\n"
+                 f"{described['window_tokens']} held-out tokens of {source}, never trained on", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def passkey_figure(results: dict[str, Any]) -> Any | None:
+    """The passkey as a grid per entry (and the unpatched model): key position (rows) by question length
+    (columns), green where the key was retrieved, red where not, grey where the question would come before the
+    key; each cell shows the answer's log-probability. None with fewer than two key positions (the table says all
+    there is). A matplotlib ``Figure`` (Agg)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.colors import ListedColormap
+    from matplotlib.figure import Figure
+
+    described = results["data"]["long_eval"]
+    keys = [h["key_at"] for h in described["passkey"]]
+    if len(keys) < 2:
+        return None
+    lengths = sorted({n for h in described["passkey"] for n in h["lengths"]})
+    panels = _long_runs(results)
+    cols = min(4, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig = Figure(figsize=(3.6 * cols + 0.5, 0.45 * len(keys) * rows + 1.9 * rows + 0.6), dpi=100)
+    FigureCanvasAgg(fig)
+    cmap = ListedColormap(["#d7301f", "#1a9850"]).with_extremes(bad="#e6e6e6")
+    nan = float("nan")
+    for k, (_, label, long) in enumerate(panels):
+        ax = fig.add_subplot(rows, cols, k + 1)
+        found = {(r["key_at"], r["length"]): r for r in long.get("passkey", [])}
+        cells = [[float(found[a, n]["retrieved"]) if (a, n) in found else nan for n in lengths] for a in keys]
+        ax.imshow(cells, cmap=cmap, vmin=0, vmax=1, aspect="auto")
+        for y, a in enumerate(keys):
+            for x, n in enumerate(lengths):
+                if (a, n) in found:
+                    ax.text(x, y, f"{found[a, n]['answer_logprob']:.1f}", ha="center", va="center", fontsize=7,
+                            color="white")
+        ax.set_xticks(range(len(lengths)))
+        ax.set_xticklabels([_tokens(n, described["context"]) for n in lengths], fontsize=7)
+        ax.set_yticks(range(len(keys)))
+        ax.set_yticklabels([str(a) for a in keys], fontsize=7)
+        got = [r["retrieved"] for r in long.get("passkey", [])]
+        ax.set_title(f"{label}: {sum(got)}/{len(got)}", fontsize=8)
+        ax.set_xlabel("question ends at token", fontsize=7)
+        ax.set_ylabel("key at token", fontsize=7)
+    title = checkpoint_title(results) if results.get("checkpoint") else "the checkpoint"
+    fig.suptitle(f"hf-posenc study --from {title} --long-eval: passkey retrieved (green) or not (red), by key "
+                 "position and length; in each cell the answer's log-probability", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _long_files(results: dict[str, Any], out_dir: str | os.PathLike) -> dict[str, str]:
+    """The long evaluation's pictures, where the study has them: ``long_eval.png``, and ``passkey.png`` with
+    several key positions."""
+    described = (results.get("data") or {}).get("long_eval")
+    if not described:
+        return {}
+    out = Path(out_dir)
+    files = {"long_eval_plot": str(out / "long_eval.png")}
+    if len(described["passkey"]) > 1:
+        files["passkey_plot"] = str(out / "passkey.png")
+    return files
+
+
+def write_long_plots(results: dict[str, Any], out_dir: str | os.PathLike) -> list[str]:
+    """Draw the long evaluation's pictures (`long_eval_figure`, `passkey_figure`) into ``out_dir``, beside
+    results.json; returns their paths (none without ``--long-eval``)."""
+    files = _long_files(results, out_dir)
+    if "long_eval_plot" in files:
+        long_eval_figure(results).savefig(files["long_eval_plot"])
+    if "passkey_plot" in files:
+        passkey_figure(results).savefig(files["passkey_plot"])
+    return list(files.values())
 
 
 def _files(out_dir: str | os.PathLike) -> dict[str, str]:
@@ -575,7 +762,7 @@ def write_results(results: dict[str, Any], out_dir: str | os.PathLike) -> dict[s
     """Write ``results.json`` and ``table.md`` into ``out_dir`` (created), each atomically; return the paths
     of the three outputs. The study calls it after every model."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    files = _files(out_dir)
+    files = {**_files(out_dir), **_long_files(results, out_dir)}
     results["files"] = files
     table = results.get("table") or markdown_table(results)
     _write_atomic(files["table"], lambda p: Path(p).write_text(table))
@@ -584,13 +771,15 @@ def write_results(results: dict[str, Any], out_dir: str | os.PathLike) -> dict[s
 
 
 def write_plot(results: dict[str, Any], out_dir: str | os.PathLike) -> bool:
-    """Write ``study.png``. If the plot fails, the error is printed, recorded as ``results["plot_error"]``
-    and written into ``results.json`` (which, like ``table.md``, is complete already); returns False."""
+    """Write ``study.png`` (and with ``--long-eval`` the long evaluation's pictures, `write_long_plots`). If a plot
+    fails, the error is printed, recorded as ``results["plot_error"]`` and written into ``results.json`` (which, like
+    ``table.md``, is complete already); returns False."""
     import sys
 
     files = _files(out_dir)
     try:
         plot(results, files["plot"])
+        write_long_plots(results, out_dir)
         return True
     except Exception as e:  # noqa: BLE001 - recorded and reported; the numbers are already on disk
         results["plot_error"] = f"{type(e).__name__}: {e}"
@@ -642,8 +831,9 @@ def write_profiles_figure(results: dict[str, Any], out_dir: str | os.PathLike) -
 
 
 def replot(out_dir: str | os.PathLike) -> list[str]:
-    """Redraw a finished study's pictures from what it wrote: ``study.png`` from ``results.json`` (a file, or a
-    folder holding one; the picture goes beside it) and, where the folder has the runs' ``profiles/*.json``,
+    """Redraw a finished study's pictures from what it wrote: ``study.png`` (and the long evaluation's,
+    `write_long_plots`) from ``results.json`` (a file, or a folder holding one; the pictures go beside it) and,
+    where the folder has the runs' ``profiles/*.json``,
     every profile picture and ``profiles.png``. Returns the paths written. ``python -m hf_posenc.study.report
     DIR`` runs it (the documentation's pictures are redrawn so after a change to the plots)."""
     path = Path(out_dir)
@@ -651,6 +841,7 @@ def replot(out_dir: str | os.PathLike) -> list[str]:
     results = json.loads((path / "results.json" if path.is_dir() else path).read_text())
     written = [str(folder / "study.png")]
     plot(results, written[0])
+    written += write_long_plots(results, folder)
     if any(r.get("profile") and (folder / r["profile"]).is_file() for r in results.get("results", [])):
         figure = write_profiles_figure(results, folder)
         if figure:

@@ -20,21 +20,15 @@ import hashlib
 import math
 import random
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from . import data as D
-
-if TYPE_CHECKING:
-    from .train import StudyConfig
+from .config import VIT_PATCH, StudyConfig
 
 __all__ = ["VIT_PATCH", "DataSource", "DigitsSource", "TaskSource", "TextSource", "make_source", "subseed"]
-
-#: The ViT study's patch size (pixels).
-VIT_PATCH = 4
-
 
 def subseed(seed: int, *parts: Any) -> int:
     """A stable 63-bit seed from the study seed and a purpose (no Python ``hash``, which is salted)."""

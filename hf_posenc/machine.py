@@ -1,7 +1,7 @@
 """The machine hf_posenc runs on: the CPU model's name (for the autotuner's cache, benchmarks and study records).
 
 Cloud VMs often name very different CPUs alike (``lscpu`` says just "AMD EPYC" on a family-25 Zen 3/4 and on a
-family-26 Zen 5), and a speed measured on one need not hold on the other, so :func:`cpu_id` adds the CPU
+family-26 Zen 5), and a speed measured on one need not hold on the other, so `cpu_id` adds the CPU
 family and model that ``/proc/cpuinfo`` reports.
 """
 

@@ -114,18 +114,9 @@ class Shaw(PositionEncoding):
             ctx.memo[memo_key] = (index, rp.cls)
         return ctx.memo[memo_key]
 
-    def attend(
-        self,
-        ctx: PosContext,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        mask: torch.Tensor | None,
-        scaling: float,
-        dropout: float,
-        training: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(self, ctx: PosContext, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               mask: torch.Tensor | None, scaling: float, dropout: float, training: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention with both relative terms.
 
         Args:

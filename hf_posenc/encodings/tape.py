@@ -322,18 +322,9 @@ class Tape(PositionEncoding):
             out = _StateTunnel.apply(out, state, ctx.memo, (_LEAF, layer + 1))
         return out
 
-    def attend(
-        self,
-        ctx: PosContext,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        mask: torch.Tensor | None,
-        scaling: float,
-        dropout: float,
-        training: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(self, ctx: PosContext, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               mask: torch.Tensor | None, scaling: float, dropout: float, training: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention with the states' rotations, and the attention-stage state update.
 
         Args:

@@ -281,84 +281,77 @@ def _key_validity(
     return result
 
 
-def _engine_inputs(
-    backend: str,
-    ctx: PosContext,
-    layer: int,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    causal: bool,
-    q_offset: int | torch.Tensor,
-    dropout: float,
-    training: bool,
-) -> tuple[KernelTerm | None, torch.Tensor | None, str | None]:
-    """The one eligibility check of the engines that take the encoding's ``kernel_term``: ``triton``, ``flex`` or
-    ``torch`` (the tile-wise engine). Returns (term, key_valid (B|1, Lk) bool or None, None) when ``backend`` can
-    run this call, else (None, None, the reason: a sentence)."""
-    enc = unwrap(ctx.encoding)
-    mask = _as_bool_mask(attention_mask)
-    if dropout > 0 and training:  # the engines have no attention dropout: the reference drops the probabilities
-        return None, None, f"attention dropout ({dropout}) is not implemented by the {backend} attention"
-    if mask is not None and (mask.dim() != 4 or tuple(mask.shape[-2:]) != (query.shape[2], key.shape[2])):
-        return None, None, f"the attention mask {tuple(mask.shape)} does not fit {query.shape[2]} queries and " \
-                           f"{key.shape[2]} keys"
+def _engine_term(
+    backend: str, ctx: PosContext, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    mask: torch.Tensor | None,
+) -> tuple[KernelTerm | None, str | None]:
+    """(the encoding's ``kernel_term`` for engine ``backend`` (``triton``, ``flex`` or ``torch``, the tile-wise
+    engine), None), or (None, the reason) where the encoding has none. ``mask``: the bool mask or None."""
     term = ctx.encoding("kernel_term", ctx, layer, query, key, value, mask)
     if term is None:
         where = "the 2D patch grid" if ctx.grid is not None else ctx.info.family
-        return None, None, f"{enc.name!r} has no {backend} attention term on {where}"
-    key_valid, reason = _key_validity(ctx, mask, causal, query.shape[2], key.shape[2], q_offset,
-                                      ctx.native_window(layer))
-    if reason is None:
-        unsupported = {"triton": kernel_unsupported, "flex": flex_unsupported, "torch": tiled_unsupported}[backend]
-        reason = unsupported(query, key, value, term)
+        return None, f"{unwrap(ctx.encoding).name!r} has no {backend} attention term on {where}"
+    return term, None
+
+
+def _term_unsupported(
+    backend: str, ctx: PosContext, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, term: KernelTerm
+) -> str | None:
+    """The reason engine ``backend`` cannot run ``term`` on these inputs (a sentence), or None."""
+    unsupported = {"triton": kernel_unsupported, "flex": flex_unsupported, "torch": tiled_unsupported}[backend]
+    reason = unsupported(query, key, value, term)
     if reason is None and ctx.own_window() is not None and ctx.grid is not None:
         reason = "a sliding window on ViT's grid is per axis; the kernels' window is 1D"
-    return (None, None, reason) if reason is not None else (term, key_valid, None)
+    return reason
+
+
+def _engine_attention(
+    backend: str, ctx: PosContext, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, causal: bool, q_offset: int | torch.Tensor, scaling: float, dropout: float,
+    training: bool,
+) -> tuple[torch.Tensor | None, str | None]:
+    """The one eligibility check of the engines that take the encoding's ``kernel_term`` (``triton``, ``flex`` or
+    ``torch``, the tile-wise engine), and their run: (out (B, H, Lq, D), None) when ``backend`` can run this call,
+    else (None, the reason: a sentence)."""
+    mask = _as_bool_mask(attention_mask)
+    if dropout > 0 and training:  # the engines have no attention dropout: the reference drops the probabilities
+        return None, f"attention dropout ({dropout}) is not implemented by the {backend} attention"
+    if mask is not None and (mask.dim() != 4 or tuple(mask.shape[-2:]) != (query.shape[2], key.shape[2])):
+        return None, f"the attention mask {tuple(mask.shape)} does not fit {query.shape[2]} queries and " \
+                     f"{key.shape[2]} keys"
+    term, reason = _engine_term(backend, ctx, layer, query, key, value, mask)
+    key_valid = None
+    if reason is None:
+        key_valid, reason = _key_validity(ctx, mask, causal, query.shape[2], key.shape[2], q_offset,
+                                          ctx.native_window(layer))
+    if reason is None:
+        reason = _term_unsupported(backend, ctx, query, key, value, term)
+    if reason is not None:
+        return None, reason
+    run = {"triton": fused_attention, "flex": flex_attention_term, "torch": tiled_attention}[backend]
+    extra = {} if backend == "triton" else {"memo": ctx.memo}
+    return run(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset, key_valid=key_valid,
+               window=ctx.engine_window(layer), sink=ctx.own_sink(), **extra), None
 
 
 def _kernel_attention(
-    backend: str,
-    ctx: PosContext,
-    layer: int,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    causal: bool,
-    q_offset: int | torch.Tensor,
-    scaling: float,
-    dropout: float,
+    backend: str, ctx: PosContext, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, causal: bool, q_offset: int | torch.Tensor, scaling: float, dropout: float,
     training: bool,
 ) -> torch.Tensor | None:
     """out (B, H, Lq, D) from the ``triton`` or ``flex`` backend, or None to run the reference (only when
     the backend is not forced; a forced backend that cannot run raises a ValueError with the reason)."""
-    term, key_valid, reason = _engine_inputs(backend, ctx, layer, query, key, value, attention_mask, causal,
-                                             q_offset, dropout, training)
-    if reason is not None:
-        if forced_backend() is not None and reason != "empty tensors":
-            raise ValueError(f"HF_POSENC_BACKEND={backend}, but {reason}")
-        return None
-    run = fused_attention if backend == "triton" else flex_attention_term
-    extra = {} if backend == "triton" else {"memo": ctx.memo}
-    return run(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset, key_valid=key_valid,
-               window=ctx.engine_window(layer), sink=ctx.own_sink(), **extra)
+    out, reason = _engine_attention(backend, ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling,
+                                    dropout, training)
+    if reason is not None and forced_backend() is not None and reason != "empty tensors":
+        raise ValueError(f"HF_POSENC_BACKEND={backend}, but {reason}")
+    return out
 
 
 def _tiled_torch_attention(
-    ctx: PosContext,
-    layer: int,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    causal: bool,
-    q_offset: int | torch.Tensor,
-    scaling: float,
-    dropout: float,
-    training: bool,
-    backend: str = "torch",
+    ctx: PosContext, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, causal: bool, q_offset: int | torch.Tensor, scaling: float, dropout: float,
+    training: bool, backend: str = "torch",
 ) -> torch.Tensor | None:
     """out (B, H, Lq, D) from the tile-wise PyTorch engine with the encoding's ``kernel_term``, or None where
     the engine does not apply and the full-matrix reference runs instead (documented in the module
@@ -372,24 +365,13 @@ def _tiled_torch_attention(
     if torch.compiler.is_compiling():  # the engine as a custom op (hf_posenc.kernels.custom_ops)
         return _compiled_tiled_attention(ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling,
                                          "triton" if backend == "triton" else "torch")
-    term, key_valid, reason = _engine_inputs("torch", ctx, layer, query, key, value, attention_mask, causal,
-                                             q_offset, dropout, training)
-    if reason is not None:
-        return None
-    return tiled_attention(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset,
-                           key_valid=key_valid, window=ctx.engine_window(layer), memo=ctx.memo, sink=ctx.own_sink())
+    return _engine_attention("torch", ctx, layer, query, key, value, attention_mask, causal, q_offset, scaling,
+                             dropout, training)[0]
 
 
 def _compiled_tiled_attention(
-    ctx: PosContext,
-    layer: int,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    causal: bool,
-    q_offset: int | torch.Tensor,
-    scaling: float,
+    ctx: PosContext, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, causal: bool, q_offset: int | torch.Tensor, scaling: float,
     engine: str = "torch",
 ) -> torch.Tensor | None:
     """Under ``torch.compile``: out (B, H, Lq, D) from the tile-wise engine as a custom op
@@ -399,19 +381,14 @@ def _compiled_tiled_attention(
     ``engine="triton"`` (the model's backend on CUDA) the op runs the Triton kernels where they take the inputs
     (checked inside the op, where the tensors are real), the tile engine elsewhere."""
     mask = _as_bool_mask(attention_mask)
-    reason = None
+    term, reason = None, None
     if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1
                              or tuple(mask.shape[-2:]) != (query.shape[2], key.shape[2])):
         reason = f"the kernels take no attention mask of shape {tuple(mask.shape)}"
-    term = None
+    else:
+        term, reason = _engine_term("torch", ctx, layer, query, key, value, mask)
     if reason is None:
-        term = ctx.encoding("kernel_term", ctx, layer, query, key, value, mask)
-        if term is None:
-            reason = f"{unwrap(ctx.encoding).name!r} has no kernel term here"
-    if reason is None:
-        reason = tiled_unsupported(query, key, value, term)
-    if reason is None and ctx.own_window() is not None and ctx.grid is not None:
-        reason = "a sliding window on ViT's grid is per axis; the engine's window is 1D"
+        reason = _term_unsupported("torch", ctx, query, key, value, term)
     if reason is not None:
         debug_log(__name__, f"torch.compile: the full-matrix reference runs layer {layer}: {reason}")
         return None
@@ -463,8 +440,8 @@ def _remapped_attention(
     inputs = enc.remap_inputs(ctx, layer, query.device)
     if inputs["q_factor"] is not None:
         query = (query.to(compute_dtype(query.dtype)) * inputs["q_factor"]).to(query.dtype)
-    return remap_attention(query, key, value, remap, scale=scaling, pos_q=ctx.position_ids, inv_freq=inputs["inv_freq"],
-                           rotary_dim=inputs["rotary_dim"], layout=inputs["layout"], q_offset=q_offset,
+    return remap_attention(query, key, value, remap, scale=scaling, pos_q=ctx.position_ids,
+                           inv_freq=inputs["inv_freq"], rotary_dim=inputs["rotary_dim"], layout=inputs["layout"], q_offset=q_offset,
                            key_valid=key_valid, band=ctx.native_window(layer))
 
 

@@ -526,18 +526,9 @@ class PositionEncoding(nn.Module):
         """out (B, Lq, H, D) -> out, before the output projection; hidden (B, Lq, C) is the attention input."""
         raise NotImplementedError
 
-    def attend(
-        self,
-        ctx: PosContext,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        mask: torch.Tensor | None,
-        scaling: float,
-        dropout: float,
-        training: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def attend(self, ctx: PosContext, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               mask: torch.Tensor | None, scaling: float, dropout: float, training: bool
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The whole attention: q (B, H, Lq, D), k/v (B, Hkv, Lk, D), mask (B|1, 1, Lq, Lk) bool or None.
         Returns out (B, H, Lq, D) and the probabilities (B, H, Lq, Lk) or None."""
         raise NotImplementedError
@@ -569,3 +560,43 @@ class EngineAttention(PositionEncoding):
     def attend_uses_reference(self, ctx: PosContext, dropout: float, training: bool) -> bool:
         """Whether ``attend`` runs the full-matrix reference rather than a kernel or the tile-wise engine."""
         return not self.info.causal or ctx.need_weights or (dropout > 0.0 and training)
+
+    def attend(self, ctx: PosContext, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               mask: torch.Tensor | None, scaling: float, dropout: float, training: bool
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention (arguments and shapes as for `PositionEncoding.attend`): the fused kernel where
+        `engine_backend` says ``"triton"`` (on CUDA, or forced with ``HF_POSENC_BACKEND=triton``), else the tile-wise
+        PyTorch engine (O(L·block) memory), both through `engine` and neither forming the probabilities (None is
+        returned for them); the full-matrix `reference` where `attend_uses_reference` (or `engine_backend`) says so.
+
+        Raises:
+            ValueError: ``HF_POSENC_BACKEND`` names no backend, or names ``triton`` and the kernel cannot run.
+        """
+        # a sliding window (hf_posenc's, the model's own) and its sinks are in ``mask`` already (a band and the
+        # first columns); the engines also take them as numbers, to skip the key tiles outside them
+        window, sink = ctx.engine_window(layer), ctx.own_sink()
+        backend = self.engine_backend(ctx, query, key, value, mask, dropout, training)
+        if backend == "triton" or (backend == "torch" and not self.attend_uses_reference(ctx, dropout, training)):
+            return self.engine(backend, layer, query, key, value, mask, scaling, ctx.q_offset, window, sink), None
+        return self.reference(ctx, layer, query, key, value, mask, scaling, dropout, training)
+
+    def engine_backend(self, ctx: PosContext, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       mask: torch.Tensor | None, dropout: float, training: bool) -> str:
+        """``"triton"`` (the fused kernel), ``"torch"`` (the tile-wise engine, unless `attend_uses_reference`) or
+        ``"reference"`` for this call of ``attend`` (same arguments). Raises ``ValueError`` where a forced
+        ``HF_POSENC_BACKEND=triton`` cannot run."""
+        raise NotImplementedError
+
+    def engine(self, backend: str, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               mask: torch.Tensor | None, scaling: float, q_offset: int | torch.Tensor, window: int | None,
+               sink: int | None) -> torch.Tensor:
+        """out (B, H, Lq, D) in the query's dtype from the fused kernel (``backend="triton"``) or the tile-wise
+        engine (``"torch"``); ``window`` and ``sink`` as `PosContext.engine_window` and `PosContext.own_sink`."""
+        raise NotImplementedError
+
+    def reference(self, ctx: PosContext, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  mask: torch.Tensor | None, scaling: float, dropout: float, training: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full-matrix reference (arguments as for ``attend``): out (B, H, Lq, D) in the query's dtype and the
+        probabilities (B, H, Lq, Lk) (float32)."""
+        raise NotImplementedError

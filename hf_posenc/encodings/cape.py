@@ -209,18 +209,9 @@ class Cape(PositionEncoding):
         """The O(L^2) pre-check applies to the reference only: the tiles need O(L · block)."""
         return not self.uses_tiles(ctx, dropout, training)
 
-    def attend(
-        self,
-        ctx: PosContext,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        mask: torch.Tensor | None,
-        scaling: float,
-        dropout: float,
-        training: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(self, ctx: PosContext, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               mask: torch.Tensor | None, scaling: float, dropout: float, training: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """CAPE attention: q (B, H, Lq, D), k/v (B, Hkv, Lk, D), mask (B|1, 1, Lq, Lk) bool (True = attend;
         causality included) or None. Returns out (B, H, Lq, D) and the probabilities (B, H, Lq, Lk), or None
         for them on the tile-wise path (see ``uses_tiles``)."""

@@ -71,11 +71,9 @@ import torch
 from torch import nn
 
 from ..config import PosEncConfig
-from ..kernels._common import compute_dtype
-from ..kernels._masks import allowed_keys
+from ..kernels._attn_dispatch import reference_inputs
 from ..kernels.cope import cope, cope_backend, cope_torch
 from ..kernels.cope.naive import cope_attention
-from ..ops import expand_kv
 from ..registry import param, register_encoding
 from .base import EngineAttention, ModelInfo, PosContext
 
@@ -133,73 +131,42 @@ class Cope(EngineAttention):
                     nn.init.normal_(weight, mean=0.0, std=std)
             self.register_parameter(name, weight)
 
-    def attend(
-        self,
-        ctx: PosContext,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        mask: torch.Tensor | None,
-        scaling: float,
-        dropout: float,
-        training: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """CoPE attention.
-
-        Args:
-            query: (B, H, Lq, D); key, value: (B, Hkv, Lk, D), H a multiple of Hkv.
-            mask: (B|1, 1, Lq, Lk) bool (True = attend; causality included) or None.
-            scaling: the model's logit scale.
-
-        Returns:
-            out (B, H, Lq, D) in the query's dtype, and the probabilities (B, H, Lq, Lk) (float32), or None
-            when an engine that never forms them ran: the fused causal kernel (``hf_posenc.kernels.cope``: on
-            CUDA, or forced with ``HF_POSENC_BACKEND=triton``), or elsewhere the tile-wise PyTorch engine
-            (``hf_posenc.kernels.cope.tiled``; O(L·block) memory). The full-matrix reference below runs
-            only when the probabilities are requested, with attention dropout while training, and for the
-            bidirectional ViT variant.
-        """
-        # a sliding window (hf_posenc's, the model's own) and its sinks are in ``mask`` already (a band and the
-        # first columns); the engines also take them as numbers, to skip the key tiles outside them
-        window, sink = ctx.engine_window(layer), ctx.own_sink()
-
-        backend = cope_backend(
+    def engine_backend(self, ctx: PosContext, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       mask: torch.Tensor | None, dropout: float, training: bool) -> str:
+        """The fused causal kernel (``hf_posenc.kernels.cope``) or the tile-wise engine
+        (``hf_posenc.kernels.cope.tiled``), as `cope_backend` picks; the bidirectional variants (BERT, ViT) run the
+        reference, and forcing ``triton`` there raises."""
+        return cope_backend(
             query, key, value, mask, ctx.q_offset, ctx.need_weights, dropout, training, causal=self.info.causal
         )
-        if backend == "triton":
-            return cope(query, key, value, self.pos_emb[layer], mask, scaling, ctx.q_offset, window=window,
-                        sink=sink), None
-        if not self.attend_uses_reference(ctx, dropout, training):
-            # the tile-wise engine (O(L·block) memory, no probabilities formed), or for a decoding step without
-            # gradients the whole row at once (hf_posenc.kernels.cope.FEW_QUERIES)
-            return cope_torch(query, key, value, self.pos_emb[layer], mask, scaling, ctx.q_offset,
-                              window=window, sink=sink), None
-        b, h, q_len, _ = query.shape
-        k_len = key.shape[2]
-        groups = h // key.shape[1]
-        dtype = compute_dtype(query.dtype)
-        q = query.to(dtype)
-        k = expand_kv(key, groups).to(dtype)
-        v = expand_kv(value, groups).to(dtype)
-        allowed = allowed_keys(mask, q_len, k_len, ctx.q_offset, self.info.causal, query.device)
+
+    def engine(self, backend: str, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               mask: torch.Tensor | None, scaling: float, q_offset: int | torch.Tensor, window: int | None,
+               sink: int | None) -> torch.Tensor:
+        """The kernel, or off Triton the tile-wise engine (for a decoding step without gradients the whole row at
+        once: ``hf_posenc.kernels.cope.FEW_QUERIES``)."""
+        run = cope if backend == "triton" else cope_torch
+        return run(query, key, value, self.pos_emb[layer], mask, scaling, q_offset, window=window, sink=sink)
+
+    def reference(self, ctx: PosContext, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  mask: torch.Tensor | None, scaling: float, dropout: float, training: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full-matrix reference: with the probabilities requested, attention dropout while training, and for
+        the bidirectional variants (BERT: both directions; ViT: raster order, CLS apart)."""
+        q_len, k_len = query.shape[2], key.shape[2]
+        dtype, q, k, v, allowed = reference_inputs(query, key, value, mask, ctx.q_offset, self.info.causal)
         table = self.pos_emb[layer].to(dtype)
         if self.info.causal:
             out, probs = cope_attention(q, k, v, allowed, scaling, table, dropout=dropout, training=training)
             return out.to(query.dtype), probs
-        if ctx.grid is None:  # bidirectional text (BERT): both directions, no CLS exception
-            q_index = torch.arange(k_len - q_len, k_len, device=query.device)
-            out, probs = cope_attention(
-                q, k, v, allowed, scaling, table, self.pos_emb_after[layer].to(dtype), q_index,
-                dropout=dropout, training=training,
-            )
-            return out.to(query.dtype), probs
-        # ViT: raster order, both directions; CLS (token 0) takes no position term and is not counted.
-        n = k_len
-        q_index = torch.arange(n - q_len, n, device=query.device)
-        is_cls = torch.zeros(n, dtype=torch.bool, device=query.device)
-        is_cls[0] = True
-        no_position = is_cls[-q_len:, None] | is_cls[None, :]
+        # bidirectional: both directions; on ViT (raster order) CLS (token 0) takes no position term and is not
+        # counted, on text (BERT) no token is apart
+        q_index = torch.arange(k_len - q_len, k_len, device=query.device)
+        no_position = is_cls = None
+        if ctx.grid is not None:
+            is_cls = torch.zeros(k_len, dtype=torch.bool, device=query.device)
+            is_cls[0] = True
+            no_position = is_cls[-q_len:, None] | is_cls[None, :]
         out, probs = cope_attention(
             q, k, v, allowed, scaling, table, self.pos_emb_after[layer].to(dtype), q_index, no_position, is_cls,
             dropout=dropout, training=training,

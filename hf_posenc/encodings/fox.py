@@ -79,7 +79,7 @@ from torch.nn import functional as F
 
 from ..config import PosEncConfig
 from ..kernels._common import compute_dtype
-from ..kernels._masks import memo_per_mask
+from ..kernels._masks import memo_per_mask, query_indices
 from ..kernels.attention.terms import KernelTerm
 from ..ops import expand_kv
 from ..registry import param, register_encoding
@@ -118,12 +118,6 @@ def key_validity(mask: torch.Tensor | None, k_len: int, device: torch.device,
     valid = m.any(dim=-2)
     has_prev = F.pad((m[..., 1:] & m[..., :-1]).any(dim=-2), (1, 0), value=False)
     return valid, has_prev
-
-
-def _query_index(q_len: int, q_offset: int | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """(Lq,) int64 key index of each query (a StaticCache gives a 0-d tensor offset)."""
-    off = q_offset.to(device) if isinstance(q_offset, torch.Tensor) else q_offset
-    return torch.arange(q_len, device=device) + off
 
 
 def forget_bias(
@@ -353,22 +347,13 @@ class Fox(PositionEncoding):
     def _bias(
         self, ctx: PosContext, gates: list[torch.Tensor], valid: torch.Tensor, q_len: int, device: torch.device
     ) -> torch.Tensor:
-        q_index = _query_index(q_len, ctx.q_offset, device)
+        q_index = query_indices(q_len, ctx.q_offset, device)
         log_g = gates[1] if self.bidirectional else None
         return forget_bias(gates[0], valid, q_index, log_g=log_g, cls=ctx.grid is not None)
 
-    def attend(
-        self,
-        ctx: PosContext,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        mask: torch.Tensor | None,
-        scaling: float,
-        dropout: float,
-        training: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(self, ctx: PosContext, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               mask: torch.Tensor | None, scaling: float, dropout: float, training: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forgetting attention. q (B, H, Lq, D); key (B, Hkv, Lk, D + state), value (B, Hkv, Lk, D); mask
         (B|1, 1, Lq, Lk) bool or None. Returns out (B, H, Lq, D) and probabilities (B, H, Lq, Lk)."""
         d = query.shape[-1]

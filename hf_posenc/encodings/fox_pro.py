@@ -53,12 +53,13 @@ from torch.nn import functional as F
 from ..backend import forced_backend
 from ..config import PosEncConfig
 from ..kernels._common import compute_dtype
+from ..kernels._masks import query_indices
 from ..kernels.attention.terms import KernelTerm
 from ..kernels.attention.tiled import FEW_QUERIES  # the decoding steps: as many queries as the engine's
 from ..registry import register_encoding
 from .base import ModelInfo, PosContext, PositionEncoding
 from .cache_state import pack_state, unpack_state
-from .fox import Fox, _query_index, cumulative_gates, forgetting_attention, key_validity
+from .fox import Fox, cumulative_gates, forgetting_attention, key_validity
 
 __all__ = ["FoxPro"]
 
@@ -291,18 +292,9 @@ class FoxPro(Fox):
             return _shifted(x, alpha, None if plain else has_prev)
         return _TokenShift.apply(x, alpha, has_prev)
 
-    def attend(
-        self,
-        ctx: PosContext,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        mask: torch.Tensor | None,
-        scaling: float,
-        dropout: float,
-        training: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(self, ctx: PosContext, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               mask: torch.Tensor | None, scaling: float, dropout: float, training: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Shift k and v, normalise k, then forgetting attention. q (B, H, Lq, D) already normalised; key
         (B, Hkv, Lk, D + state), value (B, Hkv, Lk, D + state). Returns out (B, H, Lq, D), probs (B, H, Lq, Lk)."""
         if self._decodes(ctx, query):
@@ -395,7 +387,7 @@ class FoxPro(Fox):
         if isinstance(ctx.q_offset, int):
             c_q = c[..., ctx.q_offset: ctx.q_offset + q_len]
         else:
-            c_q = c.index_select(-1, _query_index(q_len, ctx.q_offset, c.device))
+            c_q = c.index_select(-1, query_indices(q_len, ctx.q_offset, c.device))
         bias = c_q[..., None] - c[..., None, :]  # (B, Hkv, G, Lq, Lk)
         if mask is not None:
             bias.masked_fill_(~mask[:, :, None], float("-inf"))

@@ -31,6 +31,8 @@ import math
 
 import torch
 
+from ..kernels._masks import query_indices
+
 __all__ = ["check_length_scale_model", "keys_seen", "length_scale_factor", "ssmax_start"]
 
 
@@ -76,8 +78,7 @@ def keys_seen(
             return torch.full((1, 1, q_len, 1), float(k_len), device=device)
         return mask.sum(-1, keepdim=True, dtype=torch.float32).clamp_min(1.0)
     if position_ids is None:
-        off = q_offset.to(device) if isinstance(q_offset, torch.Tensor) else q_offset
-        position_ids = (torch.arange(q_len, device=device) + off)[None]
+        position_ids = query_indices(q_len, q_offset, device)[None]
     n = position_ids.to(device=device, dtype=torch.float32)[:, None, :, None] + 1.0
     if window is not None:
         capped = n.clamp(max=float(window))

@@ -69,14 +69,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from ..config import PosEncConfig
-from ..kernels._common import compute_dtype
-from ..kernels._masks import allowed_keys
+from ..kernels._attn_dispatch import reference_inputs
+from ..kernels._masks import query_indices
 from ..kernels.sba import sba_backend, sba_tiled, stick_breaking
-from ..kernels.sba.naive import SOFTPLUS_THRESHOLD, stick_breaking_attention
-from ..ops import expand_kv
+from ..kernels.sba.naive import broken_stick, stick_breaking_attention
 from ..registry import param, register_encoding
 from .base import EngineAttention, ModelInfo, PosContext
 
@@ -128,49 +126,28 @@ def sequence_key_ranks(length: int, device: torch.device) -> torch.Tensor:
     return score.argsort(dim=-1).argsort(dim=-1)
 
 
-def stick_breaking_grid_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    allowed: torch.Tensor | None,
-    scaling: float,
-    ranks: torch.Tensor,
-    attend_current: bool = False,
-    remainder: str = "discard",
-    bias: torch.Tensor | None = None,
-    dropout: float = 0.0,
-    training: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stick-breaking attention with a per-query key order (ViT), in log space, in the dtype of ``q``.
-
-    Args:
-        q: (B, H, Lq, D); k, v: (B, H, Lk, D) (key/value heads already expanded).
-        allowed: (B|1, 1, Lq, Lk) bool or None.
-        ranks: (Lq, Lk) long, each query's breaking order (`grid_key_ranks`); rank 0 is the query's own key.
-        Other arguments as for `stick_breaking_attention`.
+def stick_breaking_grid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
+                                  scaling: float, ranks: torch.Tensor, attend_current: bool = False,
+                                  remainder: str = "discard", bias: torch.Tensor | None = None, dropout: float = 0.0,
+                                  training: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stick-breaking attention with a per-query key order (ViT; bidirectional text), in log space, in the dtype of
+    ``q``: the arguments of `stick_breaking_attention` (``allowed`` without causality), with ``ranks`` (Lq, Lk) long,
+    each query's breaking order (`grid_key_ranks`, `sequence_key_ranks`; rank 0 is the query's own key), instead of
+    the queries' key indices.
 
     Returns:
         out (B, H, Lq, D) and the weights (B, H, Lq, Lk).
     """
     z = (q @ k.transpose(-1, -2)) * scaling
     breaks = (ranks > 0) if not attend_current else torch.ones_like(ranks, dtype=torch.bool)
-    breaks = breaks[None, None]
-    if allowed is not None:
-        breaks = breaks & allowed
-    softplus = F.softplus(z, beta=1.0, threshold=SOFTPLUS_THRESHOLD).masked_fill(~breaks, 0.0)
     order = ranks.argsort(dim=-1).expand(*z.shape)  # key at each rank
-    # Σ_{k : rank(k) <= rank(j)} softplus(z_ik): a cumulative sum in rank order, read back per key
-    prefix = softplus.gather(-1, order).cumsum(-1).gather(-1, ranks.expand(*z.shape))
-    log_a = (z - prefix).masked_fill(~breaks, float("-inf"))
-    weights = torch.exp(log_a)
-    out = F.dropout(weights, p=dropout, training=training) @ v
-    if remainder == "discard":
-        return out, weights
-    rest = torch.exp(-softplus.sum(-1, keepdim=True))
-    if remainder == "bias":
-        return out + rest * bias[None, :, None, :], weights
-    diag = (ranks == 0)[None, None]
-    return out + rest * v, weights + rest * diag
+
+    def broken_by(softplus: torch.Tensor) -> torch.Tensor:
+        # Σ_{k : rank(k) <= rank(j)} softplus(z_ik): a cumulative sum in rank order, read back per key
+        return softplus.gather(-1, order).cumsum(-1).gather(-1, ranks.expand(*z.shape))
+
+    current = (v, (ranks == 0)[None, None]) if remainder == "current" else None
+    return broken_stick(z, breaks, allowed, broken_by, v, remainder, bias, current, dropout, training)
 
 
 @register_encoding(
@@ -201,92 +178,42 @@ class StickBreaking(EngineAttention):
         if self.remainder == "bias":
             self.remainder_bias = nn.Parameter(torch.zeros(info.num_layers, info.num_heads, info.head_dim))
 
-    def attend(
-        self,
-        ctx: PosContext,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        mask: torch.Tensor | None,
-        scaling: float,
-        dropout: float,
-        training: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stick-breaking attention.
+    def engine_backend(self, ctx: PosContext, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       mask: torch.Tensor | None, dropout: float, training: bool) -> str:
+        """The fused kernel (``hf_posenc.kernels.sba``) or the tile-wise engine (``hf_posenc.kernels.sba.tiled``),
+        as `sba_backend` picks; ViT's grid and bidirectional text (BERT) run the reference on every device."""
+        if ctx.grid is not None or not self.info.causal:
+            return "reference"
+        return sba_backend(query, key, value, mask, ctx.q_offset, ctx.need_weights, dropout, training)
 
-        Args:
-            query: (B, H, Lq, D); key, value: (B, Hkv, Lk, D), H a multiple of Hkv.
-            mask: (B|1, 1, Lq, Lk) bool (True = attend; causality included) or None.
-            scaling: the model's logit scale.
+    def engine(self, backend: str, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               mask: torch.Tensor | None, scaling: float, q_offset: int | torch.Tensor, window: int | None,
+               sink: int | None) -> torch.Tensor:
+        """The kernel, or off Triton the tile-wise engine (O(L·block) memory, no weights formed)."""
+        bias = self.remainder_bias[layer] if self.remainder == "bias" else None
+        run = stick_breaking if backend == "triton" else sba_tiled
+        return run(query, key, value, mask, scaling, q_offset, self.attend_current, self.remainder, bias,
+                   window=window, sink=sink)
 
-        Returns:
-            out (B, H, Lq, D) in the query's dtype, and the weights (B, H, Lq, Lk) (float32), or None when an
-            engine that never forms them ran: the fused kernel (``hf_posenc.kernels.sba``: on CUDA, or forced
-            with ``HF_POSENC_BACKEND=triton``), or elsewhere the tile-wise PyTorch engine
-            (``hf_posenc.kernels.sba.tiled``; O(L·block) memory). The full-matrix reference below runs only
-            when the weights are requested or with attention dropout while training.
-        """
-        if ctx.grid is not None or not self.info.causal:  # ViT's grid, or bidirectional text (BERT)
-            return self._attend_grid(ctx, layer, query, key, value, mask, scaling, dropout, training)
-        # a sliding window (hf_posenc's, the model's own) and its sinks are in ``mask`` already (a band and the
-        # first columns); the engines also take them as numbers, to skip the key tiles outside them
-        window, sink = ctx.engine_window(layer), ctx.own_sink()
-
-        if sba_backend(query, key, value, mask, ctx.q_offset, ctx.need_weights, dropout, training) == "triton":
-            bias = self.remainder_bias[layer] if self.remainder == "bias" else None
-            out = stick_breaking(
-                query, key, value, mask, scaling, ctx.q_offset, self.attend_current, self.remainder, bias,
-                window=window, sink=sink,
-            )
-            return out, None
-        if not self.attend_uses_reference(ctx, dropout, training):
-            # the tile-wise engine: O(L·block) memory, no weights formed
-            bias = self.remainder_bias[layer] if self.remainder == "bias" else None
-            out = sba_tiled(
-                query, key, value, mask, scaling, ctx.q_offset, self.attend_current, self.remainder, bias,
-                window=window, sink=sink,
-            )
-            return out, None
-        b, h, q_len, _ = query.shape
-        k_len = key.shape[2]
-        groups = h // key.shape[1]
-        dtype = compute_dtype(query.dtype)
-        q = query.to(dtype)
-        k = expand_kv(key, groups).to(dtype)
-        v = expand_kv(value, groups).to(dtype)
-        allowed = allowed_keys(mask, q_len, k_len, ctx.q_offset, True, query.device)
-        offset = ctx.q_offset.to(query.device) if isinstance(ctx.q_offset, torch.Tensor) else ctx.q_offset
-        q_index = torch.arange(q_len, device=query.device) + offset
+    def reference(self, ctx: PosContext, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  mask: torch.Tensor | None, scaling: float, dropout: float, training: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full-matrix reference: with the weights requested or attention dropout while training (causal), and
+        on ViT in grid-distance order, on bidirectional text (BERT) in sequence-distance order (module docstring)."""
+        causal = ctx.grid is None and self.info.causal
+        dtype, q, k, v, allowed = reference_inputs(query, key, value, mask, ctx.q_offset, causal)
         bias = self.remainder_bias[layer].to(dtype) if self.remainder == "bias" else None
-        out, weights = stick_breaking_attention(
-            q, k, v, allowed, scaling, q_index, self.attend_current, self.remainder, bias, dropout, training
-        )
-        return out.to(query.dtype), weights
-
-    def _attend_grid(
-        self,
-        ctx: PosContext,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        mask: torch.Tensor | None,
-        scaling: float,
-        dropout: float,
-        training: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """ViT: stick-breaking over each query's keys in grid-distance order; bidirectional text (BERT): in
-        sequence-distance order (module docstring); the PyTorch reference on every device. Shapes as for ``attend``; the weights are returned."""
-        groups = query.shape[1] // key.shape[1]
-        dtype = compute_dtype(query.dtype)
-        if ctx.grid is not None:
-            ranks = grid_key_ranks(ctx.grid, query.device)[-query.shape[2]:, -key.shape[2]:]
+        if causal:
+            q_index = query_indices(query.shape[2], ctx.q_offset, query.device)
+            out, weights = stick_breaking_attention(
+                q, k, v, allowed, scaling, q_index, self.attend_current, self.remainder, bias, dropout, training
+            )
         else:
-            ranks = sequence_key_ranks(key.shape[2], query.device)[-query.shape[2]:]
-        bias = self.remainder_bias[layer].to(dtype) if self.remainder == "bias" else None
-        out, weights = stick_breaking_grid_attention(
-            query.to(dtype), expand_kv(key, groups).to(dtype), expand_kv(value, groups).to(dtype), mask, scaling,
-            ranks, self.attend_current, self.remainder, bias, dropout, training,
-        )
+            if ctx.grid is not None:
+                ranks = grid_key_ranks(ctx.grid, query.device)[-query.shape[2]:, -key.shape[2]:]
+            else:
+                ranks = sequence_key_ranks(key.shape[2], query.device)[-query.shape[2]:]
+            out, weights = stick_breaking_grid_attention(
+                q, k, v, allowed, scaling, ranks, self.attend_current, self.remainder, bias, dropout, training
+            )
         return out.to(query.dtype), weights

@@ -114,24 +114,11 @@ class Shaw(PositionEncoding):
             ctx.memo[memo_key] = (index, rp.cls)
         return ctx.memo[memo_key]
 
-    def attend(
-        self,
-        ctx: PosContext,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        mask: torch.Tensor | None,
-        scaling: float,
-        dropout: float,
-        training: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention with both relative terms.
-
-        Args:
-            query: (B, H, Lq, D); key, value: (B, Hkv, Lk, D), H a multiple of Hkv.
-            mask: (B|1, 1, Lq, Lk) bool (True = attend; causality included) or None.
-            scaling: the logit scale, applied to q . (k + a^K).
+    def attend(self, ctx: PosContext, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               mask: torch.Tensor | None, scaling: float, dropout: float, training: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention with both relative terms (arguments as for `PositionEncoding.attend`; ``scaling`` applies to
+        q . (k + a^K)).
 
         Returns:
             out (B, H, Lq, D) in the query's dtype, and the probabilities α (B, H, Lq, Lk) float32.

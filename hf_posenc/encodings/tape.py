@@ -322,26 +322,16 @@ class Tape(PositionEncoding):
             out = _StateTunnel.apply(out, state, ctx.memo, (_LEAF, layer + 1))
         return out
 
-    def attend(
-        self,
-        ctx: PosContext,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        mask: torch.Tensor | None,
-        scaling: float,
-        dropout: float,
-        training: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention with the states' rotations, and the attention-stage state update.
+    def attend(self, ctx: PosContext, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               mask: torch.Tensor | None, scaling: float, dropout: float, training: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention with the states' rotations, and the attention-stage state update (arguments as for
+        `PositionEncoding.attend`, but for the keys).
 
         Args:
             query: (B, H, Lq, D) (its states come from ``prepare`` through ``ctx.memo``); key: (B, Hkv, Lk,
                 G·D + G·D·w) -- k rotated by the state of each of its G query heads, then those states (packed);
                 value: (B, Hkv, Lk, D).
-            mask: (B|1, 1, Lq, Lk) bool (True = attend; causality included) or None.
-            scaling: the model's logit scale.
 
         Returns:
             out (B, H, Lq, D) in the value's dtype, and the probabilities (B, H, Lq, Lk) when

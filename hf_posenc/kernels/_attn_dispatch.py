@@ -1,4 +1,6 @@
-"""Checks shared by the dispatchers of the attention kernels (``sba``, ``cope``).
+"""What the attentions with their own softmax (``sba``, ``cope``) share around their engines: the checks of their
+inputs (`check_attention_inputs`), the inputs of their full-matrix references (`reference_inputs`), and the choice
+of a backend.
 
 Each dispatcher asks `common_unsupported` (and its own checks) for a reason the Triton kernel cannot
 run these inputs, then `choose` turns it into a backend: ``HF_POSENC_BACKEND=torch`` (or ``flex``,
@@ -13,10 +15,77 @@ from typing import Callable
 import torch
 
 from ..backend import forced_backend
-from ._common import KERNEL_DTYPES, MAX_HEAD_DIM, triton_import_error
+from ..ops import eager_value_checks, expand_kv
+from ._common import KERNEL_DTYPES, MAX_HEAD_DIM, compute_dtype, triton_import_error
+from ._masks import allowed_keys, check_sink, check_window, windowed_allowed
 from .defaults import cuda_default_backend
 
-__all__ = ["choose", "common_unsupported", "kernel_preferred"]
+__all__ = [
+    "check_attention_inputs", "choose", "common_unsupported", "kernel_preferred", "last_dim_contiguous",
+    "reference_inputs",
+]
+
+
+def check_attention_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, q_offset: int | torch.Tensor
+) -> None:
+    """Validate the shapes a causal attention with its own softmax takes, whatever the backend: q (B, H, Lq, D);
+    k, v (B, Hkv, Lk, D) with q's B and D and H a multiple of Hkv; query i is key ``q_offset + i`` with
+    ``q_offset + Lq <= Lk``; mask (B|1, 1, Lq, Lk) or None.
+
+    Raises:
+        ValueError: a shape or an offset outside those.
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4D (B, H, L, D), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    b, h, lq, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k and v must be (B, Hkv, Lk, D) with q's B and D, got {tuple(k.shape)}, {tuple(v.shape)}")
+    if h % k.shape[1]:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({k.shape[1]})")
+    # A tensor offset (a StaticCache's) is read in eager mode on CPU only (elsewhere: a device sync per layer, a
+    # graph break under torch.compile); a StaticCache keeps its queries among its keys.
+    if not isinstance(q_offset, torch.Tensor) or eager_value_checks(q_offset):
+        offset = int(q_offset)
+        if offset < 0 or offset + lq > k.shape[2]:
+            raise ValueError(f"q_offset={offset} with {lq} queries needs q_offset + Lq <= Lk={k.shape[2]}")
+    if mask is not None and (mask.dim() != 4 or mask.shape[0] not in (1, b) or mask.shape[1] != 1
+                             or mask.shape[2:] != (lq, k.shape[2])):
+        raise ValueError(f"mask must be (B|1, 1, Lq, Lk) = ({b}|1, 1, {lq}, {k.shape[2]}), got {tuple(mask.shape)}")
+
+
+def last_dim_contiguous(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors with a contiguous last dim, as the Triton kernels load them (copied only where it is not)."""
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
+def reference_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    q_offset: int | torch.Tensor,
+    causal: bool = True,
+    window: int | None = None,
+    sink: int | None = None,
+) -> tuple[torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What a full-matrix reference computes from: (dtype, q, k, v, allowed), q (B, H, Lq, D) and k, v expanded to
+    (B, H, Lk, D), all in the compute dtype (float32; float64 for float64 inputs), and the keys each query may see
+    (B|1, 1, Lq, Lk) bool or None (`allowed_keys`: the mask, causality on ``causal`` models, and with a ``window``
+    its band, the ``sink`` first keys besides it: `windowed_allowed`).
+
+    Raises:
+        TypeError, ValueError: a ``window`` or ``sink`` that is not None or an int >= 1, or a sink without a window.
+    """
+    window = check_window(window)
+    sink = check_sink(sink, window)
+    dtype = compute_dtype(q.dtype)
+    lq, lk = q.shape[2], k.shape[2]
+    groups = q.shape[1] // k.shape[1]
+    allowed = allowed_keys(mask, lq, lk, q_offset, causal, q.device)
+    if window is not None:
+        allowed = windowed_allowed(allowed, lq, lk, q_offset, window, sink)
+    return dtype, q.to(dtype), expand_kv(k, groups).to(dtype), expand_kv(v, groups).to(dtype), allowed
 
 
 def _interpreting() -> bool:

@@ -10,7 +10,9 @@ import numbers
 
 import torch
 
-__all__ = ["allowed_keys", "band_allowed", "check_sink", "check_window", "memo_per_mask", "windowed_allowed"]
+__all__ = [
+    "allowed_keys", "band_allowed", "check_sink", "check_window", "memo_per_mask", "query_indices", "windowed_allowed",
+]
 
 
 def check_window(window: object, where: str = "window") -> int | None:
@@ -88,6 +90,13 @@ def band_allowed(
     return allowed
 
 
+def query_indices(q_len: int, q_offset: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """(Lq,) long: the key index of each query (query i is key ``q_offset + i``); a tensor offset (a StaticCache's)
+    is moved to ``device``, never read as a number."""
+    offset = q_offset.to(device) if isinstance(q_offset, torch.Tensor) else q_offset
+    return torch.arange(q_len, device=device) + offset
+
+
 def allowed_keys(
     mask: torch.Tensor | None,
     q_len: int,
@@ -100,9 +109,7 @@ def allowed_keys(
     key index <= query index (query i is key ``q_offset + i``), so an absent mask never exposes future or
     empty cache slots. None when every query sees every key."""
     if causal:
-        q_idx = torch.arange(q_len, device=device)[:, None] + (
-            q_offset.to(device) if isinstance(q_offset, torch.Tensor) else q_offset
-        )
+        q_idx = query_indices(q_len, q_offset, device)[:, None]
         causal_mask = (q_idx >= torch.arange(k_len, device=device)[None, :])[None, None]
         return causal_mask if mask is None else (mask & causal_mask)
     return mask
@@ -118,8 +125,7 @@ def windowed_allowed(
     window = check_window(window)
     if window is None:
         return allowed
-    off = q_offset.to(allowed.device) if isinstance(q_offset, torch.Tensor) else q_offset
-    qi = torch.arange(lq, device=allowed.device) + off
+    qi = query_indices(lq, q_offset, allowed.device)
     return allowed & band_allowed(qi, torch.arange(lk, device=allowed.device), True, window, sink)[None, None]
 
 

@@ -33,11 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ._common import compute_dtype
 from ._masks import check_sink, check_window
 
 __all__ = [
-    "Geometry", "Tile", "blocked_mask_rows", "call_options", "fill_blocked", "from_groups", "key_tiles", "tile_blocked",
-    "tile_sizes", "to_groups",
+    "Geometry", "Tile", "blocked_mask_rows", "call_options", "fill_blocked", "from_groups", "key_tiles",
+    "query_blocks", "reversed_inputs", "tile_blocked", "tile_sizes", "to_groups", "walk",
 ]
 
 
@@ -141,6 +142,16 @@ def tile_blocked(
     return None if blocked is None else blocked.unsqueeze(-3)
 
 
+def walk(
+    m0: int, m1: int, geo: "Geometry", q_offset: int | torch.Tensor, block_n: int, strict: bool,
+    blocked_rows: torch.Tensor | None, device: torch.device, window: int | None = None, sink: int | None = None,
+):
+    """(tile, blocked) for each key tile the query block [m0, m1) walks, right to left in key order: `key_tiles`
+    and each one's `tile_blocked` (arguments as there)."""
+    for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, strict, window, sink):
+        yield tile, tile_blocked(tile, m0, m1, geo.lk, q_offset, strict, blocked_rows, device, window, sink)
+
+
 def blocked_mask_rows(mask: torch.Tensor | None, m0: int, m1: int) -> torch.Tensor | None:
     """Rows [m0, m1) of a (B|1, 1, Lq, Lk) bool mask (True = may attend), inverted, with the keys reversed:
     (B|1, 1, BM, Lk), True = blocked."""
@@ -178,6 +189,25 @@ def tile_sizes(geo: Geometry, block_m: int, block_n: int | None) -> tuple[int, i
     return block_m, max(1, min(block_n, max(1, geo.lk)))
 
 
+def reversed_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int, block_n: int | None
+) -> tuple["Geometry", int, int, torch.dtype, torch.Tensor, torch.Tensor]:
+    """What a walk starts from: (geo, block_m, block_n, dtype, kr, vr), the call's sizes, its tile sizes
+    (`tile_sizes`), the compute dtype (float32; float64 for float64 inputs) and the keys and values reversed along
+    Lk (reversed index r = Lk - 1 - j), in that dtype."""
+    geo = Geometry.of(q, k)
+    block_m, block_n = tile_sizes(geo, block_m, block_n)
+    dtype = compute_dtype(q.dtype)
+    return geo, block_m, block_n, dtype, k.flip(2).to(dtype), v.flip(2).to(dtype)
+
+
+def query_blocks(lq: int, block_m: int):
+    """(m0, m1, bm) for each block [m0, m1) of ``block_m`` queries (bm = m1 - m0: the last one may be shorter)."""
+    for m0 in range(0, lq, block_m):
+        m1 = min(m0 + block_m, lq)
+        yield m0, m1, m1 - m0
+
+
 def fill_blocked(x: torch.Tensor, blocked: torch.Tensor | None, value: float) -> torch.Tensor:
     """Fill, in place, the entries of a (B, Hkv, G·BM, BN) tile that ``blocked`` (B|1, 1, 1, BM, BN) marks."""
     if blocked is not None:
@@ -189,11 +219,14 @@ def call_options(
     block_m: int | None, block_n: int | None, default_m: int, default_n: int | None, q_offset: int | torch.Tensor,
     window: object = None, sink: object = None,
 ) -> tuple[int, int | None, int | torch.Tensor]:
-    """The (block_m, block_n, q_offset) an engine's autograd Function is applied with: the module defaults where
-    None is given (``block_n`` None: sized to memory), checked positive, and a tensor offset snapshotted (a
-    StaticCache mutates its length in place before backward). Raises ``ValueError`` for a non-positive size, and
-    ``TypeError`` / ``ValueError`` for a ``window`` that is neither None nor an int >= 1, or a ``sink`` that is
-    neither None nor an int >= 1 with a window."""
+    """The (block_m, block_n, q_offset) an engine's autograd Function is applied with: the query block and key tile
+    sizes, the engine module's defaults (``BLOCK_M``, ``BLOCK_N``, read at each call) where None is given
+    (``block_n`` None: sized to memory, `tile_sizes`), checked positive; an int offset, or a 0-d tensor (a
+    StaticCache's) snapshotted (the cache mutates its length in place before backward) and never read as a number
+    (every key tile is then walked, with the causal mask). The walk of an int-offset query block stops at its first
+    query's ``window`` edge, and visits the ``sink`` keys' tiles after the window's (module docstring). Raises
+    ``ValueError`` for a non-positive size, and ``TypeError`` / ``ValueError`` for a ``window`` that is neither None
+    nor an int >= 1, or a ``sink`` that is neither None nor an int >= 1 with a window."""
     check_sink(sink, check_window(window))
     block_m = default_m if block_m is None else block_m
     block_n = default_n if block_n is None else block_n

@@ -16,15 +16,20 @@ Imported by the two kernel modules only (it imports triton).
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
 
 from ._jit import interpreting
+from ._masks import check_sink, check_window
 
 __all__ = [
-    "BIG", "DEVICE_HELPERS", "bhld_out", "carry_layout", "device_offset", "dot_precision", "mask_args",
-    "pair_chunks", "pick_blocks",
+    "BIG", "DEVICE_HELPERS", "backward_outputs", "backward_tiles", "bhld_out", "carry_layout", "device_offset",
+    "dot_precision", "launch_options", "mask_args", "pair_chunks", "pick_blocks", "strides", "window_args",
+    "window_switches",
 ]
 
 #: the carry of rows past the end of the queries (or that see no key of a tile): never blocks an early exit.
@@ -214,26 +219,91 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-def pick_blocks(
-    kind: str,
-    dtype: torch.dtype,
-    interpreter_blocks: tuple[int, int],
-    gpu_half: dict[str, tuple[int, int, int]],
-    gpu_fp32: dict[str, tuple[int, int, int]],
-    num_stages: dict[str, int],
-) -> tuple[int, int, int, int]:
+def pick_blocks(kind: str, dtype: torch.dtype, tables: ModuleType) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kind`` ("fwd", "bwd_q", "bwd_kv") for inputs of ``dtype``,
-    from a kernel module's launch tables (passed in: benchmarks override them as module attributes): the
-    interpreter's blocks with 1 warp and 1 stage, ``gpu_fp32`` and ``num_stages["float32"]`` for float32,
-    ``gpu_half`` and ``num_stages["half"]`` for bfloat16 / float16."""
+    from a kernel module's launch tables, read now (benchmarks and tests override them as module attributes):
+    ``INTERPRETER_BLOCKS`` with 1 warp and 1 stage in the interpreter, ``GPU_FP32[kind]`` and
+    ``NUM_STAGES["float32"]`` for float32, ``GPU_FWD`` / ``GPU_BWD_Q`` / ``GPU_BWD_KV`` and ``NUM_STAGES["half"]``
+    for bfloat16 / float16.
+
+    The tables were chosen offline (no GPU yet; nothing in them is timed) from the cubins of ``python -m
+    hf_posenc.kernels.compile_check`` (sm_90 and sm_80, Triton 3.6) at D = 128, the widest head dim: among the
+    few candidates compared (see each module's ``GPU_FP32``), the tiles whose shared memory fits an A100's
+    per-block limit (166912 B) with the fewest register spills. Half precision keeps its tiles (sm_90, Triton 3.9)
+    at 2 stages.
+    """
     if interpreting():
-        bm, bn = interpreter_blocks
+        bm, bn = tables.INTERPRETER_BLOCKS
         return bm, bn, 1, 1
     if dtype == torch.float32:
-        bm, bn, warps = gpu_fp32[kind]
-        return bm, bn, warps, num_stages["float32"]
-    bm, bn, warps = gpu_half[kind]
-    return bm, bn, warps, num_stages["half"]
+        bm, bn, warps = tables.GPU_FP32[kind]
+        return bm, bn, warps, tables.NUM_STAGES["float32"]
+    bm, bn, warps = {"fwd": tables.GPU_FWD, "bwd_q": tables.GPU_BWD_Q, "bwd_kv": tables.GPU_BWD_KV}[kind]
+    return bm, bn, warps, tables.NUM_STAGES["half"]
+
+
+def backward_tiles(
+    blocks: Callable[[str], tuple[int, int, int, int]], lk: int, slots: int
+) -> tuple[int, int, int, tuple[int, int, int], tuple[int, int, int]]:
+    """(BLOCK_N, CSTRIDE, NSLOT, (BLOCK_M, num_warps, num_stages) of the query-major backward, the same of the
+    key-major one): ``blocks(kind)`` gives each kernel's `pick_blocks`; the two share their key tile BLOCK_N (the
+    carry checkpoints are per key tile: `carry_layout`, at most ``slots`` per row). ``ValueError`` where the tables
+    give them two."""
+    bm1, bn, warps1, stages1 = blocks("bwd_q")
+    bm2, bn2, warps2, stages2 = blocks("bwd_kv")
+    if bn2 != bn:
+        raise ValueError(f"the two backward kernels must share their key tile (BLOCK_N {bn} != {bn2})")
+    cstride, nslot = carry_layout(lk, bn, slots)
+    return bn, cstride, nslot, (bm1, warps1, stages1), (bm2, warps2, stages2)
+
+
+def backward_outputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(do, dq, dk, dv) of a backward: ``do`` with a contiguous last dim, dq laid out as `bhld_out`, dk and dv
+    (B, Hkv, Lk, D) empty, each in its input's dtype."""
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    b, h, lq, d = q.shape
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    return do, bhld_out(b, h, lq, d, q), dk, dv
+
+
+def strides(*tensors: torch.Tensor) -> tuple[int, ...]:
+    """The strides of the first three dims of each tensor, in order: the (batch, head, row) strides a kernel takes
+    per (B, H, L, D) tensor."""
+    return tuple(st for t in tensors for st in t.stride()[:3])
+
+
+def window_args(window: int | None, sink: int | None) -> tuple[int, int]:
+    """(WINDOW, SINK), the kernels' runtime ints (0 for None: the compile-time switches of `window_switches` are off
+    then; one compilation serves every size)."""
+    return 0 if window is None else window, 0 if sink is None else sink
+
+
+def window_switches(window: int | None, sink: int | None) -> dict[str, bool]:
+    """The compile-time switches HAS_WINDOW and HAS_SINK of a kernel launch."""
+    return {"HAS_WINDOW": window is not None, "HAS_SINK": sink is not None}
+
+
+def launch_options(
+    window: object, sink: object, q_offset: int | torch.Tensor, device: torch.device
+) -> tuple[int | None, int | None, torch.Tensor]:
+    """(window, sink, offset) of a call of the CoPE or SBA kernels, checked: ``window`` None, or an int >= 1: query i
+    sees only keys qi − window < j <= qi, the keys outside being absent (no weight; no gate, no break). The
+    query-major kernels start their walk at the tile of the first query's window edge; the key-major kernel stops
+    at the last query block whose window reaches its keys. ``sink`` None, or an int >= 1 with a ``window``:
+    attention sinks, the keys j < sink kept besides the band (as any visible key): the query-major kernels walk the
+    sink keys' tiles after the window's (never the tiles between); the key-major program of a tile holding sink keys
+    serves every later query block. Both are runtime ints behind compile-time switches (`window_switches`). The
+    offset (query i is key ``q_offset + i``) becomes the (1,) int32 tensor the kernels load (`device_offset`).
+
+    Raises:
+        TypeError, ValueError: ``window`` or ``sink`` is not None or an int >= 1, or a sink without a window.
+    """
+    window = check_window(window)
+    return window, check_sink(sink, window), device_offset(q_offset, device)
 
 
 def mask_args(mask: torch.Tensor | None, q: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from ..backend import forced_backend
+from ._attn_dispatch import kernel_preferred, last_dim_contiguous
 from ._masks import check_sink, mask_key_validity
 from .attention import fused_attention, kernel_unsupported
 from .attention.naive import band_allowed, term_bias
@@ -379,6 +380,30 @@ def _decode(text: str) -> dict:
 
 def offset_arg(tensor: Tensor | None, q_offset: int):
     return tensor if tensor is not None else q_offset
+
+
+def compiled_engine(name: str, kernel_module: str, tensors: list[Tensor | None], spec: dict,
+                    q_offset: int | Tensor) -> Tensor:
+    """`engine_op` for an attention engine whose tensors end with the offset's slot (CoPE's and SBA's: their
+    ``tensors`` without it here): the tensor offset (a StaticCache's) goes there, and ``spec["triton"]`` says
+    whether the op runs the Triton kernel of ``kernel_module`` where it takes the inputs (`kernel_preferred`)."""
+    spec = {**spec, "triton": kernel_preferred(name, kernel_module, tensors[0].device)}
+    return engine_op(name, [*tensors, q_offset if isinstance(q_offset, Tensor) else None], spec, q_offset)
+
+
+def kernel_operands(tensors: list, q_offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(q, k, v, offset) for an engine's Triton kernel (`EngineSpec.kernel`) from the tensors of `compiled_engine`:
+    q, k, v with a contiguous last dim, and the offset (the tensor in the last slot, else ``q_offset``) as the
+    (1,) int32 tensor the kernels load."""
+    from ._triton_tiles import device_offset
+
+    q, k, v = last_dim_contiguous(*tensors[:3])
+    return q, k, v, device_offset(offset_arg(tensors[-1], q_offset), q.device)
+
+
+def attention_output(tensors: list, spec: dict) -> tuple[tuple, torch.dtype]:
+    """`EngineSpec.output` of an attention engine whose tensors start with q, k, v: (B, H, Lq, D of v), q's dtype."""
+    return (*tensors[0].shape[:3], tensors[2].shape[3]), tensors[0].dtype
 
 
 _ENGINES: dict[str, EngineSpec] = {}

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from ..encodings.base import ModelInfo, PosContext, unwrap
+from ..attention import posenc_attention
+from ..encodings.base import ModelInfo, PosContext, model_norm_eps, unwrap
 from ..ops import eager_value_checks
 
 __all__ = [
     "FamilyPatch", "swap_class", "unshare_config", "require_ctx", "text_positions", "make_context", "check_token_ids",
-    "check_embeds", "tap_mlp_outputs",
+    "check_embeds", "tap_mlp_outputs", "run_attention", "swap_attention", "lend_context", "lent_context",
 ]
 
 
@@ -161,6 +164,59 @@ def make_context(base: nn.Module, *, need_weights: bool | None, **fields: Any) -
     return PosContext(encoding=base.posenc, info=base.posenc_info, need_weights=bool(need_weights), **fields)
 
 
+@contextmanager
+def lend_context(embeddings: nn.Module, ctx: PosContext) -> Iterator[None]:
+    """``embeddings.posenc_ctx = ctx`` while the native forward runs (BERT's and ViT's embeddings are called without
+    the context, and read it there: `lent_context`)."""
+    embeddings.posenc_ctx = ctx
+    try:
+        yield
+    finally:
+        embeddings.posenc_ctx = None
+
+
+def lent_context(embeddings: nn.Module, model: str) -> PosContext:
+    """The context `lend_context` gave ``embeddings``; ``RuntimeError`` when the embeddings are called on their own
+    (outside the forward of the patched ``model``)."""
+    ctx = embeddings.posenc_ctx
+    if ctx is None:
+        name = type(embeddings).__bases__[-1].__name__
+        raise RuntimeError(f"{name} was patched by hf_posenc; call the whole {model} model, not its embeddings")
+    return ctx
+
+
+def run_attention(
+    module: nn.Module, ctx: PosContext, layer: int, hidden_states: torch.Tensor, query: torch.Tensor,
+    key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A patched attention module's attention: `posenc_attention` of q (B, H, Lq, D), k, v (B, Hkv, Lk, D) with the
+    module's ``scaling`` (``dropout`` while training, else none), then the encoding's ``finish`` with the module's
+    input ``hidden_states`` (B, Lq, C). Returns out (B, Lq, H, D) and the probabilities or None."""
+    out, weights = posenc_attention(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=dropout if module.training else 0.0,
+        scaling=module.scaling,
+        posenc_ctx=ctx,
+        posenc_layer=layer,
+    )
+    return ctx.finish(layer, hidden_states, out), weights
+
+
+def swap_attention(modules: Iterable[tuple[str, nn.Module]], new_cls: type) -> list[str]:
+    """Swap each (name, attention module), layer by layer, for ``new_cls`` (`swap_class`) and give it its layer index
+    (``posenc_layer``); returns the names."""
+    names = []
+    for i, (name, module) in enumerate(modules):
+        swap_class(module, new_cls)
+        module.posenc_layer = i
+        names.append(name)
+    return names
+
+
 def add_embeddings(ctx: PosContext, embeds: torch.Tensor) -> torch.Tensor:
     """embeds + the encoding's absolute term, if it has one."""
     if not getattr(unwrap(ctx.encoding), "adds_embeddings", False):
@@ -255,6 +311,13 @@ class FamilyPatch:
 
     def info(self, config: Any) -> ModelInfo:
         raise NotImplementedError
+
+    def model_info(self, config: Any, **fields: Any) -> ModelInfo:
+        """`ModelInfo` of this family from ``fields`` and what every family reads alike: as many key/value heads as
+        heads unless given, the initializer range (0.02 by default) and the norm's eps."""
+        fields.setdefault("num_kv_heads", fields["num_heads"])
+        return ModelInfo(family=self.family, initializer_range=getattr(config, "initializer_range", 0.02),
+                         norm_eps=model_norm_eps(config), **fields)
 
     def native_weights(self, base: nn.Module) -> dict[str, torch.Tensor]:
         """The model's own position weights, for encodings that can adopt them (before the first patch)."""

@@ -17,19 +17,12 @@ import torch
 from torch import nn
 from transformers.models.bert.modeling_bert import BertEmbeddings, BertModel, BertSelfAttention
 
-from ..attention import posenc_attention
-from ..encodings.base import ModelInfo, model_norm_eps
+from ..encodings.base import ModelInfo
 from .base import (
-    FamilyPatch,
-    add_embeddings,
-    check_embeds,
-    check_token_ids,
-    make_context,
-    require_ctx,
-    swap_class,
-    text_positions,
+    FamilyPatch, add_embeddings, check_embeds, check_token_ids, lend_context, lent_context, make_context,
+    require_ctx, run_attention, swap_attention, swap_class, text_positions,
 )
-from .decoder import pop_cache
+from .decoder import AttentionLayout, pop_cache
 
 
 class PosEncBertModel(BertModel):
@@ -60,8 +53,7 @@ class PosEncBertModel(BertModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         position_ids, _ = text_positions(shape[1], device, position_ids, None, batch=shape[0])
         ctx = make_context(self, need_weights=kwargs.get("output_attentions"), position_ids=position_ids)
-        self.embeddings.posenc_ctx = ctx
-        try:
+        with lend_context(self.embeddings, ctx):
             return super().forward(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -72,8 +64,6 @@ class PosEncBertModel(BertModel):
                 posenc_ctx=ctx,
                 **kwargs,
             )
-        finally:
-            self.embeddings.posenc_ctx = None
 
 
 class PosEncBertEmbeddings(BertEmbeddings):
@@ -90,9 +80,7 @@ class PosEncBertEmbeddings(BertEmbeddings):
         *args: Any,
         **kwargs: Any,
     ) -> torch.Tensor:
-        ctx = self.posenc_ctx
-        if ctx is None:
-            raise RuntimeError("BertEmbeddings was patched by hf_posenc; call the whole BERT model, not its embeddings")
+        ctx = lent_context(self, "BERT")
         if inputs_embeds is None:
             inputs_embeds = self.word_embeddings(input_ids)
         if token_type_ids is None:  # the native buffer is all zeros: the same, at any length
@@ -106,6 +94,9 @@ class PosEncBertEmbeddings(BertEmbeddings):
 class PosEncBertSelfAttention(BertSelfAttention):
     """BERT self-attention (bidirectional) that applies the encoding."""
 
+    #: how BERT computes q, k and v (its output projection is in ``BertSelfOutput``, outside this module).
+    posenc_layout = AttentionLayout(projections=("query", "key", "value"), output="")
+
     def forward(
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -113,25 +104,10 @@ class PosEncBertSelfAttention(BertSelfAttention):
         ctx, layer = ctx.at(self.posenc_layer)  # under a plan: this layer's encoding, its index there
         if kwargs.get("encoder_hidden_states") is not None:
             raise ValueError("a patched BERT self-attention module got encoder_hidden_states")
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.attention_head_size)
-        query = self.query(hidden_states).view(hidden_shape).transpose(1, 2)
-        key = self.key(hidden_states).view(hidden_shape).transpose(1, 2)
-        value = self.value(hidden_states).view(hidden_shape).transpose(1, 2)
-        query, key, value = ctx.prepare(layer, hidden_states, query, key, value)
-        out, weights = posenc_attention(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=self.dropout.p if self.training else 0.0,
-            scaling=self.scaling,
-            posenc_ctx=ctx,
-            posenc_layer=layer,
-        )
-        out = ctx.finish(layer, hidden_states, out)
-        return out.reshape(*input_shape, -1).contiguous(), weights
+        query, key, value = ctx.prepare(layer, hidden_states, *self.posenc_layout.project(self, hidden_states))
+        out, weights = run_attention(self, ctx, layer, hidden_states, query, key, value, attention_mask,
+                                     self.dropout.p)
+        return out.reshape(*hidden_states.shape[:-1], -1).contiguous(), weights
 
 
 class BertPatch(FamilyPatch):
@@ -149,17 +125,14 @@ class BertPatch(FamilyPatch):
                 f"hf_posenc patches BERT models with position_embedding_type='absolute', got {kind!r}"
             )
         heads = config.num_attention_heads
-        return ModelInfo(
-            family=self.family,
+        return self.model_info(
+            config,
             hidden_size=config.hidden_size,
             num_heads=heads,
-            num_kv_heads=heads,
             head_dim=config.hidden_size // heads,
             num_layers=config.num_hidden_layers,
             causal=False,
             max_positions=config.max_position_embeddings,
-            initializer_range=getattr(config, "initializer_range", 0.02),
-            norm_eps=model_norm_eps(config),
         )
 
     def native_weights(self, base: nn.Module) -> dict[str, torch.Tensor]:
@@ -171,9 +144,6 @@ class BertPatch(FamilyPatch):
         swap_class(base.embeddings, PosEncBertEmbeddings)
         if isinstance(getattr(base.embeddings, "position_embeddings", None), nn.Module):
             base.embeddings.position_embeddings = None
-        names = []
-        for i, layer in enumerate(base.encoder.layer):
-            swap_class(layer.attention.self, PosEncBertSelfAttention)
-            layer.attention.self.posenc_layer = i
-            names.append(f"encoder.layer.{i}.attention.self")
-        return names
+        layers = enumerate(base.encoder.layer)
+        return swap_attention(((f"encoder.layer.{i}.attention.self", layer.attention.self) for i, layer in layers),
+                              PosEncBertSelfAttention)

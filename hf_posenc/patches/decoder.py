@@ -41,17 +41,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..attention import posenc_attention
-from ..encodings.base import ModelInfo, model_norm_eps
+from ..encodings.base import ModelInfo
 from .base import (
-    FamilyPatch,
-    add_embeddings,
-    check_embeds,
-    check_token_ids,
-    make_context,
-    require_ctx,
-    swap_class,
-    text_positions,
+    FamilyPatch, add_embeddings, check_embeds, check_token_ids, make_context, require_ctx, run_attention,
+    swap_attention, swap_class, text_positions,
 )
 
 __all__ = [
@@ -179,7 +172,7 @@ class AttentionLayout:
             ``"fused_per_head"`` (one projection giving, per head, [q | k | v]: GPT-NeoX's
             ``query_key_value``).
         projections: the projection attribute names.
-        output: the output projection's attribute name.
+        output: the output projection's attribute name (empty where it is outside the module: BERT).
         qk_norm: whether ``q_norm`` and ``k_norm`` (RMSNorm over the head dim) run before the rotation.
     """
 
@@ -189,8 +182,9 @@ class AttentionLayout:
     qk_norm: bool = False
 
     def project(self, module: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden (B, L, C) -> q (B, H, L, D), k and v (B, Hkv, L, D), after QK-norm when the family has it."""
-        head_dim = getattr(module, "head_dim", None) or module.head_size
+        """hidden (B, L, C) -> q (B, H, L, D), k and v (B, Hkv, L, D), after QK-norm when the family has it. D is the
+        module's ``head_dim`` (``head_size``: GPT-NeoX; ``attention_head_size``: BERT)."""
+        head_dim = getattr(module, "head_dim", None) or getattr(module, "head_size", None) or module.attention_head_size
         shape = (*hidden.shape[:-1], -1, head_dim)
         if self.qkv == "separate":
             q, k, v = (getattr(module, name)(hidden).view(shape) for name in self.projections)
@@ -291,18 +285,8 @@ class PatchedDecoderAttention:
         query, key, value = ctx.prepare(layer, hidden_states, query, key, value)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
-        out, weights = posenc_attention(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=float(getattr(self, "attention_dropout", 0.0)) if self.training else 0.0,
-            scaling=self.scaling,
-            posenc_ctx=ctx,
-            posenc_layer=layer,
-        )
-        out = ctx.finish(layer, hidden_states, out)
+        out, weights = run_attention(self, ctx, layer, hidden_states, query, key, value, attention_mask,
+                                     float(getattr(self, "attention_dropout", 0.0)))
         out = getattr(self, self.posenc_layout.output)(out.reshape(*input_shape, -1).contiguous())
         return out, weights
 
@@ -376,8 +360,8 @@ class DecoderPatch(FamilyPatch):
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         layers = config.num_hidden_layers
-        return ModelInfo(
-            family=self.family,
+        return self.model_info(
+            config,
             hidden_size=config.hidden_size,
             num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
@@ -385,8 +369,6 @@ class DecoderPatch(FamilyPatch):
             num_layers=layers,
             causal=True,
             max_positions=getattr(config, "max_position_embeddings", None),
-            initializer_range=getattr(config, "initializer_range", 0.02),
-            norm_eps=model_norm_eps(config),
             sliding_windows=_sliding_windows(config, layers),
             **_rope_facts(config, head_dim, layers),
         )
@@ -397,10 +379,6 @@ class DecoderPatch(FamilyPatch):
             native = getattr(base, name, None)
             if isinstance(native, nn.Module) and not isinstance(native, NoRotaryEmbedding):
                 setattr(base, name, NoRotaryEmbedding())
-        names = []
-        for i, layer in enumerate(base.layers):
-            attention = getattr(layer, self.attention_attr)
-            swap_class(attention, self.attention_class)
-            attention.posenc_layer = i
-            names.append(f"layers.{i}.{self.attention_attr}")
-        return names
+        attr = self.attention_attr
+        return swap_attention(((f"layers.{i}.{attr}", getattr(layer, attr)) for i, layer in enumerate(base.layers)),
+                              self.attention_class)

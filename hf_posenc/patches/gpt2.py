@@ -15,17 +15,10 @@ from torch import nn
 from transformers.cache_utils import EncoderDecoderCache
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention, GPT2Model
 
-from ..attention import posenc_attention
-from ..encodings.base import ModelInfo, model_norm_eps
+from ..encodings.base import ModelInfo
 from .base import (
-    FamilyPatch,
-    add_embeddings,
-    check_embeds,
-    check_token_ids,
-    make_context,
-    require_ctx,
-    swap_class,
-    text_positions,
+    FamilyPatch, add_embeddings, check_embeds, check_token_ids, make_context, require_ctx, run_attention,
+    swap_attention, swap_class, text_positions,
 )
 from .decoder import cache_arg, pop_cache
 
@@ -116,18 +109,8 @@ class PosEncGPT2Attention(GPT2Attention):
             if isinstance(cache, EncoderDecoderCache):
                 cache = cache.self_attention_cache
             key, value = cache.update(key, value, self.layer_idx)
-        out, weights = posenc_attention(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=self.attn_dropout.p if self.training else 0.0,
-            scaling=self.scaling,
-            posenc_ctx=ctx,
-            posenc_layer=layer,
-        )
-        out = ctx.finish(layer, hidden_states, out)
+        out, weights = run_attention(self, ctx, layer, hidden_states, query, key, value, attention_mask,
+                                     self.attn_dropout.p)
         out = self.c_proj(out.reshape(*out.shape[:-2], -1).contiguous())
         out = self.resid_dropout(out)
         return out, weights
@@ -140,17 +123,14 @@ class GPT2Patch(FamilyPatch):
     native_keys = ("wpe.weight",)
 
     def info(self, config: Any) -> ModelInfo:
-        return ModelInfo(
-            family=self.family,
+        return self.model_info(
+            config,
             hidden_size=config.n_embd,
             num_heads=config.n_head,
-            num_kv_heads=config.n_head,
             head_dim=config.n_embd // config.n_head,
             num_layers=config.n_layer,
             causal=True,
             max_positions=config.n_positions,
-            initializer_range=getattr(config, "initializer_range", 0.02),
-            norm_eps=model_norm_eps(config),
         )
 
     def native_weights(self, base: nn.Module) -> dict[str, torch.Tensor]:
@@ -161,9 +141,4 @@ class GPT2Patch(FamilyPatch):
         swap_class(base, PosEncGPT2Model)
         if not isinstance(base.wpe, NoPositionTable):
             base.wpe = NoPositionTable()
-        names = []
-        for i, block in enumerate(base.h):
-            swap_class(block.attn, PosEncGPT2Attention)
-            block.attn.posenc_layer = i
-            names.append(f"h.{i}.attn")
-        return names
+        return swap_attention(((f"h.{i}.attn", block.attn) for i, block in enumerate(base.h)), PosEncGPT2Attention)

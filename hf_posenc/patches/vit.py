@@ -16,9 +16,12 @@ import torch
 from torch import nn
 from transformers.models.vit.modeling_vit import ViTAttention, ViTEmbeddings, ViTModel
 
-from ..attention import posenc_attention
-from ..encodings.base import ModelInfo, model_norm_eps
-from .base import FamilyPatch, add_embeddings, make_context, require_ctx, swap_class
+from ..encodings.base import ModelInfo
+from .base import (
+    FamilyPatch, add_embeddings, lend_context, lent_context, make_context, require_ctx, run_attention, swap_attention,
+    swap_class,
+)
+from .decoder import AttentionLayout
 
 
 def _pair(x: Any) -> tuple[int, int]:
@@ -54,8 +57,7 @@ class PosEncViTModel(ViTModel):
             grid=(height // ph, width // pw),
             interpolate=bool(interpolate_pos_encoding),
         )
-        self.embeddings.posenc_ctx = ctx
-        try:
+        with lend_context(self.embeddings, ctx):
             return super().forward(
                 pixel_values,
                 bool_masked_pos=bool_masked_pos,
@@ -64,8 +66,6 @@ class PosEncViTModel(ViTModel):
                 posenc_ctx=ctx,
                 **kwargs,
             )
-        finally:
-            self.embeddings.posenc_ctx = None
 
 
 class PosEncViTEmbeddings(ViTEmbeddings):
@@ -79,9 +79,7 @@ class PosEncViTEmbeddings(ViTEmbeddings):
         bool_masked_pos: torch.BoolTensor | None = None,
         interpolate_pos_encoding: bool = False,
     ) -> torch.Tensor:
-        ctx = self.posenc_ctx
-        if ctx is None:
-            raise RuntimeError("ViTEmbeddings was patched by hf_posenc; call the whole ViT model, not its embeddings")
+        ctx = lent_context(self, "ViT")
         batch_size = pixel_values.shape[0]
         embeddings = self.patch_embeddings(pixel_values)
         if bool_masked_pos is not None:
@@ -97,31 +95,18 @@ class PosEncViTEmbeddings(ViTEmbeddings):
 class PosEncViTAttention(ViTAttention):
     """ViT self-attention that applies the encoding over the patch grid."""
 
+    #: how ViT computes q, k and v and projects the output (``q_proj`` ... ``o_proj``, transformers 5.x).
+    posenc_layout = AttentionLayout()
+
     def forward(
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         ctx = require_ctx(kwargs, "ViTAttention")
         ctx, layer = ctx.at(self.posenc_layer)  # under a plan: this layer's encoding, its index there
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        query, key, value = ctx.prepare(layer, hidden_states, query, key, value)
-        out, weights = posenc_attention(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=self.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-            posenc_ctx=ctx,
-            posenc_layer=layer,
-        )
-        out = ctx.finish(layer, hidden_states, out)
-        out = self.o_proj(out.reshape(*input_shape, -1).contiguous())
-        return out, weights
+        query, key, value = ctx.prepare(layer, hidden_states, *self.posenc_layout.project(self, hidden_states))
+        out, weights = run_attention(self, ctx, layer, hidden_states, query, key, value, attention_mask,
+                                     self.attention_dropout)
+        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
 
 
 class ViTPatch(FamilyPatch):
@@ -135,19 +120,16 @@ class ViTPatch(FamilyPatch):
         image = _pair(config.image_size)
         patch = _pair(config.patch_size)
         grid = (image[0] // patch[0], image[1] // patch[1])
-        return ModelInfo(
-            family=self.family,
+        return self.model_info(
+            config,
             hidden_size=config.hidden_size,
             num_heads=heads,
-            num_kv_heads=heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             num_layers=config.num_hidden_layers,
             causal=False,
             max_positions=grid[0] * grid[1] + 1,
             grid=grid,
             patch_size=patch,
-            initializer_range=getattr(config, "initializer_range", 0.02),
-            norm_eps=model_norm_eps(config),
         )
 
     def native_weights(self, base: nn.Module) -> dict[str, torch.Tensor]:
@@ -160,9 +142,5 @@ class ViTPatch(FamilyPatch):
         if isinstance(getattr(base.embeddings, "position_embeddings", None), nn.Parameter):
             del base.embeddings.position_embeddings
             base.embeddings.position_embeddings = None
-        names = []
-        for i, layer in enumerate(base.layers):
-            swap_class(layer.attention, PosEncViTAttention)
-            layer.attention.posenc_layer = i
-            names.append(f"layers.{i}.attention")
-        return names
+        return swap_attention(((f"layers.{i}.attention", layer.attention) for i, layer in enumerate(base.layers)),
+                              PosEncViTAttention)

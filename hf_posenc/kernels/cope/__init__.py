@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ...ops import eager_value_checks
-from .._attn_dispatch import choose, common_unsupported, flag_unsupported
+from .._attn_dispatch import check_attention_inputs, choose, common_unsupported, flag_unsupported, last_dim_contiguous
 from .._masks import check_sink, check_window
 from .naive import cope_reference
 from .tiled import cope_tiled
@@ -34,24 +33,10 @@ __all__ = ["cope", "cope_backend", "cope_reference", "cope_tiled", "cope_torch",
 
 
 def _check(q, k, v, table, mask, q_offset) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be 4D (B, H, L, D), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    b, h, lq, d = q.shape
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"k and v must be (B, Hkv, Lk, D) with q's B and D, got {tuple(k.shape)}, {tuple(v.shape)}")
-    if h % k.shape[1]:
-        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({k.shape[1]})")
-    # A tensor offset (a StaticCache's) is read in eager mode on CPU only (elsewhere: a device sync per layer, a
-    # graph break under torch.compile); a StaticCache keeps its queries among its keys.
-    if not isinstance(q_offset, torch.Tensor) or eager_value_checks(q_offset):
-        offset = int(q_offset)
-        if offset < 0 or offset + lq > k.shape[2]:
-            raise ValueError(f"q_offset={offset} with {lq} queries needs q_offset + Lq <= Lk={k.shape[2]}")
+    check_attention_inputs(q, k, v, mask, q_offset)
+    d = q.shape[3]
     if table.dim() != 2 or table.shape[0] != d or table.shape[1] < 1:
         raise ValueError(f"table must be (head_dim={d}, npos_max), got {tuple(table.shape)}")
-    if mask is not None and (mask.dim() != 4 or mask.shape[0] not in (1, b) or mask.shape[1] != 1
-                             or mask.shape[2:] != (lq, k.shape[2])):
-        raise ValueError(f"mask must be (B|1, 1, Lq, Lk) = ({b}|1, 1, {lq}, {k.shape[2]}), got {tuple(mask.shape)}")
 
 
 #: why float32 CoPE does not run the Triton kernel on CUDA (measured; bfloat16 and float16 do).
@@ -72,17 +57,9 @@ def triton_unsupported(q, k, v, mask, q_offset, need_weights=False, dropout=0.0,
     return why
 
 
-def cope_backend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None = None,
-    q_offset: int | torch.Tensor = 0,
-    need_weights: bool = False,
-    dropout: float = 0.0,
-    training: bool = False,
-    causal: bool = True,
-) -> str:
+def cope_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                 q_offset: int | torch.Tensor = 0, need_weights: bool = False, dropout: float = 0.0,
+                 training: bool = False, causal: bool = True) -> str:
     """``"triton"`` or ``"torch"``: which implementation ``cope`` (and the encoding) uses for these inputs.
 
     Raises:
@@ -101,17 +78,9 @@ def cope_backend(
     return choose(reason, q.device.type == "cuda", "cope", static)
 
 
-def cope(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    table: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    q_offset: int | torch.Tensor = 0,
-    window: int | None = None,
-    sink: int | None = None,
-) -> torch.Tensor:
+def cope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, mask: torch.Tensor | None,
+         scale: float, q_offset: int | torch.Tensor = 0, window: int | None = None, sink: int | None = None
+         ) -> torch.Tensor:
     """Causal CoPE attention (see ``hf_posenc/encodings/cope.py`` for the formula): fused on CUDA, tile-wise
     PyTorch elsewhere.
 
@@ -141,8 +110,7 @@ def cope(
     if cope_backend(q, k, v, mask, q_offset) == "triton":
         from .triton_cope import cope_triton
 
-        last = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)]
-        return cope_triton(*last, table, mask, scale, q_offset, window=window, sink=sink)
+        return cope_triton(*last_dim_contiguous(q, k, v), table, mask, scale, q_offset, window=window, sink=sink)
     return cope_torch(q, k, v, table, mask, scale, q_offset, window=window, sink=sink)
 
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from ...ops import expand_kv
-from .._common import compute_dtype
-from .._masks import allowed_keys, check_sink, check_window, windowed_allowed
+from .._attn_dispatch import reference_inputs
 
 __all__ = ["cope_attention", "cope_positions", "cope_reference", "interpolate_logits"]
 
@@ -49,20 +47,10 @@ def interpolate_logits(z: torch.Tensor, positions: torch.Tensor, npos_max: int) 
     return z_ceil * w + z_floor * (1 - w)
 
 
-def cope_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    allowed: torch.Tensor | None,
-    scaling: float,
-    table: torch.Tensor,
-    table_after: torch.Tensor | None = None,
-    q_index: torch.Tensor | None = None,
-    no_position: torch.Tensor | None = None,
-    uncounted: torch.Tensor | None = None,
-    dropout: float = 0.0,
-    training: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def cope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scaling: float,
+                   table: torch.Tensor, table_after: torch.Tensor | None = None, q_index: torch.Tensor | None = None,
+                   no_position: torch.Tensor | None = None, uncounted: torch.Tensor | None = None,
+                   dropout: float = 0.0, training: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """CoPE attention (the reference), everything in the dtype of ``q``.
 
     Args:
@@ -107,43 +95,16 @@ def cope_attention(
     return dropped @ v, probs
 
 
-
-
-def cope_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    table: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    q_offset: int | torch.Tensor = 0,
-    window: int | None = None,
-    sink: int | None = None,
-) -> torch.Tensor:
-    """Causal CoPE attention as `cope_attention` computes it, behind the kernels' interface.
-
-    Args:
-        q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D), H a multiple of Hkv (expanded here).
-        table: (D, npos) position embeddings e.
-        mask: (B|1, 1, Lq, Lk) bool (True = may attend) or None; causality (query i is key ``q_offset + i``)
-            is always applied.
-        scale: logit scale (gates σ(s q·k), logits s q·k + q·e[p]).
-        window: None, or an int >= 1: a sliding window, applied as the band mask qi − window < j (with the
-            causal mask: each query sees its last ``window`` keys, itself included); the keys it removes are
-            removed as the mask removes keys (see `windowed_allowed`).
-        sink: None, or an int >= 1 with a ``window``: attention sinks, the keys j < sink kept besides the band
-            (they count as any visible key does).
+def cope_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, mask: torch.Tensor | None,
+                   scale: float, q_offset: int | torch.Tensor = 0, window: int | None = None, sink: int | None = None
+                   ) -> torch.Tensor:
+    """Causal CoPE attention as `cope_attention` computes it, behind the kernels' interface: the arguments of
+    `hf_posenc.kernels.cope.cope` (k and v expanded here), a ``window`` and its ``sink`` applied as masks
+    (`reference_inputs`): the keys they remove are removed as the mask removes keys (no weight, no gate).
 
     Returns:
         (B, H, Lq, D) in q's dtype, computed in float32 (float64 for float64 inputs).
     """
-    dtype = compute_dtype(q.dtype)
-    b, h, lq, _ = q.shape
-    lk = k.shape[2]
-    groups = h // k.shape[1]
-    allowed = windowed_allowed(allowed_keys(mask, lq, lk, q_offset, True, q.device), lq, lk, q_offset, window,
-                               check_sink(sink, check_window(window)))
-    out, _ = cope_attention(
-        q.to(dtype), expand_kv(k, groups).to(dtype), expand_kv(v, groups).to(dtype), allowed, scale, table.to(dtype)
-    )
+    dtype, qc, kc, vc, allowed = reference_inputs(q, k, v, mask, q_offset, window=window, sink=sink)
+    out, _ = cope_attention(qc, kc, vc, allowed, scale, table.to(dtype))
     return out.to(q.dtype)

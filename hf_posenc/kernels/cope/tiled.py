@@ -55,21 +55,13 @@ from __future__ import annotations
 import torch
 
 from ...ops import eager_value_checks
-from .._common import compute_dtype, without_autocast
+from .._common import without_autocast
 from .._cpu_flash import FLASH_BACKWARD as _flash_bwd, FLASH_FORWARD as _flash_fwd
 from .._subnormal import exp_flushed
 from .._reverse_tiles import (
-    Geometry,
-    call_options,
-    blocked_mask_rows,
-    fill_blocked,
-    key_tiles,
-    tile_blocked,
-    tile_sizes,
-    to_groups,
+    Geometry, blocked_mask_rows, call_options, fill_blocked, query_blocks, reversed_inputs, to_groups, walk,
 )
-from .._attn_dispatch import kernel_preferred
-from ..custom_ops import EngineSpec, engine_op, offset_arg, register_engine
+from ..custom_ops import EngineSpec, attention_output, compiled_engine, kernel_operands, offset_arg, register_engine
 
 __all__ = ["cope_tiled", "CopeTiledFunction", "BLOCK_M", "BLOCK_N"]
 
@@ -87,6 +79,14 @@ def _row_tables(qb: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     pairs[..., 0] = z
     pairs[..., :-1, 1] = z[..., 1:] - z[..., :-1]
     return pairs
+
+
+def _query_block(q: torch.Tensor, geo: Geometry, m0: int, m1: int, dtype: torch.dtype, scale: float,
+                 e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query block [m0, m1) as a walk takes it: its rows qb (B, Hkv, G·BM, D) in ``dtype`` (`to_groups`), scaled
+    (s·qb), and their tables of z = qb e and Δz (`_row_tables`)."""
+    qb = to_groups(q, geo, m0, m1, dtype)
+    return qb, qb * scale, _row_tables(qb, e)
 
 
 def _gather2(pairs: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,13 +135,9 @@ def _tile(qs, kt, pairs, carry, blocked, top, with_slope):
 
 
 def _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, with_rows, window=None, sink=None):
-    geo = Geometry.of(q, k)
-    block_m, block_n = tile_sizes(geo, block_m, block_n)
-    dtype = compute_dtype(q.dtype)
+    geo, block_m, block_n, dtype, kr, vr = reversed_inputs(q, k, v, block_m, block_n)
     top = float(table.shape[1] - 1)
     e = table.to(dtype)
-    kr = k.flip(2).to(dtype)
-    vr = v.flip(2).to(dtype)
     dev = q.device
     out = torch.empty(geo.b, geo.h, geo.lq, geo.d, dtype=dtype, device=dev)
     lse = torch.empty(geo.b, geo.h, geo.lq, dtype=dtype, device=dev)
@@ -150,13 +146,9 @@ def _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, with_rows,
     neg_inf = torch.tensor(float("-inf"), dtype=dtype, device=dev)
     zero = torch.zeros((), dtype=dtype, device=dev)
     plain = _plain_tail_allowed(q, dtype, window, q_offset)
-    for m0 in range(0, geo.lq, block_m):
-        m1 = min(m0 + block_m, geo.lq)
-        bm = m1 - m0
+    for m0, m1, bm in query_blocks(geo.lq, block_m):
         nr = geo.groups * bm
-        qb = to_groups(q, geo, m0, m1, dtype)
-        qs = qb * scale
-        pairs = _row_tables(qb, e)
+        _, qs, pairs = _query_block(q, geo, m0, m1, dtype, scale, e)
         carry = torch.zeros(geo.b, geo.hkv, nr, dtype=dtype, device=dev)
         m_i = torch.full_like(carry, float("-inf"))
         l_i = torch.zeros_like(carry)
@@ -165,8 +157,7 @@ def _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, with_rows,
             u_acc = torch.zeros_like(acc)
             c_acc = torch.zeros_like(carry)
         rows = blocked_mask_rows(mask, m0, m1)
-        for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, False, window, sink):
-            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, False, rows, dev, window, sink)
+        for tile, blocked in walk(m0, m1, geo, q_offset, block_n, False, rows, dev, window, sink):
             vt = vr[:, :, tile.r0:tile.r1]
             _, _, _, _, frac, dz, s, carry = _tile(qs, kr[:, :, tile.r0:tile.r1], pairs, carry, blocked, top, False)
             m_new = torch.maximum(m_i, s.amax(-1))
@@ -207,27 +198,19 @@ def _forward(q, k, v, table, mask, scale, q_offset, block_m, block_n, with_rows,
 
 def _backward(q, k, v, table, mask, scale, q_offset, block_m, block_n, out, lse, u_rows, c_rows, do, window=None,
               sink=None):
-    geo = Geometry.of(q, k)
-    block_m, block_n = tile_sizes(geo, block_m, block_n)
-    dtype = compute_dtype(q.dtype)
+    geo, block_m, block_n, dtype, kr, vr = reversed_inputs(q, k, v, block_m, block_n)
     npos = table.shape[1]
     top = float(npos - 1)
     e = table.to(dtype)
-    kr = k.flip(2).to(dtype)
-    vr = v.flip(2).to(dtype)
     dev = q.device
     dq = torch.empty(geo.b, geo.h, geo.lq, geo.d, dtype=dtype, device=dev)
     dkr = torch.zeros(geo.b, geo.hkv, geo.lk, geo.d, dtype=dtype, device=dev)
     dvr = torch.zeros_like(dkr)
     de = torch.zeros(geo.d, npos, dtype=dtype, device=dev)
     plain = _plain_tail_allowed(q, dtype, window, q_offset)
-    for m0 in range(0, geo.lq, block_m):
-        m1 = min(m0 + block_m, geo.lq)
-        bm = m1 - m0
+    for m0, m1, bm in query_blocks(geo.lq, block_m):
         nr = geo.groups * bm
-        qb = to_groups(q, geo, m0, m1, dtype)
-        qs = qb * scale
-        pairs = _row_tables(qb, e)
+        qb, qs, pairs = _query_block(q, geo, m0, m1, dtype, scale, e)
         dob = to_groups(do, geo, m0, m1, dtype)
         delta = (dob * to_groups(out, geo, m0, m1, dtype)).sum(-1)
         lse_b = to_groups(lse[..., None], geo, m0, m1, dtype)
@@ -241,8 +224,7 @@ def _backward(q, k, v, table, mask, scale, q_offset, block_m, block_n, out, lse,
         dz_frac = torch.zeros_like(dz_at)  # Σ dS (p - ⌊p⌋) at ⌊p⌋
         rows = blocked_mask_rows(mask, m0, m1)
         ds_walked = torch.zeros_like(carry)  # Σ dS over the keys walked (a row's dS sums to 0 over all its keys)
-        for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, False, window, sink):
-            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, False, rows, dev, window, sink)
+        for tile, blocked in walk(m0, m1, geo, q_offset, block_n, False, rows, dev, window, sink):
             kt, vt = kr[:, :, tile.r0:tile.r1], vr[:, :, tile.r0:tile.r1]
             # rows whose positions are all clamped from here on (carry >= npos - 1): Σ_{j' <= j} dp is exactly 0
             left = torch.where(carry >= top, 0.0, left)
@@ -312,63 +294,30 @@ class CopeTiledFunction(torch.autograd.Function):
                 de.to(table.dtype) if ctx.needs_input_grad[3] else None, None, None, None, None, None, None, None)
 
 
-def cope_tiled(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    table: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    q_offset: int | torch.Tensor = 0,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    window: int | None = None,
-    sink: int | None = None,
-) -> torch.Tensor:
-    """Causal CoPE attention computed tile by tile (any device), recomputed in backward.
-
-    Args:
-        q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D) with H a multiple of Hkv (not expanded); any float dtype
-            (computed in float32, float64 for float64).
-        table: (D, npos) position embeddings e; gets a gradient.
-        mask: (B|1, 1, Lq, Lk) bool (True = may attend; padding) or None. Causality by index is applied in
-            any case.
-        scale: logit scale s (gates σ(s q·k); logits s q·k + q·e[p]).
-        q_offset: query i is key ``q_offset + i``: an int, or a 0-d tensor (a StaticCache), never read as a
-            number (every key tile is then walked, with the causal mask).
-        block_m, block_n: query block and key tile sizes (default: the module's ``BLOCK_M``, ``BLOCK_N``,
-            read at each call).
-        window: None, or an int >= 1: query i sees only keys qi − window < j <= qi (a sliding window). The keys
-            outside it are removed as a mask removes them: no weight and no gate (the contextual positions count
-            the window's keys only). The walk of an int-offset query block stops at its first query's window
-            edge: the key tiles left of it are never visited.
-        sink: None, or an int >= 1 with a ``window``: attention sinks, the keys j < sink kept besides the band (a
-            gate and a weight as any visible key); the walk visits their tiles after the window's.
+def cope_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, mask: torch.Tensor | None,
+               scale: float, q_offset: int | torch.Tensor = 0, block_m: int | None = None, block_n: int | None = None,
+               window: int | None = None, sink: int | None = None) -> torch.Tensor:
+    """Causal CoPE attention computed tile by tile (any device), recomputed in backward: the arguments of
+    `hf_posenc.kernels.cope.cope` (any float dtype, computed in float32, float64 for float64) and the tile sizes,
+    checked as `hf_posenc.kernels._reverse_tiles.call_options` says (``TypeError``, ``ValueError``). The keys outside
+    a window have no weight and no gate: the contextual positions count the window's keys only.
 
     Returns:
         (B, H, Lq, D) in q's dtype.
-
-    Raises:
-        TypeError, ValueError: ``window`` or ``sink`` is not None or an int >= 1 (a sink needs a window); a
-            non-positive block size.
     """
     block_m, block_n, q_offset = call_options(block_m, block_n, BLOCK_M, BLOCK_N, q_offset, window, sink)
     if torch.compiler.is_compiling():  # one custom op in the compiled graph (hf_posenc.kernels.custom_ops)
-
-        return engine_op("cope", [q, k, v, table, mask, q_offset if isinstance(q_offset, torch.Tensor) else None],
-                         {"scale": float(scale), "block_m": block_m, "block_n": block_n, "window": window, "sink": sink,
-                          "triton": kernel_preferred("cope", "cope.triton_cope", q.device)}, q_offset)
+        return compiled_engine("cope", "cope.triton_cope", [q, k, v, table, mask], {
+            "scale": float(scale), "block_m": block_m, "block_n": block_n, "window": window, "sink": sink}, q_offset)
     return CopeTiledFunction.apply(q, k, v, table, mask, float(scale), q_offset, block_m, block_n, window, sink)
 
 
 def _kernel(t: list, s: dict, o: int) -> tuple[type, tuple]:
     """The Triton kernel's Function and forward arguments (same positions as CopeTiledFunction's)."""
-    from .._triton_tiles import device_offset
     from .triton_cope import CopeFunction
 
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in t[:3])
-    return CopeFunction, (q, k, v, t[3], t[4], s["scale"], device_offset(offset_arg(t[5], o), q.device), s["window"],
-                          s["sink"])
+    q, k, v, offset = kernel_operands(t, o)
+    return CopeFunction, (q, k, v, t[3], t[4], s["scale"], offset, s["window"], s["sink"])
 
 
 def _kernel_unsupported(t: list, s: dict, o: int) -> str | None:
@@ -382,7 +331,7 @@ register_engine("cope", EngineSpec(  # tensors [q, k, v, table, mask?, q_offset?
     lambda t, s, o: (t[0], t[1], t[2], t[3], t[4], s["scale"], offset_arg(t[5], o), s["block_m"], s["block_n"],
                      s["window"], s["sink"]),
     lambda t: [0, 1, 2, 3, 4, 6],
-    lambda t, s: ((*t[0].shape[:3], t[2].shape[3]), t[0].dtype),
+    attention_output,
     _kernel,
     _kernel_unsupported,
 ))

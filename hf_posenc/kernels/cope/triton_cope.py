@@ -52,24 +52,29 @@ functions are jitted lazily per mode (see ``hf_posenc.kernels._jit``). Bidirecti
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import triton
 import triton.language as tl
 
 from .._errors import guarded
 from .._jit import LazyJit, interpreting
-from .._masks import check_sink, check_window
 from .._triton_tiles import (
     BIG as _BIG,
     DEVICE_HELPERS,
     INTERPRETER_COMBINES,
+    backward_outputs,
+    backward_tiles,
     bhld_out,
-    carry_layout,
-    device_offset,
     dot_precision,
+    launch_options,
     mask_args,
     pair_chunks,
     pick_blocks,
+    strides,
+    window_args,
+    window_switches,
 )
 
 __all__ = ["CopeFunction", "cope_triton", "interpreting"]
@@ -87,7 +92,7 @@ GPU_FWD = (64, 64, 8)
 GPU_BWD_Q = (64, 32, 8)
 GPU_BWD_KV = (64, 32, 8)
 #: float32 inputs (3xTF32 / TF32 dots, twice the bytes of every tile): (BLOCK_M, BLOCK_N, num_warps) per kernel.
-#: See ``_blocks`` for where the numbers come from.
+#: See ``hf_posenc.kernels._triton_tiles.pick_blocks`` for where the numbers come from.
 #: Measured with hf_posenc.kernels.compile_check (Triton 3.6, sm_90, D = 128, npos 64, mask; shared memory,
 #: spill stores per thread): at 3 stages (Triton's default, before) the forward needed 240-256 KiB and the
 #: query-major backward 384 KiB on sm_90 (over the 227 KiB limit); at 1 stage forward 64x64 65536 B / 2056 B,
@@ -142,6 +147,21 @@ def _positions(gate, carry, zq, npm1, MONO: tl.constexpr):
     zf = tl.gather(zq, fi, 1)
     zc = tl.gather(zq, ci, 1)
     return p, fi, frac, zf, zc
+
+
+def _dp_tile(q, do, lse, delta, carry, zq, npm1, k_base, v_base, t, sk_n, sv_n, offs_d, d_ok, rows, qidx, row_ok, LK,
+             mptr, sm_m, sm_n, scale, WINDOW, SINK, BN: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+             UPCAST: tl.constexpr, MONO: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr):
+    """Key tile ``t`` of a backward walk that only carries sums (the query-major kernel's first walk, the key-major
+    kernel's advance from a checkpoint): (Σ_j dp_ij, Σ_j g_ij) over its keys, (BM,) each."""
+    keys, k_ok, k, v = _key_tile(k_base, v_base, t, sk_n, sv_n, offs_d, d_ok, LK, BN)
+    w, ok, gate = _logits_gates(q, k, rows, keys, qidx, row_ok, LK, mptr, sm_m, sm_n, scale, WINDOW, SINK, HAS_MASK,
+                                PREC, UPCAST, HAS_WINDOW, HAS_SINK)
+    p, fi, frac, zf, zc = _positions(gate, carry, zq, npm1, MONO)
+    prob = tl.exp(tl.where(ok, w + frac * zc + (1.0 - frac) * zf, _NEG_INF) - lse[:, None])
+    ds = prob * (_mm(do, tl.trans(v), PREC, UPCAST) - delta[:, None])
+    dp = tl.where(ok & (p < npm1), ds * (zc - zf), 0.0)
+    return tl.reduce(dp, 1, _add), tl.reduce(gate, 1, _add)
 
 
 def _table(E, offs_d, d_ok, tcol, NPOS, se_d, se_t):
@@ -291,15 +311,11 @@ def _cope_bwd_q(
     for it in range(0, n_walk):
         t = _walk_tile(it, n_tiles, n_window, n_sink, HAS_SINK)
         if tl.reduce(carry, 0, _min) < npm1:
-            keys, k_ok, k, v = _key_tile(k_base, v_base, t, sk_n, sv_n, offs_d, d_ok, LK, BN)
-            w, ok, gate = _logits_gates(q, k, rows, keys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
-                                        WINDOW, SINK, HAS_MASK, PREC, UPCAST, HAS_WINDOW, HAS_SINK)
-            p, fi, frac, zf, zc = _positions(gate, carry, zq, npm1, MONO)
-            prob = tl.exp(tl.where(ok, w + frac * zc + (1.0 - frac) * zf, _NEG_INF) - lse[:, None])
-            ds = prob * (_mm(do, tl.trans(v), PREC, UPCAST) - delta[:, None])
-            dp = tl.where(ok & (p < npm1), ds * (zc - zf), 0.0)
-            dtot = dtot + tl.reduce(dp, 1, _add)
-            carry = carry + tl.reduce(gate, 1, _add)
+            dp_sum, gate_sum = _dp_tile(q, do, lse, delta, carry, zq, npm1, k_base, v_base, t, sk_n, sv_n, offs_d,
+                                        d_ok, rows, qidx, row_ok, LK, m_base, sm_m, sm_n, scale, WINDOW, SINK, BN,
+                                        HAS_MASK, PREC, UPCAST, MONO, HAS_WINDOW, HAS_SINK)
+            dtot = dtot + dp_sum
+            carry = carry + gate_sum
     tl.store(DTOT + bh + rows, dtot, mask=row_ok)
 
     # main walk
@@ -400,15 +416,11 @@ def _cope_bwd_kv(
             for wi in range(0, start - pid_n):
                 t = start - wi
                 if tl.reduce(carry, 0, _min) < npm1:
-                    wkeys, wk_ok, wk, wv = _key_tile(k_base, v_base, t, sk_n, sv_n, offs_d, d_ok, LK, BN)
-                    ww, wok, wgate = _logits_gates(q, wk, rows, wkeys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
-                                                   WINDOW, SINK, HAS_MASK, PREC, UPCAST, HAS_WINDOW, HAS_SINK)
-                    wp, wfi, wfrac, wzf, wzc = _positions(wgate, carry, zq, npm1, MONO)
-                    wprob = tl.exp(tl.where(wok, ww + wfrac * wzc + (1.0 - wfrac) * wzf, _NEG_INF) - lse[:, None])
-                    wds = wprob * (_mm(do, tl.trans(wv), PREC, UPCAST) - delta[:, None])
-                    wdp = tl.where(wok & (wp < npm1), wds * (wzc - wzf), 0.0)
-                    s_dp = s_dp + tl.reduce(wdp, 1, _add)
-                    carry = carry + tl.reduce(wgate, 1, _add)
+                    dp_sum, gate_sum = _dp_tile(q, do, lse, delta, carry, zq, npm1, k_base, v_base, t, sk_n, sv_n,
+                                                offs_d, d_ok, rows, qidx, row_ok, LK, m_base, sm_m, sm_n, scale, WINDOW,
+                                                SINK, BN, HAS_MASK, PREC, UPCAST, MONO, HAS_WINDOW, HAS_SINK)
+                    s_dp = s_dp + dp_sum
+                    carry = carry + gate_sum
             w, ok, gate = _logits_gates(q, k, rows, keys, qidx, row_ok, LK, m_base, sm_m, sm_n, scale,
                                         WINDOW, SINK, HAS_MASK, PREC, UPCAST, HAS_WINDOW, HAS_SINK)
             dprob = _mm(do, tl.trans(v), PREC, UPCAST) - delta[:, None]
@@ -433,7 +445,7 @@ def _cope_bwd_kv(
 
 _JIT = LazyJit(
     globals(),
-    [*DEVICE_HELPERS, _allowed, _logits_gates, _positions, _table, _bins],
+    [*DEVICE_HELPERS, _allowed, _logits_gates, _positions, _dp_tile, _table, _bins],
     [_cope_fwd, _cope_bwd_q, _cope_bwd_kv],
     INTERPRETER_COMBINES,
 )
@@ -454,15 +466,9 @@ def _table_precision(dtype: torch.dtype) -> str:
 
 
 def _blocks(kind: str, dtype: torch.dtype, npos: int = 64) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kind`` ("fwd", "bwd_q", "bwd_kv") for inputs of ``dtype``.
-
-    Chosen offline (no GPU yet; nothing here is timed) from the cubins of ``python -m
-    hf_posenc.kernels.compile_check`` (sm_90 and sm_80, Triton 3.6) at D = 128, the widest head dim: among the
-    few candidates compared (see ``GPU_FP32``), the tiles whose shared memory fits an A100's per-block limit
-    (166912 B) with the fewest register spills. Half precision keeps its tiles (sm_90, Triton 3.9) at 2 stages.
-    """
-    gpu_half = {"fwd": GPU_FWD, "bwd_q": GPU_BWD_Q, "bwd_kv": GPU_BWD_KV}
-    bm, bn, warps, stages = pick_blocks(kind, dtype, INTERPRETER_BLOCKS, gpu_half, GPU_FP32, NUM_STAGES)
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kind`` ("fwd", "bwd_q", "bwd_kv") for inputs of ``dtype``:
+    `pick_blocks` from this module's launch tables, BLOCK_M smaller for float32 tables of more than 64 positions."""
+    bm, bn, warps, stages = pick_blocks(kind, dtype, sys.modules[__name__])
     if dtype == torch.float32 and not interpreting():
         # the (BM, NP) float32 table tiles grow with npos: at NP = 256 and BM = 64 the forward needed 256 KiB and
         # the query-major backward 384 KiB of shared memory on sm_90 (Triton 3.6); halve BM per doubling of NP.
@@ -487,14 +493,11 @@ def _forward(q, k, v, table, mask, scale, q_offset, window=None, sink=None):
     _JIT.bind()
     shapes = {"q": q.shape, "k/v": k.shape, "table": table.shape}
     guarded(_cope_fwd, "cope", shapes, q.dtype)[(triton.cdiv(lq, bm), b * h)](
-        q, k, v, table, o, lse, m,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        table.stride(0), table.stride(1), sm_b, sm_m, sm_n,
-        h, h // hkv, lq, lk, q_offset, scale, npos, 0 if window is None else window, 0 if sink is None else sink,
+        q, k, v, table, o, lse, m, *strides(q, k, v, o), table.stride(0), table.stride(1), sm_b, sm_m, sm_n,
+        h, h // hkv, lq, lk, q_offset, scale, npos, *window_args(window, sink),
         D=d, BD=max(16, triton.next_power_of_2(d)), BM=bm, BN=bn, NP=_np(npos), HAS_MASK=mask is not None,
         PREC=dot_precision(q.dtype), UPCAST=interpreting(), MONO=not interpreting(), TPREC=_table_precision(q.dtype),
-        HAS_WINDOW=window is not None, HAS_SINK=sink is not None, num_warps=warps, num_stages=stages,
+        **window_switches(window, sink), num_warps=warps, num_stages=stages,
     )
     return o, lse
 
@@ -506,16 +509,9 @@ def _backward(q, k, v, table, o, lse, do, mask, scale, q_offset, window=None, si
     npos = table.shape[1]
     np_ = _np(npos)
     bd = max(16, triton.next_power_of_2(d))
-    bm1, bn, warps1, stages1 = _blocks("bwd_q", q.dtype, npos)
-    bm2, bn2, warps2, stages2 = _blocks("bwd_kv", q.dtype, npos)
-    if bn2 != bn:
-        raise ValueError(f"the two backward kernels must share their key tile (BLOCK_N {bn} != {bn2})")
-    cstride, nslot = carry_layout(lk, bn, CARRY_SLOTS)
-    if do.stride(-1) != 1:
-        do = do.contiguous()
-    dq = bhld_out(b, h, lq, d, q)
-    dk = torch.empty((b, hkv, lk, d), dtype=k.dtype, device=k.device)
-    dv = torch.empty((b, hkv, lk, d), dtype=v.dtype, device=v.device)
+    bn, cstride, nslot, (bm1, warps1, stages1), (bm2, warps2, stages2) = backward_tiles(
+        lambda kind: _blocks(kind, q.dtype, npos), lk, CARRY_SLOTS)
+    do, dq, dk, dv = backward_outputs(q, k, v, do)
     rows = torch.empty((4, b, h, lq), dtype=torch.float32, device=q.device)
     zl, delta, dtot = rows[0], rows[1], rows[2]
     m, sm_b, sm_m, sm_n = mask_args(mask, q)
@@ -534,32 +530,22 @@ def _backward(q, k, v, table, o, lse, do, mask, scale, q_offset, window=None, si
         zqb = torch.empty((nbh, lq, np_), dtype=torch.float32, device=q.device)
         dzqb = torch.empty((nbh, lq, np_), dtype=torch.float32, device=q.device)
         guarded(_cope_bwd_q, "cope", shapes, q.dtype)[(n_mblocks, nbh)](
-            q, k, v, table, o, do, lse, dq, dzqb, zqb, zl, delta, dtot, gk, sk, m,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-            do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
+            q, k, v, table, o, do, lse, dq, dzqb, zqb, zl, delta, dtot, gk, sk, m, *strides(q, k, v, o, do, dq),
             table.stride(0), table.stride(1), sm_b, sm_m, sm_n,
-            h, groups, hkv, pair0, lq, lk, q_offset, scale, npos, cstride, nslot, 0 if window is None else window,
-            0 if sink is None else sink,
+            h, groups, hkv, pair0, lq, lk, q_offset, scale, npos, cstride, nslot, *window_args(window, sink),
             D=d, BD=bd, BM=bm1, BN=bn, NP=np_, LOG2_BN=bn.bit_length() - 1, HAS_MASK=mask is not None,
             PREC=prec, UPCAST=upcast, MONO=not upcast, TPREC=_table_precision(q.dtype),
-            HAS_WINDOW=window is not None, HAS_SINK=sink is not None, num_warps=warps1,
-            num_stages=stages1,
+            **window_switches(window, sink), num_warps=warps1, num_stages=stages1,
         )
         # de = Σ over the chunk's queries of q ⊗ dz: one float32 GEMM, (D, rows) @ (rows, npos)
         q_chunk = q_pairs[pair0:pair0 + n_pairs].reshape(nbh * lq, d).float()
         dtable += q_chunk.t() @ dzqb[:, :, :npos].reshape(nbh * lq, npos)
         del q_chunk
         guarded(_cope_bwd_kv, "cope", shapes, q.dtype)[(triton.cdiv(lk, bn), n_pairs)](
-            q, k, v, do, dk, dv, lse, zqb, zl, delta, dtot, gk, sk, m,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), sm_b, sm_m, sm_n,
-            h, groups, hkv, pair0, lq, lk, q_offset, scale, npos, cstride, nslot, 0 if window is None else window,
-            0 if sink is None else sink,
+            q, k, v, do, dk, dv, lse, zqb, zl, delta, dtot, gk, sk, m, *strides(q, k, v, do, dk, dv), sm_b, sm_m, sm_n,
+            h, groups, hkv, pair0, lq, lk, q_offset, scale, npos, cstride, nslot, *window_args(window, sink),
             D=d, BD=bd, BM=bm2, BN=bn, NP=np_, HAS_MASK=mask is not None, PREC=prec, UPCAST=upcast,
-            MONO=not upcast, HAS_WINDOW=window is not None, HAS_SINK=sink is not None, num_warps=warps2,
-            num_stages=stages2,
+            MONO=not upcast, **window_switches(window, sink), num_warps=warps2, num_stages=stages2,
         )
     return dq, dk, dv, dtable
 
@@ -584,33 +570,14 @@ class CopeFunction(torch.autograd.Function):
                 None)
 
 
-def cope_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    table: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    q_offset: int | torch.Tensor,
-    window: int | None = None,
-    sink: int | None = None,
-) -> torch.Tensor:
-    """Causal CoPE attention with the Triton kernels (inputs validated by the dispatcher).
-
-    Args:
-        q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D), H a multiple of Hkv, last dims contiguous, one dtype of
-            ``hf_posenc.kernels._common.KERNEL_DTYPES``; D <= ``MAX_HEAD_DIM`` (128).
-        table: (D, npos) position embeddings (any float dtype; read in float32).
-        mask: (B|1, 1, Lq, Lk) bool or None; causality by index is always applied.
-        q_offset: query i is key ``q_offset + i``: an int, or a 1-element integer tensor the kernels load.
-        window: None, or an int >= 1: query i sees only keys qi − window < j <= qi; the keys outside are absent
-            (no weight, no gate: the positions count the window's keys). The query-major kernels start their walk
-            at the tile of the first query's window edge; the key-major kernel stops at the last query block
-            whose window reaches its keys. A runtime int behind the compile-time switch HAS_WINDOW.
-        sink: None, or an int >= 1 with a ``window``: attention sinks, the keys j < sink kept besides the band (a
-            gate and a weight as any visible key). The query-major kernels walk the sink keys' tiles after the
-            window's (never the tiles between); the key-major program of a tile holding sink keys serves every
-            later query block. A runtime int behind the compile-time switch HAS_SINK.
+def cope_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, mask: torch.Tensor | None,
+                scale: float, q_offset: int | torch.Tensor, window: int | None = None, sink: int | None = None
+                ) -> torch.Tensor:
+    """Causal CoPE attention with the Triton kernels (inputs validated by the dispatcher,
+    `hf_posenc.kernels.cope.cope`, whose arguments these are): q, k, v with contiguous last dims, one dtype of
+    ``hf_posenc.kernels._common.KERNEL_DTYPES``, D <= ``MAX_HEAD_DIM`` (128); the table in any float dtype (read in
+    float32); ``q_offset`` an int or a 1-element integer tensor the kernels load; ``window`` and ``sink`` as
+    `hf_posenc.kernels._triton_tiles.launch_options` takes them.
 
     Returns:
         (B, H, Lq, D) in q's dtype (a transposed view of a (B, Lq, H, D) tensor).
@@ -618,7 +585,5 @@ def cope_triton(
     Raises:
         TypeError, ValueError: ``window`` or ``sink`` is not None or an int >= 1, or a sink without a window.
     """
-    window = check_window(window)
-    sink = check_sink(sink, window)
-    offset = device_offset(q_offset, q.device)  # loaded by the kernels, never read on the host
+    window, sink, offset = launch_options(window, sink, q_offset, q.device)  # offset: loaded by the kernels
     return CopeFunction.apply(q, k, v, table, mask, float(scale), offset, window, sink)

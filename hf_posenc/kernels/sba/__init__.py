@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ...ops import eager_value_checks
-from .._attn_dispatch import choose, common_unsupported, flag_unsupported
+from .._attn_dispatch import check_attention_inputs, choose, common_unsupported, flag_unsupported, last_dim_contiguous
 from .._masks import check_sink, check_window
 from .naive import sba_reference
 from .tiled import sba_tiled
@@ -37,39 +36,18 @@ _REMAINDERS = ("discard", "current", "bias")
 
 def _check(q, k, v, mask, q_offset, remainder, bias) -> None:
     """Validate shapes and options (ValueError), whatever the backend."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be 4D (B, H, L, D), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    b, h, lq, d = q.shape
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"k and v must be (B, Hkv, Lk, D) with q's B and D, got {tuple(k.shape)}, {tuple(v.shape)}")
-    if h % k.shape[1]:
-        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({k.shape[1]})")
-    # A tensor offset (a StaticCache's) is read in eager mode on CPU only (elsewhere: a device sync per layer, a
-    # graph break under torch.compile); a StaticCache keeps its queries among its keys.
-    if not isinstance(q_offset, torch.Tensor) or eager_value_checks(q_offset):
-        offset = int(q_offset)
-        if offset < 0 or offset + lq > k.shape[2]:
-            raise ValueError(f"q_offset={offset} with {lq} queries needs q_offset + Lq <= Lk={k.shape[2]}")
-    if mask is not None and (mask.dim() != 4 or mask.shape[0] not in (1, b) or mask.shape[1] != 1
-                             or mask.shape[2:] != (lq, k.shape[2])):
-        raise ValueError(f"mask must be (B|1, 1, Lq, Lk) = ({b}|1, 1, {lq}, {k.shape[2]}), got {tuple(mask.shape)}")
+    check_attention_inputs(q, k, v, mask, q_offset)
     if remainder not in _REMAINDERS:
         raise ValueError(f"remainder must be one of {_REMAINDERS}, got {remainder!r}")
+    h, d = q.shape[1], q.shape[3]
     if remainder == "bias" and (bias is None or tuple(bias.shape) != (h, d)):
         got = None if bias is None else tuple(bias.shape)
         raise ValueError(f"remainder='bias' needs a bias of shape ({h}, {d}), got {got}")
 
 
-def sba_backend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None = None,
-    q_offset: int | torch.Tensor = 0,
-    need_weights: bool = False,
-    dropout: float = 0.0,
-    training: bool = False,
-) -> str:
+def sba_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                q_offset: int | torch.Tensor = 0, need_weights: bool = False, dropout: float = 0.0,
+                training: bool = False) -> str:
     """``"triton"`` or ``"torch"``: which implementation ``stick_breaking`` uses for these inputs.
 
     Raises:
@@ -83,19 +61,10 @@ def sba_backend(
     )
 
 
-def stick_breaking(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    q_offset: int | torch.Tensor = 0,
-    attend_current: bool = False,
-    remainder: str = "discard",
-    bias: torch.Tensor | None = None,
-    window: int | None = None,
-    sink: int | None = None,
-) -> torch.Tensor:
+def stick_breaking(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                   q_offset: int | torch.Tensor = 0, attend_current: bool = False, remainder: str = "discard",
+                   bias: torch.Tensor | None = None, window: int | None = None, sink: int | None = None
+                   ) -> torch.Tensor:
     """Stick-breaking attention (see ``hf_posenc/encodings/sba.py`` for the formula): fused on CUDA, tile-wise
     PyTorch elsewhere.
 
@@ -127,6 +96,6 @@ def stick_breaking(
     if sba_backend(q, k, v, mask, q_offset) == "triton":
         from .triton_sba import sba_triton
 
-        last = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)]
-        return sba_triton(*last, mask, scale, q_offset, attend_current, remainder, bias, window=window, sink=sink)
+        return sba_triton(*last_dim_contiguous(q, k, v), mask, scale, q_offset, attend_current, remainder, bias,
+                          window=window, sink=sink)
     return sba_tiled(q, k, v, mask, scale, q_offset, attend_current, remainder, bias, window=window, sink=sink)

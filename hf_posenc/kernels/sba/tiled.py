@@ -50,13 +50,12 @@ import torch
 from torch.nn import functional as F
 
 from ...ops import eager_value_checks
-from .._common import compute_dtype, without_autocast
+from .._common import without_autocast
 from .._reverse_tiles import (
-    Geometry, blocked_mask_rows, call_options, fill_blocked, key_tiles, tile_blocked, tile_sizes, to_groups,
+    Geometry, blocked_mask_rows, call_options, fill_blocked, query_blocks, reversed_inputs, to_groups, walk,
 )
 from .naive import SOFTPLUS_THRESHOLD  # softplus is linear above this (the paper code's threshold)
-from .._attn_dispatch import kernel_preferred
-from ..custom_ops import EngineSpec, engine_op, offset_arg, register_engine
+from ..custom_ops import EngineSpec, attention_output, compiled_engine, kernel_operands, offset_arg, register_engine
 
 __all__ = ["sba_tiled", "SbaTiledFunction", "BLOCK_M", "BLOCK_N"]
 
@@ -108,23 +107,16 @@ def _own_values(v: torch.Tensor, geo: Geometry, m0: int, m1: int, q_offset, dtyp
 
 def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n, window=None,
              sink=None):
-    geo = Geometry.of(q, k)
-    block_m, block_n = tile_sizes(geo, block_m, block_n)
-    dtype = compute_dtype(q.dtype)
-    kr = k.flip(2).to(dtype)
-    vr = v.flip(2).to(dtype)
+    geo, block_m, block_n, dtype, kr, vr = reversed_inputs(q, k, v, block_m, block_n)
     out = torch.empty(geo.b, geo.h, geo.lq, geo.d, dtype=dtype, device=q.device)
     strict = not attend_current
     early = _stop_early(q, dtype)
-    for m0 in range(0, geo.lq, block_m):
-        m1 = min(m0 + block_m, geo.lq)
-        bm = m1 - m0
+    for m0, m1, bm in query_blocks(geo.lq, block_m):
         qs = to_groups(q, geo, m0, m1, dtype).mul_(scale)
         c = torch.zeros(geo.b, geo.hkv, geo.groups * bm, dtype=dtype, device=q.device)
         acc = torch.zeros(geo.b, geo.hkv, geo.groups * bm, geo.d, dtype=dtype, device=q.device)
         rows = blocked_mask_rows(mask, m0, m1)
-        for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, strict, window, sink):
-            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, strict, rows, q.device, window, sink)
+        for tile, blocked in walk(m0, m1, geo, q_offset, block_n, strict, rows, q.device, window, sink):
             _, _, cs, a = _tile(qs, kr[:, :, tile.r0:tile.r1], c, blocked)
             acc.add_(a @ vr[:, :, tile.r0:tile.r1])
             c = cs[..., -1].clone()
@@ -143,20 +135,14 @@ def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, bl
 
 def _backward(q, k, v, o, do, mask, bias, scale, q_offset, attend_current, remainder, block_m, block_n,
               window=None, sink=None):
-    geo = Geometry.of(q, k)
-    block_m, block_n = tile_sizes(geo, block_m, block_n)
-    dtype = compute_dtype(q.dtype)
-    kr = k.flip(2).to(dtype)
-    vr = v.flip(2).to(dtype)
+    geo, block_m, block_n, dtype, kr, vr = reversed_inputs(q, k, v, block_m, block_n)
     dq = torch.empty(geo.b, geo.h, geo.lq, geo.d, dtype=dtype, device=q.device)
     dkr = torch.zeros(geo.b, geo.hkv, geo.lk, geo.d, dtype=dtype, device=q.device)
     dvr = torch.zeros_like(dkr)
     dbias = torch.zeros(geo.h, geo.d, dtype=dtype, device=q.device) if remainder == "bias" else None
     strict = not attend_current
     early = _stop_early(q, dtype)
-    for m0 in range(0, geo.lq, block_m):
-        m1 = min(m0 + block_m, geo.lq)
-        bm = m1 - m0
+    for m0, m1, bm in query_blocks(geo.lq, block_m):
         qs = to_groups(q, geo, m0, m1, dtype).mul_(scale)
         dob = to_groups(do, geo, m0, m1, dtype)
         # T_i - S_i: the output's do-product less the g already walked (S starts at 0)
@@ -164,8 +150,7 @@ def _backward(q, k, v, o, do, mask, bias, scale, q_offset, attend_current, remai
         c = torch.zeros(geo.b, geo.hkv, geo.groups * bm, dtype=dtype, device=q.device)
         dqb = torch.zeros(geo.b, geo.hkv, geo.groups * bm, geo.d, dtype=dtype, device=q.device)
         rows = blocked_mask_rows(mask, m0, m1)
-        for tile in key_tiles(m0, m1, geo.lk, q_offset, block_n, strict, window, sink):
-            blocked = tile_blocked(tile, m0, m1, geo.lk, q_offset, strict, rows, q.device, window, sink)
+        for tile, blocked in walk(m0, m1, geo, q_offset, block_n, strict, rows, q.device, window, sink):
             kt, vt = kr[:, :, tile.r0:tile.r1], vr[:, :, tile.r0:tile.r1]
             z, sp, cs, a = _tile(qs, kt, c, blocked)
             g = a * (dob @ vt.transpose(-1, -2))
@@ -230,56 +215,23 @@ class SbaTiledFunction(torch.autograd.Function):
         )
 
 
-def sba_tiled(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    q_offset: int | torch.Tensor = 0,
-    attend_current: bool = False,
-    remainder: str = "discard",
-    bias: torch.Tensor | None = None,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    window: int | None = None,
-    sink: int | None = None,
-) -> torch.Tensor:
-    """Stick-breaking attention computed tile by tile (any device), recomputed in backward.
-
-    Args:
-        q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D) with H a multiple of Hkv (not expanded); any float dtype
-            (computed in float32, float64 for float64).
-        mask: (B|1, 1, Lq, Lk) bool (True = may attend; padding) or None. Causality by index is applied
-            in any case.
-        scale: logit scale s.
-        q_offset: query i is key ``q_offset + i``: an int, or a 0-d tensor (a StaticCache), which is never
-            read as a number (every key tile is then walked, with the causal mask).
-        attend_current: whether the query's own key is a breakpoint.
-        remainder: ``"discard"``, ``"current"`` or ``"bias"``; bias: (H, D) for ``"bias"``.
-        block_m, block_n: query block and key tile sizes (default: the module's ``BLOCK_M``, ``BLOCK_N``,
-            read at each call).
-        window: None, or an int >= 1: query i sees only keys qi − window < j <= qi (a sliding window). The keys
-            outside it are removed as a mask removes them: no weight and no break (the stick is broken over the
-            window's keys only). The walk of an int-offset query block stops at its first query's window edge:
-            the key tiles left of it are never visited.
-        sink: None, or an int >= 1 with a ``window``: attention sinks, the keys j < sink kept besides the band
-            (breakpoints and weights as any visible key); the walk visits their tiles after the window's.
+def sba_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+              q_offset: int | torch.Tensor = 0, attend_current: bool = False, remainder: str = "discard",
+              bias: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
+              window: int | None = None, sink: int | None = None) -> torch.Tensor:
+    """Stick-breaking attention computed tile by tile (any device), recomputed in backward: the arguments of
+    `hf_posenc.kernels.sba.stick_breaking` (any float dtype, computed in float32, float64 for float64) and the tile
+    sizes, checked as `hf_posenc.kernels._reverse_tiles.call_options` says (``TypeError``, ``ValueError``). The keys
+    outside a window have no weight and break nothing: the stick is broken over the window's keys only.
 
     Returns:
         (B, H, Lq, D) in q's dtype.
-
-    Raises:
-        TypeError, ValueError: ``window`` or ``sink`` is not None or an int >= 1 (a sink needs a window); a
-            non-positive block size.
     """
     block_m, block_n, q_offset = call_options(block_m, block_n, BLOCK_M, BLOCK_N, q_offset, window, sink)
     if torch.compiler.is_compiling():  # one custom op in the compiled graph (hf_posenc.kernels.custom_ops)
-
-        return engine_op("sba", [q, k, v, mask, bias, q_offset if isinstance(q_offset, torch.Tensor) else None],
-                         {"scale": float(scale), "attend_current": bool(attend_current), "remainder": remainder,
-                          "block_m": block_m, "block_n": block_n, "window": window, "sink": sink,
-                          "triton": kernel_preferred("sba", "sba.triton_sba", q.device)}, q_offset)
+        return compiled_engine("sba", "sba.triton_sba", [q, k, v, mask, bias], {
+            "scale": float(scale), "attend_current": bool(attend_current), "remainder": remainder, "block_m": block_m,
+            "block_n": block_n, "window": window, "sink": sink}, q_offset)
     return SbaTiledFunction.apply(
         q, k, v, mask, bias, float(scale), q_offset, bool(attend_current), remainder, block_m, block_n, window, sink
     )
@@ -287,12 +239,11 @@ def sba_tiled(
 
 def _kernel(t: list, s: dict, o: int) -> tuple[type, tuple]:
     """The Triton kernel's Function and forward arguments (same positions as SbaTiledFunction's)."""
-    from .._triton_tiles import device_offset
     from .triton_sba import SbaFunction
 
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in t[:3])
-    return SbaFunction, (q, k, v, t[3], t[4], s["scale"], device_offset(offset_arg(t[5], o), q.device),
-                         s["attend_current"], s["remainder"], s["window"], s["sink"])
+    q, k, v, offset = kernel_operands(t, o)
+    return SbaFunction, (q, k, v, t[3], t[4], s["scale"], offset, s["attend_current"], s["remainder"], s["window"],
+                         s["sink"])
 
 
 def _kernel_unsupported(t: list, s: dict, o: int) -> str | None:
@@ -307,7 +258,7 @@ register_engine("sba", EngineSpec(  # tensors [q, k, v, mask?, bias?, q_offset?]
     lambda t, s, o: (t[0], t[1], t[2], t[3], t[4], s["scale"], offset_arg(t[5], o), s["attend_current"],
                      s["remainder"], s["block_m"], s["block_n"], s["window"], s["sink"]),
     lambda t: [0, 1, 2, 3, 4, 6],
-    lambda t, s: ((*t[0].shape[:3], t[2].shape[3]), t[0].dtype),
+    attention_output,
     _kernel,
     _kernel_unsupported,
 ))

@@ -59,24 +59,29 @@ float32 (its bfloat16 dot is wrong).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import triton
 import triton.language as tl
 
 from .._errors import guarded
 from .._jit import LazyJit, interpreting
-from .._masks import check_sink, check_window
 from .._triton_tiles import (
     BIG as _BIG,
     DEVICE_HELPERS,
     INTERPRETER_COMBINES,
+    backward_outputs,
+    backward_tiles,
     bhld_out,
-    carry_layout,
-    device_offset,
     dot_precision,
+    launch_options,
     mask_args,
     pair_chunks,
     pick_blocks,
+    strides,
+    window_args,
+    window_switches,
 )
 
 __all__ = ["SbaFunction", "sba_triton", "REMAINDERS", "interpreting"]
@@ -95,7 +100,7 @@ GPU_FWD = (64, 64, 8)
 GPU_BWD_Q = (64, 32, 8)
 GPU_BWD_KV = (64, 32, 8)
 #: float32 inputs (3xTF32 / TF32 dots, twice the bytes of every tile): (BLOCK_M, BLOCK_N, num_warps) per kernel.
-#: See ``_blocks`` for where the numbers come from.
+#: See ``hf_posenc.kernels._triton_tiles.pick_blocks`` for where the numbers come from.
 #: Measured with hf_posenc.kernels.compile_check (Triton 3.6, sm_90, D = 128, mask, 1 stage; spill stores per
 #: thread): forward 64x64 820 B, 64x32 688 B (chosen); query-major backward 64x32 1384 B, 32x32 536 B (chosen);
 #: key-major backward 64x32 3400 B (chosen; on sm_80 ptxas falls back to 32 registers: ~21 KB), 32x32
@@ -375,15 +380,9 @@ _JIT = LazyJit(
 
 
 def _blocks(kind: str, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kind`` ("fwd", "bwd_q", "bwd_kv") for inputs of ``dtype``.
-
-    Chosen offline (no GPU yet; nothing here is timed) from the cubins of ``python -m
-    hf_posenc.kernels.compile_check`` (sm_90 and sm_80, Triton 3.6) at D = 128, the widest head dim: among the
-    few candidates compared (see ``GPU_FP32``), the tiles whose shared memory fits an A100's per-block limit
-    (166912 B) with the fewest register spills. Half precision keeps its tiles (sm_90, Triton 3.9) at 2 stages.
-    """
-    gpu_half = {"fwd": GPU_FWD, "bwd_q": GPU_BWD_Q, "bwd_kv": GPU_BWD_KV}
-    return pick_blocks(kind, dtype, INTERPRETER_BLOCKS, gpu_half, GPU_FP32, NUM_STAGES)
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kind`` ("fwd", "bwd_q", "bwd_kv") for inputs of ``dtype``:
+    `pick_blocks` from this module's launch tables."""
+    return pick_blocks(kind, dtype, sys.modules[__name__])
 
 
 def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, save_residual, window=None, sink=None):
@@ -397,15 +396,11 @@ def _forward(q, k, v, mask, bias, scale, q_offset, attend_current, remainder, sa
     _JIT.bind()
     grid = (triton.cdiv(lq, bm), b * h)
     guarded(_sba_fwd, "sba", {"q": q.shape, "k/v": k.shape}, q.dtype)[grid](
-        q, k, v, o, res, bias_t, m,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        res.stride(0), res.stride(1), res.stride(2), sm_b, sm_m, sm_n,
-        h, h // hkv, lq, lk, q_offset, scale, 0 if window is None else window, 0 if sink is None else sink,
+        q, k, v, o, res, bias_t, m, *strides(q, k, v, o, res), sm_b, sm_m, sm_n,
+        h, h // hkv, lq, lk, q_offset, scale, *window_args(window, sink),
         D=d, BD=max(16, triton.next_power_of_2(d)), BM=bm, BN=bn,
         ATTEND_CURRENT=attend_current, REMAINDER=REMAINDERS[remainder], HAS_MASK=mask is not None,
-        SAVE_RES=save_residual, PREC=dot_precision(q.dtype), UPCAST=interpreting(), HAS_WINDOW=window is not None,
-        HAS_SINK=sink is not None,
+        SAVE_RES=save_residual, PREC=dot_precision(q.dtype), UPCAST=interpreting(), **window_switches(window, sink),
         num_warps=warps, num_stages=stages,
     )
     return o, (res if save_residual else None)
@@ -416,16 +411,9 @@ def _backward(q, k, v, o, res, do, mask, scale, q_offset, attend_current, remain
     hkv, lk = k.shape[1], k.shape[2]
     groups = h // hkv
     bd = max(16, triton.next_power_of_2(d))
-    bm1, bn, warps1, stages1 = _blocks("bwd_q", q.dtype)
-    bm2, bn2, warps2, stages2 = _blocks("bwd_kv", q.dtype)
-    if bn2 != bn:
-        raise ValueError(f"the two backward kernels must share their key tile (BLOCK_N {bn} != {bn2})")
-    cstride, nslot = carry_layout(lk, bn, CARRY_SLOTS)
-    if do.stride(-1) != 1:
-        do = do.contiguous()
-    dq = bhld_out(b, h, lq, d, q)
-    dk = torch.empty((b, hkv, lk, d), dtype=k.dtype, device=k.device)
-    dv = torch.empty((b, hkv, lk, d), dtype=v.dtype, device=v.device)
+    bn, cstride, nslot, (bm1, warps1, stages1), (bm2, warps2, stages2) = backward_tiles(
+        lambda kind: _blocks(kind, q.dtype), lk, CARRY_SLOTS)
+    do, dq, dk, dv = backward_outputs(q, k, v, do)
     total = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
     rest = torch.empty((b, h, lq), dtype=torch.float32, device=q.device) if remainder != "discard" else total
     m, sm_b, sm_m, sm_n = mask_args(mask, q)
@@ -436,28 +424,17 @@ def _backward(q, k, v, o, res, do, mask, scale, q_offset, attend_current, remain
         ck = torch.empty((n_pairs * groups, nslot, lq), dtype=torch.float32, device=q.device)
         sk = torch.empty_like(ck)
         guarded(_sba_bwd_q, "sba", {"q": q.shape, "k/v": k.shape}, q.dtype)[(triton.cdiv(lq, bm1), n_pairs * groups)](
-            q, k, v, o, resid, do, dq, total, rest, ck, sk, m,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-            resid.stride(0), resid.stride(1), resid.stride(2), do.stride(0), do.stride(1), do.stride(2),
-            dq.stride(0), dq.stride(1), dq.stride(2), sm_b, sm_m, sm_n,
-            h, groups, hkv, pair0, lq, lk, q_offset, scale, cstride, nslot, 0 if window is None else window,
-            0 if sink is None else sink,
+            q, k, v, o, resid, do, dq, total, rest, ck, sk, m, *strides(q, k, v, o, resid, do, dq), sm_b, sm_m, sm_n,
+            h, groups, hkv, pair0, lq, lk, q_offset, scale, cstride, nslot, *window_args(window, sink),
             D=d, BD=bd, BM=bm1, BN=bn, ATTEND_CURRENT=attend_current, REMAINDER=REMAINDERS[remainder],
             HAS_MASK=mask is not None, HAS_RES=res is not None, PREC=prec, UPCAST=upcast,
-            HAS_WINDOW=window is not None, HAS_SINK=sink is not None, num_warps=warps1,
-            num_stages=stages1,
+            **window_switches(window, sink), num_warps=warps1, num_stages=stages1,
         )
         guarded(_sba_bwd_kv, "sba", {"q": q.shape, "k/v": k.shape}, q.dtype)[(triton.cdiv(lk, bn), n_pairs)](
-            q, k, v, do, dk, dv, total, ck, sk, m,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), sm_b, sm_m, sm_n,
-            h, groups, hkv, pair0, lq, lk, q_offset, scale, cstride, nslot, 0 if window is None else window,
-            0 if sink is None else sink,
+            q, k, v, do, dk, dv, total, ck, sk, m, *strides(q, k, v, do, dk, dv), sm_b, sm_m, sm_n,
+            h, groups, hkv, pair0, lq, lk, q_offset, scale, cstride, nslot, *window_args(window, sink),
             D=d, BD=bd, BM=bm2, BN=bn, ATTEND_CURRENT=attend_current, HAS_MASK=mask is not None,
-            PREC=prec, UPCAST=upcast, HAS_WINDOW=window is not None, HAS_SINK=sink is not None, num_warps=warps2,
-            num_stages=stages2,
+            PREC=prec, UPCAST=upcast, **window_switches(window, sink), num_warps=warps2, num_stages=stages2,
         )
     return dq, dk, dv, (rest if remainder != "discard" else None)
 
@@ -497,35 +474,14 @@ class SbaFunction(torch.autograd.Function):
         return dq, dk, dv, None, dbias, None, None, None, None, None, None
 
 
-def sba_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    q_offset: int | torch.Tensor,
-    attend_current: bool = False,
-    remainder: str = "discard",
-    bias: torch.Tensor | None = None,
-    window: int | None = None,
-    sink: int | None = None,
-) -> torch.Tensor:
-    """Stick-breaking attention with the Triton kernels (inputs validated by the dispatcher).
-
-    Args:
-        q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D), H a multiple of Hkv, last dims contiguous; one dtype of
-            ``hf_posenc.kernels._common.KERNEL_DTYPES``; D <= ``MAX_HEAD_DIM`` (128).
-        mask: (B|1, 1, Lq, Lk) bool (True = may attend) or None; causality by index is always applied.
-        q_offset: query i is key ``q_offset + i`` (``q_offset + Lq <= Lk``).
-        bias: (H, D) the per-head remainder vector of ``remainder="bias"``.
-        window: None, or an int >= 1: query i sees only keys qi − window < j <= qi; the keys outside are absent
-            (no weight, no break). The query-major kernels start their walk at the tile of the first query's
-            window edge; the key-major kernel stops at the last query block whose window reaches its keys.
-            A runtime int (one compilation for every size) behind the compile-time switch HAS_WINDOW.
-        sink: None, or an int >= 1 with a ``window``: attention sinks, the keys j < sink kept besides the band
-            (breakpoints and weights as any visible key). The query-major kernels walk the sink keys' tiles after
-            the window's (never the tiles between); the key-major program of a tile holding sink keys serves every
-            later query block. A runtime int behind the compile-time switch HAS_SINK.
+def sba_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+               q_offset: int | torch.Tensor, attend_current: bool = False, remainder: str = "discard",
+               bias: torch.Tensor | None = None, window: int | None = None, sink: int | None = None) -> torch.Tensor:
+    """Stick-breaking attention with the Triton kernels (inputs validated by the dispatcher,
+    `hf_posenc.kernels.sba.stick_breaking`, whose arguments these are): q, k, v with contiguous last dims, one dtype
+    of ``hf_posenc.kernels._common.KERNEL_DTYPES``, D <= ``MAX_HEAD_DIM`` (128); ``q_offset`` an int or a
+    1-element integer tensor the kernels load; ``window`` and ``sink`` as
+    `hf_posenc.kernels._triton_tiles.launch_options` takes them.
 
     Returns:
         (B, H, Lq, D) in q's dtype (a transposed view of a (B, Lq, H, D) tensor).
@@ -533,8 +489,6 @@ def sba_triton(
     Raises:
         TypeError, ValueError: ``window`` or ``sink`` is not None or an int >= 1, or a sink without a window.
     """
-    window = check_window(window)
-    sink = check_sink(sink, window)
-    offset = device_offset(q_offset, q.device)  # loaded by the kernels, never read on the host
+    window, sink, offset = launch_options(window, sink, q_offset, q.device)  # offset: loaded by the kernels
     return SbaFunction.apply(q, k, v, mask, bias, float(scale), offset, bool(attend_current), remainder, window,
                              sink)

@@ -229,7 +229,7 @@ def test_fox_identity_start_is_within_its_stated_tolerance():
 def test_a_composition_rotates_each_layer_with_its_own_rotation(family, first, params):
     """``<first>+t5`` started inert equals ``<first>`` alone with the same weights, in the cache too: the
     composition hands each layer's index to its rotary part (it rotated every layer with layer 0's rotation: on
-    the tiny Gemma 3, ``rope+t5`` at ``init="identity"`` was 0.11 off the unpatched model)."""
+    the tiny Gemma 3, ``rope+t5`` at ``init="identity"`` was 0.36 off the unpatched model on 16 tokens)."""
     base = make_model(family)
     alone = hf_posenc.patch_model(copy.deepcopy(base), first, **params)
     g = torch.Generator().manual_seed(1)

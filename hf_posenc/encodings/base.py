@@ -411,7 +411,7 @@ class PositionEncoding(nn.Module):
         rounds by its own ulp, so an angle at position p is off by about p · rate · 6e-8: shift invariance in float32
         holds only to that (tests/test_properties.py's bound scales with it). 1.0 for an encoding that rotates:
         RoPE's fastest pair turns by theta^0 = 1 radian per position, and the other fixed frequencies are no faster;
-        0.0 for one that does not. Encodings whose rate is a learned parameter (liere, comrope) measure theirs."""
+        0.0 for one that does not. Encodings whose rate is learned (liere, comrope, rope2d mixed) measure theirs."""
         return 1.0 if self.rotates_qk else 0.0
 
     def start_inert(self) -> str:

@@ -161,3 +161,157 @@ def test_dispatchers_read_the_table(monkeypatch):
     assert _attn_dispatch.choose(lambda: None, True, "cope") == "triton"
     monkeypatch.setenv("HF_POSENC_BACKEND", "triton")  # forcing still wins over the table
     assert _attn_dispatch.choose(lambda: None, True, "sba") == "triton"
+
+
+# -- a kernel module that fails to import is an error, never "no Triton" ---------------------------------
+
+_ATTENTION_MODULE = "hf_posenc.kernels.attention.triton_attention"
+
+
+class _FailingImport:
+    """A meta-path finder under which importing ``name`` raises ``exc`` (as a broken module or install would)."""
+
+    def __init__(self, name: str, exc: BaseException) -> None:
+        self.name, self.exc = name, exc
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == self.name:
+            raise self.exc
+        return None
+
+
+def _fail_import(monkeypatch, name: str, exc: BaseException) -> None:
+    """Importing ``name`` raises ``exc`` for the rest of the test; the import probe's cache starts empty."""
+    import sys
+
+    from hf_posenc.kernels import _common
+
+    monkeypatch.setattr(_common, "_IMPORT_ERRORS", {})
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_FailingImport(name, exc), *sys.meta_path])
+
+
+def _alibi_encoding():
+    from tests.conftest import make_model
+
+    return make_model("llama", encoding="alibi").model.posenc
+
+
+def test_a_broken_kernel_module_raises_where_it_is_used(monkeypatch):
+    """Triton installed, our attention kernel module raising ImportError("boom"): the unforced CUDA dispatch and
+    the kernel's own check raise a KernelImportError naming the module (the probe used to answer "no Triton", and
+    an unforced model on CUDA ran the PyTorch engine silently); forcing torch never asks."""
+    from hf_posenc import attention as attention_module
+    from hf_posenc.kernels._errors import KernelImportError
+    from hf_posenc.kernels.attention import kernel_unsupported
+
+    monkeypatch.delenv("HF_POSENC_BACKEND", raising=False)
+    enc = _alibi_encoding()
+    _fail_import(monkeypatch, _ATTENTION_MODULE, ImportError("boom"))
+    for _ in range(2):  # the first answer and the cached one
+        match = f"{_ATTENTION_MODULE} failed to import .*ImportError: boom"
+        with pytest.raises(KernelImportError, match=match) as info:
+            attention_module.attention_backend(enc, "cuda")
+        assert isinstance(info.value.__cause__, ImportError) and "HF_POSENC_BACKEND=torch" in str(info.value)
+    q, k, v = _qkv(torch.float32)
+    with pytest.raises(KernelImportError, match=_ATTENTION_MODULE):
+        kernel_unsupported(q, k, v, KernelTerm.alibi(torch.rand(4)))
+    assert attention_module.attention_backend(enc, "cpu") == "torch"  # no kernel on the CPU: nothing imported
+    monkeypatch.setenv("HF_POSENC_BACKEND", "torch")
+    assert attention_module.attention_backend(enc, "cuda") == "torch"
+
+
+@pytest.mark.parametrize("module,ask", [
+    ("cope.triton_cope", "cope"), ("sba.triton_sba", "sba"), ("rotary.triton_rotary", "rotary")])
+def test_every_dispatch_raises_for_its_broken_module(monkeypatch, module, ask):
+    """The CoPE and stick-breaking dispatch (unforced, CUDA) and the rotary kernel's check, each for its module;
+    any exception, not only an ImportError."""
+    from hf_posenc.kernels import _attn_dispatch
+    from hf_posenc.kernels._errors import KernelImportError
+
+    monkeypatch.delenv("HF_POSENC_BACKEND", raising=False)
+    _fail_import(monkeypatch, f"hf_posenc.kernels.{module}", AttributeError("module 'triton.language' has no x"))
+    q, k, v = _qkv(torch.float32)
+    with pytest.raises(KernelImportError, match=f"hf_posenc.kernels.{module} failed .*AttributeError"):
+        if ask == "rotary":
+            from hf_posenc.kernels.rotary import _kernel_unsupported
+
+            _kernel_unsupported(q, k, 2)
+        else:
+            def reason():
+                return _attn_dispatch.common_unsupported(ask, module, q, k, v, None, 0, False, 0.0, False)
+
+            _attn_dispatch.choose(reason, True, ask)
+    with pytest.raises(KernelImportError, match=f"hf_posenc.kernels.{module}"):
+        _attn_dispatch.kernel_preferred(ask, module, torch.device("cuda"))
+
+
+def test_a_broken_kernel_module_raises_under_compile(monkeypatch):
+    """A compiled forward asks the probe while it is traced (`_constant_import_error`): the error comes out of
+    torch.compile too, naming the module, instead of a graph that runs the PyTorch engine."""
+    from hf_posenc import attention as attention_module
+
+    monkeypatch.delenv("HF_POSENC_BACKEND", raising=False)
+    enc = _alibi_encoding()
+    _fail_import(monkeypatch, _ATTENTION_MODULE, ImportError("boom"))
+    torch._dynamo.reset()
+
+    def pick(x):
+        return x + (1.0 if attention_module.attention_backend(enc, "cuda") == "triton" else -1.0)
+
+    with pytest.raises(Exception, match=_ATTENTION_MODULE):
+        torch.compile(pick, fullgraph=True, backend="eager")(torch.zeros(2))
+    torch._dynamo.reset()
+
+
+def test_a_broken_kernel_module_fails_the_doctor(monkeypatch, tmp_path):
+    """``hf-posenc doctor``: every Triton row of a broken module is an error naming it; the exit status is 1."""
+    import json
+
+    from hf_posenc import cli
+
+    monkeypatch.delenv("HF_POSENC_BACKEND", raising=False)
+    _fail_import(monkeypatch, _ATTENTION_MODULE, ImportError("boom"))
+    out = tmp_path / "r.json"
+    code = cli.main(["doctor", "--device", "cpu", "--engines", "triton,tiled", "--cases", "alibi", "--no-timing",
+                     "--no-progress", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert code == 1 and data["ok"] is False
+    rows = {r["engine"]: r for r in data["rows"]}
+    assert rows["tiled"]["status"] == "pass"
+    assert rows["triton"]["status"] == "error" and f"{_ATTENTION_MODULE} failed to import" in rows["triton"]["note"]
+    assert "boom" in rows["triton"]["note"]
+
+
+def test_missing_triton_is_no_triton(monkeypatch):
+    """``import triton`` failing because the package is missing (None in sys.modules: what Python does for an
+    absent package) is the one case that means "no Triton": the unforced dispatch picks the PyTorch engine, the
+    kernel's check says to install Triton, as before."""
+    import sys
+
+    from hf_posenc import attention as attention_module
+    from hf_posenc.kernels import _common
+    from hf_posenc.kernels.attention import kernel_unsupported
+
+    monkeypatch.delenv("HF_POSENC_BACKEND", raising=False)
+    enc = _alibi_encoding()
+    monkeypatch.setattr(_common, "_IMPORT_ERRORS", {})
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.delitem(sys.modules, _ATTENTION_MODULE, raising=False)
+    assert attention_module.attention_backend(enc, "cuda") == "torch"
+    q, k, v = _qkv(torch.float32)
+    why = kernel_unsupported(q, k, v, KernelTerm.alibi(torch.rand(4)))
+    assert why.startswith("Triton is not available (ModuleNotFoundError") and "pip install hf_posenc[triton]" in why
+
+
+def test_a_broken_triton_is_not_no_triton(monkeypatch):
+    """Triton installed but ``import triton`` raising (a broken install): an error naming Triton and the kernel
+    module that needed it, not "no Triton"."""
+    from hf_posenc import attention as attention_module
+    from hf_posenc.kernels._errors import KernelImportError
+
+    monkeypatch.delenv("HF_POSENC_BACKEND", raising=False)
+    enc = _alibi_encoding()
+    _fail_import(monkeypatch, "triton", ImportError("libtriton.so: cannot open shared object file"))
+    with pytest.raises(KernelImportError, match=f"`import triton` failed .*libtriton.so.*{_ATTENTION_MODULE}"):
+        attention_module.attention_backend(enc, "cuda")

@@ -315,7 +315,7 @@ def test_liere_dense_block_is_exact_against_matrix_exp_float64(info):
         if info.family == "vit" and t == 0:
             want = torch.eye(d, dtype=torch.float64)  # CLS: not rotated
         else:
-            p = (coords[t].float() * 0.3).double()  # positions are scaled in float32, as in the encoding
+            p = coords[t] * 0.3  # positions are scaled in the model's dtype (float64 here), as in the encoding
             want = torch.linalg.matrix_exp(torch.einsum("a,aij->ij", p, gens.detach()))
         torch.testing.assert_close(rq[0, :, t], q[0, :, t] @ want.T, atol=1e-10, rtol=0)
         torch.testing.assert_close(rk[0, :, t], k[0, :, t] @ want.T, atol=1e-10, rtol=0)

@@ -66,7 +66,8 @@ from conftest import (
 
 SAME_ATOL = 1e-5  # the same values computed twice on different batches / with different later tokens
 CACHE_ATOL = 1e-4  # cache == full forward (different summation orders)
-SHIFT_ATOL = 1e-4  # shift invariance (float32 angles of larger positions)
+#: shift invariance, relative to the logits' size, per model dtype (see shift_tolerance)
+SHIFT_ATOL = {torch.float32: 1e-4, torch.float64: 1e-11}
 #: the fast tier runs each property on one (family, encoding) pair in this many (conftest.combos)
 PROPERTY_SHARE = 3
 MAX_POSITIONS = 64  # the text models' maximum position (learned's table); lengths + shifts stay below it
@@ -413,13 +414,23 @@ def test_left_padding_invariance_across_tiles(family, encoding, data):
 CLAIMS_RELATIVE = tuple(e for e in ENCODINGS if get_encoding(e).cls.relative is not False)
 
 
-def check_shift_invariance(family, encoding, data, long):
+def shift_tolerance(model, logits: torch.Tensor, reach: float, dtype: torch.dtype) -> float:
+    """The bound of shift invariance: ``SHIFT_ATOL[dtype]`` relative to the logits' size, times the reach (the largest
+    position over MAX_POSITIONS, past the short regime's) and the encoding's ``angular_rate()`` (radians per position
+    of its fastest rotation, at least 1): a rotation angle rounds by its own ulp, so an angle's error, and a
+    scaled position's, grows with both (LieRE at position_scale 1.65 in float32: 3.6e-5 at 14 positions, 1.2e-3 at
+    266)."""
+    rate = hf_posenc.encoding_module(model).angular_rate()
+    return SHIFT_ATOL[dtype] * max(1.0, logits.abs().max().item()) * reach * max(1.0, rate)
+
+
+def check_shift_invariance(family, encoding, data, long, dtype=torch.float32):
     """Encodings whose class claims ``relative``: adding one constant to every position_id (of a padded
     batch too) leaves the logits unchanged. The claim is read from the patched instance (cape's depends on
     its base: a draw without the claim is rejected, so every example checks it; the others are
     test_non_relative_is_not_invariant's)."""
     arch = data.draw(archs(family, encoding, long), label="arch")
-    model = arch.build(encoding)
+    model = arch.build(encoding, dtype=None if dtype == torch.float32 else dtype)
     assume(hf_posenc.encoding_module(model).relative)
     batch = data.draw(text_batches(long=long), label="batch")
     shift = data.draw(st.integers(1, arch.max_positions - 1 - max(batch.lengths)), label="shift")
@@ -429,16 +440,7 @@ def check_shift_invariance(family, encoding, data, long):
         a = forward(model, ids, mask, position_ids=pos)
         b = forward(model, ids, mask, position_ids=pos + shift)
     diff = max_diff(real_logits(a, mask), real_logits(b, mask))
-    # relative to the logits' size, and to the largest position past the short regime's: positions are float32 (in a
-    # float64 model too), so a scaled position's rounding, and an angle's, grows with it (LieRE at position_scale
-    # 1.65: 3.6e-5 at 14 positions, 1.2e-3 at 266, the same in float64)
-    reach = max(1.0, (max(batch.lengths) + shift) / MAX_POSITIONS)
-    # LieRE's and ComRoPE's angles grow as position_scale · init_std per position (theirs: a unit range over the
-    # context by default); drawn far above it (ComRoPE at 1.23 · 3.75 on Phi-3: 6.4e-3 at 632 positions), a float32
-    # angle of thousands of radians rounds by its own ulp
-    params = dict(arch.params)
-    rate = (params.get("position_scale") or 0.0) * params.get("init_std", 1.0)
-    tol = SHIFT_ATOL * max(1.0, a.abs().max().item()) * reach * max(1.0, rate)
+    tol = shift_tolerance(model, a, max(1.0, (max(batch.lengths) + shift) / MAX_POSITIONS), dtype)
     assert diff < tol, f"shifting every position by {shift} changed the logits by {diff} (tolerance {tol})"
 
 
@@ -455,6 +457,23 @@ def test_shift_invariance(family, encoding, data):
 @given(data=st.data())
 def test_shift_invariance_across_tiles(family, encoding, data):
     check_shift_invariance(family, encoding, data, long=True)
+
+
+#: the rotary encodings whose positions and angles follow the model's dtype (float64 in a float64 model). rope, rope2d
+#: (axial) and xpos compute their angles in float32, as transformers' own rotary does in a float64 model (rope: 8.4e-6
+#: on 266 tokens shifted by 300 in float64, 9.4e-6 in float32): float32's bound is theirs.
+FLOAT64_ANGLES = ("liere", "comrope")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,encoding", combos(DECODERS, FLOAT64_ANGLES))
+@bounded(TILE_EXAMPLES, shrink=False)
+@given(data=st.data())
+def test_shift_invariance_in_float64_across_tiles(family, encoding, data):
+    """The same in a float64 model, at the tile regime's drawn rates and lengths, with float64's bound: positions
+    are scaled in the model's dtype (LieRE scaled float32 positions in a float64 model: 4.1e-3 on the logits of 266
+    tokens shifted by 300 at position_scale 1.65; now 0.0)."""
+    check_shift_invariance(family, encoding, data, long=True, dtype=torch.float64)
 
 
 NON_RELATIVE = [

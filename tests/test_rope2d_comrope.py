@@ -730,3 +730,26 @@ def test_rope_explicit_theta_ignores_the_scaling():
     ids = torch.randint(3, 61, (1, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert (plain(ids).logits - native(ids).logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name, params", [
+    ("comrope", {"variant": "ap", "position_scale": 0.05}),
+    ("comrope", {"variant": "ld", "position_scale": 0.05}),
+    ("liere", {"per_layer": True, "position_scale": 0.05}),
+    ("liere", {"block_size": 2, "per_head": True, "position_scale": 0.05}),
+    ("rope2d", {"variant": "mixed"}),
+    ("rope2d", {"variant": "axial"}),
+])
+def test_angular_rate_is_the_fastest_turn_per_position(name, params):
+    """``angular_rate()`` (what the shift-invariance bound of tests/test_properties.py reads) is the largest angle
+    that any block of any layer's rotation turns by from position 0 to 1: the largest |arg| of its eigenvalues
+    (below pi here, so the angle is not wrapped)."""
+    model = make_model("llama", encoding=name, config_overrides={"num_hidden_layers": 3}, **params)
+    enc = hf_posenc.encoding_module(model)
+    ctx = PosContext(encoding=enc, info=enc.info, position_ids=torch.ones(1, 1, dtype=torch.long))
+    with torch.no_grad():
+        turns = [torch.linalg.eigvals(enc.layer_rotation(ctx, layer, 1, torch.device("cpu")).double()).angle().abs()
+                 .max().item() for layer in range(3)]
+    rate = enc.angular_rate()
+    assert 0.05 < rate < math.pi
+    assert rate == pytest.approx(max(turns), rel=1e-5)

@@ -85,10 +85,14 @@ def _interpreter_ready() -> bool:
     """Whether Triton's interpreter can run every kernel now: TRITON_INTERPRET was set before triton's import."""
     if not _interpreting():
         return False
+    from ..kernels._errors import KernelImportError
     from ..kernels.attention import _triton_import_error
 
-    if _triton_import_error() is not None:
-        return True  # no triton: nothing to interpret, the rows say so
+    try:
+        if _triton_import_error() is not None:
+            return True  # no triton: nothing to interpret, the rows say so
+    except KernelImportError:
+        return True  # a kernel module that fails to import: every Triton row reports it as an error
     from ..kernels.attention.triton_attention import stdlib_matches_mode
 
     return stdlib_matches_mode()

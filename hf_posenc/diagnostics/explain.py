@@ -27,6 +27,7 @@ def default_backends(device: torch.device | str) -> list[dict[str, str | None]]:
     """
     from ..attention import attention_backend
     from ..kernels import defaults
+    from ..kernels._errors import KernelImportError
     from ..kernels.cope import cope_backend
     from ..kernels.sba import sba_backend
     from ..kernels.rotary import rotation_backend
@@ -56,7 +57,7 @@ def default_backends(device: torch.device | str) -> list[dict[str, str | None]]:
             else:
                 backend = attention_backend(cls, device)
                 why = _why_attention(cls, kinds, backend, forced, on_cuda, defaults)
-        except ValueError as exc:
+        except (ValueError, KernelImportError) as exc:  # a broken kernel module: the row says so
             backend, why = "error", str(exc)
         row["attention"], row["why"] = backend, why
         if getattr(cls, "uses_rotary_kernel", False):
@@ -66,7 +67,7 @@ def default_backends(device: torch.device | str) -> list[dict[str, str | None]]:
                 row["why"] += " Rotations: " + (
                     "the Triton rotary kernel (block sizes 2, 4, 8; other sizes rotate in PyTorch)." if rot == "triton"
                     else _why_rotation(forced, on_cuda, defaults))
-            except ValueError as exc:
+            except (ValueError, KernelImportError) as exc:
                 row["rotation"] = "error"
                 row["why"] += f" Rotations: {exc}"
         rows.append(row)

@@ -104,9 +104,13 @@ def check_row(case: Case, engine: str, dtype_name: str, shape, device: torch.dev
         problem = build_problem(case, shape, dtype, device, g)
         names = [name for name, _ in problem.inputs]
         tensors = [t.detach().requires_grad_() for _, t in problem.inputs]
-        why = problem.unsupported(engine, tensors)
     except Exception as exc:  # noqa: BLE001 - e.g. CUDA errors while building the inputs: a finding too
         row.update(status="error", note=f"setting up the inputs: {type(exc).__name__}: {exc}"[:2000])
+        return row
+    try:
+        why = problem.unsupported(engine, tensors)
+    except Exception as exc:  # noqa: BLE001 - e.g. a kernel module that fails to import (KernelImportError)
+        row.update(status="error", note=f"asking whether {engine} runs here: {type(exc).__name__}: {exc}"[:2000])
         return row
     backward = True
     if why is not None:

@@ -414,6 +414,14 @@ class PositionEncoding(nn.Module):
         """Take over the model's own position weights (e.g. GPT-2's ``wpe``) if they fit; True if adopted."""
         return False
 
+    def angular_rate(self) -> float:
+        """Radians per unit of position of the fastest rotation the encoding applies to q and k. A float32 angle
+        rounds by its own ulp, so an angle at position p is off by about p · rate · 6e-8: shift invariance in float32
+        holds only to that (tests/test_properties.py's bound scales with it). 1.0 for an encoding that rotates:
+        RoPE's fastest pair turns by theta^0 = 1 radian per position, and the other fixed frequencies are no faster;
+        0.0 for one that does not. Encodings whose rate is learned (liere, comrope, rope2d mixed) measure theirs."""
+        return 1.0 if self.rotates_qk else 0.0
+
     def start_inert(self) -> str:
         """Set the parameters so that the term changes nothing (``init="identity"``); returns how exact that is
         (``"exact"``, or the documented tolerance). Raises ``ValueError`` with the reason where there is none."""

@@ -193,6 +193,10 @@ class ComposedEncoding(PositionEncoding):
         """Shift invariant on text when both parts are."""
         return bool(getattr(self.first, "relative", False) and getattr(self.term, "relative", False))
 
+    def angular_rate(self) -> float:
+        """The rotary part's (the term rotates nothing)."""
+        return self.first.angular_rate()
+
     @property
     def bias_per_layer(self) -> bool:  # type: ignore[override]
         return bool(getattr(self.term, "bias_per_layer", False))
@@ -217,11 +221,19 @@ class ComposedEncoding(PositionEncoding):
     def prepare(
         self, ctx: PosContext, layer: int, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotate q and k with the first part (if it rotates), then let the term prepare them (FoX appends its
-        log-gates to k): the term's state is computed from ``hidden``, never from the rotated q or k."""
-        if self.first_cls.rotates_qk:
+        """Rotate q and k with the first part (if it rotates), with ``layer``'s rotation: through its own ``prepare``,
+        which carries the layer (Gemma 3's sliding and full layers have their own RoPE bases; ComRoPE's and
+        per-layer LieRE's generators differ per layer: with layer 0's rotation in every layer, ``rope+t5`` at
+        ``init="identity"`` was 0.36 off the unpatched tiny Gemma 3's logits on 16 tokens). Then the term prepares
+        them (FoX appends its log-gates to k): the term's state is computed from ``hidden``, never from the rotated
+        q or k."""
+        if getattr(self.first, "prepares_qkv", False):
+            q, k, v = self.first("prepare", ctx, layer, hidden, q, k, v)
+        elif self.first_cls.rotates_qk:
             q, k = self.first("rotate", ctx, q, k)
-        return self.term("prepare", ctx, layer, hidden, q, k, v)
+        if self.term_cls.prepares_qkv:
+            return self.term("prepare", ctx, layer, hidden, q, k, v)
+        return q, k, v
 
     def extra_repr(self) -> str:
         return f"init={self.posenc_config.params['init']!r}"
@@ -245,7 +257,8 @@ def composed_spec(name: str) -> EncodingSpec:
         "uses_rotary_kernel": getattr(fcls, "uses_rotary_kernel", False),
         "has_score_bias": tcls.has_score_bias,
         "custom_attention": tcls.custom_attention,
-        "prepares_qkv": tcls.prepares_qkv,
+        # the first part's prepare carries the layer to its rotation (per-layer bases and generators)
+        "prepares_qkv": tcls.prepares_qkv or fcls.prepares_qkv,
         "finishes_output": tcls.finishes_output,
         "kernel_kinds": tcls.kernel_kinds,
         "attention_kernels": getattr(tcls, "attention_kernels", ()),

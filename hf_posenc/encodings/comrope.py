@@ -64,6 +64,7 @@ import torch
 from torch import nn
 
 from ..config import PosEncConfig
+from ..kernels._common import compute_dtype
 from ..kernels.rotary.skew_exp import skew_exp
 from ..ops import upcast
 from ..registry import param, register_encoding
@@ -202,6 +203,17 @@ class ComRope(BlockRotationEncoding):
         """(N, Hkv, m, b, b) float32 blocks B_ij of every axis i (A_i = blockdiag_j B_ij)."""
         return self.coefficients(layer)[:, None, :, None, None] * self.skew(layer)[None]
 
+    def angular_rate(self) -> float:
+        """The fastest turn of R(x) per unit of position: block j of axis i turns by scale_i · |C_ij| · rho(S_j)
+        radians per unit of x_i (rho: the spectral radius of the skew block, its spectral norm); the max over
+        layers, heads, axes and blocks. Measured from the current parameters."""
+        with torch.no_grad():
+            radius = torch.stack([torch.linalg.matrix_norm(self.skew(layer).double(), ord=2).amax(dim=0)
+                                  for layer in range(self.P.shape[0])])  # (layers, m)
+            coeff = torch.stack([self.coefficients(layer).double().abs() for layer in range(self.P.shape[0])])
+            scale = torch.tensor(self.axis_scale, dtype=torch.float64, device=coeff.device)
+            return float((scale[None, :, None] * coeff * radius[:, None, :]).max())
+
     # -- rotations --------------------------------------------------------------------------------
     def rotation_at(self, coords: torch.Tensor, cls: torch.Tensor | None = None, layer: int = 0) -> torch.Tensor:
         """R(x) (B|1, Hkv, L, m, b, b) at explicit, unscaled coordinates (B|1, L, N) ((row, col) on the grid,
@@ -236,7 +248,8 @@ class ComRope(BlockRotationEncoding):
         return skew, coords @ self.coefficients(layer).to(skew.device)
 
     def _coords(self, ctx: PosContext, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        coords, cls = token_coordinates(ctx, length, device)
+        """Unscaled coordinates (B|1, L, N) in the compute dtype of P (float64 in a float64 model) and the CLS mask."""
+        coords, cls = token_coordinates(ctx, length, device, compute_dtype(self.P.dtype))
         return (coords[..., :1] if ctx.grid is None else coords), cls
 
     def rotation(self, ctx: PosContext, length: int, device: torch.device) -> torch.Tensor:

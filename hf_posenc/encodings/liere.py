@@ -61,6 +61,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..kernels._common import compute_dtype
 from ..kernels.rotary.skew_exp import skew_exp
 from ..config import PosEncConfig
 from ..ops import upcast
@@ -152,6 +153,25 @@ class Liere(BlockRotationEncoding):
         p = upcast(self.generator_raw)
         return p - p.transpose(-1, -2)
 
+    def axis_scales(self) -> list[float]:
+        """The factor of each axis' integer coordinate (token index on text, patch row and column on ViT at the
+        config's grid), as `positions` applies it."""
+        scale = self.posenc_config.params["position_scale"]
+        if scale is not None:
+            return [float(scale)] * self.num_axes
+        if self.info.grid is None:
+            return [1.0 / (self.info.max_positions - 1)]
+        return [1.0 / (n - 1) if n > 1 else 0.0 for n in self.info.grid]
+
+    def angular_rate(self) -> float:
+        """The fastest turn of R(p) per unit of position: max over axes, layers, heads and blocks of the axis scale
+        times the spectral radius of the generator block (a real skew-symmetric block's largest |eigenvalue|,
+        its spectral norm). Measured from the current generators."""
+        with torch.no_grad():
+            radius = torch.linalg.matrix_norm(self.generators().double(), ord=2)  # (layers|1, axes, Hkv|1, D/s)
+            per_axis = radius.transpose(0, 1).flatten(1).amax(dim=1)  # (axes,)
+            return max(float(r) * a for r, a in zip(per_axis.tolist(), self.axis_scales()))
+
     def rotations_at(self, coords: torch.Tensor, layer: int = 0) -> torch.Tensor:
         """R(p) = exp(sum_i p_i A_i) with ``layer``'s generators for N positions ``coords`` (N, axes), already
         scaled. Returns (Hkv|1, N, D/s, s, s) in the generators' compute dtype (float32; float64 for gradcheck)."""
@@ -166,8 +186,10 @@ class Liere(BlockRotationEncoding):
         return torch.linalg.matrix_exp(algebra)
 
     def positions(self, ctx: PosContext, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Scaled coordinates of the new tokens (B|1, L, axes) float32 and the ViT CLS mask (L,) or None."""
-        coords, cls = token_coordinates(ctx, length, device)
+        """Scaled coordinates of the new tokens (B|1, L, axes) in the generators' compute dtype (float32; float64 in
+        a float64 model: float32 positions moved its logits by 4.1e-3 when 266 tokens were shifted by 300 at
+        position_scale 1.65) and the ViT CLS mask (L,) or None."""
+        coords, cls = token_coordinates(ctx, length, device, compute_dtype(self.generator_raw.dtype))
         coords = coords[..., : self.num_axes]
         scale = self.posenc_config.params["position_scale"]
         if scale is not None:

@@ -178,6 +178,14 @@ class Rope2d(BlockRotationEncoding):
             return axial_frequencies(self.info.head_dim, self.num_axes, self.base)[None]
         return upcast(self.freqs[layer])
 
+    def angular_rate(self) -> float:
+        """Axial: 1.0 (its fastest fixed frequency, base^0); mixed: the largest learned |theta^i_k| (1.0 at the
+        start), radians per unit of one axis' coordinate."""
+        if self.variant == "axial":
+            return 1.0
+        with torch.no_grad():
+            return float(self.freqs.detach().abs().max())
+
     def rotation_at(self, coords: torch.Tensor, cls: torch.Tensor | None, layer: int = 0) -> torch.Tensor:
         """Rotations (B|1, Hkv|1, L, d/2, 2, 2) at explicit coordinates (B|1, L, N) (in the axis order of
         the module docstring); tokens flagged in ``cls`` (L,) are not rotated."""

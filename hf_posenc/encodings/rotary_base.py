@@ -40,19 +40,23 @@ def distinct_positions(coords: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return unique, inverse
 
 
-def token_coordinates(ctx: PosContext, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Coordinates of the ``length`` new tokens: (B|1, L, 2) float32 and a CLS mask (L,) bool or None.
+def token_coordinates(
+    ctx: PosContext, length: int, device: torch.device, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Coordinates of the ``length`` new tokens: (B|1, L, 2) in ``dtype`` (float32 by default; the encodings that
+    scale them pass their compute dtype, `hf_posenc.kernels._common.compute_dtype`, so that a float64 model
+    scales its positions in float64) and a CLS mask (L,) bool or None.
 
     Text: (position, 0) with the logical ``position_ids``. ViT: (row, col) of each patch on the grid in
     raster order, the CLS token (index 0) flagged in the mask (it is not rotated).
     """
     if ctx.grid is None:
-        pos = ctx.position_ids.to(device=device, dtype=torch.float32)
+        pos = ctx.position_ids.to(device=device, dtype=dtype)
         return torch.stack([pos, torch.zeros_like(pos)], dim=-1), None
     rows, cols = ctx.grid
-    r = torch.arange(rows, device=device, dtype=torch.float32).repeat_interleave(cols)
-    c = torch.arange(cols, device=device, dtype=torch.float32).repeat(rows)
-    coords = torch.cat([torch.zeros(1, 2, device=device), torch.stack([r, c], dim=-1)])[-length:]
+    r = torch.arange(rows, device=device, dtype=dtype).repeat_interleave(cols)
+    c = torch.arange(cols, device=device, dtype=dtype).repeat(rows)
+    coords = torch.cat([torch.zeros(1, 2, device=device, dtype=dtype), torch.stack([r, c], dim=-1)])[-length:]
     cls = torch.zeros(rows * cols + 1, dtype=torch.bool, device=device)
     cls[0] = True
     return coords[None], cls[-length:]

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["KernelError", "guarded", "ALTERNATIVES"]
+__all__ = ["KernelError", "KernelImportError", "guarded", "ALTERNATIVES"]
 
 #: how to pick another backend, per kernel family (what ``HF_POSENC_BACKEND`` offers for its op).
 ALTERNATIVES = {
@@ -35,6 +35,12 @@ _CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BM", "BN", "BLOCK_L", "BLOCK_D", "BD", "H
 
 class KernelError(RuntimeError):
     """A Triton kernel of hf_posenc failed to compile or launch; the message says how to avoid it."""
+
+
+class KernelImportError(RuntimeError):
+    """Triton is installed, but it or one of hf_posenc's kernel modules (``hf_posenc.kernels.cope.triton_cope``)
+    failed to import: a broken install or a bug, never "no Triton". Raised where the kernel module is asked for
+    (the dispatch); the message names the module and how to run on another backend, the import error is chained."""
 
 
 def _describe(kernel_name: str, family: str, shapes: dict[str, Any], dtype: torch.dtype, config: dict,

@@ -17,6 +17,7 @@ from __future__ import annotations
 # runs interpreted, so the whole suite sets the variable here, first. ``import torch`` does not import
 # triton (checked below); tests that need the compiled mode's errors override it with monkeypatch.
 import importlib.util
+import inspect
 import os
 import sys
 import warnings
@@ -432,6 +433,28 @@ def tiered(params: Any, fast: Any, mark: pytest.MarkDecorator = SLOW) -> list[An
 
 
 # -- inputs -----------------------------------------------------------------------------------------
+
+
+def _cache_argument() -> str:
+    """The keyword under which the installed transformers' models take (and return) the KV cache: ``cache`` where
+    their forward has it (5.24: ``past_key_values`` is deprecated there, for removal in 5.40), ``past_key_values``
+    before (5.17, the oldest version supported). The same name in every family of a release."""
+    return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+#: The cache's keyword in a model call and its field in the output, for the installed transformers.
+CACHE_ARG = _cache_argument()
+
+
+def with_cache(cache: Any) -> dict[str, Any]:
+    """``{name: cache}`` for a model call, under the name the installed transformers wants:
+    ``model(ids, **with_cache(past), use_cache=True)``."""
+    return {CACHE_ARG: cache}
+
+
+def returned_cache(output: Any) -> Any:
+    """The KV cache a model call returned (``output.cache``, or ``output.past_key_values`` before 5.24)."""
+    return getattr(output, CACHE_ARG)
 
 
 def make_ids(batch: int = 2, length: int = 10, seed: int = 1) -> torch.Tensor:

@@ -35,6 +35,7 @@ from conftest import (
     positions_from_mask,
     supports,
     sweep_only,
+    with_cache,
 )
 
 FP32_ATOL = 1e-4  # cache == full forward
@@ -191,7 +192,7 @@ def test_cache_matches_full_forward(family, encoding, cache, positions):
             if positions == "explicit":
                 kw["position_ids"] = torch.arange(start, start + n).expand(2, -1)
                 kw["attention_mask"] = torch.ones(2, start + n, dtype=torch.long)
-            out = model(ids[:, start : start + n], past_key_values=past, use_cache=True, **kw)
+            out = model(ids[:, start : start + n], **with_cache(past), use_cache=True, **kw)
             pieces.append(out.logits)
             start += n
     incremental = torch.cat(pieces, dim=1)
@@ -222,7 +223,7 @@ def test_long_prefill_cache_matches_full_forward(family, encoding, cache):
                 ids[:, start : start + n],
                 attention_mask=mask[:, : start + n],
                 position_ids=pos[:, start : start + n],
-                past_key_values=past,
+                **with_cache(past),
                 use_cache=True,
             )
             pieces.append(out.logits)
@@ -249,8 +250,8 @@ def test_beyond_max_positions(family, encoding):
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         past = DynamicCache(config=model.config)
-        first = model(ids[:, :70], past_key_values=past).logits
-        last = torch.cat([model(ids[:, i : i + 1], past_key_values=past).logits for i in (70, 71)], dim=1)
+        first = model(ids[:, :70], **with_cache(past)).logits
+        last = torch.cat([model(ids[:, i : i + 1], **with_cache(past)).logits for i in (70, 71)], dim=1)
     assert torch.isfinite(full).all()
     assert max_diff(torch.cat([first, last], dim=1), full) < FP32_ATOL
 
@@ -304,13 +305,13 @@ def test_left_padding(family, encoding, cache):
         else:
             past = new_cache(cache, model)
             out = model(
-                ids, attention_mask=mask, position_ids=positions_from_mask(mask), past_key_values=past, use_cache=True
+                ids, attention_mask=mask, position_ids=positions_from_mask(mask), **with_cache(past), use_cache=True
             ).logits
             steps = []
             for i in range(extra.shape[1]):
                 mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
                 pos = positions_from_mask(mask)[:, -1:]
-                step = model(extra[:, i : i + 1], attention_mask=mask, position_ids=pos, past_key_values=past)
+                step = model(extra[:, i : i + 1], attention_mask=mask, position_ids=pos, **with_cache(past))
                 steps.append(step.logits)
     n_short = short.numel()
     assert max_diff(out[0, n_pad:], alone_short[:n_short]) < PAD_ATOL, "left-padded row differs from the row alone"
@@ -503,7 +504,7 @@ def test_output_attentions(family, encoding):
                 check_probs(probs, real[:, None, :].expand(2, length, length), real, one)
             return
         past = DynamicCache(config=cfg)
-        out = model(ids, attention_mask=mask, position_ids=pos, past_key_values=past, output_attentions=True)
+        out = model(ids, attention_mask=mask, position_ids=pos, **with_cache(past), output_attentions=True)
         real = mask.bool()
         assert max_diff(out.logits[real], fast[real]) < atol
         assert len(out.attentions) == layers
@@ -516,7 +517,7 @@ def test_output_attentions(family, encoding):
         mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
         nxt = make_ids(2, 1, seed=4)
         step = model(
-            nxt, attention_mask=mask, position_ids=positions_from_mask(mask)[:, -1:], past_key_values=past,
+            nxt, attention_mask=mask, position_ids=positions_from_mask(mask)[:, -1:], **with_cache(past),
             output_attentions=True,
         )
         for probs in step.attentions:

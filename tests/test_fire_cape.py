@@ -17,7 +17,7 @@ from hf_posenc.encodings.base import ModelInfo, PosContext
 from hf_posenc.encodings.cape import Cape
 from hf_posenc.encodings.fire import FIRE_EPS, Fire
 from hf_posenc.kernels.attention.naive import term_bias
-from conftest import forward_and_loss, left_pad, make_ids, make_model, model_inputs, positions_from_mask
+from conftest import forward_and_loss, left_pad, make_ids, make_model, model_inputs, positions_from_mask, with_cache
 
 CPU = torch.device("cpu")
 TEXT = ModelInfo("llama", 32, 2, 2, 16, 1, True, 64)
@@ -275,8 +275,8 @@ def test_fire_small_threshold_cache_and_padding(family):
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         past = DynamicCache(config=model.config)
-        steps = [model(ids[:, :5], past_key_values=past).logits]
-        steps += [model(ids[:, t : t + 1], past_key_values=past).logits for t in range(5, 9)]
+        steps = [model(ids[:, :5], **with_cache(past)).logits]
+        steps += [model(ids[:, t : t + 1], **with_cache(past)).logits for t in range(5, 9)]
         assert max_diff(torch.cat(steps, dim=1), full) < 1e-4
 
         short, long = make_ids(1, 5, seed=2)[0], make_ids(1, 8, seed=3)[0]

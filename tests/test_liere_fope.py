@@ -15,7 +15,7 @@ from hf_posenc.encodings.fope import Fope
 from hf_posenc.encodings.liere import Liere
 from hf_posenc.encodings.rope import Rope
 
-from conftest import left_pad, make_ids, make_model, make_pixels, positions_from_mask, tiered
+from conftest import left_pad, make_ids, make_model, make_pixels, positions_from_mask, tiered, with_cache
 
 CPU = torch.device("cpu")
 # (family, hidden, heads, kv heads, head_dim, layers, causal, max positions)
@@ -611,8 +611,8 @@ def test_variants_cache_matches_full_forward(family, encoding, params):
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         past = DynamicCache(config=model.config)
-        pieces = [model(ids[:, :5], past_key_values=past).logits]
-        pieces += [model(ids[:, i : i + 1], past_key_values=past).logits for i in range(5, 9)]
+        pieces = [model(ids[:, :5], **with_cache(past)).logits]
+        pieces += [model(ids[:, i : i + 1], **with_cache(past)).logits for i in range(5, 9)]
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-4, rtol=0)
 
 

@@ -171,7 +171,7 @@ def call_with_old_cache_name(model, ids, cache):
 
 
 def test_deprecations_from_our_code_fail_the_run(pytester):
-    """pyproject.toml's filterwarnings, run in-process on :data:`INJECTED`: a DeprecationWarning or FutureWarning from
+    """pyproject.toml's filterwarnings, run in-process on `INJECTED`: a DeprecationWarning or FutureWarning from
     a test or from hf_posenc fails its test, transformers' deprecated ``past_key_values=`` included when a test or
     hf_posenc calls a model with it (where the installed transformers deprecates it); a third party's deprecation
     passes and is reported: once per test however often it is raised there, and its text once in the summary."""

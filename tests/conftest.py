@@ -507,6 +507,16 @@ def returned_cache(output: Any) -> Any:
     return getattr(output, CACHE_ARG)
 
 
+def enable_checkpointing(model: Any, kwargs: dict[str, Any] | None = None) -> None:
+    """Activation (gradient) checkpointing on ``model`` (a PeftModel passes the call to its base model), under the
+    installed transformers' name: ``activation_checkpointing_enable`` (5.24; ``gradient_checkpointing_enable`` is a
+    deprecated alias there, for removal in 6), ``gradient_checkpointing_enable`` before."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def make_ids(batch: int = 2, length: int = 10, seed: int = 1) -> torch.Tensor:
     """Random token ids (batch, length) that avoid the special tokens (pad/bos/eos)."""
     g = torch.Generator().manual_seed(seed)

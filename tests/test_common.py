@@ -23,6 +23,7 @@ from conftest import (
     PAD_ID,
     SOAK,
     combos,
+    enable_checkpointing,
     forward_and_loss,
     left_pad,
     main_output,
@@ -562,10 +563,7 @@ def test_gradient_checkpointing(family, encoding, reentrant):
         model = make_model(family, encoding=encoding, train=True)
         if ckpt:
             kwargs = {"use_reentrant": True} if reentrant else None
-            if hasattr(model, "activation_checkpointing_enable"):  # 5.x name; the old one is a deprecated alias
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            enable_checkpointing(model, kwargs)
         calls = []  # forward calls of the first patched attention module: recomputed under checkpointing
         first_layer = hf_posenc.describe(model)["layers"][0]  # relative to the base model
         attn = next(m for n, m in model.named_modules() if n == first_layer or n.endswith("." + first_layer))

@@ -29,7 +29,16 @@ from hf_posenc.encodings.cope import Cope
 from hf_posenc.encodings.sba import StickBreaking
 from hf_posenc.encodings.tape import Tape, pack_state, unpack_state
 from hf_posenc.registry import get_encoding
-from conftest import PAD_ID, left_pad, make_ids, make_model, make_pixels, positions_from_mask, with_cache
+from conftest import (
+    PAD_ID,
+    enable_checkpointing,
+    left_pad,
+    make_ids,
+    make_model,
+    make_pixels,
+    positions_from_mask,
+    with_cache,
+)
 
 CPU = torch.device("cpu")
 SAME_ATOL = 1e-5
@@ -718,7 +727,7 @@ def test_gradient_checkpointing_same_gradients(variant, family, reentrant):
     for ckpt in (False, True):
         model = variant_model(family, variant, train=True)
         if ckpt:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+            enable_checkpointing(model, {"use_reentrant": reentrant})
         if family == "vit":
             out = model(pixel_values=make_pixels(2), labels=torch.tensor([0, 2]))
         else:

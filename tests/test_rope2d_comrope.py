@@ -19,7 +19,7 @@ from hf_posenc.encodings.base import ModelInfo, PosContext
 from hf_posenc.encodings.comrope import ComRope
 from hf_posenc.encodings.rope import Rope
 from hf_posenc.encodings.rope2d import Rope2d, axial_frequencies
-from conftest import forward_and_loss, left_pad, make_ids, make_model, model_inputs, with_cache
+from conftest import enable_checkpointing, forward_and_loss, left_pad, make_ids, make_model, model_inputs, with_cache
 
 GRID = (2, 2)
 
@@ -630,11 +630,8 @@ def test_variant_gradient_checkpointing(name, params):
     grads = []
     for ckpt in (False, True):
         model = make_model("llama", encoding=name, train=True, **params)
-        if ckpt:  # 5.x name; the old one is a deprecated alias
-            if hasattr(model, "activation_checkpointing_enable"):
-                model.activation_checkpointing_enable()
-            else:
-                model.gradient_checkpointing_enable()
+        if ckpt:
+            enable_checkpointing(model)
             assert model.model.gradient_checkpointing
         _, loss = forward_and_loss("llama", model, inputs)
         loss.backward()

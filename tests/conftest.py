@@ -17,6 +17,7 @@ from __future__ import annotations
 # runs interpreted, so the whole suite sets the variable here, first. ``import torch`` does not import
 # triton (checked below); tests that need the compiled mode's errors override it with monkeypatch.
 import importlib.util
+import inspect
 import os
 import sys
 import warnings
@@ -38,6 +39,39 @@ if not torch.cuda.is_available():
 # fixed default instead, so that no test pays for timing and every run takes the same path. tests/test_autotune.py
 # turns it on where it tests it, and checks there that every path gives the same numbers.
 os.environ.setdefault("HF_POSENC_TUNE", "off")
+
+# -- deprecation warnings: ours fail the run, a third party's are shown once ----------------------------------
+# pyproject.toml's filterwarnings make a DeprecationWarning or FutureWarning an error when the module it is
+# attributed to (the frame its ``stacklevel`` names) is hf_posenc or a test module, and show a third party's once.
+# transformers' deprecated keyword arguments (``@deprecate_kwarg``: ``past_key_values=`` since 5.24) wrap a
+# model's forward and warn with stacklevel=2, which names the frame that called the deprecation wrapper: torch's
+# ``nn.Module.__call__``, or another of transformers' decorators around the forward (``can_return_tuple``, ...),
+# never the code that called the model, so a test's ``model(past_key_values=...)`` would count as a third party's
+# warning. The wrapper below skips the frames of that call plumbing (``_CALL_PLUMBING``), so that such a warning
+# names the module's caller. Nothing else changes: other warnings, and the message and category of these, are
+# passed on as they are.
+#: Code objects of the frames between a model call and its forward: nn.Module's ``__call__``, and the decorators
+#: around the forwards of the test models' classes (filled in once ``CLASSES`` is defined, below).
+_CALL_PLUMBING: set = {torch.nn.Module._call_impl.__code__, torch.nn.Module._wrapped_call_impl.__code__}
+_warn = warnings.warn
+
+
+def _warn_naming_the_module_caller(message, category=None, stacklevel=1, source=None, **kwargs):
+    """``warnings.warn``, but a DeprecationWarning or FutureWarning that names a frame of ``_CALL_PLUMBING`` names
+    the first frame outside it, the code that called the model, instead."""
+    level = max(int(stacklevel), 1)
+    kind = type(message) if isinstance(message, Warning) else (category or UserWarning)
+    if issubclass(kind, (DeprecationWarning, FutureWarning)) and not torch.compiler.is_compiling():
+        try:
+            frame = sys._getframe(level)  # frame 0 is this function: level names the frame warn would name
+        except ValueError:  # a stacklevel past the outermost frame: warn names the module "sys"
+            frame = None
+        while frame is not None and frame.f_back is not None and frame.f_code in _CALL_PLUMBING:
+            frame, level = frame.f_back, level + 1
+    return _warn(message, category, level + 1, source, **kwargs)
+
+
+warnings.warn = _warn_naming_the_module_caller
 
 from typing import Any  # noqa: E402
 
@@ -77,6 +111,9 @@ from transformers import (  # noqa: E402
 
 import hf_posenc  # noqa: E402
 from hf_posenc.registry import get_encoding  # noqa: E402
+
+#: pytester runs the project's warning filters on an injected test file (tests/test_suite_hygiene.py).
+pytest_plugins = ["pytester"]
 
 # The models are tiny: intra-op threads only add synchronisation, and when the 2 cores are shared with
 # another process, OpenMP barriers make every small op take milliseconds (a 50x slow-down, measured).
@@ -140,6 +177,20 @@ CLASSES = {
     "gpt_neox": {"head": GPTNeoXForCausalLM, "base": GPTNeoXModel},
     "bert": {"head": BertForMaskedLM, "base": BertModel},
 }
+
+
+def _forward_decorators(classes) -> set:
+    """Code objects of the decorators wrapped around the ``forward`` of ``classes`` (``functools.wraps`` chains)."""
+    codes = set()
+    for cls in classes:
+        fn = cls.forward
+        while hasattr(fn, "__wrapped__") and hasattr(fn, "__code__"):
+            codes.add(fn.__code__)
+            fn = fn.__wrapped__
+    return codes
+
+
+_CALL_PLUMBING |= _forward_decorators(cls for pair in CLASSES.values() for cls in pair.values())
 
 #: Keyword names of the tiny configs' maximum position count, per family.
 MAX_POSITIONS_KEY = {fam: "max_position_embeddings" for fam in CLASSES} | {"gpt2": "n_positions", "vit": None}
@@ -432,6 +483,38 @@ def tiered(params: Any, fast: Any, mark: pytest.MarkDecorator = SLOW) -> list[An
 
 
 # -- inputs -----------------------------------------------------------------------------------------
+
+
+def _cache_argument() -> str:
+    """The keyword under which the installed transformers' models take (and return) the KV cache: ``cache`` where
+    their forward has it (5.24: ``past_key_values`` is deprecated there, for removal in 5.40), ``past_key_values``
+    before (5.17, the oldest version supported). The same name in every family of a release."""
+    return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+#: The cache's keyword in a model call and its field in the output, for the installed transformers.
+CACHE_ARG = _cache_argument()
+
+
+def with_cache(cache: Any) -> dict[str, Any]:
+    """``{name: cache}`` for a model call, under the name the installed transformers wants:
+    ``model(ids, **with_cache(past), use_cache=True)``."""
+    return {CACHE_ARG: cache}
+
+
+def returned_cache(output: Any) -> Any:
+    """The KV cache a model call returned (``output.cache``, or ``output.past_key_values`` before 5.24)."""
+    return getattr(output, CACHE_ARG)
+
+
+def enable_checkpointing(model: Any, kwargs: dict[str, Any] | None = None) -> None:
+    """Activation (gradient) checkpointing on ``model`` (a PeftModel passes the call to its base model), under the
+    installed transformers' name: ``activation_checkpointing_enable`` (5.24; ``gradient_checkpointing_enable`` is a
+    deprecated alias there, for removal in 6), ``gradient_checkpointing_enable`` before."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def make_ids(batch: int = 2, length: int = 10, seed: int = 1) -> torch.Tensor:

@@ -34,7 +34,7 @@ import hf_posenc
 from hf_posenc import PosEncConfig
 from hf_posenc.memory import ReferenceMemoryError, parse_size
 from hf_posenc.registry import FAMILIES, get_encoding
-from conftest import ENCODINGS, make_config, make_ids, make_model, make_pixels
+from conftest import ENCODINGS, make_config, make_ids, make_model, make_pixels, with_cache
 
 DEEP = (IndexError, KeyError, AttributeError)
 
@@ -291,9 +291,9 @@ def test_learned_table_past_its_end_during_decoding():
     past = DynamicCache(config=model.config)
     ids = make_ids(1, 9)
     with torch.no_grad():
-        model(ids[:, :8], past_key_values=past)
+        model(ids[:, :8], **with_cache(past))
         with pytest.raises(ValueError, match=r"position 8 is outside the learned table of 8 positions"):
-            model(ids[:, 8:], past_key_values=past)
+            model(ids[:, 8:], **with_cache(past))
 
 
 def test_learned_on_vit_at_another_image_size():

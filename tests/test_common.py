@@ -23,6 +23,7 @@ from conftest import (
     PAD_ID,
     SOAK,
     combos,
+    enable_checkpointing,
     forward_and_loss,
     left_pad,
     main_output,
@@ -35,6 +36,7 @@ from conftest import (
     positions_from_mask,
     supports,
     sweep_only,
+    with_cache,
 )
 
 FP32_ATOL = 1e-4  # cache == full forward
@@ -191,7 +193,7 @@ def test_cache_matches_full_forward(family, encoding, cache, positions):
             if positions == "explicit":
                 kw["position_ids"] = torch.arange(start, start + n).expand(2, -1)
                 kw["attention_mask"] = torch.ones(2, start + n, dtype=torch.long)
-            out = model(ids[:, start : start + n], past_key_values=past, use_cache=True, **kw)
+            out = model(ids[:, start : start + n], **with_cache(past), use_cache=True, **kw)
             pieces.append(out.logits)
             start += n
     incremental = torch.cat(pieces, dim=1)
@@ -222,7 +224,7 @@ def test_long_prefill_cache_matches_full_forward(family, encoding, cache):
                 ids[:, start : start + n],
                 attention_mask=mask[:, : start + n],
                 position_ids=pos[:, start : start + n],
-                past_key_values=past,
+                **with_cache(past),
                 use_cache=True,
             )
             pieces.append(out.logits)
@@ -249,8 +251,8 @@ def test_beyond_max_positions(family, encoding):
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         past = DynamicCache(config=model.config)
-        first = model(ids[:, :70], past_key_values=past).logits
-        last = torch.cat([model(ids[:, i : i + 1], past_key_values=past).logits for i in (70, 71)], dim=1)
+        first = model(ids[:, :70], **with_cache(past)).logits
+        last = torch.cat([model(ids[:, i : i + 1], **with_cache(past)).logits for i in (70, 71)], dim=1)
     assert torch.isfinite(full).all()
     assert max_diff(torch.cat([first, last], dim=1), full) < FP32_ATOL
 
@@ -304,13 +306,13 @@ def test_left_padding(family, encoding, cache):
         else:
             past = new_cache(cache, model)
             out = model(
-                ids, attention_mask=mask, position_ids=positions_from_mask(mask), past_key_values=past, use_cache=True
+                ids, attention_mask=mask, position_ids=positions_from_mask(mask), **with_cache(past), use_cache=True
             ).logits
             steps = []
             for i in range(extra.shape[1]):
                 mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
                 pos = positions_from_mask(mask)[:, -1:]
-                step = model(extra[:, i : i + 1], attention_mask=mask, position_ids=pos, past_key_values=past)
+                step = model(extra[:, i : i + 1], attention_mask=mask, position_ids=pos, **with_cache(past))
                 steps.append(step.logits)
     n_short = short.numel()
     assert max_diff(out[0, n_pad:], alone_short[:n_short]) < PAD_ATOL, "left-padded row differs from the row alone"
@@ -503,7 +505,7 @@ def test_output_attentions(family, encoding):
                 check_probs(probs, real[:, None, :].expand(2, length, length), real, one)
             return
         past = DynamicCache(config=cfg)
-        out = model(ids, attention_mask=mask, position_ids=pos, past_key_values=past, output_attentions=True)
+        out = model(ids, attention_mask=mask, position_ids=pos, **with_cache(past), output_attentions=True)
         real = mask.bool()
         assert max_diff(out.logits[real], fast[real]) < atol
         assert len(out.attentions) == layers
@@ -516,7 +518,7 @@ def test_output_attentions(family, encoding):
         mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
         nxt = make_ids(2, 1, seed=4)
         step = model(
-            nxt, attention_mask=mask, position_ids=positions_from_mask(mask)[:, -1:], past_key_values=past,
+            nxt, attention_mask=mask, position_ids=positions_from_mask(mask)[:, -1:], **with_cache(past),
             output_attentions=True,
         )
         for probs in step.attentions:
@@ -561,10 +563,7 @@ def test_gradient_checkpointing(family, encoding, reentrant):
         model = make_model(family, encoding=encoding, train=True)
         if ckpt:
             kwargs = {"use_reentrant": True} if reentrant else None
-            if hasattr(model, "activation_checkpointing_enable"):  # 5.x name; the old one is a deprecated alias
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            enable_checkpointing(model, kwargs)
         calls = []  # forward calls of the first patched attention module: recomputed under checkpointing
         first_layer = hf_posenc.describe(model)["layers"][0]  # relative to the base model
         attn = next(m for n, m in model.named_modules() if n == first_layer or n.endswith("." + first_layer))

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import EOS_ID, PAD_ID, combos, make_ids, make_model, make_pixels, supports, tiered
+from conftest import EOS_ID, PAD_ID, combos, make_ids, make_model, make_pixels, supports, tiered, with_cache
 from test_common import padded_prompts
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
@@ -577,13 +577,13 @@ def decode_loop(model, ids: torch.Tensor, mask: torch.Tensor, n: int, step, sync
     positions = (full_mask.cumsum(-1) - 1).clamp_min(0)
     with torch.no_grad():
         logits = model(ids, attention_mask=full_mask[:, :length], position_ids=positions[:, :length],
-                       past_key_values=cache).logits
+                       **with_cache(cache)).logits
         token = logits[:, -1].argmax(-1, keepdim=True)
         out = [token]
         with sync_check() if sync_check is not None else nullcontext():
             for t in range(length, length + n - 1):
                 logits = step(token, attention_mask=full_mask[:, : length + n], position_ids=positions[:, t : t + 1],
-                              past_key_values=cache).logits
+                              **with_cache(cache)).logits
                 token = logits[:, -1].argmax(-1, keepdim=True)
                 out.append(token)
     return torch.cat([ids, *out], dim=1)

@@ -22,7 +22,7 @@ import hf_posenc
 from hf_posenc.encodings.base import PosContext
 from hf_posenc.encodings.fox import INERT_GATE_BIAS
 
-from conftest import make_ids, make_model
+from conftest import make_ids, make_model, returned_cache, with_cache
 
 IDS = make_ids(2, 12)
 
@@ -268,10 +268,10 @@ def test_cache_equals_full_forward(name):
     with torch.no_grad():
         full = model(ids).logits
         out = model(ids[:, :9], use_cache=True)
-        past, pieces = out.past_key_values, [out.logits]
+        past, pieces = returned_cache(out), [out.logits]
         for t in range(9, 14):
-            out = model(ids[:, t : t + 1], past_key_values=past, use_cache=True)
-            past = out.past_key_values
+            out = model(ids[:, t : t + 1], **with_cache(past), use_cache=True)
+            past = returned_cache(out)
             pieces.append(out.logits)
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-4, atol=1e-5)
 

@@ -29,7 +29,16 @@ from hf_posenc.encodings.cope import Cope
 from hf_posenc.encodings.sba import StickBreaking
 from hf_posenc.encodings.tape import Tape, pack_state, unpack_state
 from hf_posenc.registry import get_encoding
-from conftest import PAD_ID, left_pad, make_ids, make_model, make_pixels, positions_from_mask
+from conftest import (
+    PAD_ID,
+    enable_checkpointing,
+    left_pad,
+    make_ids,
+    make_model,
+    make_pixels,
+    positions_from_mask,
+    with_cache,
+)
 
 CPU = torch.device("cpu")
 SAME_ATOL = 1e-5
@@ -636,7 +645,7 @@ def test_cache_matches_full_forward_left_padded(variant, family, cache):
         pieces, start = [], 0
         for n in STEPS:
             out = model(ids[:, start : start + n], attention_mask=mask[:, : start + n],
-                        position_ids=pos[:, start : start + n], past_key_values=past, use_cache=True)
+                        position_ids=pos[:, start : start + n], **with_cache(past), use_cache=True)
             pieces.append(out.logits)
             start += n
         alone = model(ids[:1, 3:], use_cache=False).logits
@@ -661,7 +670,7 @@ def test_tape_grouped_path_equals_per_head_reference(family):
             past, pieces, start = DynamicCache(config=model.config), [], 0
             for n in STEPS:
                 pieces.append(model(ids[:, start: start + n], attention_mask=mask[:, : start + n],
-                                    position_ids=pos[:, start: start + n], past_key_values=past,
+                                    position_ids=pos[:, start: start + n], **with_cache(past),
                                     use_cache=True, output_attentions=weights).logits)
                 start += n
         return full, torch.cat(pieces, dim=1)
@@ -718,7 +727,7 @@ def test_gradient_checkpointing_same_gradients(variant, family, reentrant):
     for ckpt in (False, True):
         model = variant_model(family, variant, train=True)
         if ckpt:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+            enable_checkpointing(model, {"use_reentrant": reentrant})
         if family == "vit":
             out = model(pixel_values=make_pixels(2), labels=torch.tensor([0, 2]))
         else:

@@ -36,6 +36,7 @@ from conftest import (
     make_model,
     model_inputs,
     positions_from_mask,
+    with_cache,
 )
 
 NAME = "log_distance"
@@ -154,7 +155,7 @@ def test_cache_decoding_matches_the_full_forward(family, cache):
                                                                                          max_cache_len=16)
         start, pieces = 0, []
         for n in steps:
-            pieces.append(model(ids[:, start : start + n], past_key_values=past, use_cache=True).logits)
+            pieces.append(model(ids[:, start : start + n], **with_cache(past), use_cache=True).logits)
             start += n
     assert (torch.cat(pieces, dim=1) - full).abs().max() < 1e-4
 

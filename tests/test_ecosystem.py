@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_ids, make_model, make_pixels, model_class
+from conftest import enable_checkpointing, make_ids, make_model, make_pixels, model_class
 
 import hf_posenc
 from hf_posenc.training import ADAPTER_MARKER
@@ -133,7 +133,7 @@ def test_lora_gradient_checkpointing(reentrant):
         model = make_model("llama", encoding="kerple", train=True)
         pm = lora(model, "llama", modules_to_save=hf_posenc.trainable_modules(model))
         if checkpointing:
-            pm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            enable_checkpointing(pm, {"use_reentrant": reentrant})
             pm.enable_input_require_grads()
         pm.train()
         loss_of("llama", pm, inputs("llama")).backward()

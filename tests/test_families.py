@@ -24,6 +24,7 @@ from conftest import (
     make_ids,
     make_model,
     positions_from_mask,
+    with_cache,
 )
 from hf_posenc.registry import FAMILY_KINDS, get_encoding
 
@@ -158,9 +159,9 @@ def test_keys_beyond_the_window_have_no_influence(encoding):
         full = model(ids, use_cache=False).logits
         for seq in (ids, changed_far):
             cache = DynamicCache(config=model.config)
-            steps = [model(seq[:, :5], past_key_values=cache, use_cache=True).logits]
+            steps = [model(seq[:, :5], **with_cache(cache), use_cache=True).logits]
             for t in range(5, 12):
-                steps.append(model(seq[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+                steps.append(model(seq[:, t : t + 1], **with_cache(cache), use_cache=True).logits)
             cached = torch.cat(steps, dim=1)
             torch.testing.assert_close(cached[:, -1], last, atol=1e-4, rtol=0)
             if seq is ids:
@@ -220,7 +221,7 @@ def test_fox_pro_shift_reads_the_key_before_a_native_window():
             full = model(ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False).logits
             cache, steps = DynamicCache(config=model.config), []
             for start, stop in ((0, 5), *((t, t + 1) for t in range(5, 9)), (9, 12)):
-                steps.append(model(ids[:, start:stop], attention_mask=mask[:, :stop], past_key_values=cache,
+                steps.append(model(ids[:, start:stop], attention_mask=mask[:, :stop], **with_cache(cache),
                                    position_ids=positions_from_mask(mask)[:, start:stop], use_cache=True).logits)
         real = mask.bool()
         torch.testing.assert_close(torch.cat(steps, dim=1)[real], full[real], atol=1e-4, rtol=0)
@@ -249,7 +250,7 @@ def test_window_in_model_info_and_static_cache_refused():
 
     cache = StaticCache(config=model.config, max_cache_len=16)  # every layer sliding, longer than the window
     with pytest.raises(ValueError, match="StaticCache whose sliding-window layers are shorter"):
-        model(make_ids(1, 3), past_key_values=cache, use_cache=True)
+        model(make_ids(1, 3), **with_cache(cache), use_cache=True)
 
 
 # -- support declarations, refusals ------------------------------------------------------------------------

@@ -17,7 +17,16 @@ from hf_posenc.encodings.base import ModelInfo, PosContext
 from hf_posenc.encodings.cape import Cape
 from hf_posenc.encodings.fire import FIRE_EPS, Fire
 from hf_posenc.kernels.attention.naive import term_bias
-from conftest import forward_and_loss, left_pad, make_ids, make_model, model_inputs, positions_from_mask
+from conftest import (
+    enable_checkpointing,
+    forward_and_loss,
+    left_pad,
+    make_ids,
+    make_model,
+    model_inputs,
+    positions_from_mask,
+    with_cache,
+)
 
 CPU = torch.device("cpu")
 TEXT = ModelInfo("llama", 32, 2, 2, 16, 1, True, 64)
@@ -275,8 +284,8 @@ def test_fire_small_threshold_cache_and_padding(family):
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         past = DynamicCache(config=model.config)
-        steps = [model(ids[:, :5], past_key_values=past).logits]
-        steps += [model(ids[:, t : t + 1], past_key_values=past).logits for t in range(5, 9)]
+        steps = [model(ids[:, :5], **with_cache(past)).logits]
+        steps += [model(ids[:, t : t + 1], **with_cache(past)).logits for t in range(5, 9)]
         assert max_diff(torch.cat(steps, dim=1), full) < 1e-4
 
         short, long = make_ids(1, 5, seed=2)[0], make_ids(1, 8, seed=3)[0]
@@ -456,11 +465,7 @@ def test_cape_base_parameters_train_under_reentrant_checkpointing():
     for ckpt in (False, True):
         model = make_model("llama", encoding="cape", base="fire", train=True)
         if ckpt:
-            kwargs = {"use_reentrant": True}
-            if hasattr(model, "activation_checkpointing_enable"):  # 5.x name; the old one is a deprecated alias
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            enable_checkpointing(model, {"use_reentrant": True})
         _, loss = forward_and_loss("llama", model, inputs)
         loss.backward()
         grads.append({n: p.grad.clone() for n, p in hf_posenc.encoding_module(model).named_parameters()})

@@ -26,6 +26,7 @@ from conftest import (
     model_inputs,
     positions_from_mask,
     tiered,
+    with_cache,
 )
 
 # ---------------------------------------------------------------------------------------------------
@@ -389,11 +390,11 @@ def test_cache_crop_keeps_the_state(name):
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         past = DynamicCache(config=model.config)
-        model(ids[:, :5], past_key_values=past)
-        model(other, past_key_values=past)  # tokens that are then cropped away
+        model(ids[:, :5], **with_cache(past))
+        model(other, **with_cache(past))  # tokens that are then cropped away
         past.crop(-other.shape[1])  # transformers 5.x: a negative count of tokens to remove
         assert past.get_seq_length() == 5
-        again = model(ids[:, 5:], past_key_values=past).logits
+        again = model(ids[:, 5:], **with_cache(past)).logits
     assert (again - full[:, 5:]).abs().max() < 1e-4
 
 
@@ -446,8 +447,8 @@ def test_bf16_cache_matches_bf16_full_forward(name):
         full = model(ids, use_cache=False).logits.float()
         effect = (full - nope(ids, use_cache=False).logits.float()).norm().item()
         past = DynamicCache(config=model.config)
-        pieces = [model(ids[:, :6], past_key_values=past).logits]
-        pieces += [model(ids[:, i : i + 1], past_key_values=past).logits for i in range(6, 12)]
+        pieces = [model(ids[:, :6], **with_cache(past)).logits]
+        pieces += [model(ids[:, i : i + 1], **with_cache(past)).logits for i in range(6, 12)]
     inc = torch.cat(pieces, dim=1).float()
     error = (inc - full).norm().item()
     assert error <= BF16_CACHE_OF_EFFECT * effect, f"{name}: cache off by {error:.3g}, {error / effect:.3f} of the effect"

@@ -17,7 +17,17 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import hf_posenc
-from conftest import DECODERS, FAMILIES, make_config, make_ids, make_model, model_inputs, main_output
+from conftest import (
+    DECODERS,
+    FAMILIES,
+    main_output,
+    make_config,
+    make_ids,
+    make_model,
+    model_inputs,
+    returned_cache,
+    with_cache,
+)
 from hf_posenc.config import PosEncConfig
 
 
@@ -327,10 +337,10 @@ def test_every_family_saves_reloads_and_decodes(family, tmp_path):
         ids = inputs["input_ids"]
         with torch.no_grad():
             out = model(ids[:, :7], use_cache=True)
-            cache, steps = out.past_key_values, [out.logits]
+            cache, steps = returned_cache(out), [out.logits]
             for t in range(7, ids.shape[1]):
-                step = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
-                cache = step.past_key_values
+                step = model(ids[:, t : t + 1], **with_cache(cache), use_cache=True)
+                cache = returned_cache(step)
                 steps.append(step.logits)
         torch.testing.assert_close(torch.cat(steps, 1), want, rtol=1e-4, atol=1e-4, msg=str(encoding))
 

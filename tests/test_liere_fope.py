@@ -15,7 +15,16 @@ from hf_posenc.encodings.fope import Fope
 from hf_posenc.encodings.liere import Liere
 from hf_posenc.encodings.rope import Rope
 
-from conftest import left_pad, make_ids, make_model, make_pixels, positions_from_mask, tiered
+from conftest import (
+    enable_checkpointing,
+    left_pad,
+    make_ids,
+    make_model,
+    make_pixels,
+    positions_from_mask,
+    tiered,
+    with_cache,
+)
 
 CPU = torch.device("cpu")
 # (family, hidden, heads, kv heads, head_dim, layers, causal, max positions)
@@ -611,8 +620,8 @@ def test_variants_cache_matches_full_forward(family, encoding, params):
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         past = DynamicCache(config=model.config)
-        pieces = [model(ids[:, :5], past_key_values=past).logits]
-        pieces += [model(ids[:, i : i + 1], past_key_values=past).logits for i in range(5, 9)]
+        pieces = [model(ids[:, :5], **with_cache(past)).logits]
+        pieces += [model(ids[:, i : i + 1], **with_cache(past)).logits for i in range(5, 9)]
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-4, rtol=0)
 
 
@@ -631,11 +640,7 @@ def test_variants_gradient_checkpointing(family, encoding, params):
     for ckpt in (False, True):
         model = make_model(family, encoding=encoding, train=True, **params)
         if ckpt:
-            kwargs = {"use_reentrant": True}
-            if hasattr(model, "activation_checkpointing_enable"):
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            enable_checkpointing(model, {"use_reentrant": True})
         _, loss = forward_and_loss(family, model, inputs)
         loss.backward()
         results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))

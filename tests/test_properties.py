@@ -62,6 +62,7 @@ from conftest import (
     make_model,
     positions_from_mask,
     sweep_only,
+    with_cache,
 )
 
 SAME_ATOL = 1e-5  # the same values computed twice on different batches / with different later tokens
@@ -355,7 +356,7 @@ def check_cache_matches_full_forward(family, encoding, data, long):
         pieces, start = [], 0
         for n in chunks:
             out = model(ids[:, start : start + n], attention_mask=mask[:, : start + n],
-                        position_ids=pos[:, start : start + n], past_key_values=past, use_cache=True)
+                        position_ids=pos[:, start : start + n], **with_cache(past), use_cache=True)
             pieces.append(out.logits)
             start += n
     incremental = torch.cat(pieces, dim=1)

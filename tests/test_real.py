@@ -20,6 +20,7 @@ import torch
 
 import hf_posenc
 from hf_posenc.testing import CheckpointUnavailable, check_smollm2_config, smollm2
+from conftest import returned_cache, with_cache
 
 pytestmark = pytest.mark.real
 
@@ -317,8 +318,8 @@ def test_composition_trains_and_decodes(base, ids):
     with torch.no_grad():
         full = model(ids).logits
         out = model(ids[:, :24], use_cache=True)
-        past, pieces = out.past_key_values, [out.logits]
+        past, pieces = returned_cache(out), [out.logits]
         for t in range(24, MAX_LEN):
-            out = model(ids[:, t : t + 1], past_key_values=past, use_cache=True)
-            past, pieces = out.past_key_values, pieces + [out.logits]
+            out = model(ids[:, t : t + 1], **with_cache(past), use_cache=True)
+            past, pieces = returned_cache(out), pieces + [out.logits]
     assert (torch.cat(pieces, 1) - full).abs().max() < CACHE_ATOL

@@ -19,7 +19,7 @@ from hf_posenc.encodings.base import ModelInfo, PosContext
 from hf_posenc.encodings.comrope import ComRope
 from hf_posenc.encodings.rope import Rope
 from hf_posenc.encodings.rope2d import Rope2d, axial_frequencies
-from conftest import forward_and_loss, left_pad, make_ids, make_model, model_inputs
+from conftest import enable_checkpointing, forward_and_loss, left_pad, make_ids, make_model, model_inputs, with_cache
 
 GRID = (2, 2)
 
@@ -604,8 +604,8 @@ def test_variant_cache_matches_full_forward(name, params):
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         past = DynamicCache(config=model.config)
-        pieces = [model(ids[:, :6], past_key_values=past).logits]
-        pieces += [model(ids[:, i : i + 1], past_key_values=past).logits for i in range(6, 10)]
+        pieces = [model(ids[:, :6], **with_cache(past)).logits]
+        pieces += [model(ids[:, i : i + 1], **with_cache(past)).logits for i in range(6, 10)]
     assert (torch.cat(pieces, dim=1) - full).abs().max() < 1e-4
 
 
@@ -630,11 +630,8 @@ def test_variant_gradient_checkpointing(name, params):
     grads = []
     for ckpt in (False, True):
         model = make_model("llama", encoding=name, train=True, **params)
-        if ckpt:  # 5.x name; the old one is a deprecated alias
-            if hasattr(model, "activation_checkpointing_enable"):
-                model.activation_checkpointing_enable()
-            else:
-                model.gradient_checkpointing_enable()
+        if ckpt:
+            enable_checkpointing(model)
             assert model.model.gradient_checkpointing
         _, loss = forward_and_loss("llama", model, inputs)
         loss.backward()
@@ -706,8 +703,8 @@ def test_rope_scaled_llama_decode_matches_unpatched(rope_type):
     for model in (native, patched):
         past = DynamicCache(config=model.config)
         with torch.no_grad():
-            steps = [model(ids[:, :5], past_key_values=past).logits]
-            steps += [model(ids[:, i : i + 1], past_key_values=past).logits for i in range(5, 20)]
+            steps = [model(ids[:, :5], **with_cache(past)).logits]
+            steps += [model(ids[:, i : i + 1], **with_cache(past)).logits for i in range(5, 20)]
         outs.append(torch.cat(steps, dim=1))
     assert torch.equal(outs[0], outs[1])
 

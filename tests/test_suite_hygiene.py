@@ -85,3 +85,117 @@ def test_kernel_modules_skip_only_without_triton(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError(name="triton")
     modules, reason = import_kernel_modules("hf_posenc_broken_kernel")
     assert modules == (None,) and reason.startswith("triton is not installed")
+
+
+# -- deprecation warnings: ours fail the run ---------------------------------------------------------------------
+
+#: A test file run by ``test_deprecations_from_our_code_fail_the_run`` with the project's pytest configuration. The
+#: ``ours_*`` tests each make a deprecated call from a test module or from a module of hf_posenc (a function whose
+#: module is named ``hf_posenc._injected``: warnings are attributed by module name); ``theirs_*`` make the same kinds
+#: of call from a third party's module (``vendor_lib``, beside it). ``{token}`` makes the messages unique to the run.
+INJECTED = '''
+import types
+import warnings
+
+from transformers import DynamicCache
+
+import vendor_lib
+from conftest import make_ids, make_model, with_cache
+
+
+def _in_hf_posenc(source):
+    module = types.ModuleType("hf_posenc._injected")
+    exec(source, module.__dict__)
+    return module.call
+
+
+def _model_and_cache():
+    model = make_model("llama")
+    return model, make_ids(1, 4), DynamicCache(config=model.config)
+
+
+def test_ours_deprecation_in_a_test():
+    warnings.warn("{token}: a test's deprecated call", DeprecationWarning)
+
+
+def test_ours_future_warning_in_a_test():
+    warnings.warn("{token}: a test's call of a changing API", FutureWarning)
+
+
+def test_ours_deprecation_in_hf_posenc():
+    _in_hf_posenc("import warnings\\ndef call():\\n    warnings.warn('{token}: in hf_posenc', DeprecationWarning)\\n")()
+
+
+def test_ours_old_cache_name_in_a_test():
+    model, ids, cache = _model_and_cache()
+    model(ids, past_key_values=cache)
+
+
+def test_ours_old_cache_name_in_hf_posenc():
+    model, ids, cache = _model_and_cache()
+    _in_hf_posenc("def call(model, ids, cache):\\n    return model(ids, past_key_values=cache)\\n")(model, ids, cache)
+
+
+def test_theirs_deprecation_twice():
+    vendor_lib.deprecated_inside()
+    vendor_lib.deprecated_inside()
+
+
+def test_theirs_deprecation_again():
+    vendor_lib.deprecated_inside()
+
+
+def test_theirs_old_cache_name():
+    vendor_lib.call_with_old_cache_name(*_model_and_cache())
+
+
+def test_the_cache_name_of_the_installed_transformers():
+    model, ids, cache = _model_and_cache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        warnings.simplefilter("error", FutureWarning)
+        model(ids, **with_cache(cache))
+'''
+
+VENDOR = '''
+import warnings
+
+
+def deprecated_inside():
+    warnings.warn("{token}: vendor_lib's own deprecation", DeprecationWarning)
+
+
+def call_with_old_cache_name(model, ids, cache):
+    return model(ids, past_key_values=cache)
+'''
+
+
+def test_deprecations_from_our_code_fail_the_run(pytester):
+    """pyproject.toml's filterwarnings, run in-process on `INJECTED`: a DeprecationWarning or FutureWarning from
+    a test or from hf_posenc fails its test, transformers' deprecated ``past_key_values=`` included when a test or
+    hf_posenc calls a model with it (where the installed transformers deprecates it); a third party's deprecation
+    passes and is reported: once per test however often it is raised there, and its text once in the summary."""
+    from conftest import CACHE_ARG
+
+    token = f"injected-{pytester.path.name}"
+    pytester.makepyfile(vendor_lib=VENDOR.replace("{token}", token),
+                        test_injected=INJECTED.replace("{token}", token))
+    pytester.syspathinsert()
+    result = pytester.runpytest_inprocess("-c", str(TESTS.parent / "pyproject.toml"), "--rootdir", str(pytester.path),
+                                          "-p", "no:cacheprovider", "test_injected.py")
+    run = result.reprec
+    outcomes = {r.nodeid.split("::")[-1]: r for r in run.getreports("pytest_runtest_logreport") if r.when == "call"}
+    deprecated = CACHE_ARG == "cache"  # transformers >= 5.24: past_key_values is deprecated
+    ours = [f"test_ours_{case}" for case in ("deprecation_in_a_test", "future_warning_in_a_test",
+                                             "deprecation_in_hf_posenc")]
+    ours += [f"test_ours_old_cache_name_in_{where}" for where in ("a_test", "hf_posenc") if deprecated]
+    assert sorted(n for n, r in outcomes.items() if r.failed) == sorted(ours)
+    assert len(outcomes) == 9 and all(r.passed for n, r in outcomes.items() if n not in ours)
+    for name in ours:
+        kind = "FutureWarning" if "future" in name or "cache" in name else "DeprecationWarning"
+        assert kind in outcomes[name].longreprtext, (name, outcomes[name].longreprtext[-500:])
+    recorded = [(c.nodeid.split("::")[-1], str(c.warning_message.message))
+                for c in run.getcalls("pytest_warning_recorded") if token in str(c.warning_message.message)]
+    message = f"{token}: vendor_lib's own deprecation"
+    assert recorded == [("test_theirs_deprecation_twice", message), ("test_theirs_deprecation_again", message)]
+    assert result.stdout.str().count(f"DeprecationWarning: {message}") == 1  # the summary groups the tests

@@ -115,6 +115,10 @@ def _fake_index(root: Path) -> Path:
     return root / "index"
 
 
+# slow: a fresh pytest process (torch, transformers and the suite's conftest imported again) and two pip runs, about
+# 10 s of CPU; in the fast tier, test_offline_raises_unavailable_with_one_line checks the skip's reason and
+# test_gate_verdicts the gate's verdicts, in-process.
+@pytest.mark.slow
 def test_real_tier_skips_offline_and_the_gate_tells_unreachable_from_reachable(tmp_path):
     """The real tier in a fresh process with an empty cache and no package index: every test skips with the
     one-line reason and pytest exits 0. The gate of `make test-real` (.ci/real_tier_gate.py) on that report says

@@ -17,7 +17,16 @@ from transformers import DynamicCache, StaticCache
 import hf_posenc
 from hf_posenc.encodings.base import ModelInfo, PosContext
 from hf_posenc.encodings.xpos import Xpos, xpos_max_distance, xpos_zeta
-from conftest import DECODERS, left_pad, main_output, make_ids, make_model, model_inputs, positions_from_mask
+from conftest import (
+    DECODERS,
+    left_pad,
+    main_output,
+    make_ids,
+    make_model,
+    model_inputs,
+    positions_from_mask,
+    with_cache,
+)
 
 
 def text_info(head_dim: int = 8, heads: int = 1, kv_heads: int = 1, max_positions: int | None = 64) -> ModelInfo:
@@ -210,7 +219,7 @@ def test_cache_matches_full_forward(family, cache):
                                                                                        max_cache_len=16)
         pieces, start = [], 0
         for n in (5, 1, 2, 1, 1):
-            pieces.append(model(ids[:, start : start + n], past_key_values=past, use_cache=True).logits)
+            pieces.append(model(ids[:, start : start + n], **with_cache(past), use_cache=True).logits)
             start += n
     assert (torch.cat(pieces, dim=1) - full).abs().max().item() < 1e-4
 
@@ -227,12 +236,12 @@ def test_left_padding_invariance(family):
     with torch.no_grad():
         alone = model(torch.cat([short, extra[0]])[None], use_cache=False).logits[0]
         past = DynamicCache(config=model.config)
-        out = model(ids, attention_mask=mask, position_ids=positions_from_mask(mask), past_key_values=past).logits
+        out = model(ids, attention_mask=mask, position_ids=positions_from_mask(mask), **with_cache(past)).logits
         steps = []
         for i in range(2):
             mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
             steps.append(model(extra[:, i : i + 1], attention_mask=mask, position_ids=positions_from_mask(mask)[:, -1:],
-                               past_key_values=past).logits[0, 0])
+                               **with_cache(past)).logits[0, 0])
     assert (out[0, pad:] - alone[: short.numel()]).abs().max().item() < 1e-5
     for i, step in enumerate(steps):
         assert (step - alone[short.numel() + i]).abs().max().item() < 1e-5

@@ -16,7 +16,7 @@ from hf_posenc.kernels.remap import Remap, dca_logit_scale, remap_attention, rem
 from hf_posenc.kernels.remap.naive import rotation_tables
 from hf_posenc.kernels.rotary.naive import rotate_leading
 
-from conftest import DECODERS, MAX_POSITIONS, VOCAB, make_model
+from conftest import DECODERS, MAX_POSITIONS, VOCAB, make_model, returned_cache, with_cache
 
 REMAPS = {
     "rerope": Remap("rerope", 5),
@@ -223,21 +223,12 @@ def remap_calls(monkeypatch):
 def _decode_all(model, ids, prefix):
     """Logits of ``ids`` from a prefill of ``prefix`` tokens, then one token at a time through the cache."""
     out = model(ids[:, :prefix], use_cache=True)
-    cache, steps = out.past_key_values, [out.logits]
+    cache, steps = returned_cache(out), [out.logits]
     for t in range(prefix, ids.shape[1]):
-        out = model(ids[:, t : t + 1], **{_CACHE_KW: cache}, use_cache=True)
-        cache = out.past_key_values
+        out = model(ids[:, t : t + 1], **with_cache(cache), use_cache=True)
+        cache = returned_cache(out)
         steps.append(out.logits)
     return torch.cat(steps, 1)
-
-
-def _cache_keyword() -> str:
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
-
-
-_CACHE_KW = _cache_keyword()
 
 
 @pytest.mark.parametrize("family", ROTARY_FAMILIES)

@@ -120,7 +120,7 @@ def test_the_layer_options_are_listed_once_from_the_config_module(page, monkeypa
     from hf_posenc import config
     from hf_posenc.catalogue import layer_options
 
-    assert list(layer_options()) == list(config.LAYER_OPTIONS) == ["window", "sink", "length_scale"]
+    assert list(layer_options()) == list(config.LAYER_OPTIONS) == ["window", "sink", "length_scale", "sink_positions"]
     for option, text in config.LAYER_OPTIONS.items():
         assert f"- `{option}`: {' '.join(text.split())}" in page
     monkeypatch.setitem(config.LAYER_OPTIONS, "new_option", "a new option's help")

@@ -146,11 +146,18 @@ class Arch:
                           config_overrides=self.overrides(), **dict(self.params))
 
 
+#: parameters the property tests leave at their defaults, with where they are tested instead: rope's ``remap``
+#: (causal text only, and by design not shift-invariant for self_extend and dca) in tests/test_remap.py.
+NOT_DRAWN = frozenset({"remap"})
+
+
 def discrete_params(encoding: str):
     """Every ``choices`` or ``bool`` parameter of the encoding's schema, drawn; the others keep their defaults."""
     fields = {}
     for f in get_encoding(encoding).param_fields():
         meta = f.metadata
+        if f.name in NOT_DRAWN:
+            continue
         if meta.get("choices"):
             fields[f.name] = st.sampled_from(meta["choices"])
         elif meta["type"] is bool:

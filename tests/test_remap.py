@@ -186,12 +186,31 @@ def test_engine_without_the_fused_kernel(name, monkeypatch):
         assert (a - b).abs().max() < 1e-10
 
 
-def test_engine_refuses_right_padding_and_position_resets():
+@pytest.mark.parametrize("name", ["dca", "self_extend", "window_sink_cache"])
+def test_engine_takes_padding_on_either_side(name):
+    """Right padding (training) and a static cache's empty slots: an interval of valid keys per row."""
+    q, k, v, args, pos_k, _ = _inputs(lq=30)
+    key_valid = torch.ones(2, k.shape[2], dtype=torch.bool)
+    key_valid[0, -7:] = False  # right padding
+    key_valid[1, :3] = False  # left padding, and empty slots after the last query
+    key_valid[1, -2:] = False
+    args["pos_q"] = torch.stack([torch.arange(30), torch.arange(30) - 3])
+    pos_k = torch.stack([torch.arange(30), torch.arange(30) - 3])
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    expected = remap_reference(q, k, v, REMAPS[name], pos_k=pos_k, key_valid=key_valid, **args)
+    got = remap_attention(q, k, v, REMAPS[name], key_valid=key_valid, block=8, **args)
+    assert (got - expected).abs().max() < 1e-10
+    grad = torch.randn_like(expected)
+    for a, b in zip(torch.autograd.grad(expected, (q, k, v), grad), torch.autograd.grad(got, (q, k, v), grad)):
+        assert (a - b).abs().max() < 1e-10
+
+
+def test_engine_refuses_holes_and_position_resets():
     q, k, v, args, _, _ = _inputs()
-    right = torch.ones(1, k.shape[2], dtype=torch.bool)
-    right[:, -3:] = False
-    with pytest.raises(ValueError, match="left padding"):
-        remap_attention(q, k, v, REMAPS["dca"], key_valid=right, **args)
+    holes = torch.ones(1, k.shape[2], dtype=torch.bool)
+    holes[:, 5:8] = False
+    with pytest.raises(ValueError, match="one interval"):
+        remap_attention(q, k, v, REMAPS["dca"], key_valid=holes, **args)
     args = dict(args, pos_q=args["pos_q"] % 10)
     with pytest.raises(ValueError, match="run on"):
         remap_attention(q, k, v, REMAPS["dca"], **args)

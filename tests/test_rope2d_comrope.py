@@ -686,7 +686,8 @@ def test_rope_reproduces_scaled_llama(rope_type, length):
     within and past max_position_embeddings (16) and, for longrope, on both sides of the switch (8)."""
     native, patched = scaled_llama(rope_type), hf_posenc.patch_model(scaled_llama(rope_type), "rope")
     assert patched.config.position_encoding == {
-        "name": "rope", "theta": None, "layout": "half", "partial_rotary_factor": None, "scaling": None
+        "name": "rope", "theta": None, "layout": "half", "partial_rotary_factor": None, "scaling": None,
+        "remap": None, "remap_window": None, "remap_group": None, "remap_chunk": None,
     }
     ids = torch.randint(3, 61, (2, length), generator=torch.Generator().manual_seed(length))
     with torch.no_grad():

@@ -173,7 +173,8 @@ def test_rope_on_llama_reproduces_unpatched():
 def test_rope_on_llama_uses_model_theta():
     m = hf_posenc.patch_model(_llama(rope_parameters={"rope_type": "default", "rope_theta": 500.0}), "rope")
     assert m.config.position_encoding == {
-        "name": "rope", "theta": 500.0, "layout": "half", "partial_rotary_factor": None, "scaling": None
+        "name": "rope", "theta": 500.0, "layout": "half", "partial_rotary_factor": None, "scaling": None,
+        "remap": None, "remap_window": None, "remap_group": None, "remap_chunk": None,
     }
 
 

@@ -181,7 +181,9 @@ def _check_scaling(scaling: dict, encoding: str = "rope") -> None:
 
 
 @dataclass
-class RopeParams:
+class RotaryParams:
+    """The parameters of a plain rotary (rope's, and the base of xpos's)."""
+
     theta: float | None = param(
         None,
         "rotary base (default: the model's rope_theta on Llama, with its rope_parameters scaling, else 10000); "
@@ -216,6 +218,13 @@ class RopeParams:
         optional=True,
     )
 
+    def __post_init__(self) -> None:
+        if self.scaling is not None:
+            _check_scaling(self.scaling)
+
+
+@dataclass
+class RopeParams(RotaryParams):
     remap: str | None = param(
         None,
         "training-free extension past the pretrained context P: each query-key pair is rotated by a remapped "
@@ -252,8 +261,7 @@ class RopeParams:
     )
 
     def __post_init__(self) -> None:
-        if self.scaling is not None:
-            _check_scaling(self.scaling)
+        super().__post_init__()
         check_remap_params(self.remap, self.remap_window, self.remap_group, self.remap_chunk)
 
 
@@ -310,6 +318,9 @@ class Rope(PositionEncoding):
 
     #: sink_positions="cache" is a remapped distance of the sinks (hf_posenc.kernels.remap).
     cache_sink_positions = True
+    #: whether the logit of a pair depends on the rotation alone, so that the remap engine can rotate it by another
+    #: distance (rope: yes; xpos, whose scale also decays with i − j, sets False).
+    remappable = True
 
     @classmethod
     def resolve(cls, config: PosEncConfig, info: ModelInfo) -> PosEncConfig:
@@ -432,6 +443,8 @@ class Rope(PositionEncoding):
         """The remap of this encoding's layers (`hf_posenc.kernels.remap.Remap`): rope's ``remap``, or its own
         sliding ``window`` with its sinks on a causal text model; None for plain rotary."""
         p, config = self.posenc_config.params, self.posenc_config
+        if not self.remappable:
+            return None
         if p.get("remap") is not None:
             return Remap(p["remap"], p["remap_window"], group=p.get("remap_group"), chunk=p.get("remap_chunk"))
         if config.window is not None and self.info.causal and self.info.grid is None:

@@ -80,7 +80,7 @@ import torch
 from ..config import PosEncConfig
 from ..registry import param, register_encoding
 from .base import ModelInfo, PosContext
-from .rope import Rope, RopeParams, _check_scaling
+from .rope import Rope, RotaryParams, _check_scaling
 
 __all__ = ["Xpos", "xpos_zeta", "xpos_decay", "xpos_max_distance"]
 
@@ -106,7 +106,7 @@ def xpos_max_distance(gamma: float, scale_base: float, dtype: torch.dtype) -> in
 
 
 @dataclass
-class XposParams(RopeParams):
+class XposParams(RotaryParams):
     scale_base: float = param(
         512.0,
         "scale base B of the decay: pair i of a query at n and a key at m is weighted by zeta_i^((n - m) / B) "
@@ -149,6 +149,10 @@ class Xpos(Rope):
     # f_q(q, n) . f_k(k, m) depends on n - m only (the centre c cancels), as rope's rotation does; not across
     # longrope's switch or dynamic scaling past the original length (rope's own exceptions).
     relative = True
+    # its scale decays with n - m beside the rotation: the remap engine (rope's remap, a window's cache sinks) rotates
+    # pairs by another distance and would leave the scale at the true one; xpos keeps the band mask for a window
+    remappable = False
+    cache_sink_positions = False
 
     @classmethod
     def resolve(cls, config: PosEncConfig, info: ModelInfo) -> PosEncConfig:

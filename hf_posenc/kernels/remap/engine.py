@@ -60,8 +60,8 @@ def _deltas(case: Case, pos_q: torch.Tensor, pos_k: torch.Tensor) -> tuple[torch
 class _Plan:
     """The calls of one forward: per query block, per piece, (key start, key stop, mask or None)."""
 
-    def __init__(self, remap: Remap, pos_q: torch.Tensor, lq: int, lk: int, q_offset: int, pad: torch.Tensor,
-                 block: int, device: torch.device, band: int | None) -> None:
+    def __init__(self, remap: Remap, pos_q: torch.Tensor, lq: int, lk: int, q_offset: int, start: torch.Tensor,
+                 stop: torch.Tensor | None, block: int, device: torch.device, band: int | None) -> None:
         self.cases = remap.cases()
         self.blocks: list[tuple[int, int, list[list[tuple[int, int, torch.Tensor | None]]]]] = []
         for q0 in range(0, lq, block):
@@ -71,7 +71,9 @@ class _Plan:
             per_case = []
             for case in self.cases:
                 lo, hi = case.span(pi, qi.expand_as(pi))
-                lo = torch.maximum(lo, pad[:, None])
+                lo = torch.maximum(lo, start[:, None])  # the row's valid keys: [start, stop)
+                if stop is not None:
+                    hi = torch.minimum(hi, stop[:, None])
                 if band is not None:  # the model's own sliding window
                     lo = torch.maximum(lo, qi - band + 1)
                 lo = lo.clamp(0, lk)
@@ -189,28 +191,38 @@ def _pieces(q, k, plan, deltas, inv_freq, rotary_dim, layout):
 
 
 def _positions(pos_q: torch.Tensor, key_valid: torch.Tensor | None, q_offset: int, lk: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(query positions (B|1, Lq), key positions (B|1, Lk), leading padding keys per row (B|1,)) from the
-    queries' positions and the key padding; ``ValueError`` where they are not what the engine takes."""
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(query positions (B|1, Lq), key positions (B|1, Lk), the first valid key per row (B|1,), the end of the valid
+    keys per row (B|1,) or None) from the queries' positions and the key padding; ``ValueError`` where they are not
+    what the engine takes.
+
+    Each row's valid keys must be one interval: padding first (left padding, as transformers pads for generation),
+    last (right padding in training, a static cache's empty slots), or both. The row's positions run on with the
+    cache index over its real queries; they are read at its last real query (a padding query's position is
+    arbitrary: transformers gives them 1)."""
     device = pos_q.device
     lq = pos_q.shape[1]
     index = torch.arange(lq, device=device)[None, :] + q_offset
+    keys = torch.arange(lk, device=device)[None, :]
     if key_valid is None:
-        pad = torch.zeros(1, dtype=torch.long, device=device)
+        start, stop = torch.zeros(1, dtype=torch.long, device=device), None
+        ref = torch.full((1, 1), lq - 1, device=device)
     else:
-        pad = (~key_valid).long().cumprod(-1).sum(-1)  # leading invalid keys per row
-        expected = torch.arange(lk, device=device)[None, :] >= pad[:, None]
-        if not torch.equal(expected, key_valid.expand(expected.shape[0], lk)):
-            raise ValueError("the remap engine takes left padding only (each row's padding keys first)")
-    # each row's cache index minus position, read at its last query (a padding query's position is arbitrary:
-    # transformers gives them 1)
-    shift = index[:, -1:] - pos_q[:, -1:]
-    real = index >= pad[:, None]
+        start = (~key_valid).long().cumprod(-1).sum(-1)  # leading invalid keys per row
+        stop = lk - (~key_valid).long().flip(-1).cumprod(-1).sum(-1)  # one past the last valid key
+        if not torch.equal((keys >= start[:, None]) & (keys < stop[:, None]), key_valid.expand(start.shape[0], lk)):
+            raise ValueError("the remap engine takes one interval of valid keys per row (padding first or last), "
+                             "not padding between real tokens")
+        ref = (stop[:, None] - 1 - q_offset).clamp(0, lq - 1)  # the row's last real query
+    rows = max(pos_q.shape[0], ref.shape[0])
+    ref = ref.expand(rows, 1)
+    shift = ref + q_offset - pos_q.expand(rows, lq).gather(1, ref)  # (B|1, 1): cache index minus position
+    real = index >= start[:, None] if stop is None else (index >= start[:, None]) & (index < stop[:, None])
     runs_on, real, index_b = torch.broadcast_tensors(pos_q + shift, real, index)
     if not torch.equal(runs_on[real], index_b[real]):
         raise ValueError("the remap engine needs positions that run on with the cache index in each row (no packed "
                          "sequences or position resets)")
-    return index - shift, torch.arange(lk, device=device)[None, :] - shift, pad
+    return index - shift, keys - shift, start, stop
 
 
 def _remap_of(kind: str, window: int, group: int | None, chunk: int | None, sink: int | None,
@@ -219,8 +231,8 @@ def _remap_of(kind: str, window: int, group: int | None, chunk: int | None, sink
 
 
 def _setup(q, k, v, pos_q, key_valid, inv_freq, remap, q_offset, rotary_dim, layout, block, band):
-    pos_q, pos_k, pad = _positions(pos_q.to(torch.long), key_valid, q_offset, k.shape[2])
-    plan = _Plan(remap, pos_q, q.shape[2], k.shape[2], q_offset, pad, block, q.device, band)
+    pos_q, pos_k, start, stop = _positions(pos_q.to(torch.long), key_valid, q_offset, k.shape[2])
+    plan = _Plan(remap, pos_q, q.shape[2], k.shape[2], q_offset, start, stop, block, q.device, band)
     deltas = [_deltas(case, pos_q, pos_k) for case in plan.cases]
     return plan, deltas, _pieces(q, k, plan, deltas, inv_freq, rotary_dim, layout)
 

@@ -16,7 +16,7 @@ from hf_posenc.kernels.remap import Remap, dca_logit_scale, remap_attention, rem
 from hf_posenc.kernels.remap.naive import rotation_tables
 from hf_posenc.kernels.rotary.naive import rotate_leading
 
-from conftest import DECODERS, MAX_POSITIONS, VOCAB, make_model, returned_cache, with_cache
+from conftest import DECODERS, MAX_POSITIONS, VOCAB, make_model, returned_cache, tiered, with_cache
 
 REMAPS = {
     "rerope": Remap("rerope", 5),
@@ -250,7 +250,12 @@ def _decode_all(model, ids, prefix):
     return torch.cat(steps, 1)
 
 
-@pytest.mark.parametrize("family", ROTARY_FAMILIES)
+#: the fast tier's families for the model tests: GQA (llama), each layer's own rotary and a model window (Gemma 3),
+#: partial rotary (GPT-NeoX); the other decoders run in the slow tier.
+FAST_FAMILIES = ("llama", "gemma3_text", "gpt_neox")
+
+
+@pytest.mark.parametrize("family", tiered(ROTARY_FAMILIES, FAST_FAMILIES))
 @pytest.mark.parametrize("params", MODEL_REMAPS, ids=lambda p: p.get("remap") or "sinks_cache")
 def test_cache_equals_full_forward_past_p(family, params, remap_calls):
     """Past the pretrained context (P = 64 positions), prefill + one token at a time through the KV cache gives
@@ -267,7 +272,7 @@ def test_cache_equals_full_forward_past_p(family, params, remap_calls):
     assert len(remap_calls) > 0
 
 
-@pytest.mark.parametrize("family", ROTARY_FAMILIES)
+@pytest.mark.parametrize("family", tiered(ROTARY_FAMILIES, FAST_FAMILIES))
 def test_remap_leaves_the_model_unchanged_below_its_window(family):
     """Pairs closer than w keep their distance: the first w tokens give the unpatched model's logits (the
     rope-native families; on GPT-2 the patched rope itself)."""
@@ -367,6 +372,7 @@ def test_plan_and_config_key():
     assert keyed.config.position_encoding["remap_window"] == MAX_POSITIONS // 8
 
 
+@pytest.mark.slow  # two inductor compilations of a training step: 50-95 s on the loaded 2-core VM
 @pytest.mark.parametrize("params", [dict(remap="dca"), dict(window=20, sink=2, sink_positions="cache")])
 def test_compiled_step_equals_eager(params):
     """torch.compile(fullgraph=True) keeps the engine (a custom op with its backward): the logits and a training

@@ -15,8 +15,10 @@ output and log-sum-exp, so the fused backward's probabilities exp(s − lse) are
 gradients add up to the exact one, then turn back through their rotations (R(δ)ᵀ = R(−δ)).
 
 The engine is a pair of custom ops (``hf_posenc::remap_attention`` and its backward), which ``torch.compile``
-keeps as nodes of its graph (``fullgraph=True`` too). The fused kernel is torch's CPU flash attention (`hf_posenc.kernels._cpu_flash`); elsewhere (CUDA, or a torch
-without it) each call is computed from its (block × keys) logits in PyTorch, the same O(L·block) memory.
+keeps as nodes of its graph (``fullgraph=True`` too). The fused kernel is torch's CPU flash attention
+(`hf_posenc.kernels._cpu_flash`); elsewhere (CUDA, or a torch without it) each call is computed from its
+(block × keys) logits in PyTorch, the same O(L·block) memory. Rows whose valid keys are one interval (left
+padding, right padding, a static cache's empty slots) are taken; padding between real tokens is refused.
 """
 
 from __future__ import annotations

@@ -129,6 +129,17 @@ def test_oracle_far_pairs_use_the_capped_distance():
 
 # -- the engine against the oracle ----------------------------------------------------------------------------
 
+def _check_against_oracle(q, k, v, remap, args, pos_k, key_valid=None, band=None, block=8, tol=1e-10):
+    """The engine against the oracle: forward and the gradients of q, k and v (float64, absolute ``tol``)."""
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    expected = remap_reference(q, k, v, remap, pos_k=pos_k, key_valid=key_valid, band=band, **args)
+    got = remap_attention(q, k, v, remap, key_valid=key_valid, band=band, block=block, **args)
+    assert (got - expected).abs().max() < tol
+    grad = torch.randn_like(expected)
+    for a, b in zip(torch.autograd.grad(expected, (q, k, v), grad), torch.autograd.grad(got, (q, k, v), grad)):
+        assert (a - b).abs().max() < tol
+
+
 CASES = [dict(), dict(q_offset=5), dict(shift=[0, 4]), dict(band=9), dict(lq=1, q_offset=30),
          dict(layout="interleaved", r=16), dict(h=4, hkv=4, d=8, r=8)]
 
@@ -142,16 +153,7 @@ def test_engine_matches_oracle(name, case):
     key_valid = None
     if kw.get("shift"):
         key_valid = torch.arange(k.shape[2])[None] >= shift
-    remap = REMAPS[name]
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    expected = remap_reference(q, k, v, remap, pos_k=pos_k, key_valid=key_valid, band=band, **args)
-    got = remap_attention(q, k, v, remap, key_valid=key_valid, band=band, block=8, **args)
-    assert (got - expected).abs().max() < 1e-10
-    grad = torch.randn_like(expected)
-    ge = torch.autograd.grad(expected, (q, k, v), grad)
-    gg = torch.autograd.grad(got, (q, k, v), grad)
-    for a, b in zip(ge, gg):
-        assert (a - b).abs().max() < 1e-10
+    _check_against_oracle(q, k, v, REMAPS[name], args, pos_k, key_valid, band)
 
 
 @pytest.mark.parametrize("name", ["dca", "self_extend", "window_sink_cache"])
@@ -177,13 +179,7 @@ def test_engine_without_the_fused_kernel(name, monkeypatch):
     monkeypatch.setattr(engine, "_fused", lambda device, dtype: False)
     q, k, v, args, pos_k, shift = _inputs(q_offset=3, shift=[0, 2])
     key_valid = torch.arange(k.shape[2])[None] >= shift
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    expected = remap_reference(q, k, v, REMAPS[name], pos_k=pos_k, key_valid=key_valid, **args)
-    got = remap_attention(q, k, v, REMAPS[name], key_valid=key_valid, block=8, **args)
-    assert (got - expected).abs().max() < 1e-10
-    grad = torch.randn_like(expected)
-    for a, b in zip(torch.autograd.grad(expected, (q, k, v), grad), torch.autograd.grad(got, (q, k, v), grad)):
-        assert (a - b).abs().max() < 1e-10
+    _check_against_oracle(q, k, v, REMAPS[name], args, pos_k, key_valid)
 
 
 @pytest.mark.parametrize("name", ["dca", "self_extend", "window_sink_cache"])
@@ -196,13 +192,7 @@ def test_engine_takes_padding_on_either_side(name):
     key_valid[1, -2:] = False
     args["pos_q"] = torch.stack([torch.arange(30), torch.arange(30) - 3])
     pos_k = torch.stack([torch.arange(30), torch.arange(30) - 3])
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    expected = remap_reference(q, k, v, REMAPS[name], pos_k=pos_k, key_valid=key_valid, **args)
-    got = remap_attention(q, k, v, REMAPS[name], key_valid=key_valid, block=8, **args)
-    assert (got - expected).abs().max() < 1e-10
-    grad = torch.randn_like(expected)
-    for a, b in zip(torch.autograd.grad(expected, (q, k, v), grad), torch.autograd.grad(got, (q, k, v), grad)):
-        assert (a - b).abs().max() < 1e-10
+    _check_against_oracle(q, k, v, REMAPS[name], args, pos_k, key_valid)
 
 
 def test_engine_refuses_holes_and_position_resets():

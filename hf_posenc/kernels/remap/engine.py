@@ -250,7 +250,6 @@ def _remap_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, Lq, D) in q's dtype, lse (B, H, Lq) in the compute dtype, −inf where a row sees no key)."""
     remap = _remap_of(kind, window, group, chunk, sink, sink_positions)
-    ve = v
     plan, _, pieces = _setup(q, k, v, pos_q, key_valid, inv_freq, remap, q_offset, rotary_dim, layout, block,
                                  band)
     b, h, lq, _ = q.shape
@@ -261,7 +260,7 @@ def _remap_forward(
         acc, lse = None, None
         for (qc, kc), calls in zip(pieces, per_case):
             for a, z, mask in calls:
-                o, l = _attend(qc[:, :, q0:q1], kc[:, :, a:z], ve[:, :, a:z], mask, scale)
+                o, l = _attend(qc[:, :, q0:q1], kc[:, :, a:z], v[:, :, a:z], mask, scale)
                 o, l = o.to(work), l.to(work)
                 if acc is None:
                     acc, lse = o, l
@@ -292,7 +291,6 @@ def _remap_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in the inputs' dtypes, each piece's gradients from the merged ``out`` and ``lse_all``."""
     remap = _remap_of(kind, window, group, chunk, sink, sink_positions)
-    ve = v
     plan, deltas, pieces = _setup(q, k, v, pos_q, key_valid, inv_freq, remap, q_offset, rotary_dim, layout,
                                       block, band)
     do = do.contiguous()
@@ -300,21 +298,21 @@ def _remap_backward(
     lse_b = lse_all.masked_fill(torch.isinf(lse_all), float("inf"))  # a row with no key: probabilities 0
     dqs = [torch.zeros_like(qc, dtype=grad_dtype) for qc, _ in pieces]
     dks = [torch.zeros_like(kc, dtype=grad_dtype) for _, kc in pieces]
-    dve = torch.zeros_like(ve, dtype=grad_dtype)
+    dv_total = torch.zeros_like(v, dtype=grad_dtype)
     for q0, q1, per_case in plan.blocks:
         dob, ob, lb = do[:, :, q0:q1], out[:, :, q0:q1], lse_b[:, :, q0:q1]
         for c, ((qc, kc), calls) in enumerate(zip(pieces, per_case)):
             for a, z, mask in calls:
-                dq, dk, dv = _attend_backward(dob, qc[:, :, q0:q1], kc[:, :, a:z], ve[:, :, a:z], ob, lb, mask,
+                dq, dk, dv = _attend_backward(dob, qc[:, :, q0:q1], kc[:, :, a:z], v[:, :, a:z], ob, lb, mask,
                                               scale)
                 dqs[c][:, :, q0:q1] += dq
                 dks[c][:, :, a:z] += dk
-                dve[:, :, a:z] += dv
+                dv_total[:, :, a:z] += dv
     dq_total, dk_total = torch.zeros_like(dqs[0]), torch.zeros_like(dks[0])
     for (dq_delta, dk_delta), dqc, dkc in zip(deltas, dqs, dks):
         dq_total += _rerotate(dqc, None if dq_delta is None else -dq_delta, inv_freq, rotary_dim, layout)
         dk_total += _rerotate(dkc, None if dk_delta is None else -dk_delta, inv_freq, rotary_dim, layout)
-    return dq_total.to(q.dtype), dk_total.to(k.dtype), dve.to(v.dtype)
+    return dq_total.to(q.dtype), dk_total.to(k.dtype), dv_total.to(v.dtype)
 
 
 @_remap_backward.register_fake

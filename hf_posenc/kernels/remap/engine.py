@@ -60,17 +60,16 @@ def _deltas(case: Case, pos_q: torch.Tensor, pos_k: torch.Tensor) -> tuple[torch
 
 
 class _Plan:
-    """The calls of one forward: per query block, per piece, (key start, key stop, mask or None)."""
+    """The calls of one forward: per query block, per piece, (key start, key stop, mask or None). Every interval's
+    bounds are computed on the device and read back at once (one host sync per forward, not one per block)."""
 
     def __init__(self, remap: Remap, pos_q: torch.Tensor, lq: int, lk: int, q_offset: int, start: torch.Tensor,
                  stop: torch.Tensor | None, block: int, device: torch.device, band: int | None) -> None:
         self.cases = remap.cases()
-        self.blocks: list[tuple[int, int, list[list[tuple[int, int, torch.Tensor | None]]]]] = []
+        spans, stats = [], []
         for q0 in range(0, lq, block):
-            q1 = min(q0 + block, lq)
-            qi = torch.arange(q0, q1, device=device) + q_offset  # (n,)
-            pi = pos_q[:, q0:q1]  # (B|1, n)
-            per_case = []
+            qi = torch.arange(q0, min(q0 + block, lq), device=device) + q_offset  # (n,)
+            pi = pos_q[:, q0 : q0 + block]  # (B|1, n)
             for case in self.cases:
                 lo, hi = case.span(pi, qi.expand_as(pi))
                 lo = torch.maximum(lo, start[:, None])  # the row's valid keys: [start, stop)
@@ -80,28 +79,41 @@ class _Plan:
                     lo = torch.maximum(lo, qi - band + 1)
                 lo = lo.clamp(0, lk)
                 hi = torch.minimum(hi, qi + 1).clamp(0, lk)  # causal (a span never passes the query itself)
-                per_case.append(self._calls(lo, hi))
-            self.blocks.append((q0, q1, per_case))
+                lo, hi = torch.broadcast_tensors(lo, hi)
+                empty = hi <= lo
+                lo = torch.where(empty, hi, lo)
+                spans.append((lo, hi))
+                stats.append(self._stats(lo, hi, empty, lk))
+        numbers = torch.stack(stats).tolist() if stats else []  # the one read of the bounds
+        self.blocks: list[tuple[int, int, list[list[tuple[int, int, torch.Tensor | None]]]]] = []
+        per_block = len(self.cases)
+        for b, q0 in enumerate(range(0, lq, block)):
+            calls = [self._calls(*spans[b * per_block + c], *numbers[b * per_block + c]) for c in range(per_block)]
+            self.blocks.append((q0, min(q0 + block, lq), calls))
 
     @staticmethod
-    def _calls(lo: torch.Tensor, hi: torch.Tensor) -> list[tuple[int, int, torch.Tensor | None]]:
+    def _stats(lo: torch.Tensor, hi: torch.Tensor, empty: torch.Tensor, lk: int) -> torch.Tensor:
+        """(smallest and largest lo, smallest and largest hi over the rows that see a key, every row empty, some row
+        empty) as one int64 tensor."""
+        live = ~empty
+        big = torch.full_like(lo, lk + 1)
+        return torch.stack([torch.where(live, lo, big).amin(), torch.where(live, lo, -1).amax(),
+                            torch.where(live, hi, big).amin(), torch.where(live, hi, -1).amax(),
+                            empty.all().long(), empty.any().long()])
+
+    @staticmethod
+    def _calls(lo: torch.Tensor, hi: torch.Tensor, l0: int, l1: int, h0: int, h1: int, all_empty: int,
+               any_empty: int) -> list[tuple[int, int, torch.Tensor | None]]:
         """The calls covering keys lo <= j < hi per row (B|1, n): the columns all rows see unmasked, the rest
         masked (bool (B|1, 1, n, m))."""
-        lo, hi = torch.broadcast_tensors(lo, hi)
-        empty = hi <= lo
-        lo = torch.where(empty, hi, lo)
-        if bool(empty.all()):
+        if all_empty:
             return []
-        live_lo, live_hi = lo[~empty], hi[~empty]
-        l0, l1 = int(live_lo.min()), int(live_lo.max())
-        h0, h1 = int(live_hi.min()), int(live_hi.max())
-        full = not bool(empty.any())
 
         def masked(a: int, b: int) -> tuple[int, int, torch.Tensor]:
             j = torch.arange(a, b, device=lo.device)
             return a, b, ((j >= lo[..., None]) & (j < hi[..., None]))[:, None]
 
-        if full and l1 < h0:
+        if not any_empty and l1 < h0:
             out = [(l1, h0, None)]
             if l0 < l1:
                 out.append(masked(l0, l1))

@@ -8,7 +8,7 @@ The data is the study's own for seed 0 (Python's documentation in SmolLM2-135M-I
 tokens held out, the passkey haystack and its key from the study's seed), built by the same functions
 (`hf_posenc.study.long.make_long_eval`, `evaluate_long`), so its rows sit beside the study's. Entries use the
 study's syntax (`hf_posenc.study.recipes.parse_study_entry`; ``eval_scaling`` entries are re-patched by
-`apply_eval_scaling` as the study does). At 4P = 32k tokens one entry is two prefills of 32k: about an hour on one
+`apply_eval_scaling` as the study does), or ``unpatched``: the checkpoint as transformers runs it. At 4P = 32k tokens one entry is two prefills of 32k: about an hour on one
 thread of the 2-core VM. Writes JSON (``benchmarks/results/long_eval_<F>p_<device>.json``), each entry as it
 finishes (``--resume`` keeps those already there).
 """
@@ -46,6 +46,10 @@ def _data(factor: int):
                                          positions=(0.25,), factor=factor), source
 
 
+#: the entry that evaluates the checkpoint without patching it
+UNPATCHED = "unpatched"
+
+
 def evaluate(spec: str, factor: int, threads: int) -> dict:
     torch.set_num_threads(threads)
     from transformers import AutoModelForCausalLM
@@ -54,16 +58,19 @@ def evaluate(spec: str, factor: int, threads: int) -> dict:
     from hf_posenc.study.recipes import apply_eval_scaling, parse_study_entry
 
     path, context, data, _ = _data(factor)
-    entry = parse_study_entry(spec)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
-    hf_posenc.patch_model(model, copy.deepcopy(entry.encoding))
-    encoding = model.config.position_encoding
-    if entry.eval_scaling is not None:
-        encoding = apply_eval_scaling(model, entry, context, factor * context)
+    if spec == UNPATCHED:  # the checkpoint as transformers runs it
+        label, encoding = UNPATCHED, None
+    else:
+        entry = parse_study_entry(spec)
+        hf_posenc.patch_model(model, copy.deepcopy(entry.encoding))
+        label, encoding = entry.label, model.config.position_encoding
+        if entry.eval_scaling is not None:
+            encoding = apply_eval_scaling(model, entry, context, factor * context)
     from hf_posenc.study.long import evaluate_long
 
-    result = evaluate_long(model, data, torch.device("cpu"), progress=False, label=entry.label)
-    return {"entry": spec, "label": entry.label, "position_encoding": encoding, **result}
+    result = evaluate_long(model, data, torch.device("cpu"), progress=False, label=label)
+    return {"entry": spec, "label": label, "position_encoding": encoding, **result}
 
 
 def main(argv=None) -> int:

@@ -8,8 +8,8 @@ The data is the study's own for seed 0 (Python's documentation in SmolLM2-135M-I
 tokens held out, the passkey haystack and its key from the study's seed), built by the same functions
 (`hf_posenc.study.long.make_long_eval`, `evaluate_long`), so its rows sit beside the study's. Entries use the
 study's syntax (`hf_posenc.study.recipes.parse_study_entry`; ``eval_scaling`` entries are re-patched by
-`apply_eval_scaling` as the study does), or ``unpatched``: the checkpoint as transformers runs it. At 4P = 32k tokens one entry is two prefills of 32k: about an hour on one
-thread of the 2-core VM. Writes JSON (``benchmarks/results/long_eval_<F>p_<device>.json``), each entry as it
+`apply_eval_scaling` as the study does), or ``unpatched``: the checkpoint as transformers runs it. At 4P = 32k
+tokens one entry is two prefills of 32k: about an hour on one thread of the 2-core VM. Writes JSON (``benchmarks/results/long_eval_<F>p_<device>.json``), each entry as it
 finishes (``--resume`` keeps those already there).
 """
 

@@ -121,7 +121,7 @@ def test_default_table_covers_every_kind_and_every_encodings_kinds_agree():
     from hf_posenc.kernels.attention.terms import TERM_KINDS
     from hf_posenc.registry import get_encoding
 
-    assert set(defaults.CUDA_DEFAULT_BACKEND) == set(TERM_KINDS) | {"sba", "cope", "rotary"}
+    assert set(defaults.CUDA_DEFAULT_BACKEND) == set(TERM_KINDS) | {"sba", "cope", "rotary", "remap"}
     for name in hf_posenc.list_encodings():
         kinds = tuple(getattr(get_encoding(name).cls, "kernel_kinds", ()))
         if kinds:

@@ -26,6 +26,7 @@ ALTERNATIVES = {
     "sba": "HF_POSENC_BACKEND=torch (the PyTorch reference; stick-breaking has no FlexAttention form)",
     "cope": "HF_POSENC_BACKEND=torch (the PyTorch reference; CoPE has no FlexAttention form)",
     "rotary": "HF_POSENC_BACKEND=torch (the PyTorch rotation)",
+    "remap": "HF_POSENC_BACKEND=torch (the remap engine's PyTorch calls; a remap has no FlexAttention form)",
 }
 
 #: launch options worth naming in the message (tile sizes, dims, warps, stages).

@@ -285,6 +285,24 @@ def _rotary(dtype, d: int, s: int, learned: bool, single=False):
     return f"rotary {dtype} D{d} s{s} {'learned' if learned else 'fixed'}{' single' if single else ''}", fn
 
 
+def _remap(dtype, d: int, train=True, hkv=HKV, lq=L):
+    """One piece of the remap engine (`remap.triton_span`): a random interval of keys per query."""
+    import torch
+
+    from .remap.triton_span import span_backward, span_forward
+
+    def fn():
+        q = _rand((B, H, lq, d), dtype, False)
+        k, v = _rand((B, hkv, L, d), dtype, False), _rand((B, hkv, L, d), dtype, False)
+        lo = torch.randint(0, L // 2, (B, lq), dtype=torch.int32)
+        hi = torch.clamp(lo + L // 4, max=L).to(torch.int32)
+        _, lse = span_forward(q, k, v, lo, hi, d**-0.5)
+        if train:
+            span_backward(q, q, k, v, lse, lse, lo, hi, d**-0.5)
+
+    return f"remap {dtype} D{d} G{H // hkv} Lq{lq}{'' if train else ' fwd'}", fn
+
+
 MATRICES = ("gate", "gate-backward", "representative", "full")
 
 
@@ -293,8 +311,8 @@ def cases(matrix: str = "representative") -> list[tuple[str, Callable[[], None]]
 
     * ``gate`` (the test-suite's default; about a minute of CPU): the forward kernel of every family at the
       largest head dim (128), each dtype once: CoPE in float32 (the largest shared-memory footprint), the
-      attention kernel with FoX's term in bfloat16, stick-breaking in float16; the rotary kernel forward
-      and backward in bfloat16.
+      attention kernel with FoX's term in bfloat16, stick-breaking in float16, the remap engine's piece in
+      bfloat16; the rotary kernel forward and backward in bfloat16.
     * ``gate-backward``: the backward kernels of the same launches (several minutes of CPU).
     * ``representative``: every kernel and term kind at D = 128 forward and backward, each dtype at least
       once (float32 where it costs the most), head dim 40 (padded) once per family, decode (one query) once,
@@ -315,9 +333,9 @@ def cases(matrix: str = "representative") -> list[tuple[str, Callable[[], None]]
     out = []
     if matrix == "gate":
         return [_cope(f32, 128, npos=256, train=False), _attention("fox", bf16, 128, train=False),
-                _sba(f16, 128, train=False), _rotary(bf16, 128, 8, True)]
+                _sba(f16, 128, train=False), _remap(bf16, 128, train=False), _rotary(bf16, 128, 8, True)]
     if matrix == "gate-backward":
-        return [_cope(f32, 128, npos=256), _attention("fox", bf16, 128), _sba(f16, 128)]
+        return [_cope(f32, 128, npos=256), _attention("fox", bf16, 128), _sba(f16, 128), _remap(bf16, 128)]
     if matrix == "representative":
         dtypes = {kind: [bf16] for kind in triton_terms}
         dtypes["none"] = [f32, bf16, f16]
@@ -330,6 +348,7 @@ def cases(matrix: str = "representative") -> list[tuple[str, Callable[[], None]]
         out += [_sba(f32, 128), _sba(bf16, 128, True, "bias"), _sba(f16, 40, False, "current", mask=False)]
         out += [_cope(f32, 128), _cope(f32, 128, npos=256), _cope(bf16, 128, npos=256), _cope(f16, 40, mask=False)]
         out += [_rotary(bf16, 128, 8, True), _rotary(f32, 128, 2, False), _rotary(f16, 40, 4, True, single=True)]
+        out += [_remap(f32, 128), _remap(bf16, 128), _remap(f16, 40, hkv=H), _remap(bf16, 128, train=False, lq=1)]
         out += [_attention("fox", bf16, 128, window=64), _attention("t5", bf16, 128, causal=False, window=64),
                 _sba(bf16, 128, window=64), _cope(bf16, 128, window=64)]
         out += [_attention("alibi", bf16, 128, window=64, sink=4),
@@ -360,6 +379,7 @@ def cases(matrix: str = "representative") -> list[tuple[str, Callable[[], None]]
             out.append(_cope(dt, d, window=64, sink=4))
             if dt == f32:
                 out.append(_cope(dt, d, tf32=True))
+            out += [_remap(dt, d), _remap(dt, d, hkv=H), _remap(dt, d, train=False, lq=1)]
             for s in (2, 4, 8):
                 out.append(_rotary(dt, d, s, True))
                 out.append(_rotary(dt, d, s, False, single=True))

@@ -29,7 +29,7 @@ from .attention.terms import TERMS, term_kinds
 __all__ = ["CUDA_DEFAULT_BACKEND", "MEASURED", "KINDS", "cuda_default_backend"]
 
 #: the attentions with their own kernels and the rotary kernel (the attention terms come from the term registry).
-_OWN_KERNELS = ("sba", "cope", "rotary")
+_OWN_KERNELS = ("sba", "cope", "rotary", "remap")
 #: attention terms (the term registry's built-in kinds, ``kernels.attention.terms.term_kinds()`` when this module was
 #: imported), the attentions with their own kernels and the rotary kernel.
 KINDS = (*term_kinds(), *_OWN_KERNELS)

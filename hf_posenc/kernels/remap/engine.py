@@ -8,17 +8,25 @@ unpatched model caches them; a piece that needs another key position re-rotates 
 (R(a)R(b) = R(a + b)), O(L·D) per piece and forward, so the KV cache holds what the unpatched model's does and
 decoding needs nothing else.
 
-Per query block (``block`` rows) and piece, the keys it holds on form one interval per query (`Case.span`): the
-columns every query of the block sees run unmasked through the fused kernel, the two edges (at most a block
-wide each) with a small mask. Nothing is L × L. The backward recomputes the pieces and hands each the merged
-output and log-sum-exp, so the fused backward's probabilities exp(s − lse) are the merged softmax's: the pieces'
-gradients add up to the exact one, then turn back through their rotations (R(δ)ᵀ = R(−δ)).
+Per piece, the keys it holds on form one interval per query (`Case.span`), so nothing is L × L. The backward
+recomputes the pieces and hands each the merged output and log-sum-exp, so the fused backward's probabilities
+exp(s − lse) are the merged softmax's: the pieces' gradients add up to the exact one, then turn back through their
+rotations (R(δ)ᵀ = R(−δ)).
 
 The engine is a pair of custom ops (``hf_posenc::remap_attention`` and its backward), which ``torch.compile``
-keeps as nodes of its graph (``fullgraph=True`` too). The fused kernel is torch's CPU flash attention
-(`hf_posenc.kernels._cpu_flash`); elsewhere (CUDA, or a torch without it) each call is computed from its
-(block × keys) logits in PyTorch, the same O(L·block) memory. Rows whose valid keys are one interval (left
-padding, right padding, a static cache's empty slots) are taken; padding between real tokens is refused.
+keeps as nodes of its graph (``fullgraph=True`` too). Inside, each call of a piece runs:
+
+* on CUDA (and with ``HF_POSENC_BACKEND=triton``, in Triton's interpreter on the CPU), hf_posenc's Triton kernels
+  (`hf_posenc.kernels.remap.triton_span`): one launch per piece over every query row's interval of keys, forward
+  (out and log-sum-exp, merged here) and backward (dQ, and dK/dV per key tile); the kind ``"remap"`` of
+  `hf_posenc.kernels.defaults.CUDA_DEFAULT_BACKEND` (``HF_POSENC_BACKEND=torch`` turns it off);
+* on the CPU, torch's fused flash attention (`hf_posenc.kernels._cpu_flash`) per query block, the columns every
+  query of the block sees unmasked, the two edges (at most a block wide each) with a small mask;
+* elsewhere (float64 on CUDA, a torch without the CPU kernel) the same calls from their (block × keys) logits in
+  PyTorch, the same O(L·block) memory.
+
+Rows whose valid keys are one interval (left padding, right padding, a static cache's empty slots) are taken;
+padding between real tokens is refused.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import functools
 import torch
 
 from ...ops import expand_kv
+from .._attn_dispatch import choose, common_unsupported
 from .._cpu_flash import FLASH_BACKWARD, FLASH_FORWARD
 from ..rotary.naive import rotate_leading
 from .cases import Case, Remap
@@ -64,37 +73,43 @@ class _Plan:
     bounds are computed on the device and read back at once (one host sync per forward, not one per block)."""
 
     def __init__(self, remap: Remap, pos_q: torch.Tensor, lq: int, lk: int, q_offset: int, start: torch.Tensor,
-                 stop: torch.Tensor | None, block: int, device: torch.device, band: int | None) -> None:
+                 stop: torch.Tensor | None, block: int, device: torch.device, band: int | None,
+                 blocks: bool = True) -> None:
         self.cases = remap.cases()
-        spans, stats = [], []
-        for q0 in range(0, lq, block):
-            qi = torch.arange(q0, min(q0 + block, lq), device=device) + q_offset  # (n,)
-            pi = pos_q[:, q0 : q0 + block]  # (B|1, n)
-            for case in self.cases:
-                lo, hi = case.span(pi, qi.expand_as(pi))
-                lo = torch.maximum(lo, start[:, None])  # the row's valid keys: [start, stop)
-                if stop is not None:
-                    hi = torch.minimum(hi, stop[:, None])
-                if band is not None:  # the model's own sliding window
-                    lo = torch.maximum(lo, qi - band + 1)
-                lo = lo.clamp(0, lk)
-                hi = torch.minimum(hi, qi + 1).clamp(0, lk)  # causal (a span never passes the query itself)
-                lo, hi = torch.broadcast_tensors(lo, hi)
-                empty = hi <= lo
-                lo = torch.where(empty, hi, lo)
-                spans.append((lo, hi))
-                stats.append(self._stats(lo, hi, empty, lk))
-        numbers = torch.stack(stats).tolist() if stats else []  # the one read of the bounds
+        qi = torch.arange(lq, device=device) + q_offset  # (Lq,)
+        #: per piece, each query row's keys [lo, hi) (B|1, Lq) int64, empty where hi == lo
+        self.spans: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for case in self.cases:
+            lo, hi = case.span(pos_q, qi.expand_as(pos_q))
+            lo = torch.maximum(lo, start[:, None])  # the row's valid keys: [start, stop)
+            if stop is not None:
+                hi = torch.minimum(hi, stop[:, None])
+            if band is not None:  # the model's own sliding window
+                lo = torch.maximum(lo, qi - band + 1)
+            lo = lo.clamp(0, lk)
+            hi = torch.minimum(hi, qi + 1).clamp(0, lk)  # causal (a span never passes the query itself)
+            lo, hi = torch.broadcast_tensors(lo, hi)
+            self.spans.append((torch.where(hi <= lo, hi, lo), hi))
+        #: per query block: (first row, stop, per piece its calls (key start, key stop, mask or None)); only for
+        #: the engine's PyTorch calls (``blocks``), the Triton kernels take the spans
         self.blocks: list[tuple[int, int, list[list[tuple[int, int, torch.Tensor | None]]]]] = []
+        if not blocks:
+            return
+        starts = list(range(0, lq, block))
+        stats = [self._stats(lo[:, q0 : q0 + block], hi[:, q0 : q0 + block], lk)
+                 for q0 in starts for lo, hi in self.spans]
+        numbers = torch.stack(stats).tolist() if stats else []  # the one read of the bounds
         per_block = len(self.cases)
-        for b, q0 in enumerate(range(0, lq, block)):
-            calls = [self._calls(*spans[b * per_block + c], *numbers[b * per_block + c]) for c in range(per_block)]
+        for b, q0 in enumerate(starts):
+            calls = [self._calls(lo[:, q0 : q0 + block], hi[:, q0 : q0 + block], *numbers[b * per_block + c])
+                     for c, (lo, hi) in enumerate(self.spans)]
             self.blocks.append((q0, min(q0 + block, lq), calls))
 
     @staticmethod
-    def _stats(lo: torch.Tensor, hi: torch.Tensor, empty: torch.Tensor, lk: int) -> torch.Tensor:
+    def _stats(lo: torch.Tensor, hi: torch.Tensor, lk: int) -> torch.Tensor:
         """(smallest and largest lo, smallest and largest hi over the rows that see a key, every row empty, some row
         empty) as one int64 tensor."""
+        empty = hi <= lo
         live = ~empty
         big = torch.full_like(lo, lk + 1)
         return torch.stack([torch.where(live, lo, big).amin(), torch.where(live, lo, -1).amax(),
@@ -244,11 +259,39 @@ def _remap_of(kind: str, window: int, group: int | None, chunk: int | None, sink
     return Remap(kind or None, window, group=group, chunk=chunk, sink=sink, sink_positions=sink_positions)
 
 
-def _setup(q, k, v, pos_q, key_valid, inv_freq, remap, q_offset, rotary_dim, layout, block, band):
+def _setup(q, k, v, pos_q, key_valid, inv_freq, remap, q_offset, rotary_dim, layout, block, band, triton_path):
     pos_q, pos_k, start, stop = _positions(pos_q.to(torch.long), key_valid, q_offset, k.shape[2])
-    plan = _Plan(remap, pos_q, q.shape[2], k.shape[2], q_offset, start, stop, block, q.device, band)
+    plan = _Plan(remap, pos_q, q.shape[2], k.shape[2], q_offset, start, stop, block, q.device, band,
+                 blocks=not triton_path)
     deltas = [_deltas(case, pos_q, pos_k) for case in plan.cases]
     return plan, deltas, _pieces(q, k, plan, deltas, inv_freq, rotary_dim, layout)
+
+
+def _triton_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """The reason the Triton kernels (`triton_span`) cannot run these inputs, or None."""
+    return common_unsupported("remap", "remap.triton_span", q, k, v, None, 0, False, 0.0, False)
+
+
+def _use_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether this call runs the Triton kernels: ``HF_POSENC_BACKEND=triton`` (a ``ValueError`` naming the reason
+    where they cannot), or none forced, CUDA tensors the kernels take (`defaults.CUDA_DEFAULT_BACKEND["remap"]`);
+    otherwise the engine's PyTorch calls (torch's fused CPU attention on the CPU)."""
+    return choose(lambda: _triton_unsupported(q, k, v), q.device.type == "cuda", "remap") == "triton"
+
+
+def _merge(acc: torch.Tensor | None, lse: torch.Tensor | None, o: torch.Tensor, l: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two softmax attentions over disjoint keys merged by their log-sum-exp (−inf: no key)."""
+    if acc is None:
+        return o, l
+    merged = torch.logaddexp(lse, l)
+    wa = torch.exp(lse - merged).nan_to_num(0.0)[..., None]
+    wb = torch.exp(l - merged).nan_to_num(0.0)[..., None]
+    return acc * wa + o * wb, merged
+
+
+def _int32(spans: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()) for lo, hi in spans]
 
 
 _EXACT = (torch.Tag.needs_exact_strides,)
@@ -262,8 +305,16 @@ def _remap_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, Lq, D) in q's dtype, lse (B, H, Lq) in the compute dtype, −inf where a row sees no key)."""
     remap = _remap_of(kind, window, group, chunk, sink, sink_positions)
+    triton_path = _use_triton(q, k, v)
     plan, _, pieces = _setup(q, k, v, pos_q, key_valid, inv_freq, remap, q_offset, rotary_dim, layout, block,
-                                 band)
+                             band, triton_path)
+    if triton_path:
+        from .triton_span import span_forward
+
+        acc, lse = None, None
+        for (qc, kc), (lo, hi) in zip(pieces, _int32(plan.spans)):
+            acc, lse = _merge(acc, lse, *span_forward(qc, kc, v, lo, hi, scale))
+        return acc.to(q.dtype), lse
     b, h, lq, _ = q.shape
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(b, h, lq, v.shape[-1], dtype=q.dtype, device=q.device)
@@ -273,14 +324,7 @@ def _remap_forward(
         for (qc, kc), calls in zip(pieces, per_case):
             for a, z, mask in calls:
                 o, l = _attend(qc[:, :, q0:q1], kc[:, :, a:z], v[:, :, a:z], mask, scale)
-                o, l = o.to(work), l.to(work)
-                if acc is None:
-                    acc, lse = o, l
-                else:
-                    merged = torch.logaddexp(lse, l)
-                    wa = torch.exp(lse - merged).nan_to_num(0.0)[..., None]
-                    wb = torch.exp(l - merged).nan_to_num(0.0)[..., None]
-                    acc, lse = acc * wa + o * wb, merged
+                acc, lse = _merge(acc, lse, o.to(work), l.to(work))
         if acc is not None:
             out[:, :, q0:q1] = acc.to(q.dtype)
             lse_all[:, :, q0:q1] = lse
@@ -303,23 +347,34 @@ def _remap_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in the inputs' dtypes, each piece's gradients from the merged ``out`` and ``lse_all``."""
     remap = _remap_of(kind, window, group, chunk, sink, sink_positions)
+    triton_path = _use_triton(q, k, v)
     plan, deltas, pieces = _setup(q, k, v, pos_q, key_valid, inv_freq, remap, q_offset, rotary_dim, layout,
-                                      block, band)
+                                  block, band, triton_path)
     do = do.contiguous()
     grad_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse_b = lse_all.masked_fill(torch.isinf(lse_all), float("inf"))  # a row with no key: probabilities 0
-    dqs = [torch.zeros_like(qc, dtype=grad_dtype) for qc, _ in pieces]
-    dks = [torch.zeros_like(kc, dtype=grad_dtype) for _, kc in pieces]
-    dv_total = torch.zeros_like(v, dtype=grad_dtype)
-    for q0, q1, per_case in plan.blocks:
-        dob, ob, lb = do[:, :, q0:q1], out[:, :, q0:q1], lse_b[:, :, q0:q1]
-        for c, ((qc, kc), calls) in enumerate(zip(pieces, per_case)):
-            for a, z, mask in calls:
-                dq, dk, dv = _attend_backward(dob, qc[:, :, q0:q1], kc[:, :, a:z], v[:, :, a:z], ob, lb, mask,
-                                              scale)
-                dqs[c][:, :, q0:q1] += dq
-                dks[c][:, :, a:z] += dk
-                dv_total[:, :, a:z] += dv
+    if triton_path:
+        from .triton_span import span_backward
+
+        lse_b = lse_b.to(torch.float32).contiguous()
+        rows = (do.to(torch.float32) * out.to(torch.float32)).sum(-1).contiguous()  # Δ_i = dO_i · O_i
+        grads = [span_backward(do, qc, kc, v, lse_b, rows, lo, hi, scale)
+                 for (qc, kc), (lo, hi) in zip(pieces, _int32(plan.spans))]
+        dqs, dks = [g[0] for g in grads], [g[1] for g in grads]
+        dv_total = sum(g[2] for g in grads)
+    else:
+        dqs = [torch.zeros_like(qc, dtype=grad_dtype) for qc, _ in pieces]
+        dks = [torch.zeros_like(kc, dtype=grad_dtype) for _, kc in pieces]
+        dv_total = torch.zeros_like(v, dtype=grad_dtype)
+        for q0, q1, per_case in plan.blocks:
+            dob, ob, lb = do[:, :, q0:q1], out[:, :, q0:q1], lse_b[:, :, q0:q1]
+            for c, ((qc, kc), calls) in enumerate(zip(pieces, per_case)):
+                for a, z, mask in calls:
+                    dq, dk, dv = _attend_backward(dob, qc[:, :, q0:q1], kc[:, :, a:z], v[:, :, a:z], ob, lb, mask,
+                                                  scale)
+                    dqs[c][:, :, q0:q1] += dq
+                    dks[c][:, :, a:z] += dk
+                    dv_total[:, :, a:z] += dv
     dq_total, dk_total = torch.zeros_like(dqs[0]), torch.zeros_like(dks[0])
     for (dq_delta, dk_delta), dqc, dkc in zip(deltas, dqs, dks):
         dq_total += _rerotate(dqc, None if dq_delta is None else -dq_delta, inv_freq, rotary_dim, layout)

@@ -12,7 +12,8 @@ that passed ``pytest -m gpu`` and was fastest in ``make gpu-check`` (benchmarks/
 **Measured on one H100 (torch 2.11, Triton 3.6; benchmarks/results/gpu_check_nvidia-h100-80gb-hbm3*.md): the
 Triton kernels were correct and the fastest backend of every kind timed** (FlexAttention 2-85x slower or not
 compiling; the references 3-20x slower), so the entries stay "triton", each with its measurement in
-``MEASURED``; none met the design target of 1.10x SDPA flash. ``dpb`` (no benchmark row) is unmeasured.
+``MEASURED``; none met the design target of 1.10x SDPA flash. ``dpb`` (no benchmark row) and ``remap`` (the remap
+engine's kernels, `hf_posenc.kernels.remap.triton_span`, written after that session) are unmeasured.
 A term registered later (a user's, through the public registry) has no entry here: its default is derived from its
 registry entry when asked (`cuda_default_backend`): ``triton`` where it has a Triton branch (its own or
 another's), else ``torch`` (the tile engine; FlexAttention only when forced, until measured).

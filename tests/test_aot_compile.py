@@ -69,17 +69,18 @@ def _check(result: dict) -> None:
 
 @pytest.mark.slow  # ptxas in a subprocess; `make compile-check` runs the same gate
 def test_gate_compiles_every_kernel_family_for_sm90_and_sm80(tmp_path):
-    """The forward kernel of every family (CoPE in float32: its shared-memory footprint), the rotary kernel."""
+    """The forward kernel of every family (CoPE in float32: its shared-memory footprint), the remap engine's piece,
+    the rotary kernel."""
     kernels = _check(_compile("gate", tmp_path, timeout=3600))
-    assert kernels == {"_fwd_kernel", "_sba_fwd", "_cope_fwd", "_rotary_qk_kernel"}
+    assert kernels == {"_fwd_kernel", "_sba_fwd", "_cope_fwd", "_span_fwd_kernel", "_rotary_qk_kernel"}
 
 
 @pytest.mark.soak
 def test_gate_backward_kernels_compile(tmp_path):
-    """The backward kernels of the gate's launches (CoPE float32, attention with FoX's term gradient, sba)."""
+    """The backward kernels of the gate's launches (CoPE float32, attention with FoX's term gradient, sba, remap)."""
     kernels = _check(_compile("gate-backward", tmp_path, timeout=7200))
     assert {"_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_sba_bwd_q", "_sba_bwd_kv", "_cope_bwd_q",
-            "_cope_bwd_kv"} <= kernels
+            "_cope_bwd_kv", "_span_bwd_dq_kernel", "_span_bwd_dkdv_kernel"} <= kernels
 
 
 @pytest.mark.soak

@@ -1,6 +1,6 @@
 """The doctor's checks (cases) and their inputs (problems): one case per registered attention term (built from the
-term registry: its entry's example, every engine that has the term), the windowed launch, SBA, CoPE, CAPE and the
-rotary kernel."""
+term registry: its entry's example, every engine that has the term), the windowed launch, SBA, CoPE, CAPE, the
+rotary kernel and the remap engine."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ TILES = (16, 32)
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One check: a family (``attention``, ``sba``, ``cope``, ``cape``, ``rotary``), its variant and window."""
+    """One check: a family (``attention``, ``sba``, ``cope``, ``cape``, ``rotary``, ``remap``), its variant and
+    window."""
 
     name: str
     family: str
@@ -68,9 +69,11 @@ _OTHER_CASES: tuple[Case, ...] = (
     Case("cape", "cape", "kerple_log", ("tiled",)),
     Case("rotary_s2", "rotary", "2", ("triton",)),
     Case("rotary_s8", "rotary", "8", ("triton",)),
+    Case("remap_dca", "remap", "dca", ("triton", "tiled")),
+    Case("remap_sinks", "remap", "sinks", ("triton", "tiled")),
 )
 #: ``--quick``: one case of each family, the window included.
-QUICK_CASES = ("alibi", "fire", "fox", "alibi_window", "sba", "cope_window", "cape", "rotary_s2")
+QUICK_CASES = ("alibi", "fire", "fox", "alibi_window", "sba", "cope_window", "cape", "rotary_s2", "remap_dca")
 
 
 def cases() -> tuple[Case, ...]:
@@ -290,10 +293,42 @@ def _rotary_problem(case: Case, shape, dtype, device, g) -> Problem:
     return Problem([("q", q), ("k", k), ("rot", rot)], run, reference, (gq, gk), unsupported, (q, k, v))
 
 
+def _remap_problem(case: Case, shape, dtype, device, g) -> Problem:
+    """The remap engine (rope's ``remap``: DCA's three pieces; or a window with its sinks at cache positions) on its
+    Triton kernels and its PyTorch calls against the full-matrix oracle (``remap_reference``), rotary over every head
+    dim, the last batch row left-padded."""
+    from ..kernels.remap import Remap, remap_attention, remap_reference
+    from ..kernels.remap.engine import _triton_unsupported
+
+    b, _, _, n, d = shape
+    q, k, v, gout = _qkv(shape, dtype, device, g)
+    valid = _key_valid(shape, device)
+    c = max(2, n // 5)  # DCA's chunks of c = s − w positions: several of them, all three pieces present
+    remap = (Remap("dca", 2, chunk=c + 2) if case.variant == "dca"
+             else Remap(None, max(2, n // 3), sink=2, sink_positions="cache"))
+    pad = (~valid).sum(-1, keepdim=True)
+    pos = torch.arange(n, device=device)[None] - pad  # a left-padded row's positions start at its first token
+    rotary = d - d % 2
+    kw = dict(scale=d**-0.5, pos_q=pos, inv_freq=1.0 / (10000 ** (torch.arange(0, rotary, 2, device=device) / rotary)),
+              rotary_dim=rotary, layout="half", key_valid=valid)
+
+    def run(engine, q_, k_, v_):
+        return remap_attention(q_, k_, v_, remap, backend="triton" if engine == "triton" else "torch",
+                               block=TILES[0], **kw)
+
+    def reference(q_, k_, v_):
+        return remap_reference(q_, k_, v_, remap, pos_k=pos, **kw)
+
+    def unsupported(engine, tensors):
+        return _triton_unsupported(q, k, v) if engine == "triton" else None
+
+    return Problem([("q", q), ("k", k), ("v", v)], run, reference, (gout,), unsupported, (q, k, v))
+
+
 def build_problem(case: Case, shape, dtype, device, g) -> Problem:
     """The inputs of ``case`` at ``shape`` (B, H, Hkv, L, D) in ``dtype`` on ``device``, drawn from ``g``."""
     return _BUILDERS[case.family](case, shape, dtype, device, g)
 
 
 _BUILDERS = {"attention": _attention_problem, "sba": _sba_problem, "cope": _cope_problem, "cape": _cape_problem,
-             "rotary": _rotary_problem}
+             "rotary": _rotary_problem, "remap": _remap_problem}

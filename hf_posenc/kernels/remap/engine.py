@@ -272,10 +272,18 @@ def _triton_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> st
     return common_unsupported("remap", "remap.triton_span", q, k, v, None, 0, False, 0.0, False)
 
 
-def _use_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether this call runs the Triton kernels: ``HF_POSENC_BACKEND=triton`` (a ``ValueError`` naming the reason
-    where they cannot), or none forced, CUDA tensors the kernels take (`defaults.CUDA_DEFAULT_BACKEND["remap"]`);
-    otherwise the engine's PyTorch calls (torch's fused CPU attention on the CPU)."""
+def _use_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> bool:
+    """Whether this call runs the Triton kernels. ``backend`` ``"triton"`` or ``"torch"`` decides (a ``ValueError``
+    naming the reason where the kernels cannot run); ``""`` leaves it to ``HF_POSENC_BACKEND`` (``triton`` likewise
+    raises), or with none forced, to the kind's CUDA default (`defaults.CUDA_DEFAULT_BACKEND["remap"]`) for CUDA
+    tensors the kernels take. Otherwise the engine's PyTorch calls (torch's fused CPU attention on the CPU)."""
+    if backend == "torch":
+        return False
+    if backend == "triton":
+        why = _triton_unsupported(q, k, v)
+        if why is not None:
+            raise ValueError(f"backend='triton', but {why}")
+        return True
     return choose(lambda: _triton_unsupported(q, k, v), q.device.type == "cuda", "remap") == "triton"
 
 
@@ -302,10 +310,11 @@ def _remap_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_q: torch.Tensor, key_valid: torch.Tensor | None,
     inv_freq: torch.Tensor, kind: str, window: int, group: int | None, chunk: int | None, sink: int | None,
     sink_positions: str, scale: float, q_offset: int, rotary_dim: int, layout: str, block: int, band: int | None,
+    backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, Lq, D) in q's dtype, lse (B, H, Lq) in the compute dtype, −inf where a row sees no key)."""
     remap = _remap_of(kind, window, group, chunk, sink, sink_positions)
-    triton_path = _use_triton(q, k, v)
+    triton_path = _use_triton(q, k, v, backend)
     plan, _, pieces = _setup(q, k, v, pos_q, key_valid, inv_freq, remap, q_offset, rotary_dim, layout, block,
                              band, triton_path)
     if triton_path:
@@ -333,7 +342,7 @@ def _remap_forward(
 
 @_remap_forward.register_fake
 def _(q, k, v, pos_q, key_valid, inv_freq, kind, window, group, chunk, sink, sink_positions, scale, q_offset,
-      rotary_dim, layout, block, band):
+      rotary_dim, layout, block, band, backend):
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=work)
 
@@ -343,11 +352,11 @@ def _remap_backward(
     do: torch.Tensor, out: torch.Tensor, lse_all: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     pos_q: torch.Tensor, key_valid: torch.Tensor | None, inv_freq: torch.Tensor, kind: str, window: int,
     group: int | None, chunk: int | None, sink: int | None, sink_positions: str, scale: float, q_offset: int,
-    rotary_dim: int, layout: str, block: int, band: int | None,
+    rotary_dim: int, layout: str, block: int, band: int | None, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in the inputs' dtypes, each piece's gradients from the merged ``out`` and ``lse_all``."""
     remap = _remap_of(kind, window, group, chunk, sink, sink_positions)
-    triton_path = _use_triton(q, k, v)
+    triton_path = _use_triton(q, k, v, backend)
     plan, deltas, pieces = _setup(q, k, v, pos_q, key_valid, inv_freq, remap, q_offset, rotary_dim, layout,
                                   block, band, triton_path)
     do = do.contiguous()
@@ -384,7 +393,7 @@ def _remap_backward(
 
 @_remap_backward.register_fake
 def _(do, out, lse_all, q, k, v, pos_q, key_valid, inv_freq, kind, window, group, chunk, sink, sink_positions,
-      scale, q_offset, rotary_dim, layout, block, band):
+      scale, q_offset, rotary_dim, layout, block, band, backend):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -419,6 +428,7 @@ def remap_attention(
     key_valid: torch.Tensor | None = None,
     band: int | None = None,
     block: int = DEFAULT_BLOCK,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """Causal attention whose pairs are rotated by the remap's f(i, j) (or a window with sinks), in O(L·block)
     memory, with gradients for q, k and v.
@@ -432,22 +442,27 @@ def remap_attention(
         pos_q: (B|1, Lq) int positions of the queries. Positions run on with the cache index within a row, padding
             aside (the keys' positions are their indices less the row's offset, read at its last query).
         q_offset: the cache index of the first query.
-        key_valid: (B|1, Lk) bool: left padding only (each row's invalid keys first, as transformers pads for
-            generation); None: all keys valid.
+        key_valid: (B|1, Lk) bool: one interval of valid keys per row (left padding, as transformers pads for
+            generation; right padding; a static cache's empty slots); None: all keys valid.
         band: the model's own sliding window (keys each query sees), or None.
-        block: query rows per block.
+        block: query rows per block (the CPU's calls).
+        backend: ``"triton"`` (hf_posenc's kernels: CUDA, or the interpreter), ``"torch"`` (the PyTorch calls) or
+            None: ``HF_POSENC_BACKEND``, else the CUDA default of the kind ``"remap"``.
 
     Returns:
         out (B, H, Lq, D) in q's dtype; a query that sees no key gets zeros.
 
     Raises:
-        ValueError: positions that do not run on with the index, or padding that is not left padding.
+        ValueError: positions that do not run on with the index, padding that is not one interval per row, or a
+            backend that cannot run these inputs.
     """
+    if backend not in (None, "triton", "torch"):
+        raise ValueError(f"backend must be 'triton', 'torch' or None, got {backend!r}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     out, _ = _remap_forward(q.contiguous(), k.contiguous(), v.contiguous(), pos_q.to(device=q.device),
                             key_valid, inv_freq.to(device=q.device, dtype=torch.float32), remap.kind or "",
                             int(remap.window), remap.group, remap.chunk, remap.sink, remap.sink_positions,
                             float(scale), int(q_offset), int(rotary_dim), layout, int(block),
-                            None if band is None else int(band))
+                            None if band is None else int(band), backend or "")
     return out

@@ -152,7 +152,7 @@ def doctor_groups() -> list[list[str]]:
 
     groups: dict[str, list[str]] = {}
     for case in CASES:
-        key = case.family if case.family in ("attention", "sba", "rotary") else case.name
+        key = case.family if case.family in ("attention", "sba", "rotary", "remap") else case.name
         groups.setdefault(key, []).append(case.name)
     return list(groups.values())
 

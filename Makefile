@@ -164,7 +164,7 @@ $(OLDEST_PY):
 $(OLDEST_STAMP): pyproject.toml Makefile | $(OLDEST_PY)
 	@if ! $(OLDEST_PY) -c "import torch" >/dev/null 2>&1; then \
 		$(OLDEST_PY) -m pip install $(TORCH_PIP) "torch==$(TORCH_CPU_VERSION)"; fi
-	$(OLDEST_PY) -m pip install -e . $(OLDEST_PINS) "pytest>=8" "hypothesis>=6"
+	$(OLDEST_PY) -m pip install -e . $(OLDEST_PINS) "pytest>=8" "hypothesis>=6" "pytest-xdist>=3.5"
 	@touch $(OLDEST_STAMP)
 
 test-oldest: $(STAMP) $(OLDEST_STAMP)
@@ -175,7 +175,8 @@ test-oldest: $(STAMP) $(OLDEST_STAMP)
 	$(OLDEST_PY) tests/_cross_version.py save $(CROSS_DIR)/oldest >/dev/null
 	$(PY) tests/_cross_version.py load $(CROSS_DIR)/oldest
 	@echo "== tests with the oldest versions: $$($(OLDEST_PY) -m pip list 2>/dev/null | grep -E '^(torch|transformers|accelerate|peft) ' | tr -s ' ' | tr '\n' ' ')"
-	$(OLDEST_PY) -m pytest -q -p no:cacheprovider -m "$(TEST_ALL_MARKERS)" $(OLDEST_DESELECT) -k "$(OLDEST_K)" \
+	$(OLDEST_PY) -m pytest -q -p no:cacheprovider $(call xdist,$(PYTEST_WORKERS)) -m "$(TEST_ALL_MARKERS)" \
+		$(OLDEST_DESELECT) -k "$(OLDEST_K)" \
 		$(OLDEST_TESTS)
 
 demo: $(STAMP)

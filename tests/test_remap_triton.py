@@ -11,7 +11,7 @@ import torch
 
 from hf_posenc.kernels.remap import remap_attention, remap_reference
 
-from conftest import import_kernel_modules
+from conftest import import_kernel_modules, tiered
 from test_remap import REMAPS, _inputs
 
 (span,), _NO_TRITON = import_kernel_modules("hf_posenc.kernels.remap.triton_span")
@@ -141,3 +141,26 @@ def test_engine_on_cuda_matches_the_oracle(name):
     for want, have in zip(torch.autograd.grad(expected, (q, k, v), grad.double()),
                           torch.autograd.grad(got, (q, k, v), grad)):
         assert _rel(have, want) < 1e-4
+
+
+@pytest.mark.parametrize("family", tiered(["llama", "gpt_neox"], fast=["llama"]))
+def test_model_on_the_kernels_decodes_like_its_full_forward(family, monkeypatch):
+    """A tiny model past its context (P = 64) with DCA, every attention call on the kernels: the full forward
+    equals the PyTorch path's, and prefill + decoding through the cache equals the full forward (float32)."""
+    from conftest import MAX_POSITIONS, VOCAB, make_model
+    from test_remap import _decode_all
+
+    model = make_model(family, encoding="rope", dtype=torch.float32, remap="dca")
+    ids = torch.randint(0, VOCAB, (1, 2 * MAX_POSITIONS + 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        monkeypatch.setenv("HF_POSENC_BACKEND", "torch")
+        expected = model(ids).logits
+        monkeypatch.setenv("HF_POSENC_BACKEND", "triton")
+        calls = []
+        real = span.span_forward
+        monkeypatch.setattr(span, "span_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        full = model(ids).logits
+        steps = _decode_all(model, ids, ids.shape[1] - 4)  # the last steps: each a launch per piece and layer
+    assert calls
+    assert _rel(full, expected) < 1e-5
+    assert _rel(steps, full) < 1e-5

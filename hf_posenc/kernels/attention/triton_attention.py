@@ -146,6 +146,18 @@ def _dot(a, b, F32: tl.constexpr):
 
 
 @triton.jit
+def _softmax_step(m_i, l_i, s):
+    """One key tile of the online softmax: (the running max m_new, the running sum l_i rescaled and grown,
+    p = exp(s − m_new) (0 where s is −inf), the factor alpha = exp(m_i − m_new) for the accumulator); a row that
+    has seen no key yet keeps m = −inf and p = 0."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2((s - m_safe[:, None]) * _LOG2E)
+    alpha = tl.exp2((m_i - m_safe) * _LOG2E)
+    return m_new, l_i * alpha + tl.sum(p, 1), p, alpha
+
+
+@triton.jit
 def _log1p(x):
     """log(1 + x) for x >= 0, accurate for small x (log(u) · x / (u − 1), u = 1 + x)."""
     u = 1.0 + x
@@ -340,11 +352,7 @@ def _fwd_kernel(
         s, ok, delta = _logits(q, k, offs_m, offs_n, b, h, H, Lq, Lk, q_offset, scale, VALID, svalb,
                                TP0, TP1, TP2, TP3, tp_sb, TI0, TI1, WINDOW, SINK, TERM, CAUSAL, HAS_VALID, F32,
                                HAS_WINDOW, HAS_SINK)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2((s - m_safe[:, None]) * _LOG2E)
-        alpha = tl.exp2((m_i - m_safe) * _LOG2E)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, l_i, p, alpha = _softmax_step(m_i, l_i, s)
         v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32)
         if TERM == _SHAW:

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .._errors import guarded
-from ..attention.triton_attention import LAUNCH, LAUNCH_FLOAT32, NUM_STAGES, _dot, interpreting
+from ..attention.triton_attention import LAUNCH, LAUNCH_FLOAT32, NUM_STAGES, _dot, _softmax_step, interpreting
 
 __all__ = ["block_bounds", "key_rows", "span_backward", "span_forward", "INTERPRETER_BLOCK"]
 
@@ -54,14 +54,11 @@ def _span_mask(offs_m, offs_n, LO, HI, lo_base, Lq):
 
 
 @triton.jit
-def _span_fwd_kernel(
-    Q, K, V, O, LSE, LO, HI, QBLK,
-    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som, slob, sqbb,
-    H, G, Lq, scale,
-    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+def _query_tile(pid_m, pid_bh, Q, K, V, QBLK, sqb, sqh, sqm, skb, skh, svb, svh, sqbb, H, G, Lq,
+                HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A query-major program's tile: (b, h (int64), its rows, the head-dim columns and which exist, which rows exist,
+    its queries (BLOCK_M, BLOCK_D), the bases of its key/value head's K and V, the keys [n_lo, n_hi) its rows' intervals
+    span (`block_bounds`))."""
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     hk = h // G
@@ -71,10 +68,22 @@ def _span_fwd_kernel(
     row_ok = offs_m < Lq
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
                 mask=row_ok[:, None] & dmask[None, :], other=0.0)
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
     n_lo = tl.load(QBLK + b * sqbb + 2 * pid_m)
     n_hi = tl.load(QBLK + b * sqbb + 2 * pid_m + 1)
+    return b, h, offs_m, offs_d, dmask, row_ok, q, K + b * skb + hk * skh, V + b * svb + hk * svh, n_lo, n_hi
+
+
+@triton.jit
+def _span_fwd_kernel(
+    Q, K, V, O, LSE, LO, HI, QBLK,
+    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som, slob, sqbb,
+    H, G, Lq, scale,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b, h, offs_m, offs_d, dmask, row_ok, q, k_base, v_base, n_lo, n_hi = _query_tile(
+        pid_m, pid_bh, Q, K, V, QBLK, sqb, sqh, sqm, skb, skh, svb, svh, sqbb, H, G, Lq, HEAD_D, BLOCK_D, BLOCK_M)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -84,11 +93,7 @@ def _span_fwd_kernel(
         k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
         ok = _span_mask(offs_m, offs_n, LO, HI, b * slob, Lq)
         s = tl.where(ok, _dot(q, tl.trans(k), F32) * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2((s - m_safe[:, None]) * _LOG2E)
-        alpha = tl.exp2((m_i - m_safe) * _LOG2E)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, l_i, p, alpha = _softmax_step(m_i, l_i, s)
         v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32)
         m_i = m_new
@@ -108,22 +113,12 @@ def _span_bwd_dq_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    hk = h // G
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < HEAD_D
-    row_ok = offs_m < Lq
+    b, h, offs_m, offs_d, dmask, row_ok, q, k_base, v_base, n_lo, n_hi = _query_tile(
+        pid_m, pid_bh, Q, K, V, QBLK, sqb, sqh, sqm, skb, skh, svb, svh, sqbb, H, G, Lq, HEAD_D, BLOCK_D, BLOCK_M)
     q_mask = row_ok[:, None] & dmask[None, :]
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=q_mask, other=0.0)
     do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :], mask=q_mask, other=0.0)
     lse = tl.load(LSE + pid_bh.to(tl.int64) * Lq + offs_m, mask=row_ok, other=float("inf"))
     dlt = tl.load(DELTA + pid_bh.to(tl.int64) * Lq + offs_m, mask=row_ok, other=0.0)
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
-    n_lo = tl.load(QBLK + b * sqbb + 2 * pid_m)
-    n_hi = tl.load(QBLK + b * sqbb + 2 * pid_m + 1)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(n_lo, n_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)

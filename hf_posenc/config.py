@@ -84,8 +84,8 @@ SINK_POSITIONS_HELP = (
     "where the attention sinks sit for the position encoding: 'text' (None, the default: at their own positions "
     "0 .. sink - 1, so past P a query sees them farther away than anything in training) or 'cache' (StreamingLLM's: "
     "a sink the window no longer covers sits just before the window's oldest key, at distance W + sink - 1 - j "
-    "for sink j); 'cache' needs sink and an encoding whose term depends on the distance alone (rope and the "
-    "Toeplitz score biases)"
+    "for sink j); 'cache' needs sink, a causal model and an encoding whose term depends on the distance alone: rope "
+    "and the Toeplitz score biases (alibi, kerple, sandwich, t5, dpb); the others refuse it"
 )
 #: the length-scaled softmaxes ``length_scale`` takes.
 LENGTH_SCALES = ("ssmax", "logn")

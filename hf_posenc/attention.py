@@ -331,7 +331,8 @@ def _engine_attention(
     run = {"triton": fused_attention, "flex": flex_attention_term, "torch": tiled_attention}[backend]
     extra = {} if backend == "triton" else {"memo": ctx.memo}
     return run(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset, key_valid=key_valid,
-               window=ctx.engine_window(layer), sink=ctx.own_sink(), **extra), None
+               window=ctx.engine_window(layer), sink=ctx.own_sink(), sink_positions=ctx.own_sink_positions(),
+               **extra), None
 
 
 def _kernel_attention(
@@ -394,7 +395,7 @@ def _compiled_tiled_attention(
         return None
     return tiled_attention_op(query, key, value, term, scale=scaling, causal=causal, q_offset=q_offset, mask=mask,
                               window=ctx.engine_window(layer), band=ctx.native_window(layer), engine=engine,
-                              sink=ctx.own_sink())
+                              sink=ctx.own_sink(), sink_positions=ctx.own_sink_positions())
 
 
 def _remapped_attention(

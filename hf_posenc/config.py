@@ -9,7 +9,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .kernels._masks import check_sink, check_window
+from .kernels._masks import SINK_POSITIONS, check_sink, check_sink_positions, check_window  # noqa: F401
 from .registry import EncodingSpec, get_encoding, is_registered
 
 __all__ = [
@@ -79,15 +79,13 @@ SINK_HELP = (
     "`sink` keys (positions 0 .. sink - 1 of the sequence) stay visible to every query that the window would hide "
     "them from; needs `window`; None: no sink"
 )
-#: where ``sink_positions`` puts the sinks.
-SINK_POSITIONS = ("text", "cache")
 #: help text of ``sink_positions``.
 SINK_POSITIONS_HELP = (
     "where the attention sinks sit for the position encoding: 'text' (None, the default: at their own positions "
     "0 .. sink - 1, so past P a query sees them farther away than anything in training) or 'cache' (StreamingLLM's: "
     "a sink the window no longer covers sits just before the window's oldest key, at distance W + sink - 1 - j "
-    "for sink j); 'cache' needs sink and an encoding whose term depends on the distance alone (rope and the "
-    "Toeplitz score biases)"
+    "for sink j); 'cache' needs sink, a causal model and an encoding whose term depends on the distance alone: rope "
+    "and the Toeplitz score biases (alibi, kerple, sandwich, t5, dpb); the others refuse it"
 )
 #: the length-scaled softmaxes ``length_scale`` takes.
 LENGTH_SCALES = ("ssmax", "logn")
@@ -103,18 +101,6 @@ LENGTH_SCALE_HELP = (
 #: attributes of `PosEncConfig` (not entries of ``params``), stored in ``to_dict`` only when set.
 LAYER_OPTIONS: dict[str, str] = {"window": WINDOW_HELP, "sink": SINK_HELP, "length_scale": LENGTH_SCALE_HELP,
                                  "sink_positions": SINK_POSITIONS_HELP}
-
-
-def check_sink_positions(value: object, sink: int | None, where: str = "sink_positions") -> str | None:
-    """``sink_positions`` validated: None (the sinks at their text positions), ``"text"`` or ``"cache"``; set only
-    with sinks."""
-    if value is None:
-        return None
-    if not isinstance(value, str) or value not in SINK_POSITIONS:
-        raise ValueError(f"{where} must be one of {list(SINK_POSITIONS)} or None, got {value!r}")
-    if sink is None:
-        raise ValueError(f"{where}={value!r} needs attention sinks (sink=k with a window)")
-    return value
 
 
 def check_length_scale(value: object, where: str = "length_scale") -> str | None:

@@ -280,9 +280,12 @@ def test_tile_op_opcheck(kind, engine):
     other[0, 0, 20, 5] = False
     ints = ",".join(f"{n}={int(x)}" for n, x in term.ints.items())
     tensors = [t.clone().requires_grad_() for t in term.tensors.values()]
-    for m, window, sink in ((mask, None, None), (other, None, None), (None, None, None), (mask, 6, 2)):
+    cases = [(mask, None, None, None), (other, None, None, None), (None, None, None, None), (mask, 6, 2, None)]
+    if term.spec.form == "toeplitz":  # the sinks at their cache positions (tests/test_cache_sinks.py)
+        cases += [(mask, 6, 2, "cache"), (other, 6, 2, "cache")]
+    for m, window, sink, sink_positions in cases:
         args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), m, None, None, tensors, kind,
-                ",".join(term.tensors), ints, 0.3, True, 0, 16, 8, window, sink, None, engine)
+                ",".join(term.tensors), ints, 0.3, True, 0, 16, 8, window, sink, sink_positions, None, engine)
         torch.library.opcheck(_tiled_attention, args)
 
 

@@ -390,7 +390,7 @@ def test_compiled_step_equals_eager(params):
     ("rope", dict(remap="dca", window=16), "remap='dca' with window=16"),
     ("rope", dict(window=16, sink_positions="cache"), "needs attention sinks"),
     ("rope", dict(window=16, sink=2, sink_positions="elsewhere"), "sink_positions"),
-    ("alibi", dict(window=16, sink=2, sink_positions="cache"), "distance alone"),
+    ("fire", dict(window=16, sink=2, sink_positions="cache"), "distance alone"),
     ("rope+fox", dict(remap="dca"), "not composed"),
 ])
 def test_bad_values(encoding, params, match):

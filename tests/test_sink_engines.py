@@ -20,7 +20,7 @@ import torch
 
 import hf_posenc
 import hf_posenc.attention as posenc_attention_module
-from hf_posenc.kernels._masks import band_allowed
+from hf_posenc.kernels._masks import CacheSinks, band_allowed
 from hf_posenc.kernels.attention import (
     TILED_KINDS, attention_reference, flex_attention_term, term_bias, tiled_attention,
 )
@@ -48,9 +48,11 @@ def engine_path(request, monkeypatch):
     return request.param
 
 
-def _sink_case(fn, kind, shape, causal, window, sink, tensor_offset=False, dtype=torch.float32, **extra):
-    """``fn`` against the reference with ``window`` and ``sink``, forward and every gradient; and the sinks must
-    matter (the result without them differs)."""
+def _sink_case(fn, kind, shape, causal, window, sink, tensor_offset=False, dtype=torch.float32, sink_positions=None,
+               **extra):
+    """``fn`` against the reference with ``window`` and ``sink`` (and ``sink_positions``), forward and every
+    gradient; returns (its output, the reference without what is tested: without the sinks, or with them at their
+    text positions where ``sink_positions`` is given), for the caller to check that it matters."""
     *_, lq, lk, d = shape
     q_offset = lk - lq
     q, k, v, gout, valid, g = make_inputs(shape, dtype, 1, True, device="cpu")
@@ -58,14 +60,17 @@ def _sink_case(fn, kind, shape, causal, window, sink, tensor_offset=False, dtype
     term, leaves = make_term(kind, shape, q_offset, g, device="cpu")
     kw = dict(scale=d**-0.5, causal=causal, key_valid=valid, window=window)
     off = torch.tensor(q_offset) if tensor_offset else q_offset
-    out, grads = _grads(lambda *x: fn(*x, term, q_offset=off, sink=sink, **kw, **extra), (q, k, v), leaves, gout)
-    ref, ref_grads = _grads(lambda *x: attention_reference(*x, term, q_offset=q_offset, sink=sink, **kw), (q, k, v),
+    where = dict(sink=sink, sink_positions=sink_positions)
+    out, grads = _grads(lambda *x: fn(*x, term, q_offset=off, **where, **kw, **extra), (q, k, v), leaves, gout)
+    ref, ref_grads = _grads(lambda *x: attention_reference(*x, term, q_offset=q_offset, **where, **kw), (q, k, v),
                             leaves, gout)
     names = ["dq", "dk", "dv"] + [f"term{i}" for i in range(len(leaves))]
     _assert_close(out, grads, ref, ref_grads, dtype, window, names,
-                  f"{kind} causal={causal} window={window} sink={sink} offset={'tensor' if tensor_offset else 'int'}")
+                  f"{kind} causal={causal} window={window} sink={sink} sink_positions={sink_positions} "
+                  f"offset={'tensor' if tensor_offset else 'int'}")
     with torch.no_grad():
-        plain = attention_reference(q, k, v, term, q_offset=q_offset, **kw)
+        plain = attention_reference(q, k, v, term, q_offset=q_offset, sink=None if sink_positions is None else sink,
+                                    **kw)
     return out, plain
 
 
@@ -168,8 +173,10 @@ def test_custom_op_sink(causal):
     _sink_case(lambda *x, **kw: tiled_attention_op(*x, **kw), "kerple_log", SHAPE_CHUNK, causal, 6, 3)
 
 
-def test_custom_op_reference_branch_takes_the_sink():
-    # a mask that is not causal + key padding (a key hidden from one query only) runs the op's masked reference
+@pytest.mark.parametrize("sink_positions", [None, "cache"])
+def test_custom_op_reference_branch_takes_the_sink(sink_positions):
+    # a mask that is not causal + key padding (a key hidden from one query only) runs the op's masked reference; with
+    # the sinks at their cache positions (tests/test_cache_sinks.py) its bias takes them there too
     shape = (1, 2, 1, 12, 12, 8)
     q, k, v, gout, _, g = make_inputs(shape, torch.float32, 3, False, device="cpu")
     term, leaves = make_term("alibi", shape, 0, g, device="cpu")
@@ -177,11 +184,13 @@ def test_custom_op_reference_branch_takes_the_sink():
     mask = (i[None, :] <= i[:, None])[None, None].clone()
     mask[0, 0, 9, 5] = False
     kw = dict(scale=0.3, causal=True, window=3)
-    out, grads = _grads(lambda *x: tiled_attention_op(*x, term, mask=mask, sink=2, **kw), (q, k, v), leaves, gout)
+    out, grads = _grads(lambda *x: tiled_attention_op(*x, term, mask=mask, sink=2, sink_positions=sink_positions,
+                                                      **kw), (q, k, v), leaves, gout)
     allowed = mask & band_allowed(i, i, True, 3, 2)[None, None]
+    cache = None if sink_positions is None else CacheSinks(3, 2)
 
     def ref(q, k, v):  # softmax under that mask with the window and its sinks in it (one key/value head)
-        scores = (q @ k.transpose(-1, -2)) * 0.3 + term_bias(term, q, 12, 12)
+        scores = (q @ k.transpose(-1, -2)) * 0.3 + term_bias(term, q, 12, 12, cache_sinks=cache)
         return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
 
     want, want_grads = _grads(ref, (q, k, v), leaves, gout)

@@ -25,6 +25,8 @@ from torch import nn
 
 from ..backend import forced_backend
 from ..config import PosEncConfig
+from ..kernels._masks import CacheSinks, cache_sinks
+from ..registry import get_encoding, list_encodings
 from .length_scale import check_length_scale_model, keys_seen, length_scale_factor, ssmax_start
 
 __all__ = ["EngineAttention", "ModelInfo", "PosContext", "model_norm_eps", "PositionEncoding", "RelativePositions", "relative_positions", "unwrap", "vit_token_coords"]
@@ -157,6 +159,11 @@ class PosContext:
         sliding window), or None."""
         return getattr(getattr(unwrap(self.encoding), "posenc_config", None), "sink", None)
 
+    def own_sink_positions(self) -> str | None:
+        """The ``sink_positions`` of the encoding this context runs (its config's: ``"cache"`` puts the sinks at their
+        cache positions), or None."""
+        return getattr(getattr(unwrap(self.encoding), "posenc_config", None), "sink_positions", None)
+
     def scale_queries(
         self, layer: int, query: torch.Tensor, k_len: int, mask: torch.Tensor | None, causal: bool
     ) -> torch.Tensor:
@@ -253,6 +260,17 @@ class PosContext:
         return any(v is tensor for v in self.memo.values())
 
 
+def cache_sink_encodings() -> list[str]:
+    """The registered encodings that take ``sink_positions="cache"`` (`PositionEncoding.takes_cache_sinks`), read
+    now."""
+    out = []
+    for name in list_encodings():
+        takes = getattr(get_encoding(name).cls, "takes_cache_sinks", None)
+        if takes is not None and takes():
+            out.append(name)
+    return out
+
+
 def unwrap(module: Any) -> Any:
     """The encoding behind a wrapper (PEFT's ModulesToSaveWrapper keeps it as ``original_module``)."""
     return getattr(module, "original_module", module)
@@ -340,6 +358,10 @@ class PositionEncoding(nn.Module):
     inert_zero: ClassVar[tuple[str, ...]] = ()
     #: why the encoding has no inert start, in ``start_inert``'s error.
     no_inert_reason: ClassVar[str] = "no setting of its parameters makes it add nothing"
+    #: Whether the encoding takes ``sink_positions="cache"`` (the window's sinks at their cache positions, at distance
+    #: W + sink − 1 − j): only where its contribution depends on the distance alone (rope: a remap of its rotary
+    #: distance). Read through ``takes_cache_sinks`` (``TermEncoding`` derives it from its terms).
+    cache_sink_positions: ClassVar[bool] = False
 
     def __init__(self, config: PosEncConfig, info: ModelInfo) -> None:
         super().__init__()
@@ -351,15 +373,28 @@ class PositionEncoding(nn.Module):
             #: SSMax's s (layers of this encoding, heads): see hf_posenc.encodings.length_scale.
             self.ssmax_scale = nn.Parameter(torch.full((info.num_layers, info.num_heads), ssmax_start(info)))
 
+    @classmethod
+    def takes_cache_sinks(cls) -> bool:
+        """Whether the encoding takes ``sink_positions="cache"`` (``cache_sink_positions``)."""
+        return bool(cls.cache_sink_positions)
+
+    def cache_sinks(self) -> CacheSinks | None:
+        """The `CacheSinks` of this encoding's layers (``sink_positions="cache"`` with its window and sinks on a causal
+        model), or None."""
+        config = self.posenc_config
+        return cache_sinks(config.sink_positions, config.window, config.sink, self.info.causal)
+
     @staticmethod
     def _check_layer_options(config: PosEncConfig, info: ModelInfo) -> None:
         """``ValueError`` where the model cannot take the layer options ``sink`` and ``length_scale``."""
         check_length_scale_model(config.length_scale, info, config.sink, config.window, config.name)
-        if config.sink_positions == "cache" and not getattr(config.spec.cls, "cache_sink_positions", False):
+        takes = getattr(config.spec.cls, "takes_cache_sinks", None)
+        if config.sink_positions == "cache" and not (takes is not None and takes()):
             raise ValueError(
                 f"sink_positions='cache' of {config.name!r}: the sinks at their cache positions move each sink's "
-                "distance to W + sink - 1 - j, which only an encoding whose term depends on the distance alone can "
-                "take (rope); use sink_positions='text' (the default)"
+                "distance to W + sink - 1 - j, which suits only encodings whose term depends on the distance alone: "
+                f"rotary and Toeplitz terms ({', '.join(cache_sink_encodings())}; not a composition); use "
+                "sink_positions='text' (the default)"
             )
         if config.sink_positions == "cache" and not info.causal:
             raise ValueError(f"sink_positions='cache' of {config.name!r} is defined on causal models only")

@@ -9,6 +9,9 @@ The term is stated once, as a registered ``hf_posenc.kernels.attention.terms.Ter
 * ``score_bias`` (the full-matrix reference, used where the engines do not run: ``output_attentions``, attention
   dropout in training, a custom mask) is the registry's reference bias of the same term
   (``hf_posenc.kernels.attention.naive.term_bias``): no second formula;
+* ``sink_positions="cache"`` (the window's sinks at their cache positions) where every kind the encoding returns is
+  a Toeplitz term (``takes_cache_sinks``): the engines and ``score_bias`` take a far sink's term at its cache
+  distance (`hf_posenc.kernels._masks.CacheSinks`);
 * on ViT's 2D patch grid (no 1D term), the encoding's grid form: ``grid_distance = "euclidean"`` evaluates a
   Toeplitz term's value at the Euclidean distance between the two patches (no term on pairs that involve the CLS
   token, as ALiBi and KERPLE do), or a subclass overrides ``TermEncoding.grid_bias``; an encoding with neither
@@ -69,6 +72,12 @@ class TermEncoding(PositionEncoding):
             raise ValueError(f"{type(self).__name__}.grid_distance must be one of {GRID_DISTANCES} or None, got "
                              f"{self.grid_distance!r}")
 
+    @classmethod
+    def takes_cache_sinks(cls) -> bool:
+        """``sink_positions="cache"`` moves a far sink's distance: taken where every kind of ``kernel_kinds`` is a
+        Toeplitz term (a function of the distance alone; its registry entry says so)."""
+        return bool(cls.kernel_kinds) and all(term_spec(kind).form == "toeplitz" for kind in cls.kernel_kinds)
+
     def term(self, ctx: PosContext, layer: int, q_len: int, k_len: int, device: torch.device) -> KernelTerm | None:
         """The position term of ``layer`` for ``q_len`` queries (key indices ``ctx.q_offset`` + i) against
         ``k_len`` keys on ``device``: ``KernelTerm.build(kind, **tensors)`` (or ``KernelTerm.<kind>(...)``) with
@@ -86,11 +95,13 @@ class TermEncoding(PositionEncoding):
         self, ctx: PosContext, q_len: int, k_len: int, device: torch.device, layer: int = 0
     ) -> torch.Tensor:
         """(B|1, H, Lq, Lk) float32 (float64 for float64 parameters): on text the registry's reference bias of
-        ``term`` (the term's one formula), on ViT ``grid_bias``."""
+        ``term`` (the term's one formula; with the sinks at their cache positions, a far sink's at its cache
+        distance), on ViT ``grid_bias``."""
         if ctx.grid is not None:
             return self.grid_bias(ctx, q_len, k_len, device, layer)
         term = self.term(ctx, layer, q_len, k_len, device)
-        bias = None if term is None else term_bias(term, None, q_len, k_len, ctx.q_offset)
+        bias = None if term is None else term_bias(term, None, q_len, k_len, ctx.q_offset,
+                                                   cache_sinks=self.cache_sinks())
         if bias is None:
             return torch.zeros(1, self.info.num_heads, q_len, k_len, device=device)
         return bias

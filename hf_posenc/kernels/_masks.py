@@ -7,12 +7,18 @@ Query i is key ``q_offset + i`` throughout (its own key index, ``qi``).
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
 
 import torch
 
 __all__ = [
-    "allowed_keys", "band_allowed", "check_sink", "check_window", "memo_per_mask", "query_indices", "windowed_allowed",
+    "SINK_POSITIONS", "CacheSinks", "allowed_keys", "band_allowed", "cache_sinks", "check_sink",
+    "check_sink_positions", "check_window", "memo_per_mask", "query_indices", "windowed_allowed",
 ]
+
+#: where ``sink_positions`` puts the attention sinks for the position encoding: at their own positions (``"text"``),
+#: or at their cache positions (``"cache"``, StreamingLLM's, `CacheSinks`).
+SINK_POSITIONS = ("text", "cache")
 
 
 def check_window(window: object, where: str = "window") -> int | None:
@@ -68,6 +74,60 @@ def check_sink(sink: object, window: int | None, where: str = "sink") -> int | N
     if window is None:
         raise ValueError(f"{where} ({sink}) needs a sliding window: without window= every query sees every key already")
     return sink
+
+
+def check_sink_positions(value: object, sink: int | None, where: str = "sink_positions") -> str | None:
+    """``sink_positions`` validated: None (the sinks at their text positions), ``"text"`` or ``"cache"``; set only
+    with sinks (ValueError otherwise)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in SINK_POSITIONS:
+        raise ValueError(f"{where} must be one of {list(SINK_POSITIONS)} or None, got {value!r}")
+    if sink is None:
+        raise ValueError(f"{where}={value!r} needs attention sinks (sink=k with a window)")
+    return value
+
+
+@dataclass(frozen=True)
+class CacheSinks:
+    """The attention sinks at their cache positions (``sink_positions="cache"``; StreamingLLM, Xiao et al. 2023,
+    arXiv:2309.17453): the one statement of the rule, read by the references, every engine of the position terms and
+    the rotary remap (the Triton kernel's ``SINK_CACHE`` branch writes the same two lines in kernel code).
+
+    With a causal sliding window of ``window`` keys (query qi sees qi − W < j <= qi) and ``sink`` sinks (the keys
+    j < sink, seen besides it), a sink the window no longer covers (δ = qi − j >= W) sits just before the window's
+    oldest key, at distance W + sink − 1 − j (sink − 1 at W, sink 0 at W + sink − 1) instead of δ; every other
+    pair keeps δ. Which keys are sinks goes by cache index, as the window's sinks."""
+
+    window: int
+    sink: int
+
+    def far(self, delta: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        """Which pairs at distance ``delta`` = qi − j with key (cache index) ``j`` are sinks outside the window
+        (broadcasting tensors -> bool)."""
+        return (delta >= self.window) & (j < self.sink)
+
+    def distance(self, j: torch.Tensor) -> torch.Tensor:
+        """The distance W + sink − 1 − j at which sink ``j`` sits when the window no longer covers it."""
+        return self.window + self.sink - 1 - j
+
+    def delta(self, delta: torch.Tensor, j: torch.Tensor, j_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """``delta`` (= qi − j, broadcasting with ``j``) with the far sinks (`far`) at their cache distance
+        (`distance`; of ``j_pos``, the sinks' positions where they differ from their cache indices ``j``)."""
+        return torch.where(self.far(delta, j), self.distance(j if j_pos is None else j_pos), delta)
+
+
+def cache_sinks(sink_positions: object, window: int | None, sink: int | None, causal: bool,
+                where: str = "sink_positions") -> CacheSinks | None:
+    """The `CacheSinks` of an engine call (``window`` and ``sink`` already checked), or None where the sinks sit at
+    their text positions: ``sink_positions`` None, ``"text"`` or ``"cache"`` (`check_sink_positions`); ``"cache"``
+    only with sinks and causal attention (ValueError otherwise)."""
+    if check_sink_positions(sink_positions, sink, where) != "cache":
+        return None
+    if not causal:
+        raise ValueError(f"{where}='cache' is defined on causal attention only (the sinks move to just before the "
+                         "window's oldest key, which a bidirectional window does not have)")
+    return CacheSinks(window, sink)
 
 
 def band_allowed(

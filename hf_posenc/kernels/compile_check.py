@@ -37,7 +37,8 @@ SMEM_LIMIT = {90: 232448, 80: 166912}
 
 #: constexpr arguments named in a record (tiles and dims).
 _CONFIG_KEYS = ("TERM", "HEAD_D", "D", "BLOCK_D", "BD", "BLOCK_M", "BM", "BLOCK_N", "BN", "BLOCK_L", "S", "NP",
-                "RP", "NHP", "PREC", "TPREC", "HAS_MASK", "HAS_VALID", "CAUSAL", "HAS_WINDOW", "HAS_SINK")
+                "RP", "NHP", "PREC", "TPREC", "HAS_MASK", "HAS_VALID", "CAUSAL", "HAS_WINDOW", "HAS_SINK",
+                "SINK_CACHE")
 
 
 @dataclass
@@ -199,7 +200,7 @@ def _rand(shape, dtype, grad):
 
 
 def _attention(kind: str, dtype, d: int, causal=True, padded=True, hkv=HKV, lq=L, train=True, window=None,
-               sink=None):
+               sink=None, sink_positions=None):
     import torch
 
     from .attention.terms import example_term
@@ -214,12 +215,13 @@ def _attention(kind: str, dtype, d: int, causal=True, padded=True, hkv=HKV, lq=L
         k, v = _rand((B, hkv, L, d), dtype, train), _rand((B, hkv, L, d), dtype, train)
         valid = torch.ones(B, L, dtype=torch.bool) if padded else None
         out = fused_attention(q, k, v, term, scale=d**-0.5, causal=causal, q_offset=L - lq, key_valid=valid,
-                              window=window, sink=sink)
+                              window=window, sink=sink, sink_positions=sink_positions)
         if train:
             out.float().sum().backward()
 
     label = f"attention {kind} {dtype} D{d}{'' if causal else ' bidir'}{' padded' if padded else ''} G{H // hkv}"
-    return label + f" Lq{lq}{'' if train else ' fwd'}{f' window{window}' if window else ''}{_sink(sink)}", fn
+    cache = " at cache positions" if sink_positions == "cache" else ""
+    return label + f" Lq{lq}{'' if train else ' fwd'}{f' window{window}' if window else ''}{_sink(sink)}{cache}", fn
 
 
 def _sink(sink) -> str:
@@ -317,7 +319,8 @@ def cases(matrix: str = "representative") -> list[tuple[str, Callable[[], None]]
     * ``representative``: every kernel and term kind at D = 128 forward and backward, each dtype at least
       once (float32 where it costs the most), head dim 40 (padded) once per family, decode (one query) once,
       and each family once with a sliding window (``HAS_WINDOW``; the size is a runtime argument) and once with a
-      window and attention sinks (``HAS_SINK``; a runtime argument too).
+      window and attention sinks (``HAS_SINK``; a runtime argument too); the Toeplitz terms with their own branch
+      once more with the sinks at their cache positions (``SINK_CACHE``).
     * ``full``: every term kind x dtype x head dim (40, 64, 128) with and without padding / masks, MHA and
       decode, and the options of sba and cope.
     """
@@ -327,6 +330,8 @@ def cases(matrix: str = "representative") -> list[tuple[str, Callable[[], None]]
 
     #: every term the Triton kernel runs, on its own branch or another's (dpb: t5's, with a table of 2L − 1 rows)
     triton_terms = tuple(kind for kind, spec in TERMS.items() if spec.triton is not None)
+    #: those whose branch takes the sinks at their cache positions (SINK_CACHE): the Toeplitz terms
+    toeplitz = tuple(kind for kind in triton_terms if TERMS[kind].form == "toeplitz")
     if matrix not in MATRICES:
         raise ValueError(f"matrix must be one of {MATRICES}, got {matrix!r}")
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
@@ -354,6 +359,7 @@ def cases(matrix: str = "representative") -> list[tuple[str, Callable[[], None]]
         out += [_attention("alibi", bf16, 128, window=64, sink=4),
                 _attention("shaw", f32, 128, causal=False, window=64, sink=4),
                 _sba(bf16, 128, window=64, sink=4), _cope(f32, 128, window=64, sink=4)]
+        out += [_attention(kind, bf16, 128, window=64, sink=4, sink_positions="cache") for kind in toeplitz]
         return out
     for kind in triton_terms:
         for dt in (f32, bf16, f16):
@@ -365,6 +371,8 @@ def cases(matrix: str = "representative") -> list[tuple[str, Callable[[], None]]
             out.append(_attention(kind, dt, 128, window=64))
             out.append(_attention(kind, dt, 128, causal=False, window=64))
             out.append(_attention(kind, dt, 128, window=64, sink=4))
+            if kind in toeplitz:
+                out.append(_attention(kind, dt, 128, window=64, sink=4, sink_positions="cache"))
     for dt in (f32, bf16, f16):
         for d in (40, 64, 128):
             for ac, rem, mask in ((False, "discard", True), (True, "current", False), (False, "bias", True)):

@@ -5,8 +5,8 @@ carries a plan object and loops over tiles in Python). Registered as ``torch.lib
 is one opaque node in the compiled graph, forward and backward:
 
 * ``hf_posenc::tiled_attention`` (q, k, v, mask?, key_valid?, q_offset?, term tensors, the term's kind and
-  integer parameters, scale, causal, int offset, block sizes, window, sink, band) -> (out, lse) in the compute dtype
-  (float32; float64 for float64 queries). ``register_fake`` gives the shapes from the inputs' (symbolic)
+  integer parameters, scale, causal, int offset, block sizes, window, sink, sink_positions, band) -> (out, lse) in
+  the compute dtype (float32; float64 for float64 queries). ``register_fake`` gives the shapes from the inputs' (symbolic)
   shapes, so a compiled model that sees several lengths does not recompile per length (with ``dynamic=True``
   or ``mark_dynamic``); the loops over tiles run inside the op, not in the graph.
 * ``hf_posenc::tiled_attention_backward`` (the same inputs, the forward's out and lse, dO, which term tensors
@@ -36,10 +36,10 @@ from torch import Tensor
 
 from ..backend import forced_backend
 from ._attn_dispatch import kernel_preferred, last_dim_contiguous
-from ._masks import check_sink, mask_key_validity
+from ._masks import cache_sinks as _cache_sinks, mask_key_validity
 from .attention import fused_attention, kernel_unsupported
 from .attention.naive import band_allowed, term_bias
-from .attention.terms import KernelTerm
+from .attention.terms import KernelTerm, enter_sinks
 from .attention.tiled import BLOCK_K, BLOCK_Q, TiledAttentionFunction, _Plan, tiled_unsupported
 
 __all__ = ["tiled_attention_op"]
@@ -73,10 +73,12 @@ class _Saved(SimpleNamespace):
 
 
 def _plan(kind: str, names: str, ints: str, scale: float, causal: bool,
-          q_offset: int | None, block_q: int, block_k: int, window: int | None, sink: int | None = None) -> _Plan:
+          q_offset: int | None, block_q: int, block_k: int, window: int | None, sink: int | None = None,
+          sink_positions: str | None = None) -> _Plan:
     keys = tuple(n for n in names.split(",") if n)
     params = {n: int(v) for n, v in (item.split("=") for item in ints.split(",") if item)}
-    return _Plan(kind, keys, params, float(scale), bool(causal), q_offset, int(block_q), int(block_k), window, sink)
+    return _Plan(kind, keys, params, float(scale), bool(causal), q_offset, int(block_q), int(block_k), window, sink,
+                 _cache_sinks(sink_positions, window, sink, causal))
 
 
 def _resolve_mask(mask: Tensor | None, key_valid: Tensor | None, causal: bool, q_len: int, k_len: int,
@@ -92,10 +94,11 @@ def _resolve_mask(mask: Tensor | None, key_valid: Tensor | None, causal: bool, q
 
 
 def _masked_reference(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, term: KernelTerm, scale: float,
-                      causal: bool, q_offset: int | Tensor, window: int | None, sink: int | None = None) -> Tensor:
+                      causal: bool, q_offset: int | Tensor, window: int | None, sink: int | None = None,
+                      sink_positions: str | None = None) -> Tensor:
     """softmax(scale · q kᵀ + B) v (+ shaw's value term) under an arbitrary bool ``mask`` (B|1, 1, Lq, Lk) and the
-    ``window`` with its ``sink`` keys, in the compute dtype; rows with no visible key are 0. Differentiable in every
-    input."""
+    ``window`` with its ``sink`` keys (at their cache positions for ``sink_positions="cache"``), in the compute dtype;
+    rows with no visible key are 0. Differentiable in every input."""
     dtype = _compute_dtype(query.dtype)
     b, h, q_len, _ = query.shape
     k_len = key.shape[2]
@@ -104,7 +107,7 @@ def _masked_reference(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, t
     k = key.to(dtype).repeat_interleave(groups, dim=1)
     v = value.to(dtype).repeat_interleave(groups, dim=1)
     offset = q_offset if isinstance(q_offset, int) else q_offset.to(torch.long)
-    bias = term_bias(term, query, q_len, k_len, offset)
+    bias = term_bias(term, query, q_len, k_len, offset, cache_sinks=_cache_sinks(sink_positions, window, sink, causal))
     scores = q @ k.transpose(-1, -2)
     if term.spec.value_term is not None:  # a term with a value term (shaw): its key term is scaled with the logits
         scores = (scores + bias) * scale
@@ -132,23 +135,24 @@ _EXACT = (torch.Tag.needs_exact_strides,)
 def _tiled_attention(
     query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, key_valid: Tensor | None,
     q_offset_tensor: Tensor | None, term: list[Tensor], kind: str, names: str, ints: str, scale: float, causal: bool, q_offset: int, block_q: int, block_k: int,
-    window: int | None, sink: int | None, band: int | None, engine: str,
+    window: int | None, sink: int | None, sink_positions: str | None, band: int | None, engine: str,
 ) -> tuple[Tensor, Tensor]:
     """(out (B, H, Lq, D), lse (B, H, Lq)) in the compute dtype; see the module docstring."""
     offset = q_offset_tensor if q_offset_tensor is not None else q_offset
     valid, reason = _resolve_mask(mask, key_valid, causal, query.shape[2], key.shape[2], offset, band)
     plan = _plan(kind, names, ints, scale, causal, None if q_offset_tensor is not None else q_offset,
-                 block_q, block_k, window, sink)
+                 block_q, block_k, window, sink, sink_positions)
     if reason is not None:
         logger.debug("hf_posenc::tiled_attention runs the full-matrix reference: %s", reason)
         with torch.no_grad():
             out = _masked_reference(query, key, value, mask, plan.term(tuple(term)), scale, causal, offset, window,
-                                    sink)
+                                    sink, sink_positions)
         return out, out.new_zeros(out.shape[:-1])
     if _runs_triton(engine, query, key, value, plan.term(tuple(term))):
         with torch.no_grad():
             out = fused_attention(query, key, value, plan.term(tuple(term)), scale=scale, causal=causal,
-                                  q_offset=offset, key_valid=valid, window=window, sink=sink)
+                                  q_offset=offset, key_valid=valid, window=window, sink=sink,
+                                  sink_positions=sink_positions)
         # the kernels' backward recomputes what it needs (the op's backward runs them again): no lse is kept
         dtype = _compute_dtype(query.dtype)
         return out.to(dtype).contiguous(), out.new_zeros(out.shape[:-1], dtype=dtype)
@@ -162,7 +166,7 @@ def _tiled_attention(
 
 @_tiled_attention.register_fake
 def _(query, key, value, mask, key_valid, q_offset_tensor, term, kind, names, ints, scale, causal,
-      q_offset, block_q, block_k, window, sink, band, engine):
+      q_offset, block_q, block_k, window, sink, sink_positions, band, engine):
     dtype = _compute_dtype(query.dtype)
     return query.new_empty(query.shape, dtype=dtype), query.new_empty(query.shape[:-1], dtype=dtype)
 
@@ -172,26 +176,27 @@ def _tiled_attention_backward(
     grad_out: Tensor, out: Tensor, lse: Tensor, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
     key_valid: Tensor | None, q_offset_tensor: Tensor | None, term: list[Tensor], need: list[bool], kind: str,
     names: str, ints: str, scale: float, causal: bool, q_offset: int, block_q: int,
-    block_k: int, window: int | None, sink: int | None, band: int | None, engine: str,
+    block_k: int, window: int | None, sink: int | None, sink_positions: str | None, band: int | None, engine: str,
 ) -> list[Tensor]:
     """[dq, dk, dv, *d(term)] (zeros for a term tensor that needs no gradient), in the inputs' dtypes."""
     offset = q_offset_tensor if q_offset_tensor is not None else q_offset
     valid, reason = _resolve_mask(mask, key_valid, causal, query.shape[2], key.shape[2], offset, band)
     plan = _plan(kind, names, ints, scale, causal, None if q_offset_tensor is not None else q_offset,
-                 block_q, block_k, window, sink)
+                 block_q, block_k, window, sink, sink_positions)
     leaves = [t.detach().requires_grad_(t.is_floating_point() and wanted)
               for t, wanted in zip((query, key, value, *term), (True, True, True, *need))]
     if reason is not None:
         grads = _recomputed_grads(lambda q, k, v, *tt: _masked_reference(
-            q, k, v, mask, plan.term(tt), scale, causal, offset, window, sink), leaves, grad_out)
+            q, k, v, mask, plan.term(tt), scale, causal, offset, window, sink, sink_positions), leaves, grad_out)
     elif _runs_triton(engine, *leaves[:3], plan.term(tuple(leaves[3:]))):  # the kernels' forward, then backward
         grads = _recomputed_grads(lambda q, k, v, *tt: fused_attention(
             q, k, v, plan.term(tt), scale=scale, causal=causal, q_offset=offset, key_valid=valid, window=window,
-            sink=sink), leaves, grad_out)
+            sink=sink, sink_positions=sink_positions), leaves, grad_out)
     else:
         if engine == "triton":  # the forward ran the kernels: the engine's backward needs its own out and lse
             out, lse = _tiled_attention(query, key, value, mask, key_valid, q_offset_tensor, term, kind, names, ints,
-                                        scale, causal, q_offset, block_q, block_k, window, sink, band, "torch")
+                                        scale, causal, q_offset, block_q, block_k, window, sink, sink_positions, band,
+                                        "torch")
         q_off_t = None if q_offset_tensor is None else q_offset_tensor.to(device=query.device,
                                                                            dtype=torch.long).reshape(())
         saved = _Saved(plan=plan, needs_input_grad=(True, True, True, False, False, False, *need))
@@ -247,12 +252,12 @@ def _aliases(t: Tensor, inputs: tuple[Tensor, ...]) -> bool:
 
 @_tiled_attention_backward.register_fake
 def _(grad_out, out, lse, query, key, value, mask, key_valid, q_offset_tensor, term, need, kind, names, ints,
-      scale, causal, q_offset, block_q, block_k, window, sink, band, engine):
+      scale, causal, q_offset, block_q, block_k, window, sink, sink_positions, band, engine):
     return [torch.empty_like(t) for t in (query, key, value, *term)]
 
 
 _SCALARS = ("kind", "names", "ints", "scale", "causal", "q_offset", "block_q", "block_k", "window",
-            "sink", "band", "engine")
+            "sink", "sink_positions", "band", "engine")
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -291,6 +296,7 @@ def tiled_attention_op(
     band: int | None = None,
     engine: str = "torch",
     sink: int | None = None,
+    sink_positions: str | None = None,
 ) -> Tensor:
     """`hf_posenc.kernels.attention.tiled_attention` through the custom op (traceable by ``torch.compile``),
     or with ``engine="triton"`` the Triton kernels (`fused_attention`) where
@@ -299,7 +305,7 @@ def tiled_attention_op(
     Args:
         query: (B, H, Lq, D); key, value: (B, Hkv, Lk, D) (``term.key`` / ``term.value`` replace them when set).
         term: the position term (a kind the tile engine runs: ``terms.tiled_kinds()``).
-        scale, causal, window, sink: as for ``tiled_attention``.
+        scale, causal, window, sink, sink_positions: as for ``tiled_attention``.
         q_offset: key index of the first query: an int or a 0-d integer tensor.
         mask: None, or a bool mask (B|1, 1, Lq, Lk) (True = attend), checked inside the op (module docstring).
         key_valid: (B|1, Lk) bool or None (False on padding keys), when the caller has already checked its mask.
@@ -311,7 +317,8 @@ def tiled_attention_op(
         (B, H, Lq, D) in the query's dtype.
 
     Raises:
-        ValueError: the term does not fit the inputs (``tiled_unsupported``).
+        ValueError: the term does not fit the inputs (``tiled_unsupported``), or the sink options
+            (``terms.enter_sinks``).
     """
     key = term.key if term.key is not None else key
     value = term.value if term.value is not None else value
@@ -320,13 +327,13 @@ def tiled_attention_op(
         raise ValueError(reason)
     off_tensor = isinstance(q_offset, Tensor)
     term.check(query, key, q_offset)
-    sink = check_sink(sink, window)
+    sink, _ = enter_sinks(term, window, sink, sink_positions, causal)
     block_q = BLOCK_Q if window is None else max(64, min(BLOCK_Q, window // 2))
     names = tuple(term.tensors)
     out, _ = _tiled_attention(
         query, key, value, mask, key_valid, q_offset if off_tensor else None, list(term.tensors.values()), term.kind,
         ",".join(names), ",".join(f"{n}={int(v)}" for n, v in term.ints.items()), float(scale), bool(causal),
-        0 if off_tensor else q_offset, block_q, BLOCK_K, window, sink, band, engine,
+        0 if off_tensor else q_offset, block_q, BLOCK_K, window, sink, sink_positions, band, engine,
     )
     return out.to(query.dtype)
 

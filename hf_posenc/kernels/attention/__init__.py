@@ -14,7 +14,9 @@ Every entry point takes ``window`` (None, or an int >= 1: a sliding window, caus
 bidirectional |qi − j| < window): the reference applies it as a band mask, the tile-wise engine and the Triton
 kernels never build or load the key tiles outside it, FlexAttention folds it into its block mask. And ``sink``
 (None, or an int >= 1 with a window: attention sinks, the keys j < sink seen besides the band): the engines visit
-the sink keys' tiles and still skip those between them and the window.
+the sink keys' tiles and still skip those between them and the window. And ``sink_positions`` (None or ``"text"``;
+``"cache"``, causal with a Toeplitz term: a sink the window no longer covers takes the term at its cache distance
+window + sink − 1 − j, StreamingLLM's, stated once in `hf_posenc.kernels._masks.CacheSinks`).
 
 The one dispatch point is `hf_posenc.attention.posenc_attention`: the kernel when the tensors are on
 CUDA, Triton imports and the encoding has a kernel term; the reference otherwise; ``HF_POSENC_BACKEND``

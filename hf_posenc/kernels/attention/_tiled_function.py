@@ -65,6 +65,8 @@ class TiledAttentionFunction(torch.autograd.Function):
         need = ctx.needs_input_grad[6:]
         want_term = any(need)
         g_dist = q.new_zeros(tile.rev.shape) if plan.form == "toeplitz" and want_term else None
+        # the far sinks' dS at their cache distances (H, k), where the sinks sit at their cache positions
+        g_sink = q.new_zeros(tile.sink_values.shape) if g_dist is not None and tile.sink_values is not None else None
         dc = torch.zeros_like(tile.c) if plan.form == "gate" and want_term else None
         pair = tile.pair
         if pair is not None:
@@ -97,9 +99,10 @@ class TiledAttentionFunction(torch.autograd.Function):
             dq, dk, dv = fused_backward_plain(plan, tile, q, k, v, out, lse, do, valid, q_off, b, h, hkv, d, underflow)
         else:
             dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-            _online_backward(plan, tile, q, k, v, lse, do, delta, valid, q_off, b, h, hkv, d, dq, dk, dv, g_dist, dc)
+            _online_backward(plan, tile, q, k, v, lse, do, delta, valid, q_off, b, h, hkv, d, dq, dk, dv, g_dist, dc,
+                             g_sink)
         dq = dq * plan.scale
-        grads = _term_grads(plan, tensors, need, tile, g_dist, dc, pair.grads() if pair is not None else {})
+        grads = _term_grads(plan, tensors, need, tile, g_dist, dc, pair.grads() if pair is not None else {}, g_sink)
         return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None, *grads)
 
 
@@ -152,9 +155,10 @@ def _key_tiles(plan: _Plan, q0: int, q1: int, k_len: int):
 
 
 def _online_backward(plan: _Plan, tile: _Tile, q, k, v, lse, do, delta, valid, q_off, b, h, hkv, d, dq, dk, dv,
-                     g_dist, dc) -> None:
+                     g_dist, dc, g_sink=None) -> None:
     """Accumulate dq (of the scaled q), dk, dv and the term's per-tile gradient sums (``g_dist``: a Toeplitz term's
-    per-distance dS; ``dc``: a gate's; a pair term's by its tiles, ``PairTiles``) by recomputing each tile's
+    per-distance dS, and ``g_sink`` its far sinks' at their cache distances where the sinks sit at their cache
+    positions; ``dc``: a gate's; a pair term's by its tiles, ``PairTiles``) by recomputing each tile's
     probabilities from the saved log-sum-exp, in place."""
     pair = tile.pair
     q_len, k_len = q.shape[2], k.shape[2]
@@ -192,6 +196,8 @@ def _online_backward(plan: _Plan, tile: _Tile, q, k, v, lse, do, delta, valid, q
             dq_b += dsg @ kb
             dk[:, :, k0:k1] += dsg.transpose(-1, -2) @ qg
             if g_dist is not None:  # rows reversed: anti-diagonal c is rev index t0 + c (see Tile.bias)
+                if g_sink is not None:  # the far sinks are not at their anti-diagonal's distance
+                    tile.far_sink_grads(ds, qi, k0, k1, g_sink)
                 t0 = q_len - q1 + k0
                 g_dist[:, t0 : t0 + n + (k1 - k0) - 1] += _antidiagonal_sums(buf, k1 - k0)
             elif dc is not None:
@@ -210,16 +216,20 @@ def _online_backward(plan: _Plan, tile: _Tile, q, k, v, lse, do, delta, valid, q
                 dq[:, :, q0:q1] += extra
 
 
-def _term_grads(plan, tensors, need, tile, g_dist, dc, by_name: dict) -> list:
+def _term_grads(plan, tensors, need, tile, g_dist, dc, by_name: dict, g_sink=None) -> list:
     """The gradients of the term tensors, in ``plan.names`` order: a Toeplitz term's from its per-distance dS
-    (``g_dist``) and a −s · |δ| term's from its key channel's (``dc``) by autograd through the registry entry, a
-    gate's ``dc`` itself, a pair term's by name (``by_name``, from its tiles)."""
+    (``g_dist``, and ``g_sink`` at the far sinks' cache distances) and a −s · |δ| term's from its key channel's
+    (``dc``) by autograd through the registry entry, a gate's ``dc`` itself, a pair term's by name (``by_name``, from
+    its tiles)."""
     grads: list = [None] * len(tensors)
     if plan.form == "toeplitz" and g_dist is not None:
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(bool(w)) for t, w in zip(tensors, need)]
-            values = distance_values(plan.term(tuple(leaves)), tile.delta)
-            grads = _autograd(values, g_dist.flip(-1).to(values.dtype), leaves, need)
+            delta, g = tile.delta, g_dist.flip(-1)
+            if g_sink is not None:
+                delta, g = torch.cat([delta, tile.sink_delta]), torch.cat([g, g_sink], -1)
+            values = distance_values(plan.term(tuple(leaves)), delta)
+            grads = _autograd(values, g.to(values.dtype), leaves, need)
     elif plan.form == "gate" and dc is not None:
         grads[0] = dc
     elif plan.spec.slope is not None and dc is not None:  # c[j] = −s · j (the key channel): ds = −Σ_j dc_j · j

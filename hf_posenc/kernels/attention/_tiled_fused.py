@@ -255,9 +255,10 @@ def _slope_channel(plan: _Plan, valid: torch.Tensor | None) -> bool:
     threads, forward + backward against SDPA's): unsplit (B = 2, left padding, L = 1024) the channel took 124 ms
     against 185 ms for the per-block float mask with ``_subnormal_free`` (SDPA with a bool mask: 96-110 ms); split,
     ALiBi's far keys as a strided view of its Toeplitz values took 133 ms against the channel's 145 ms (SDPA
-    108 ms): the kernel is about 17 % slower at head_dim 33 than 32, and reading a view costs it less."""
+    108 ms): the kernel is about 17 % slower at head_dim 33 than 32, and reading a view costs it less. Not with the
+    sinks at their cache positions: a far sink's −s · (W + sink − 1 − j) is no c[qi] − c[j]."""
     return (plan.spec.slope is not None and plan.causal and plan.q_offset is not None
-            and not _splits_at_diagonal(plan, valid))
+            and not _splits_at_diagonal(plan, valid) and plan.cache_sinks is None)
 
 
 def _splits_at_diagonal(plan: _Plan, valid: torch.Tensor | None) -> bool:

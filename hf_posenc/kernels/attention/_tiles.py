@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from .._masks import CacheSinks
 from .term_spec import KernelTerm, term_spec
 
 
@@ -124,6 +125,7 @@ class _Plan:
         block_k: int,
         window: int | None = None,
         sink: int | None = None,
+        cache_sinks: CacheSinks | None = None,
     ) -> None:
         self.kind, self.names, self.ints = kind, names, ints
         self.spec = term_spec(kind)
@@ -134,6 +136,9 @@ class _Plan:
         #: attention sinks (with a window): the keys j < sink are seen besides the band (causal: by the queries at
         #: or after them). Their key tiles are visited, the tiles between them and the window are not.
         self.sink = sink if window is not None else None
+        #: the sinks at their cache positions (``sink_positions="cache"``, a Toeplitz term): the far sinks' term at
+        #: their cache distance (`_Tile.bias`, `_Tile.far_sink_grads`); None: at their text positions.
+        self.cache_sinks = cache_sinks if self.sink is not None else None
         #: the autotuner's choice between the two exact CPU paths (hf_posenc.kernels.autotune, site
         #: ``tiled.engine``): True for torch's fused kernel per block, False for the online passes, None where
         #: the fused kernel does not apply (``_flash_available`` decides). Forward and backward read the same one.
@@ -240,6 +245,12 @@ class _Tile:
                 values = distance_values(plan.term(tensors), self.delta).to(dtype)
             self.rev = values.flip(-1).contiguous()  # rev[t] = F[N − 1 − t]
             self.squares: dict[int, torch.Tensor] = {}  # the diagonal square's term per size (see square)
+        #: with the sinks at their cache positions: each sink key's cache distance (k,) and the term there (H, k)
+        self.sink_delta = self.sink_values = None
+        if self.form == "toeplitz" and plan.cache_sinks is not None:
+            self.sink_delta = plan.cache_sinks.distance(torch.arange(min(plan.sink, k_len), device=device))
+            with torch.no_grad():
+                self.sink_values = distance_values(plan.term(tensors), self.sink_delta).to(dtype)
         #: a pair term's tiles (its registry entry's ``tiles``), else None
         self.pair = plan.spec.tiles(plan, self.t, dtype) if self.form == "pair" else None
         if self.form == "gate":
@@ -253,7 +264,8 @@ class _Tile:
         """The largest gap between two of the term's values within a head (an upper bound), or None where it is
         not cheap to know (data-dependent terms)."""
         if self.form == "toeplitz":
-            return float((self.rev.amax(-1) - self.rev.amin(-1)).max()) if self.rev.numel() else 0.0
+            values = self.rev if self.sink_values is None else torch.cat([self.rev, self.sink_values], -1)
+            return float((values.amax(-1) - values.amin(-1)).max()) if values.numel() else 0.0
         if self.pair is not None:
             return self.pair.spread()
         if self.form == "none":
@@ -289,12 +301,36 @@ class _Tile:
         dist = (torch.arange(k0, k1, device=qi.device) - r).to(self.dtype)
         return (self.slopes[:, None] * dist[None])[None], ref
 
+    def _far_sinks(self, qi: torch.Tensor, k0: int, k1: int) -> torch.Tensor:
+        """(n, s) bool: which of the sink keys k0 .. k0 + s − 1 of the tile of keys k0 .. k1 − 1 (the sinks among them)
+        the rows at key indices ``qi`` (in the tile's row order) see outside their window (`CacheSinks.far`)."""
+        j = torch.arange(k0, min(k1, self.sink_values.shape[-1]), device=qi.device)
+        return self.plan.cache_sinks.far(qi[:, None] - j[None, :], j[None, :])
+
+    def far_sink_grads(self, ds: torch.Tensor, qi: torch.Tensor, k0: int, k1: int, g_sink: torch.Tensor) -> None:
+        """With the sinks at their cache positions: the dS (B, H, n, m) of the tile's far sinks (rows at key indices
+        ``qi``, keys k0 .. k1 − 1) summed into their per-sink gradient ``g_sink`` (H, k) and zeroed in ``ds`` in
+        place, so that the anti-diagonal sums (the gradient per distance δ = qi − j) leave them out."""
+        if self.sink_values is None or k0 >= self.sink_values.shape[-1]:
+            return
+        far = self._far_sinks(qi, k0, k1)
+        sinks = ds[..., : far.shape[-1]]
+        g_sink[:, k0 : k0 + far.shape[-1]] += sinks.masked_fill(~far, 0.0).sum((0, 2))
+        sinks.masked_fill_(far, 0.0)
+
     def bias(self, qi: torch.Tensor, q0: int, q1: int, k0: int, k1: int, ctx_q: torch.Tensor | None):
         """The additive term of the tile, broadcastable to (B, H, n, m), or None."""
         n, m = q1 - q0, k1 - k0
         if self.form == "toeplitz":  # rows reversed: row i' is query q1 − 1 − i', T[i', j] = rev[t0 + i' + j]
             t0 = self.q_len - q1 + k0
-            return self.rev.unfold(-1, m, 1)[None, :, t0 : t0 + n]  # (1, H, n, m), a strided view
+            view = self.rev.unfold(-1, m, 1)[None, :, t0 : t0 + n]  # (1, H, n, m), a strided view
+            if self.sink_values is None or k0 >= self.sink_values.shape[-1]:
+                return view
+            far = self._far_sinks(qi, k0, k1)  # a tile that holds sinks: theirs at their cache distance
+            out = view.clone()
+            sinks = out[..., : far.shape[-1]]
+            sinks.copy_(torch.where(far, self.sink_values[None, :, None, k0 : k0 + far.shape[-1]], sinks))
+            return out
         if self.form == "gate":
             if isinstance(self.q_off, torch.Tensor):
                 cq = self.c.index_select(-1, qi)

@@ -16,8 +16,8 @@ import warnings
 import torch
 
 from .naive import check_window
-from .._masks import check_sink
-from .terms import KernelTerm, at_least_float32, enter, flex_kinds
+from .._masks import CacheSinks
+from .terms import KernelTerm, at_least_float32, enter, enter_sinks, flex_kinds
 
 __all__ = ["flex_attention_term", "score_mod_for"]
 
@@ -29,9 +29,10 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def score_mod_for(term: KernelTerm, q_offset: int):
+def score_mod_for(term: KernelTerm, q_offset: int, cache_sinks: CacheSinks | None = None):
     """The score_mod ``(score, b, h, q_idx, kv_idx) -> score + B_h(i, j)`` of ``term`` (None for ``none``): its
-    registry entry's value (`value`) on FlexAttention's indices."""
+    registry entry's value (`value`) on FlexAttention's indices; with ``cache_sinks`` (a Toeplitz term) a far
+    sink's at its cache distance (`CacheSinks.delta`)."""
     spec = term.spec
     if not spec.flex:
         raise ValueError(f"the {term.kind} term has no FlexAttention form; allowed: {', '.join(flex_kinds())}")
@@ -42,7 +43,8 @@ def score_mod_for(term: KernelTerm, q_offset: int):
 
     def score_mod(score, b, h, q_idx, kv_idx):
         if value is not None:
-            return score + value(t, h, q_idx + q_offset - kv_idx)
+            delta = q_idx + q_offset - kv_idx
+            return score + value(t, h, delta if cache_sinks is None else cache_sinks.delta(delta, kv_idx))
         return score + spec.pair(t, ints, b, h, q_idx, q_idx + q_offset, kv_idx)
 
     return score_mod
@@ -92,20 +94,23 @@ def flex_attention_term(
     memo: dict | None = None,
     window: int | None = None,
     sink: int | None = None,
+    sink_positions: str | None = None,
 ) -> torch.Tensor:
     """softmax(scale · q kᵀ + B) v with FlexAttention; q (B, H, Lq, D), k, v (B, Hkv, Lk, D) -> (B, H, Lq, D).
 
     ``memo`` (e.g. the per-forward ``PosContext.memo``) keeps the block mask across layers. ``window``: None or
     an int >= 1, a sliding window folded into the block mask (causal: qi − window < j <= qi; bidirectional:
     |qi − j| < window), so the key blocks outside it are skipped; TypeError / ValueError otherwise. ``sink``:
-    None or an int >= 1 with a window, the keys j < sink seen besides the band (their blocks are kept)."""
+    None or an int >= 1 with a window, the keys j < sink seen besides the band (their blocks are kept);
+    ``sink_positions="cache"`` puts them at their cache positions in the score_mod (as ``naive.attention_reference``
+    does)."""
     key, value, window = enter(query, key, value, term, q_offset, window, check_window)
-    sink = check_sink(sink, window)
+    sink, cache = enter_sinks(term, window, sink, sink_positions, causal)
     from torch.nn.attention.flex_attention import flex_attention
 
     b, h, q_len, _ = query.shape
     k_len = key.shape[2]
-    score_mod = score_mod_for(term, int(q_offset))
+    score_mod = score_mod_for(term, int(q_offset), cache)
     block_mask = _block_mask(causal, int(q_offset), key_valid, b, q_len, k_len, query.device, memo, window, sink)
     gqa = key.shape[1] != h
     if query.device.type == "cuda":

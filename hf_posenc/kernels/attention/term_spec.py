@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import torch
 
+from .._masks import CacheSinks, cache_sinks, check_sink
+
 __all__ = [
     "FORMS",
     "SIZES",
@@ -24,6 +26,7 @@ __all__ = [
     "TritonHooks",
     "at_least_float32",
     "enter",
+    "enter_sinks",
     "example_term",
     "flex_kinds",
     "kernel_kinds",
@@ -499,3 +502,20 @@ def enter(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, term: Ker
     term.check(query, key, check_offset)
     return key, value, window
 
+
+
+def enter_sinks(term: KernelTerm, window: int | None, sink: object, sink_positions: object, causal: bool
+                ) -> tuple[int | None, CacheSinks | None]:
+    """The sink options every engine shares, checked (after `enter`, with its ``window``): (``sink`` (None or an int
+    >= 1 with a window), the `CacheSinks` of ``sink_positions="cache"`` or None). The sinks at their cache positions
+    move a pair's distance, so only a term of the distance alone takes them (a Toeplitz term, or none): ValueError
+    for any other, and for ``"cache"`` without sinks or on bidirectional attention; TypeError / ValueError for a bad
+    ``sink``."""
+    sink = check_sink(sink, window)
+    cache = cache_sinks(sink_positions, window, sink, causal)
+    if cache is not None and term.spec.form not in ("toeplitz", "none"):
+        raise ValueError(
+            f"sink_positions='cache' moves each far sink to distance W + sink - 1 - j, which only a term of the "
+            f"distance alone takes (a Toeplitz term: {', '.join(toeplitz_kinds())}); the {term.kind} term is a "
+            f"{term.spec.form} term")
+    return sink, cache

@@ -20,7 +20,9 @@ built; with a sliding ``window`` and an int offset the keys from its first query
 tiles left of the band are never built either, so the cost is O(Lq · (window + block_q)) per head; with
 attention sinks, ``sink``, a block also visits the sink keys [0, sink), as a key range of its own when a gap
 separates them from its window (``_Plan.key_ranges``; on the fused path the ranges' results merge by their
-log-sum-exp), never the tiles between). On the CPU in float32 (every term; Shaw when causal) each block is one
+log-sum-exp), never the tiles between; at their cache positions, ``sink_positions="cache"`` with a Toeplitz term,
+the tiles that hold sinks outside a row's window take the term at the sinks' cache distance instead, see below).
+On the CPU in float32 (every term; Shaw when causal) each block is one
 call of torch's fused CPU attention kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``, which returns
 the log-sum-exp) with the block's term as an additive float mask (B, H, block_q, keys seen), built from the
 term's small tensors: few large products win on the CPU. Causal with an int offset and no padding or window, a
@@ -50,6 +52,11 @@ full bias:
   term's small tensors and each tile is a strided (Toeplitz) view of them; backward, dS of each tile is
   summed along its lines of constant distance into a per-distance gradient (H, Lq + Lk − 1), and one autograd call carries
   that vector to the term's tensors (slopes, r1/r2, the sandwich table, the t5 table).
+  With the sinks at their cache positions (``_Plan.cache_sinks``, `hf_posenc.kernels._masks.CacheSinks`), the
+  far sinks' values are F at their cache distances W + sink − 1 − j (H, sink), computed once per call too; a tile
+  that holds sink keys is its view copied with those values put where a row no longer has the sink in its window
+  (``_Tile.bias``), and in backward those pairs' dS leaves the anti-diagonal sums for a per-sink sum
+  (``_Tile.far_sink_grads``), carried to the term's tensors by the same autograd call.
 * ``fox``: B = c[qi] − c[j]; dc_j = −Σ_i dS_ij (per key), dc_qi = Σ_j dS_ij (per query). On the CPU in
   float32 FoX runs the fused kernel both ways: a softmax row ignores its constant c[qi], so the bias is a
   per-key term c[ref] − c[j] (ref: the block's middle query) carried as one more key channel (queries carry a
@@ -100,10 +107,10 @@ from .. import autotune
 from ._tiled_fused import fused_applies
 from ._tiled_function import TiledAttentionFunction
 from ._tiles import _Plan
-from .._masks import band_allowed, check_sink
+from .._masks import band_allowed
 from .naive import check_window, term_bias
 from . import terms as _terms
-from .terms import KernelTerm, enter
+from .terms import KernelTerm, enter, enter_sinks
 
 __all__ = ["TILED_KINDS", "TiledAttentionFunction", "tiled_attention", "tiled_unsupported"]
 
@@ -156,6 +163,7 @@ def tiled_attention(
     window: int | None = None,
     memo: dict | None = None,
     sink: int | None = None,
+    sink_positions: str | None = None,
 ) -> torch.Tensor:
     """Attention with ``term``, tile by tile; same contract as ``naive.attention_reference``.
 
@@ -179,6 +187,8 @@ def tiled_attention(
             besides the band (causal: by the queries at or after them). With an int offset a query block visits
             the sink keys' tiles, then its window's (one range where they touch); the tiles between are never
             built.
+        sink_positions: None or ``"text"``, or ``"cache"`` (causal, a Toeplitz term): the sinks outside a row's
+            window take the term at their cache distance window + sink − 1 − j (module docstring).
         memo: a per-forward dict (``PosContext.memo``): a decoding step's mask and index tensors are built once
             for all the layers that share them (`FEW_QUERIES`).
 
@@ -187,7 +197,8 @@ def tiled_attention(
 
     Raises:
         ValueError: the term does not fit the inputs (see `tiled_unsupported`), bad block sizes, a
-            window or sink below 1, or a sink without a window.
+            window or sink below 1, a sink without a window, or ``sink_positions`` the call cannot take
+            (``terms.enter_sinks``).
         TypeError: ``window`` or ``sink`` is not an int (or None), or ``q_offset`` is neither an int nor a
             tensor.
     """
@@ -196,7 +207,7 @@ def tiled_attention(
         raise ValueError(reason)
     off_tensor = isinstance(q_offset, torch.Tensor)
     key, value, window = enter(query, key, value, term, 0 if off_tensor else q_offset, window, check_window)
-    sink = check_sink(sink, window)
+    sink, cache = enter_sinks(term, window, sink, sink_positions, causal)
     if block_q is None:
         block_q = BLOCK_Q if window is None else max(64, min(BLOCK_Q, window // 2))
     if not (isinstance(block_q, int) and isinstance(block_k, int) and block_q >= 1 and block_k >= 1):
@@ -205,10 +216,10 @@ def tiled_attention(
         raise TypeError(f"q_offset must be an int or a 0-d tensor, got {type(q_offset).__name__}")
     if _few_queries_apply(query, key, value, term, q_offset):
         return _few_queries(query, key, value, term, float(scale), bool(causal), q_offset, key_valid, window, memo,
-                            sink)
+                            sink, cache)
     names = tuple(term.tensors)
     plan = _Plan(term.kind, names, dict(term.ints), float(scale), bool(causal),
-                 None if off_tensor else q_offset, block_q, block_k, window, sink)
+                 None if off_tensor else q_offset, block_q, block_k, window, sink, cache)
     valid = None if key_valid is None else key_valid.to(device=query.device, dtype=torch.bool)
     q_off_t = q_offset.to(device=query.device, dtype=torch.long).reshape(()) if off_tensor else None
     tensors = tuple(term.tensors.values())
@@ -240,16 +251,17 @@ def _sees_every_key(q_len: int, k_len: int, q_offset: int, causal: bool, window:
 
 
 def _few_queries(query, key, value, term, scale, causal, q_offset, key_valid, window, memo=None,
-                 sink=None) -> torch.Tensor:
+                 sink=None, cache_sinks=None) -> torch.Tensor:
     """A few queries without gradients: softmax(scale · q kᵀ + B) v by one SDPA call (grouped heads not expanded),
-    B the term's values for these rows (its registry entry, `naive.term_bias`) plus 0 / −inf where a key
+    B the term's values for these rows (its registry entry, `naive.term_bias`; ``cache_sinks``: the far sinks at
+    their cache distance) plus 0 / −inf where a key
     is visible / masked; rows that see no key are 0, as the tiles give them. Computed in float32 (float64 stays
     float64). With ``memo`` (per forward) the 0 / −inf mask and the index tensors are built once for the layers
     that share sizes, offset, window, sinks and key padding (the same ``key_valid`` tensor)."""
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     b, h, q_len, _ = query.shape
     k_len = key.shape[2]
-    bias = _layer_shared_bias(term, query, q_len, k_len, q_offset, memo)
+    bias = _layer_shared_bias(term, query, q_len, k_len, q_offset, memo, cache_sinks)
     mkey = ("few_queries_mask", q_len, k_len, q_offset, causal, window, sink, compute, query.device)
     entry = None if memo is None else memo.get(mkey)
     if entry is not None and entry[0] is key_valid:
@@ -278,21 +290,21 @@ def _few_queries(query, key, value, term, scale, causal, q_offset, key_valid, wi
     return out.to(query.dtype)
 
 
-def _layer_shared_bias(term, query, q_len, k_len, q_offset, memo) -> torch.Tensor | None:
+def _layer_shared_bias(term, query, q_len, k_len, q_offset, memo, cache_sinks=None) -> torch.Tensor | None:
     """`term_bias` of ``term``, reused from the previous layer of this forward when that layer's term held the
     very same tensors (storage, shape, strides and version: a bias shared by the layers, e.g. ALiBi's slopes, a shared
     KERPLE kernel or T5 table, Sandwich's table); a decoding step otherwise evaluates the same term in every layer.
     ``memo`` (per forward) keeps the last such bias only, with the tensors it was built from (so no other tensor can
     take their address meanwhile); terms with a ``prepare`` step (they read the queries) are evaluated afresh."""
     if memo is None or term.spec.prepare is not None:
-        return term_bias(term, query, q_len, k_len, q_offset, memo)
+        return term_bias(term, query, q_len, k_len, q_offset, memo, cache_sinks)
     tensors = tuple(term.tensors.values())
-    signature = (term.kind, tuple(sorted(term.ints.items())), q_len, k_len, q_offset, query.shape[1],
+    signature = (term.kind, tuple(sorted(term.ints.items())), q_len, k_len, q_offset, query.shape[1], cache_sinks,
                  tuple((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version) for t in tensors))
     last = memo.get("few_queries_shared_bias")
     if last is not None and last[0] == signature:
         return last[2]
-    bias = term_bias(term, query, q_len, k_len, q_offset, memo)
+    bias = term_bias(term, query, q_len, k_len, q_offset, memo, cache_sinks)
     memo["few_queries_shared_bias"] = (signature, tensors, bias)
     return bias
 
@@ -310,8 +322,9 @@ def _choose_path(query, key, value, valid, q_off_t, plan, tensors) -> str:
     when gradients flow, a backward) of each path on detached copies of these very inputs."""
     train = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, *tensors))
     b, h, q_len, d = query.shape
-    case = (f"{plan.kind}-{'causal' if plan.causal else 'bidir'}-{'masked' if valid is not None else 'dense'}-"
-            f"{'full' if plan.window is None else 'window' if plan.sink is None else 'sink'}-"
+    keys = ("full" if plan.window is None else "window" if plan.sink is None
+            else "sink" if plan.cache_sinks is None else "cache_sink")
+    case = (f"{plan.kind}-{'causal' if plan.causal else 'bidir'}-{'masked' if valid is not None else 'dense'}-{keys}-"
             f"{'train' if train else 'infer'}-"
             + autotune.shape_class(B=b, H=h, Hkv=key.shape[1], Lq=q_len, Lk=key.shape[2], D=d))
 

@@ -46,9 +46,11 @@ runtime int: causal qi − WINDOW < j, bidirectional |qi − j| < WINDOW; the lo
 meet the band, so the tiles outside it are never loaded), its attention sinks (HAS_SINK, a compile-time switch; SINK
 a runtime int: the keys j < SINK are seen besides the band; the query-major loops walk the sink keys' tiles first,
 then the window's, never the tiles between; the dK/dV program of a tile holding sink keys walks every query tile
-that may see them), a per-batch key-valid vector (padding; a row with no valid key gives
-0), bounds. Offsets inside one (b, h) slice are 32-bit (the slice base is 64-bit): (L − 1) · stride + D
-must stay below 2^31 (``fused_attention`` checks). Only Triton features present in 3.6 are used.
+that may see them; with SINK_CACHE, a compile-time switch for ``sink_positions="cache"`` (causal, Toeplitz terms),
+a sink outside a row's window takes the term at its cache distance WINDOW + SINK − 1 − j: `_logits` hands that
+distance on as the pair's delta, so the term's gradients in the dQ kernel take it too), a per-batch key-valid
+vector (padding; a row with no valid key gives 0), bounds. Offsets inside one (b, h) slice are 32-bit (the slice
+base is 64-bit): (L − 1) · stride + D must stay below 2^31 (``fused_attention`` checks). Only Triton features present in 3.6 are used.
 
 Resources (checked offline: no GPU was available, so nothing here is timed). Every kernel compiles for
 sm_90 for every term, dtype and head dim 40 / 64 / 80 / 96 / 128 (``benchmarks/attention_resources.py``).
@@ -70,9 +72,8 @@ import triton
 import triton.language as tl
 
 from .._errors import guarded
-from .._masks import check_sink
 from .naive import check_window
-from .terms import TRITON_BRANCHES, KernelTerm, TritonHooks, enter, kernel_kinds, triton_id
+from .terms import TRITON_BRANCHES, KernelTerm, TritonHooks, enter, enter_sinks, kernel_kinds, triton_id
 
 __all__ = ["FusedAttentionFunction", "fused_attention", "interpreting", "stdlib_matches_mode"]
 
@@ -225,9 +226,10 @@ def _logits(
     q, k, offs_m, offs_n, b, h, H, Lq, Lk, q_offset, scale, VALID, svalb,
     TP0, TP1, TP2, TP3, tp_sb, TI0, TI1, WINDOW, SINK,
     TERM: tl.constexpr, CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr, F32: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr, SINK_CACHE: tl.constexpr,
 ):
-    """(s (BLOCK_M, BLOCK_N) float32 logits with −inf where masked, the bool mask ok, delta = qi − j)."""
+    """(s (BLOCK_M, BLOCK_N) float32 logits with −inf where masked, the bool mask ok, delta = qi − j: with
+    SINK_CACHE, a far sink's cache distance instead, the rule of hf_posenc.kernels._masks.CacheSinks)."""
     qpos = q_offset + offs_m
     ok = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
     if CAUSAL:
@@ -244,6 +246,10 @@ def _logits(
         ok = ok & (kv != 0)[None, :]
     s = _dot(q, tl.trans(k), F32) * scale
     delta = qpos[:, None] - offs_n[None, :]
+    if SINK_CACHE:  # a sink the window no longer covers sits just before its oldest key (CacheSinks)
+        is_sink = offs_n < SINK  # per key: one (BLOCK_M, BLOCK_N) comparison below, not two and an and
+        far = delta >= tl.where(is_sink, WINDOW, 1 << 30)[None, :]
+        delta = tl.where(far, (WINDOW + SINK - 1 - offs_n)[None, :], delta)
     if TERM != _NONE:
         s += _term_bias(TERM, delta, offs_m, offs_n, qpos, ok, b, h, H, Lq, Lk, scale,
                         TP0, TP1, TP2, TP3, tp_sb, TI0, TI1)
@@ -323,6 +329,7 @@ def _fwd_kernel(
     TERM: tl.constexpr, CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     RP: tl.constexpr, F32: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr,
+    SINK_CACHE: tl.constexpr,
 ):
     q_offset = tl.load(QOFF)  # a device tensor: the host never reads the offset (no sync, CUDA-graph safe)
     pid_m = tl.program_id(0)
@@ -351,7 +358,7 @@ def _fwd_kernel(
         k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
         s, ok, delta = _logits(q, k, offs_m, offs_n, b, h, H, Lq, Lk, q_offset, scale, VALID, svalb,
                                TP0, TP1, TP2, TP3, tp_sb, TI0, TI1, WINDOW, SINK, TERM, CAUSAL, HAS_VALID, F32,
-                               HAS_WINDOW, HAS_SINK)
+                               HAS_WINDOW, HAS_SINK, SINK_CACHE)
         m_new, l_i, p, alpha = _softmax_step(m_i, l_i, s)
         v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32)
@@ -402,7 +409,7 @@ def _bwd_dkdv_kernel(
     H, HKV, G, Lq, Lk, QOFF, scale, TI0, TI1, WINDOW, SINK,
     TERM: tl.constexpr, CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    F32: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr,
+    F32: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr, SINK_CACHE: tl.constexpr,
 ):
     q_offset = tl.load(QOFF)
     pid_n = tl.program_id(0)
@@ -449,7 +456,7 @@ def _bwd_dkdv_kernel(
             dlt = tl.load(DELTA + row_base + offs_m, mask=offs_m < Lq, other=0.0)
             s, ok, delta = _logits(q, k, offs_m, offs_n, b, h, H, Lq, Lk, q_offset, scale, VALID, svalb,
                                    TP0, TP1, TP2, TP3, tp_sb, TI0, TI1, WINDOW, SINK, TERM, CAUSAL, HAS_VALID, F32,
-                                   HAS_WINDOW, HAS_SINK)
+                                   HAS_WINDOW, HAS_SINK, SINK_CACHE)
             p = tl.exp2((s - lse[:, None]) * _LOG2E)
             dv += _dot(tl.trans(p.to(do.dtype)), do, F32)
             dp = _dot(do, tl.trans(v), F32)
@@ -478,7 +485,7 @@ def _bwd_dq_kernel(
     TERM: tl.constexpr, CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     RP: tl.constexpr, NHP: tl.constexpr, ROWG_N: tl.constexpr, HAS_HIST: tl.constexpr, F32: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr, SINK_CACHE: tl.constexpr,
 ):
     q_offset = tl.load(QOFF)
     pid_m = tl.program_id(0)
@@ -517,7 +524,7 @@ def _bwd_dq_kernel(
         v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
         s, ok, delta = _logits(q, k, offs_m, offs_n, b, h, H, Lq, Lk, q_offset, scale, VALID, svalb,
                                TP0, TP1, TP2, TP3, tp_sb, TI0, TI1, WINDOW, SINK, TERM, CAUSAL, HAS_VALID, F32,
-                               HAS_WINDOW, HAS_SINK)
+                               HAS_WINDOW, HAS_SINK, SINK_CACHE)
         p = tl.exp2((s - lse[:, None]) * _LOG2E)
         dp = _dot(do, tl.trans(v), F32)
         if TERM == _SHAW:
@@ -610,7 +617,7 @@ class _Launch:
 
     def __init__(self, term: KernelTerm, q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool,
                  q_offset: int | torch.Tensor, has_valid: bool, window: int | None = None,
-                 sink: int | None = None) -> None:
+                 sink: int | None = None, sink_cache: bool = False) -> None:
         self.kind = term.kind
         self.hooks: TritonHooks = term.spec.kernel
         # a runtime int (one compilation for every window size) and a compile-time switch (no band code without)
@@ -618,6 +625,7 @@ class _Launch:
         self.has_window = window is not None
         self.sink = 0 if sink is None else int(sink)  # the same for the sinks
         self.has_sink = sink is not None
+        self.sink_cache = bool(sink_cache)  # the sinks at their cache positions (SINK_CACHE)
         self.term_id = triton_id(term.kind)
         self.scale = float(scale)
         self.causal = bool(causal)
@@ -659,7 +667,7 @@ class _Launch:
     def consts(self) -> dict:
         return dict(TERM=self.term_id, CAUSAL=self.causal, HAS_VALID=self.has_valid,
                     HEAD_D=self.d, BLOCK_D=self.block_d, F32=self.f32, HAS_WINDOW=self.has_window,
-                    HAS_SINK=self.has_sink)
+                    HAS_SINK=self.has_sink, SINK_CACHE=self.sink_cache)
 
 
 def _kernel_tensors(term: KernelTerm, q: torch.Tensor) -> list[torch.Tensor]:
@@ -802,6 +810,7 @@ def fused_attention(
     key_valid: torch.Tensor | None = None,
     window: int | None = None,
     sink: int | None = None,
+    sink_positions: str | None = None,
 ) -> torch.Tensor:
     """Attention with ``term`` in the Triton kernels; same contract as ``naive.attention_reference``.
 
@@ -822,15 +831,19 @@ def fused_attention(
             The query-major kernels (forward, dQ) walk the sink keys' tiles, then the window's; the dK/dV program
             of a tile holding sink keys walks every query tile that may see them. A runtime int behind the
             compile-time switch HAS_SINK.
+        sink_positions: None or ``"text"``, or ``"cache"`` (causal, a Toeplitz term): the sinks outside a row's
+            window take the term at their cache distance window + sink − 1 − j (the compile-time switch
+            SINK_CACHE), forward and the term's gradients.
 
     Returns:
         (B, H, Lq, D) in the query's dtype: a transposed view of a contiguous (B, Lq, H, D) tensor.
 
     Raises:
-        TypeError, ValueError: ``window`` or ``sink`` is not None or an int >= 1, or a sink without a window.
+        TypeError, ValueError: ``window`` or ``sink`` is not None or an int >= 1, or a sink without a window;
+            ``sink_positions`` the call cannot take (``terms.enter_sinks``).
     """
     key, value, window = enter(query, key, value, term, q_offset, window, check_window)
-    sink = check_sink(sink, window)
+    sink, cache = enter_sinks(term, window, sink, sink_positions, causal)
     term = lower(term)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
     valid = None
@@ -838,7 +851,7 @@ def fused_attention(
         valid = key_valid.to(torch.uint8)
         if valid.stride(-1) != 1:
             valid = valid.contiguous()
-    launch = _Launch(term, q, k, scale, causal, q_offset, valid is not None, window, sink)
+    launch = _Launch(term, q, k, scale, causal, q_offset, valid is not None, window, sink, cache is not None)
     tensors = _kernel_tensors(term, q)
     o, w = FusedAttentionFunction.apply(q, k, v, valid, launch, *tensors)
     if launch.hooks.values is not None:  # the value term from the per-row histogram W (shaw: Σ_r W_ir a^V_r)

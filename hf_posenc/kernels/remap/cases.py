@@ -24,7 +24,8 @@ Positions i, j below are the tokens' positions (``position_ids``: the cache inde
 * the window's sinks at their cache positions (StreamingLLM, Xiao et al. 2023, arXiv:2309.17453): with a window
   of W keys and k sinks, a key i − j < W is at its distance; a sink j < k that the window no longer covers
   sits just before the window's oldest key, f = W + k − 1 − j (j the sink's position; the sinks are the first k
-  keys by cache index, as for the window). With the sinks at their text positions
+  keys by cache index, as for the window; the rule is `hf_posenc.kernels._masks.CacheSinks`, which the position
+  terms' engines read too). With the sinks at their text positions
   (``sink_positions="text"``) f = i − j everywhere.
 
 Each remap is stated once here, as `Remap.distance` (the oracle's f) and as `Remap.cases`: the pieces the
@@ -41,6 +42,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from .._masks import CacheSinks
 
 __all__ = ["REMAPS", "Case", "Remap", "dca_logit_scale", "remap_defaults"]
 
@@ -149,8 +152,7 @@ class Remap:
             if self.sink is None or self.sink_positions == "text":
                 return d
             kj = pj if kj is None else kj.to(torch.float64)
-            far_sink = (d >= w) & (kj < self.sink)  # which keys are sinks: by cache index, as the window's sinks
-            return torch.where(far_sink, w + self.sink - 1 - pj, d)
+            return CacheSinks(w, self.sink).delta(d, kj, pj)  # which keys are sinks: by cache index
         if self.kind == "rerope":
             return torch.clamp(d, max=w)
         if self.kind == "leaky_rerope":

@@ -415,10 +415,10 @@ def _remapped_attention(
     """out (B, H, Lq, D) from the remap engine (`hf_posenc.kernels.remap`) for a rotary with a ``remap``, or with
     its own sliding ``window`` (and sinks) on a causal text model; None for any other encoding.
 
-    A remap has no other path: inputs the engine does not take (attention probabilities, attention dropout
-    while training, a static cache's tensor offset, a mask that is not causal + left padding) raise a ValueError
-    saying so. A plain window on such inputs goes back to the full-matrix path with its band mask (logged at
-    debug level)."""
+    A remap, or sinks at their cache positions, have no other path: inputs the engine does not take (attention
+    probabilities, attention dropout while training, a static cache's tensor offset, a mask that is not causal +
+    one interval of valid keys per row) raise a ValueError saying so. A plain window (its sinks at their text
+    positions) on such inputs goes back to the full-matrix path with its band mask (logged at debug level)."""
     enc = unwrap(ctx.encoding)
     remap = enc.remap() if callable(getattr(enc, "remap", None)) else None
     if remap is None or not causal or ctx.grid is not None:
@@ -436,6 +436,8 @@ def _remapped_attention(
     if reason is not None:
         if remap.kind is not None:
             raise ValueError(f"rope with remap={remap.kind!r}: {reason}")
+        if remap.sink_positions == "cache":  # the band mask would put the sinks back at their text positions
+            raise ValueError(f"rope with sink_positions='cache': {reason}")
         debug_log(__name__, f"layer {layer}: the window's band mask (full matrix) runs: {reason}")
         return None
     inputs = enc.remap_inputs(ctx, layer, query.device)

@@ -416,3 +416,9 @@ def test_refusals_on_models():
     model = make_model("llama", encoding="rope", remap="rerope")
     with pytest.raises(ValueError, match="output_attentions"):
         model(torch.randint(0, VOCAB, (1, 10)), output_attentions=True)
+    # the sinks at their cache positions have no full-matrix path either (the band mask keeps their text positions)
+    model = make_model("llama", encoding="rope", window=6, sink=2, sink_positions="cache")
+    with pytest.raises(ValueError, match="sink_positions='cache': attention probabilities"):
+        model(torch.randint(0, VOCAB, (1, 10)), output_attentions=True)
+    model = make_model("llama", encoding="rope", window=6, sink=2)  # at their text positions: the band mask runs
+    assert model(torch.randint(0, VOCAB, (1, 10)), output_attentions=True).attentions[0].shape[-1] == 10

@@ -154,7 +154,8 @@ test-soak: $(STAMP)
 REAL_REPORT ?= $(VENV)/real-tier-junit.xml
 test-real: $(STAMP)
 	@rm -f $(REAL_REPORT)
-	$(PY) -m pytest -q -rs --durations=10 -m real --junitxml=$(REAL_REPORT) $(PYTEST_ARGS) tests/test_real.py \
+	$(PY) -m pytest -q -rs $(call xdist,$(PYTEST_WORKERS)) --durations=10 -m real --junitxml=$(REAL_REPORT) \
+		$(PYTEST_ARGS) tests/test_real.py \
 		tests/test_export.py
 	$(PY) .ci/real_tier_gate.py $(REAL_REPORT)
 

@@ -35,7 +35,7 @@ import functools
 
 import torch
 
-from ...ops import expand_kv
+from ...ops import eager_value_checks, expand_kv
 from .._attn_dispatch import choose, common_unsupported
 from .._cpu_flash import FLASH_BACKWARD, FLASH_FORWARD
 from ..rotary.naive import rotate_leading
@@ -223,7 +223,8 @@ def _positions(pos_q: torch.Tensor, key_valid: torch.Tensor | None, q_offset: in
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(query positions (B|1, Lq), key positions (B|1, Lk), the first valid key per row (B|1,), the end of the valid
     keys per row (B|1,) or None) from the queries' positions and the key padding; ``ValueError`` where they are not
-    what the engine takes.
+    what the engine takes (checked on CPU tensors: reading them is a host sync per layer on CUDA, where the Triton
+    path otherwise needs none; `hf_posenc.ops.eager_value_checks`).
 
     Each row's valid keys must be one interval: padding first (left padding, as transformers pads for generation),
     last (right padding in training, a static cache's empty slots), or both. The row's positions run on with the
@@ -231,6 +232,7 @@ def _positions(pos_q: torch.Tensor, key_valid: torch.Tensor | None, q_offset: in
     arbitrary: transformers gives them 1)."""
     device = pos_q.device
     lq = pos_q.shape[1]
+    check = eager_value_checks(pos_q)  # the checks below read values: on the CPU only (on CUDA, a host sync)
     index = torch.arange(lq, device=device)[None, :] + q_offset
     keys = torch.arange(lk, device=device)[None, :]
     if key_valid is None:
@@ -239,7 +241,8 @@ def _positions(pos_q: torch.Tensor, key_valid: torch.Tensor | None, q_offset: in
     else:
         start = (~key_valid).long().cumprod(-1).sum(-1)  # leading invalid keys per row
         stop = lk - (~key_valid).long().flip(-1).cumprod(-1).sum(-1)  # one past the last valid key
-        if not torch.equal((keys >= start[:, None]) & (keys < stop[:, None]), key_valid.expand(start.shape[0], lk)):
+        if check and not torch.equal((keys >= start[:, None]) & (keys < stop[:, None]),
+                                     key_valid.expand(start.shape[0], lk)):
             raise ValueError("the remap engine takes one interval of valid keys per row (padding first or last), "
                              "not padding between real tokens")
         ref = (stop[:, None] - 1 - q_offset).clamp(0, lq - 1)  # the row's last real query
@@ -248,7 +251,7 @@ def _positions(pos_q: torch.Tensor, key_valid: torch.Tensor | None, q_offset: in
     shift = ref + q_offset - pos_q.expand(rows, lq).gather(1, ref)  # (B|1, 1): cache index minus position
     real = index >= start[:, None] if stop is None else (index >= start[:, None]) & (index < stop[:, None])
     runs_on, real, index_b = torch.broadcast_tensors(pos_q + shift, real, index)
-    if not torch.equal(runs_on[real], index_b[real]):
+    if check and not torch.equal(runs_on[real], index_b[real]):
         raise ValueError("the remap engine needs positions that run on with the cache index in each row (no packed "
                          "sequences or position resets)")
     return index - shift, keys - shift, start, stop

@@ -211,11 +211,10 @@ class PosContext:
         data-dependent ones may also append per-token state to k or v, so the cache carries it."""
         enc = unwrap(self.encoding)
         in_attention = getattr(enc, "has_score_bias", False) or getattr(enc, "custom_attention", False)
-        # a rotary with a remap or a window attends through the remap engine, which has Triton kernels
-        in_attention = in_attention or (callable(getattr(enc, "remap", None)) and enc.remap() is not None)
         if getattr(enc, "rotates_qk", False) and not getattr(enc, "uses_rotary_kernel", False) and not in_attention:
-            # (a composition's or a remap's forced backend is its attention's: the rotation before it runs in PyTorch)
-            if forced_backend() == "triton":
+            # (a composition's or a remap's forced backend is its attention's: the rotation before it runs in PyTorch;
+            # a rotary with a remap or a window attends through the remap engine, which has Triton kernels)
+            if forced_backend() == "triton" and not (callable(getattr(enc, "remap", None)) and enc.remap() is not None):
                 raise ValueError(
                     f"HF_POSENC_BACKEND='triton': {enc.name!r} has no Triton kernel for its q/k transform (an "
                     "elementwise rotation that PyTorch runs at memory bandwidth); unset HF_POSENC_BACKEND or "
